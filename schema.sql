@@ -1,0 +1,166 @@
+-- walletsvc schema. Applied by WalletService on first use, idempotently, in one
+-- BEGIN IMMEDIATE transaction. Times are epoch milliseconds (UTC); money is
+-- integer minor units of the row's currency (ISO 4217 exponent), never a float.
+-- Bump schema_version (and walletsvc.SCHEMA_VERSION) with every change.
+
+CREATE TABLE IF NOT EXISTS schema_version (
+    version INTEGER NOT NULL
+);
+INSERT INTO schema_version (version)
+    SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
+
+-- A deleted workspace keeps its row (deleted_at set) so that its keys answer
+-- GA2032 instead of GA2011 (SPEC.md pipeline step 3).
+CREATE TABLE IF NOT EXISTS workspaces (
+    id          TEXT PRIMARY KEY,
+    name        TEXT NOT NULL CHECK (length(name) BETWEEN 1 AND 200),
+    created_at  INTEGER NOT NULL,
+    deleted_at  INTEGER
+);
+
+-- A removed member keeps its row (removed_at set): its keys answer GA2034.
+CREATE TABLE IF NOT EXISTS members (
+    id            TEXT PRIMARY KEY,
+    workspace_id  TEXT NOT NULL REFERENCES workspaces (id),
+    name          TEXT NOT NULL CHECK (length(name) BETWEEN 1 AND 200),
+    role          TEXT NOT NULL CHECK (role IN ('OWNER', 'MEMBER')),
+    created_at    INTEGER NOT NULL,
+    removed_at    INTEGER
+);
+CREATE INDEX IF NOT EXISTS members_by_workspace ON members (workspace_id, created_at);
+
+-- The secret is kept as issued: HMAC verification needs it (it is never
+-- returned again after creation). scopes is a space-separated list;
+-- ip_whitelist a JSON array of addresses and CIDR blocks, or NULL.
+CREATE TABLE IF NOT EXISTS api_keys (
+    id            TEXT PRIMARY KEY,
+    secret        TEXT NOT NULL,
+    workspace_id  TEXT NOT NULL REFERENCES workspaces (id),
+    member_id     TEXT NOT NULL REFERENCES members (id),
+    scopes        TEXT NOT NULL,
+    ip_whitelist  TEXT,
+    enabled       INTEGER NOT NULL DEFAULT 1 CHECK (enabled IN (0, 1)),
+    created_at    INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS api_keys_by_workspace ON api_keys (workspace_id, created_at);
+
+-- Nonces are unique per key and recorded only after the signature passed;
+-- rows expire after twice the timestamp window and are purged.
+CREATE TABLE IF NOT EXISTS nonces (
+    api_key     TEXT NOT NULL,
+    nonce       TEXT NOT NULL,
+    expires_at  INTEGER NOT NULL,
+    PRIMARY KEY (api_key, nonce)
+) WITHOUT ROWID;
+CREATE INDEX IF NOT EXISTS nonces_by_expiry ON nonces (expires_at);
+
+-- pending is the money held by PENDING outgoing transfers; the last line of
+-- defence against an overdraft is here: available = balance - pending >= 0.
+CREATE TABLE IF NOT EXISTS wallets (
+    id            TEXT PRIMARY KEY,
+    workspace_id  TEXT NOT NULL REFERENCES workspaces (id),
+    name          TEXT NOT NULL CHECK (length(name) <= 200),
+    currency      TEXT NOT NULL CHECK (length(currency) = 3),
+    status        TEXT NOT NULL CHECK (status IN ('ACTIVE', 'FROZEN', 'CLOSED')),
+    balance       INTEGER NOT NULL DEFAULT 0 CHECK (typeof(balance) = 'integer' AND balance >= 0),
+    pending       INTEGER NOT NULL DEFAULT 0 CHECK (typeof(pending) = 'integer' AND pending >= 0 AND pending <= balance),
+    created_at    INTEGER NOT NULL,
+    updated_at    INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS wallets_by_created ON wallets (workspace_id, created_at, id);
+CREATE INDEX IF NOT EXISTS wallets_by_updated ON wallets (workspace_id, updated_at, id);
+CREATE INDEX IF NOT EXISTS wallets_by_name ON wallets (workspace_id, name, id);
+CREATE INDEX IF NOT EXISTS wallets_by_currency ON wallets (workspace_id, currency, id);
+CREATE INDEX IF NOT EXISTS wallets_by_status ON wallets (workspace_id, status, id);
+CREATE INDEX IF NOT EXISTS wallets_by_balance ON wallets (workspace_id, balance, id);
+
+-- biz_id is the caller's idempotency key, unique per workspace.
+CREATE TABLE IF NOT EXISTS transfers (
+    id                TEXT PRIMARY KEY,
+    workspace_id      TEXT NOT NULL REFERENCES workspaces (id),
+    biz_id            TEXT NOT NULL,
+    source_wallet_id  TEXT NOT NULL REFERENCES wallets (id),
+    target_wallet_id  TEXT NOT NULL REFERENCES wallets (id),
+    amount            INTEGER NOT NULL CHECK (amount > 0),
+    currency          TEXT NOT NULL CHECK (length(currency) = 3),
+    status            TEXT NOT NULL CHECK (status IN ('PENDING', 'COMPLETED', 'FAILED')),
+    description       TEXT CHECK (description IS NULL OR length(description) <= 255),
+    created_at        INTEGER NOT NULL,
+    updated_at        INTEGER NOT NULL,
+    completed_at      INTEGER,
+    settle_at         INTEGER,
+    CHECK (source_wallet_id <> target_wallet_id),
+    UNIQUE (workspace_id, biz_id)
+);
+CREATE INDEX IF NOT EXISTS transfers_by_created ON transfers (workspace_id, created_at, id);
+CREATE INDEX IF NOT EXISTS transfers_by_updated ON transfers (workspace_id, updated_at, id);
+CREATE INDEX IF NOT EXISTS transfers_by_amount ON transfers (workspace_id, amount, id);
+CREATE INDEX IF NOT EXISTS transfers_by_status ON transfers (workspace_id, status, created_at, id);
+CREATE INDEX IF NOT EXISTS transfers_by_source ON transfers (source_wallet_id, created_at, id);
+CREATE INDEX IF NOT EXISTS transfers_by_target ON transfers (target_wallet_id, created_at, id);
+CREATE INDEX IF NOT EXISTS transfers_due ON transfers (settle_at) WHERE settle_at IS NOT NULL;
+
+-- One immutable row per balance change; the sum of a wallet's signed flows
+-- equals its balance.
+CREATE TABLE IF NOT EXISTS flows (
+    id                      TEXT PRIMARY KEY,
+    wallet_id               TEXT NOT NULL REFERENCES wallets (id),
+    type                    TEXT NOT NULL CHECK (type IN ('DEPOSIT', 'WITHDRAWAL', 'TRANSFER_OUT', 'TRANSFER_IN')),
+    direction               TEXT NOT NULL CHECK (direction IN ('DEBIT', 'CREDIT')),
+    amount                  INTEGER NOT NULL CHECK (amount > 0),
+    balance_after           INTEGER NOT NULL CHECK (balance_after >= 0),
+    transfer_id             TEXT REFERENCES transfers (id),
+    biz_id                  TEXT,
+    counterparty_wallet_id  TEXT,
+    created_at              INTEGER NOT NULL,
+    CHECK ((direction = 'CREDIT') = (type IN ('DEPOSIT', 'TRANSFER_IN')))
+);
+CREATE INDEX IF NOT EXISTS flows_by_created ON flows (wallet_id, created_at, id);
+CREATE INDEX IF NOT EXISTS flows_by_amount ON flows (wallet_id, amount, id);
+CREATE INDEX IF NOT EXISTS flows_by_type ON flows (wallet_id, type, created_at, id);
+
+-- Row counts kept in step with the rows by triggers, so that a list's
+-- totalElements costs one lookup instead of a scan of a million rows.
+-- owner_id is a workspace or a wallet; name is 'transfers',
+-- 'transfers:<STATUS>', 'flows' or 'flows:<TYPE>'.
+CREATE TABLE IF NOT EXISTS counters (
+    owner_id  TEXT NOT NULL,
+    name      TEXT NOT NULL,
+    n         INTEGER NOT NULL CHECK (n >= 0),
+    PRIMARY KEY (owner_id, name)
+) WITHOUT ROWID;
+
+CREATE TRIGGER IF NOT EXISTS transfers_counted AFTER INSERT ON transfers BEGIN
+    INSERT INTO counters VALUES (NEW.workspace_id, 'transfers', 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+    INSERT INTO counters VALUES (NEW.workspace_id, 'transfers:' || NEW.status, 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+    INSERT INTO counters VALUES (NEW.source_wallet_id, 'transfers', 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+    INSERT INTO counters VALUES (NEW.source_wallet_id, 'transfers:' || NEW.status, 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+    INSERT INTO counters VALUES (NEW.target_wallet_id, 'transfers', 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+    INSERT INTO counters VALUES (NEW.target_wallet_id, 'transfers:' || NEW.status, 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+END;
+
+CREATE TRIGGER IF NOT EXISTS transfers_recounted AFTER UPDATE OF status ON transfers
+WHEN OLD.status <> NEW.status BEGIN
+    UPDATE counters SET n = n - 1
+        WHERE owner_id IN (OLD.workspace_id, OLD.source_wallet_id, OLD.target_wallet_id)
+          AND name = 'transfers:' || OLD.status;
+    INSERT INTO counters VALUES (NEW.workspace_id, 'transfers:' || NEW.status, 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+    INSERT INTO counters VALUES (NEW.source_wallet_id, 'transfers:' || NEW.status, 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+    INSERT INTO counters VALUES (NEW.target_wallet_id, 'transfers:' || NEW.status, 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+END;
+
+CREATE TRIGGER IF NOT EXISTS flows_counted AFTER INSERT ON flows BEGIN
+    INSERT INTO counters VALUES (NEW.wallet_id, 'flows', 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+    INSERT INTO counters VALUES (NEW.wallet_id, 'flows:' || NEW.type, 1)
+        ON CONFLICT DO UPDATE SET n = n + 1;
+END;

@@ -1,0 +1,1877 @@
+"""walletsvc: a wallet-and-transfer service in one module.
+
+walletsvc implements the Wallet and Transfer Service HTTP interface
+(HMAC-signed requests, workspaces, API keys with scopes, wallets, balances,
+flows, transfer orders, pagination) on bottle and SQLite. Run it as a local
+sandbox, embed it in a WSGI app, or use it as a fake wallet backend in tests::
+
+    import walletsvc
+
+    svc = walletsvc.WalletService(":memory:")      # or a file path
+    ws = svc.create_workspace("Acme")
+    key = svc.create_api_key(ws["id"], scopes=["wallet:read"])
+    wallet = svc.create_wallet(ws["id"], "USD", name="main")
+    svc.deposit(wallet["id"], "100.00")
+    app = walletsvc.create_app(svc)                # a WSGI callable
+
+    headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"",
+                                     key["apiKey"], key["secret"])
+
+From a shell: ``walletsvc serve --demo`` serves a seeded sandbox on
+127.0.0.1:8080 and prints the credentials to use.
+
+The module reads top to bottom: constants and helpers, errors, settings,
+money, storage, the service (admin API, wallets, transfers), signing and the
+authentication pipeline, pagination, HTTP routes, the app factory, the CLI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import binascii
+import contextlib
+import dataclasses
+import datetime
+import decimal
+import hashlib
+import hmac
+import importlib.metadata
+import ipaddress
+import json
+import logging
+import os
+import re
+import secrets
+import sqlite3
+import sys
+import threading
+import time
+import urllib.parse
+import uuid
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import bottle
+
+__all__ = [
+    "API_VERSION",
+    "CURRENCY_EXPONENTS",
+    "ERRORS",
+    "SCOPES",
+    "Principal",
+    "Settings",
+    "WalletError",
+    "WalletService",
+    "body_hash",
+    "canonical_message",
+    "create_app",
+    "main",
+    "sign_request",
+]
+__version__ = "0.1.0"
+
+log = logging.getLogger("walletsvc")
+
+###############################################################################
+# Constants and helpers ########################################################
+###############################################################################
+
+API_VERSION = "v1"
+SUCCESS_CODE = "2000"
+SCOPES = ("wallet:read", "transfer:read", "transfer:create")
+WALLET_STATUSES = ("ACTIVE", "FROZEN", "CLOSED")
+TRANSFER_STATUSES = ("PENDING", "COMPLETED", "FAILED")
+FLOW_TYPES = ("DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN")
+FLOW_DIRECTIONS = ("DEBIT", "CREDIT")
+LOCALES = ("en-US", "zh-CN")
+SCHEMA_VERSION = 1
+EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()
+
+_BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")
+_NONCE = re.compile(r"[!-~]{1,128}")  # printable ASCII, no whitespace
+_CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
+
+
+def new_id(prefix: str, now_ms: int, random_bits: int) -> str:
+    """A type-prefixed, time-ordered id: 10 base-32 digits of time, 16 of randomness."""
+    value = (now_ms << 80) | random_bits
+    digits = []
+    for _ in range(26):
+        value, digit = divmod(value, 32)
+        digits.append(_CROCKFORD[digit])
+    return prefix + "".join(reversed(digits))
+
+
+def iso_time(ms: int | None) -> str | None:
+    """Epoch milliseconds as ISO-8601 UTC with milliseconds and ``Z``."""
+    if ms is None:
+        return None
+    moment = datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC)
+    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
+
+
+def parse_time(text: str) -> int | None:
+    """ISO-8601 (naive means UTC) or epoch milliseconds, as epoch ms; None if malformed."""
+    if re.fullmatch(r"[0-9]{1,15}", text):
+        return int(text)
+    try:
+        moment = datetime.datetime.fromisoformat(text)
+    except ValueError:
+        return None
+    if moment.tzinfo is None:
+        moment = moment.replace(tzinfo=datetime.UTC)
+    return int(moment.timestamp() * 1000)
+
+
+def to_json(value: Any) -> bytes:
+    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+###############################################################################
+# Errors #######################################################################
+###############################################################################
+
+
+class WalletError(Exception):
+    """Root of every error walletsvc raises on purpose.
+
+    Each subclass carries the catalog's ``code``, ``name`` and HTTP ``status``
+    and a message in each locale; ``detail(locale)`` renders the human sentence
+    that travels in the envelope's ``detail`` field.
+    """
+
+    code = "S500"
+    name = "INTERNAL_ERROR"
+    status = 500
+    messages = ("An unexpected error occurred.", "服务器发生意外错误。")
+
+    def __init__(self, extra: str | None = None, **params: Any) -> None:
+        self.params = params
+        self.extra = extra
+        super().__init__(self.detail("en-US"))
+
+    def detail(self, locale: str = "en-US") -> str:
+        template = self.messages[1] if locale == "zh-CN" else self.messages[0]
+        text = template.format(**self.params)
+        return f"{text} {self.extra}" if self.extra else text
+
+
+class ApiKeyMissing(WalletError):
+    code, name, status = "GA2001", "API_KEY_MISSING", 401
+    messages = ("The X-Api-Key header is missing.", "缺少 X-Api-Key 请求头。")
+
+
+class ApiKeyNotFound(WalletError):
+    code, name, status = "GA2011", "API_KEY_NOT_FOUND", 401
+    messages = ("The API key does not exist.", "API 密钥不存在。")
+
+
+class ApiKeyDisabled(WalletError):
+    code, name, status = "GA2021", "API_KEY_DISABLED", 403
+    messages = ("The API key has been disabled.", "API 密钥已被停用。")
+
+
+class WorkspaceNotFound(WalletError):
+    code, name, status = "GA2032", "WORKSPACE_NOT_FOUND", 404
+    messages = ("The workspace does not exist.", "工作空间不存在。")
+
+
+class NotWorkspaceMember(WalletError):
+    code, name, status = "GA2034", "NOT_WORKSPACE_MEMBER", 403
+    messages = ("The key's member no longer belongs to the workspace.", "该密钥所属成员已不在工作空间中。")
+
+
+class RequestExpired(WalletError):
+    code, name, status = "GA2013", "REQUEST_EXPIRED", 401
+    messages = ("{reason}", "{reason_zh}")
+
+
+class SignatureInvalid(WalletError):
+    code, name, status = "GA2012", "SIGNATURE_INVALID", 401
+    messages = ("The request signature is invalid.", "请求签名无效。")
+
+
+class IpNotWhitelisted(WalletError):
+    code, name, status = "GA2022", "IP_NOT_WHITELISTED", 403
+    messages = ("The client IP address is not in the key's whitelist.", "客户端 IP 地址不在密钥的白名单中。")
+
+
+class ScopeRequired(WalletError):
+    code, name, status = "GA2024", "SCOPE_REQUIRED", 403
+    messages = ("The API key lacks the scope {scope}.", "API 密钥缺少权限范围 {scope}。")
+
+
+class ApiAccessDenied(WalletError):
+    code, name, status = "50090201", "API_ACCESS_DENIED", 403
+    messages = ("This endpoint is not available to API keys.", "该接口不对 API 密钥开放。")
+
+
+class InvalidParameter(WalletError):
+    code, name, status = "S012", "INVALID_PARAMETER", 400
+    messages = ("Invalid parameter '{field}': {reason}.", "参数 '{field}' 无效：{reason_zh}。")
+
+
+class NotFound(WalletError):
+    code, name, status = "S404", "NOT_FOUND", 404
+    messages = ("No such {thing}.", "{thing_zh}不存在。")
+
+
+class MethodNotAllowed(WalletError):
+    code, name, status = "S405", "METHOD_NOT_ALLOWED", 405
+    messages = ("This method is not allowed on this path.", "该路径不支持此请求方法。")
+
+
+class PayloadTooLarge(WalletError):
+    code, name, status = "S413", "PAYLOAD_TOO_LARGE", 413
+    messages = ("The request body exceeds {limit} bytes.", "请求体超过 {limit} 字节。")
+
+
+class UnsupportedMediaType(WalletError):
+    code, name, status = "S415", "UNSUPPORTED_MEDIA_TYPE", 415
+    messages = ("The request body must be application/json.", "请求体必须是 application/json。")
+
+
+class InternalError(WalletError):
+    pass
+
+
+class ServiceBusy(WalletError):
+    code, name, status = "S503", "SERVICE_BUSY", 503
+    messages = ("The database is busy or unavailable; retry later.", "数据库繁忙或不可用，请稍后重试。")
+
+
+class WalletNotFound(WalletError):
+    code, name, status = "W1001", "WALLET_NOT_FOUND", 404
+    messages = ("Wallet {wallet_id} does not exist.", "钱包 {wallet_id} 不存在。")
+
+
+class WalletNotActive(WalletError):
+    code, name, status = "W1002", "WALLET_NOT_ACTIVE", 422
+    messages = ("Wallet {wallet_id} is {state}.", "钱包 {wallet_id} 的状态为 {state}。")
+
+
+class TransferNotFound(WalletError):
+    code, name, status = "T1001", "TRANSFER_NOT_FOUND", 404
+    messages = ("Transfer order {biz_id} does not exist.", "转账订单 {biz_id} 不存在。")
+
+
+class InsufficientBalance(WalletError):
+    code, name, status = "T2001", "INSUFFICIENT_BALANCE", 422
+    messages = ("The available balance of wallet {wallet_id} is below the amount.",
+                "钱包 {wallet_id} 的可用余额不足。")
+
+
+class CurrencyMismatch(WalletError):
+    code, name, status = "T2002", "CURRENCY_MISMATCH", 422
+    messages = ("Wallet {wallet_id} holds {wallet_currency}, not {currency}.",
+                "钱包 {wallet_id} 的币种是 {wallet_currency}，不是 {currency}。")
+
+
+class SameWallet(WalletError):
+    code, name, status = "T2003", "SAME_WALLET", 422
+    messages = ("The source and target wallets are the same.", "转出和转入钱包相同。")
+
+
+class IdempotencyConflict(WalletError):
+    code, name, status = "T2004", "IDEMPOTENCY_CONFLICT", 409
+    messages = ("bizId {biz_id} was already used with different parameters.",
+                "bizId {biz_id} 已用于参数不同的请求。")
+
+
+ERRORS = (
+    ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember,
+    RequestExpired, SignatureInvalid, IpNotWhitelisted, ScopeRequired, ApiAccessDenied,
+    InvalidParameter, NotFound, MethodNotAllowed, PayloadTooLarge, UnsupportedMediaType,
+    InternalError, ServiceBusy, WalletNotFound, WalletNotActive, TransferNotFound,
+    InsufficientBalance, CurrencyMismatch, SameWallet, IdempotencyConflict,
+)
+
+# Why a parameter was refused, in each locale (InvalidParameter's reason).
+_REASONS = {
+    "required": ("is required", "为必填项"),
+    "string": ("must be a string", "必须是字符串"),
+    "integer": ("must be an integer", "必须是整数"),
+    "minimum": ("must be at least {minimum}", "不能小于 {minimum}"),
+    "one_of": ("must be one of {choices}", "必须是以下之一：{choices}"),
+    "unknown_field": ("is not a known field", "不是可识别的字段"),
+    "sort_field": ("cannot sort by '{value}'; sortable fields: {choices}",
+                   "不能按 '{value}' 排序；可排序字段：{choices}"),
+    "sort_direction": ("the direction must be asc or desc", "排序方向必须是 asc 或 desc"),
+    "currency": ("'{value}' is not an ISO 4217 currency code", "'{value}' 不是 ISO 4217 币种代码"),
+    "amount": ("must be a positive decimal string such as \"10.00\"",
+               "必须是正的十进制字符串，例如 \"10.00\""),
+    "decimals": ("{currency} allows at most {exponent} decimal places",
+                 "{currency} 最多允许 {exponent} 位小数"),
+    "too_large": ("is too large", "过大"),
+    "time": ("must be ISO-8601 or epoch milliseconds", "必须是 ISO-8601 时间或毫秒时间戳"),
+    "biz_id": ("must be 1-64 characters of A-Z a-z 0-9 . _ : -", "必须是 1-64 个 A-Z a-z 0-9 . _ : - 字符"),
+    "max_length": ("must be at most {maximum} characters", "最多 {maximum} 个字符"),
+    "length": ("must be 1-{maximum} characters", "必须是 1-{maximum} 个字符"),
+    "json": ("is not a JSON object", "不是 JSON 对象"),
+    "duplicate": ("appears more than once", "重复出现"),
+    "conflict": ("differs from the Idempotency-Key header", "与 Idempotency-Key 请求头不一致"),
+    "ip": ("'{value}' is not an IP address or CIDR block", "'{value}' 不是 IP 地址或 CIDR 网段"),
+    "scope": ("'{value}' is not a scope; scopes: {choices}", "'{value}' 不是权限范围；可选：{choices}"),
+    "state": ("is {state}", "状态为 {state}"),
+}
+
+
+def invalid(field: str, reason: str, **params: Any) -> InvalidParameter:
+    """An S012 error naming ``field``, with ``reason`` from _REASONS."""
+    en, zh = _REASONS[reason]
+    return InvalidParameter(field=field, reason=en.format(**params), reason_zh=zh.format(**params))
+
+
+def expired(en: str, zh: str) -> RequestExpired:
+    return RequestExpired(reason=en, reason_zh=zh)
+
+
+def negotiate_locale(x_locale: str | None, accept_language: str | None, default: str) -> str:
+    """en-US or zh-CN from X-LOCALE, then Accept-Language, then the default."""
+    candidates = [x_locale or ""]
+    weighted = []
+    for position, part in enumerate((accept_language or "").split(",")):
+        tag, _, q = part.partition(";q=")
+        try:
+            weight = float(q) if q else 1.0
+        except ValueError:
+            weight = 0.0
+        weighted.append((-weight, position, tag))
+    candidates += [tag for _, _, tag in sorted(weighted)]
+    for tag in candidates:
+        tag = tag.strip().lower()
+        if tag.startswith("zh"):
+            return "zh-CN"
+        if tag.startswith("en"):
+            return "en-US"
+    return default
+
+
+###############################################################################
+# Settings #####################################################################
+###############################################################################
+
+
+def _non_negative_int(value: Any) -> int:
+    number = int(value)
+    if number < 0:
+        raise ValueError("must be >= 0")
+    return number
+
+
+def _positive_int(value: Any) -> int:
+    number = int(value)
+    if number < 1:
+        raise ValueError("must be >= 1")
+    return number
+
+
+def _positive_float(value: Any) -> float:
+    number = float(value)
+    if not number > 0:
+        raise ValueError("must be > 0")
+    return number
+
+
+def _boolean(value: Any) -> bool:
+    if isinstance(value, str):
+        if value.lower() in ("1", "true", "yes", "on"):
+            return True
+        if value.lower() in ("0", "false", "no", "off", ""):
+            return False
+        raise ValueError(f"not a boolean: {value!r}")
+    return bool(value)
+
+
+def _optional_str(value: Any) -> str | None:
+    return None if value in (None, "") else str(value)
+
+
+def _networks(value: Any) -> tuple:
+    if isinstance(value, str):
+        value = [part for part in value.split(",") if part.strip()]
+    return tuple(ipaddress.ip_network(str(part).strip(), strict=False) for part in value)
+
+
+def _one_of(*choices: str) -> Callable[[Any], str]:
+    def convert(value: Any) -> str:
+        if value not in choices:
+            raise ValueError(f"must be one of {', '.join(choices)}")
+        return value
+    return convert
+
+
+def _setting(default: Any, convert: Callable[[Any], Any], doc: str) -> Any:
+    return dataclasses.field(default=default, metadata={"convert": convert, "doc": doc})
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """Every setting of walletsvc, with its converter, default and meaning.
+
+    Values given as strings (from the CLI or the environment) are converted;
+    an unknown setting is an error, never silently ignored.
+    """
+
+    timestamp_tolerance: int = _setting(
+        60, _positive_int, "seconds X-Timestamp may differ from server time (SPEC.md Limits)")
+    max_body_bytes: int = _setting(
+        65536, _non_negative_int, "largest request body accepted; larger answers S413")
+    debug_signatures: bool = _setting(
+        False, _boolean, "GA2012 details show the canonical message the server computed")
+    trusted_proxies: tuple = _setting(
+        (), _networks, "addresses/CIDRs whose X-Forwarded-For is believed")
+    admin_token: str | None = _setting(
+        None, _optional_str, "bearer token of /_admin/; the surface is 404 while unset")
+    default_locale: str = _setting(
+        "en-US", _one_of(*LOCALES), "language of error details when the request names none")
+    busy_timeout: float = _setting(
+        5.0, _positive_float, "seconds to wait for a locked database before S503")
+    synchronous: str = _setting(
+        "FULL", _one_of("FULL", "NORMAL"), "SQLite synchronous pragma for file databases")
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            try:
+                object.__setattr__(self, field.name, field.metadata["convert"](value))
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"setting {field.name}={value!r}: {exc}") from None
+
+    @classmethod
+    def names(cls) -> list[str]:
+        return [field.name for field in dataclasses.fields(cls)]
+
+    def replace(self, **changes: Any) -> Settings:
+        unknown = sorted(set(changes) - set(self.names()))
+        if unknown:
+            raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(self.names())}")
+        return dataclasses.replace(self, **changes)
+
+
+###############################################################################
+# Money ########################################################################
+###############################################################################
+
+# ISO 4217 active codes and their minor-unit exponents; every code not listed
+# in _EXPONENT_0/_3/_4 has two decimals.
+_EXPONENT_0 = "BIF CLP DJF GNF ISK JPY KMF KRW PYG RWF UGX UYI VND VUV XAF XOF XPF"
+_EXPONENT_3 = "BHD IQD JOD KWD LYD OMR TND"
+_EXPONENT_4 = "CLF UYW"
+_EXPONENT_2 = (
+    "AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BMD BND BOB BOV BRL BSD BTN "
+    "BWP BYN BZD CAD CDF CHE CHF CHW CNY COP COU CRC CUP CVE CZK DKK DOP DZD EGP ERN ETB "
+    "EUR FJD FKP GBP GEL GHS GIP GMD GTQ GYD HKD HNL HTG HUF IDR ILS INR IRR JMD KES KGS "
+    "KHR KPW KYD KZT LAK LBP LKR LRD LSL MAD MDL MGA MKD MMK MNT MOP MRU MUR MVR MWK MXN "
+    "MXV MYR MZN NAD NGN NIO NOK NPR NZD PAB PEN PGK PHP PKR PLN QAR RON RSD RUB SAR SBD "
+    "SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS TMT TOP TRY TTD TWD TZS "
+    "UAH USD USN UYU UZS VED VES WST XCD XCG YER ZAR ZMW ZWG"
+)
+CURRENCY_EXPONENTS: Mapping[str, int] = {
+    code: exponent
+    for exponent, codes in ((0, _EXPONENT_0), (2, _EXPONENT_2), (3, _EXPONENT_3), (4, _EXPONENT_4))
+    for code in codes.split()
+}
+MAX_MINOR_UNITS = 10**18  # keeps every balance inside SQLite's 64-bit integers
+_AMOUNT = re.compile(r"([0-9]{1,15})(?:\.([0-9]+))?")
+
+
+def currency_exponent(currency: Any, field: str = "currency") -> int:
+    if not isinstance(currency, str):
+        raise invalid(field, "string")
+    if currency not in CURRENCY_EXPONENTS:
+        raise invalid(field, "currency", value=currency[:16])
+    return CURRENCY_EXPONENTS[currency]
+
+
+def parse_amount(amount: Any, currency: str, field: str = "amount") -> int:
+    """A positive decimal string as integer minor units; never rounds.
+
+    Accepts ``str`` (and, from Python, ``decimal.Decimal`` or ``int``); refuses
+    floats, exponents, signs, zero, more decimals than the currency allows and
+    more than 15 integer digits.
+    """
+    exponent = currency_exponent(currency)
+    if isinstance(amount, decimal.Decimal) and amount.is_finite():
+        amount = format(amount, "f")
+    elif isinstance(amount, int) and not isinstance(amount, bool) and amount >= 0:
+        amount = str(amount)
+    if not isinstance(amount, str):
+        raise invalid(field, "string")
+    match = _AMOUNT.fullmatch(amount)
+    if match is None:
+        raise invalid(field, "amount")
+    whole, fraction = match.group(1), match.group(2) or ""
+    if len(fraction) > exponent:
+        raise invalid(field, "decimals", currency=currency, exponent=exponent)
+    minor = int(whole) * 10**exponent + int(fraction.ljust(exponent, "0") or "0")
+    if minor == 0:
+        raise invalid(field, "amount")
+    if minor > MAX_MINOR_UNITS:
+        raise invalid(field, "too_large")
+    return minor
+
+
+def format_amount(minor: int, currency: str) -> str:
+    """Integer minor units as a decimal string with the currency's exponent."""
+    exponent = CURRENCY_EXPONENTS[currency]
+    if exponent == 0:
+        return str(minor)
+    whole, fraction = divmod(minor, 10**exponent)
+    return f"{whole}.{fraction:0{exponent}d}"
+
+
+###############################################################################
+# Storage ######################################################################
+###############################################################################
+
+
+def _schema_sql() -> str:
+    """schema.sql beside this module (a checkout), else where pip installed it."""
+    here = os.path.join(os.path.dirname(os.path.abspath(__file__)), "schema.sql")
+    if os.path.exists(here):
+        with open(here, encoding="utf-8") as handle:
+            return handle.read()
+    for path in importlib.metadata.files("walletsvc") or ():
+        if path.name == "schema.sql":
+            return path.read_text(encoding="utf-8")
+    raise RuntimeError("schema.sql is missing from the walletsvc installation")
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    text = str(exc).lower()
+    return isinstance(exc, sqlite3.OperationalError) and any(
+        word in text for word in ("locked", "busy", "readonly", "read-only", "unable to open", "disk i/o"))
+
+
+class Database:
+    """SQLite done one way: WAL, foreign keys, a busy timeout, BEGIN IMMEDIATE.
+
+    A file database gets one connection per thread (and per process: a forked
+    child opens its own). ``":memory:"`` is one connection shared by every
+    thread under a lock, so that an in-memory service works from many threads.
+    """
+
+    def __init__(self, path: str, busy_timeout: float = 5.0, synchronous: str = "FULL") -> None:
+        self.path = path
+        self.memory = path == ":memory:"
+        self.busy_timeout = busy_timeout
+        self.synchronous = synchronous
+        self._local = threading.local()
+        self._lock = threading.RLock() if self.memory else contextlib.nullcontext()
+        self._shared: sqlite3.Connection | None = None
+        with self.connection() as conn:
+            self._apply_schema(conn)
+
+    def _connect(self) -> sqlite3.Connection:
+        conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None,
+                               check_same_thread=False)
+        self._prepare_connection(conn)
+        return conn
+
+    def _prepare_connection(self, conn: sqlite3.Connection) -> None:
+        conn.row_factory = sqlite3.Row
+        conn.execute("PRAGMA foreign_keys = ON")
+        conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        if not self.memory:
+            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute(f"PRAGMA synchronous = {self.synchronous}")
+
+    def _apply_schema(self, conn: sqlite3.Connection) -> None:
+        try:
+            row = conn.execute("SELECT version FROM schema_version").fetchone()
+        except sqlite3.OperationalError:
+            row = None
+        if row is None:
+            conn.executescript("BEGIN IMMEDIATE;\n" + _schema_sql() + "\nCOMMIT;")
+            row = conn.execute("SELECT version FROM schema_version").fetchone()
+        if row[0] != SCHEMA_VERSION:
+            raise RuntimeError(f"{self.path} has schema version {row[0]}; "
+                               f"this walletsvc expects {SCHEMA_VERSION}")
+
+    @contextlib.contextmanager
+    def connection(self) -> Iterator[sqlite3.Connection]:
+        """This thread's connection (the shared one, locked, for ``:memory:``)."""
+        with self._lock:
+            if self.memory:
+                if self._shared is None:
+                    self._shared = self._connect()
+                yield self._shared
+                return
+            local = self._local
+            if getattr(local, "pid", None) != os.getpid():
+                local.conn, local.pid = self._connect(), os.getpid()
+            yield local.conn
+
+    @contextlib.contextmanager
+    def atomic(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction (BEGIN IMMEDIATE); rolls back on any exception.
+
+        Nested use joins the outer transaction.
+        """
+        with self.connection() as conn:
+            if conn.in_transaction:
+                yield conn
+                return
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield conn
+            except BaseException:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+                raise
+            conn.execute("COMMIT")
+
+    @contextlib.contextmanager
+    def snapshot(self) -> Iterator[sqlite3.Connection]:
+        """A read transaction: the statements inside see one consistent state."""
+        with self.connection() as conn:
+            if conn.in_transaction:
+                yield conn
+                return
+            conn.execute("BEGIN")
+            try:
+                yield conn
+            finally:
+                if conn.in_transaction:
+                    conn.execute("COMMIT")
+
+    def close(self) -> None:
+        """Close this thread's connection (all of them, for ``:memory:``)."""
+        with self._lock:
+            if self.memory and self._shared is not None:
+                self._shared.close()
+                self._shared = None
+            conn = getattr(self._local, "conn", None)
+            if conn is not None:
+                conn.close()
+                self._local.conn = self._local.pid = None
+
+
+###############################################################################
+# Signing and the authentication pipeline ######################################
+###############################################################################
+
+
+def body_hash(body: bytes) -> str:
+    """Lowercase hex SHA-256 of the exact body bytes (of b"" for no body)."""
+    return hashlib.sha256(body).hexdigest()
+
+
+def canonical_message(method: str, path: str | bytes, timestamp: str, nonce: str,
+                      body_sha256: str) -> bytes:
+    """The five components of SPEC.md joined by LF, no trailing LF.
+
+    ``path`` is the path exactly as sent (percent-encoding kept, no query
+    string); the one function both the server check and the clients use.
+    """
+    if isinstance(path, str):
+        path = path.encode("utf-8")
+    return b"\n".join((method.upper().encode("ascii"), path, timestamp.encode("ascii"),
+                       nonce.encode("ascii"), body_sha256.encode("ascii")))
+
+
+def compute_signature(secret: str, message: bytes) -> str:
+    digest = hmac.new(secret.encode("utf-8"), message, hashlib.sha256).digest()
+    return base64.b64encode(digest).decode("ascii")
+
+
+def sign_request(method: str, path: str, body: bytes | str | None, api_key: str, secret: str, *,
+                 timestamp: int | None = None, nonce: str | None = None) -> dict[str, str]:
+    """The four authentication headers for one request.
+
+    ``path`` excludes the query string; ``body`` must be the exact bytes that
+    will be sent (a str is sent as UTF-8).
+    """
+    if isinstance(body, str):
+        body = body.encode("utf-8")
+    timestamp_text = str(int(time.time()) if timestamp is None else timestamp)
+    nonce = nonce or str(uuid.uuid4())
+    message = canonical_message(method, path.split("?", 1)[0], timestamp_text, nonce,
+                                body_hash(body or b""))
+    return {"X-Api-Key": api_key, "X-Timestamp": timestamp_text, "X-Nonce": nonce,
+            "X-Signature": compute_signature(secret, message)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    """Who a request authenticated as: one key, bound to one workspace."""
+
+    api_key: str
+    workspace_id: str
+    member_id: str
+    scopes: frozenset
+
+
+def raw_request_path(environ: Mapping[str, Any]) -> bytes:
+    """The path as the client sent it, including any mount prefix (DESIGN.md §5)."""
+    raw = environ.get("REQUEST_URI") or environ.get("RAW_URI")
+    if raw:
+        if not raw.startswith("/"):  # absolute-form request target
+            raw = urllib.parse.urlsplit(raw).path or "/"
+        return raw.split("?", 1)[0].encode("latin-1", "replace")
+    script = environ.get("SCRIPT_NAME", "")
+    path = environ.get("bottle.raw_path", environ.get("PATH_INFO", ""))
+    return (script + path).encode("latin-1", "replace")
+
+
+def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address((text or "").strip().strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped or address
+
+
+def client_ip(environ: Mapping[str, Any], trusted_proxies: Sequence) -> Any:
+    """REMOTE_ADDR, or X-Forwarded-For when REMOTE_ADDR is a trusted proxy.
+
+    Walks X-Forwarded-For from the right and takes the first hop that is not a
+    trusted proxy; an unparsable hop yields None, which no whitelist admits.
+    """
+    remote = _ip(environ.get("REMOTE_ADDR"))
+
+    def trusted(address: Any) -> bool:
+        return any(address.version == net.version and address in net for net in trusted_proxies)
+
+    forwarded = environ.get("HTTP_X_FORWARDED_FOR")
+    if remote is None or not forwarded or not trusted(remote):
+        return remote
+    hops = [_ip(hop) for hop in forwarded.split(",")]
+    for hop in reversed(hops):
+        if hop is None or not trusted(hop):
+            return hop
+    return hops[0]
+
+
+def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
+    if address is None:
+        return False
+    for entry in whitelist:
+        network = ipaddress.ip_network(entry, strict=False)
+        if network.version == address.version and address in network:
+            return True
+    return False
+
+
+def _header(environ: Mapping[str, Any], name: str) -> str:
+    return environ.get("HTTP_" + name.upper().replace("-", "_"), "")
+
+
+class Authenticator:
+    """Steps 1-7 of SPEC.md's validation pipeline, in that order.
+
+    Step 8 (the scope) needs the route and is checked by the HTTP layer. The
+    first failure raises and ends processing.
+    """
+
+    def __init__(self, db: Database, settings: Settings, clock: Callable[[], float]) -> None:
+        self.db = db
+        self.settings = settings
+        self.clock = clock
+        self._next_purge = 0
+
+    def authenticate(self, environ: Mapping[str, Any], body: bytes) -> Principal:
+        now = self.clock()
+        # Step 1: API key lookup.
+        api_key = _header(environ, "X-Api-Key")
+        if not api_key:
+            raise ApiKeyMissing()
+        key = self._key(api_key)
+        if key is None:
+            raise ApiKeyNotFound()
+        # Step 2: key status.
+        if not key["enabled"]:
+            raise ApiKeyDisabled()
+        # Step 3: workspace resolution.
+        if key["workspace_deleted"]:
+            raise WorkspaceNotFound()
+        if key["member_removed"]:
+            raise NotWorkspaceMember()
+        # Step 4: timestamp.
+        timestamp = _header(environ, "X-Timestamp")
+        if not _TIMESTAMP.fullmatch(timestamp):
+            raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
+        if abs(now - int(timestamp)) > self.settings.timestamp_tolerance:
+            raise expired(f"X-Timestamp is more than {self.settings.timestamp_tolerance} s from server time.",
+                          f"X-Timestamp 与服务器时间相差超过 {self.settings.timestamp_tolerance} 秒。")
+        # Step 5: nonce (checked here, recorded only once the signature passed).
+        nonce = _header(environ, "X-Nonce")
+        if not _NONCE.fullmatch(nonce):
+            raise expired("X-Nonce must be 1-128 printable ASCII characters.",
+                          "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
+        now_ms = int(now * 1000)
+        if self._nonce_seen(api_key, nonce, now_ms):
+            raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
+        # Step 6: signature.
+        message = canonical_message(environ["REQUEST_METHOD"], raw_request_path(environ),
+                                    timestamp, nonce, body_hash(body))
+        if not self._signature_matches(key["secret"], message, _header(environ, "X-Signature")):
+            shown = None
+            if self.settings.debug_signatures:
+                shown = "Canonical message: " + message.decode("latin-1").replace("\n", "\\n")
+            raise SignatureInvalid(extra=shown)
+        if not self._record_nonce(api_key, nonce, now_ms):
+            raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
+        # Step 7: IP whitelist, only when configured.
+        whitelist = json.loads(key["ip_whitelist"]) if key["ip_whitelist"] else None
+        if whitelist and not ip_allowed(client_ip(environ, self.settings.trusted_proxies), whitelist):
+            raise IpNotWhitelisted()
+        return Principal(api_key, key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
+
+    def _key(self, api_key: str) -> sqlite3.Row | None:
+        if len(api_key) > 128:
+            return None
+        with self.db.connection() as conn:
+            return conn.execute(
+                "SELECT k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
+                "       w.deleted_at IS NOT NULL AS workspace_deleted,"
+                "       m.removed_at IS NOT NULL AS member_removed"
+                "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
+                "                  JOIN members m ON m.id = k.member_id"
+                " WHERE k.id = ?", (api_key,)).fetchone()
+
+    @staticmethod
+    def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
+        try:
+            given = base64.b64decode(provided.encode("ascii"), validate=True)
+        except (UnicodeEncodeError, binascii.Error, ValueError):
+            return False
+        expected = hmac.new(secret.encode("utf-8"), message, hashlib.sha256).digest()
+        return hmac.compare_digest(expected, given)
+
+    def _nonce_seen(self, api_key: str, nonce: str, now_ms: int) -> bool:
+        with self.db.connection() as conn:
+            return conn.execute(
+                "SELECT 1 FROM nonces WHERE api_key = ? AND nonce = ? AND expires_at > ?",
+                (api_key, nonce, now_ms)).fetchone() is not None
+
+    def _record_nonce(self, api_key: str, nonce: str, now_ms: int) -> bool:
+        """Record the nonce; False when another request recorded it first (a replay).
+
+        One statement, so two racing requests cannot both win; an expired
+        record is taken over in place.
+        """
+        window_ms = 2 * self.settings.timestamp_tolerance * 1000
+        with self.db.atomic() as conn:
+            won = conn.execute(
+                "INSERT INTO nonces (api_key, nonce, expires_at) VALUES (?, ?, ?)"
+                " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at"
+                " WHERE nonces.expires_at <= ?",
+                (api_key, nonce, now_ms + window_ms, now_ms)).rowcount == 1
+            if now_ms >= self._next_purge:
+                self._next_purge = now_ms + window_ms // 4
+                conn.execute("DELETE FROM nonces WHERE expires_at <= ?", (now_ms,))
+        return won
+
+
+###############################################################################
+# Pagination ###################################################################
+###############################################################################
+
+DEFAULT_PAGE_SIZE = 20
+MAX_PAGE_SIZE = 100
+Query = Mapping[str, Sequence[str]]
+
+
+def parse_query_string(query_string: str) -> dict[str, list[str]]:
+    """Every value of every parameter, UTF-8 decoded, blanks kept."""
+    return urllib.parse.parse_qs(query_string, keep_blank_values=True, errors="replace")
+
+
+def normalize_query(query: Mapping[str, Any] | None) -> dict[str, list[str]]:
+    """Python callers may pass ``{"size": 5}``; HTTP passes lists of strings."""
+    normal = {}
+    for name, value in (query or {}).items():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        normal[name] = [str(item) for item in values]
+    return normal
+
+
+def first(query: Query, name: str) -> str | None:
+    values = query.get(name)
+    return values[0] if values else None
+
+
+def _page_integer(query: Query, name: str, default: int, minimum: int) -> int:
+    text = first(query, name)
+    if text is None:
+        return default
+    if not re.fullmatch(r"-?[0-9]{1,18}", text):
+        raise invalid(name, "integer")
+    value = int(text)
+    if value < minimum:
+        raise invalid(name, "minimum", minimum=minimum)
+    return value
+
+
+@dataclasses.dataclass(frozen=True)
+class PageRequest:
+    """A validated page, size and sort (SPEC.md Pagination rules, DESIGN.md §8)."""
+
+    number: int
+    size: int
+    order: tuple  # ((column, "ASC" | "DESC"), ...), primary first
+
+    @property
+    def offset(self) -> int:
+        return self.number * self.size
+
+    def order_by(self) -> str:
+        """The ORDER BY clause; a final tie-break on id keeps pages stable."""
+        terms = [f"{column} {direction}" for column, direction in self.order]
+        return ", ".join(terms + [f"id {self.order[-1][1]}"])
+
+
+def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest:
+    """page (default 0, >= 0), size (default 20, >= 1, capped at 100), sort.
+
+    ``sortable`` maps the API's field names to columns; anything else is S012.
+    """
+    number = _page_integer(query, "page", 0, 0)
+    size = min(_page_integer(query, "size", DEFAULT_PAGE_SIZE, 1), MAX_PAGE_SIZE)
+    order = []
+    for text in query.get("sort", ()):
+        field, _, direction = text.partition(",")
+        if field not in sortable:
+            raise invalid("sort", "sort_field", value=field[:40], choices=", ".join(sortable))
+        direction = (direction or "asc").strip().upper()
+        if direction not in ("ASC", "DESC"):
+            raise invalid("sort", "sort_direction")
+        order.append((sortable[field], direction))
+    return PageRequest(number, size, tuple(order) or (("created_at", "DESC"),))
+
+
+def page_response(items: list, request: PageRequest, total: int) -> dict:
+    """The page object of SPEC.md: content plus accurate page metadata."""
+    return {
+        "content": items,
+        "page": {
+            "size": request.size,
+            "number": request.number,
+            "totalElements": total,
+            "totalPages": -(-total // request.size),
+        },
+    }
+
+
+def filter_choice(query: Query, name: str, choices: Sequence[str]) -> str | None:
+    value = first(query, name)
+    if value is not None and value not in choices:
+        raise invalid(name, "one_of", choices=", ".join(choices))
+    return value
+
+
+def filter_time(query: Query, name: str) -> int | None:
+    value = first(query, name)
+    if value is None:
+        return None
+    parsed = parse_time(value)
+    if parsed is None:
+        raise invalid(name, "time")
+    return parsed
+
+
+###############################################################################
+# Resources ####################################################################
+###############################################################################
+
+
+def workspace_resource(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "name": row["name"], "ownerMemberId": row["owner_member_id"],
+            "createdAt": iso_time(row["created_at"])}
+
+
+def member_resource(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "workspaceId": row["workspace_id"], "name": row["name"],
+            "role": row["role"], "createdAt": iso_time(row["created_at"])}
+
+
+def api_key_resource(row: sqlite3.Row) -> dict:
+    return {"apiKey": row["id"], "workspaceId": row["workspace_id"], "memberId": row["member_id"],
+            "scopes": row["scopes"].split(), "enabled": bool(row["enabled"]),
+            "ipWhitelist": json.loads(row["ip_whitelist"]) if row["ip_whitelist"] else None,
+            "createdAt": iso_time(row["created_at"])}
+
+
+def wallet_resource(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "workspaceId": row["workspace_id"], "name": row["name"],
+            "currency": row["currency"], "status": row["status"],
+            "balance": format_amount(row["balance"], row["currency"]),
+            "createdAt": iso_time(row["created_at"]), "updatedAt": iso_time(row["updated_at"])}
+
+
+def balance_resource(row: sqlite3.Row) -> dict:
+    currency = row["currency"]
+    return {"walletId": row["id"], "currency": currency,
+            "balance": format_amount(row["balance"], currency),
+            "available": format_amount(row["balance"] - row["pending"], currency),
+            "pending": format_amount(row["pending"], currency),
+            "updatedAt": iso_time(row["updated_at"])}
+
+
+def flow_resource(row: sqlite3.Row, currency: str) -> dict:
+    return {"id": row["id"], "walletId": row["wallet_id"], "type": row["type"],
+            "direction": row["direction"], "amount": format_amount(row["amount"], currency),
+            "balanceAfter": format_amount(row["balance_after"], currency),
+            "transferId": row["transfer_id"], "bizId": row["biz_id"],
+            "counterpartyWalletId": row["counterparty_wallet_id"],
+            "createdAt": iso_time(row["created_at"])}
+
+
+def transfer_resource(row: sqlite3.Row) -> dict:
+    return {"transferId": row["id"], "bizId": row["biz_id"],
+            "sourceWalletId": row["source_wallet_id"], "targetWalletId": row["target_wallet_id"],
+            "amount": format_amount(row["amount"], row["currency"]), "currency": row["currency"],
+            "status": row["status"], "description": row["description"],
+            "createdAt": iso_time(row["created_at"]), "updatedAt": iso_time(row["updated_at"]),
+            "completedAt": iso_time(row["completed_at"])}
+
+
+def completion_resource(row: sqlite3.Row) -> dict:
+    return {"bizId": row["biz_id"], "transferId": row["id"], "status": row["status"],
+            "completed": row["status"] == "COMPLETED"}
+
+
+###############################################################################
+# Wallet and transfer logic ####################################################
+###############################################################################
+
+WALLET_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "name": "name",
+                "currency": "currency", "status": "status", "balance": "balance"}
+TRANSFER_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "amount": "amount",
+                  "status": "status"}
+FLOW_SORTS = {"createdAt": "created_at", "amount": "amount", "type": "type"}
+TRANSFER_FIELDS = ("sourceWalletId", "targetWalletId", "amount", "currency", "bizId", "description")
+_WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
+                     " AND m.role = 'OWNER' ORDER BY created_at LIMIT 1) AS owner_member_id"
+                     " FROM workspaces w")
+_THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径"}
+
+
+def not_found(thing: str) -> NotFound:
+    return NotFound(thing=thing, thing_zh=_THINGS_ZH[thing])
+
+
+def _text(value: Any, field: str, maximum: int) -> str:
+    if not isinstance(value, str):
+        raise invalid(field, "string")
+    if not 1 <= len(value) <= maximum:
+        raise invalid(field, "length", maximum=maximum)
+    return value
+
+
+def _biz_id(value: Any, field: str = "bizId") -> str:
+    if not isinstance(value, str):
+        raise invalid(field, "string")
+    if not _BIZ_ID.fullmatch(value):
+        raise invalid(field, "biz_id")
+    return value
+
+
+class WalletService:
+    """The service: admin API, wallets, ledger and transfers over one SQLite database.
+
+    Thread-safe, and safe for several processes sharing one database file.
+    Every method returns plain dicts shaped like the HTTP API's JSON and raises
+    WalletError subclasses carrying the catalog's code, name and status.
+    """
+
+    def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
+                 clock: Callable[[], float] | None = None, **setting_values: Any) -> None:
+        settings = settings or Settings()
+        self.settings = settings.replace(**setting_values) if setting_values else settings
+        self.clock = clock or time.time
+        self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
+
+    def now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    def new_id(self, prefix: str, now_ms: int) -> str:
+        return new_id(prefix, now_ms, secrets.randbits(80))
+
+    def close(self) -> None:
+        self.db.close()
+
+    # Workspaces and members ##################################################
+
+    def create_workspace(self, name: str) -> dict:
+        """A workspace with its default owner member (``ownerMemberId``)."""
+        name = _text(name, "name", 200)
+        now = self.now_ms()
+        workspace_id, owner_id = self.new_id("ws_", now), self.new_id("mem_", now)
+        with self.db.atomic() as conn:
+            conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
+                         (workspace_id, name, now))
+            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
+                         " VALUES (?, ?, 'owner', 'OWNER', ?)", (owner_id, workspace_id, now))
+        return self.get_workspace(workspace_id)
+
+    def get_workspace(self, workspace_id: str) -> dict:
+        with self.db.connection() as conn:
+            return workspace_resource(self._workspace(conn, workspace_id))
+
+    def list_workspaces(self) -> list[dict]:
+        with self.db.connection() as conn:
+            rows = conn.execute(_WORKSPACE_SELECT + " WHERE w.deleted_at IS NULL"
+                                " ORDER BY w.created_at, w.id").fetchall()
+        return [workspace_resource(row) for row in rows]
+
+    def delete_workspace(self, workspace_id: str) -> None:
+        """From now on the workspace's keys answer GA2032; its ledger is kept."""
+        with self.db.atomic() as conn:
+            self._workspace(conn, workspace_id)
+            conn.execute("UPDATE workspaces SET deleted_at = ? WHERE id = ?",
+                         (self.now_ms(), workspace_id))
+
+    def add_member(self, workspace_id: str, name: str) -> dict:
+        name = _text(name, "name", 200)
+        now = self.now_ms()
+        member_id = self.new_id("mem_", now)
+        with self.db.atomic() as conn:
+            self._workspace(conn, workspace_id)
+            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
+                         " VALUES (?, ?, ?, 'MEMBER', ?)", (member_id, workspace_id, name, now))
+            return member_resource(self._member(conn, workspace_id, member_id))
+
+    def list_members(self, workspace_id: str) -> list[dict]:
+        with self.db.connection() as conn:
+            self._workspace(conn, workspace_id)
+            rows = conn.execute("SELECT * FROM members WHERE workspace_id = ? AND removed_at IS NULL"
+                                " ORDER BY created_at, id", (workspace_id,)).fetchall()
+        return [member_resource(row) for row in rows]
+
+    def remove_member(self, workspace_id: str, member_id: str) -> None:
+        """From now on the member's keys answer GA2034."""
+        with self.db.atomic() as conn:
+            self._workspace(conn, workspace_id)
+            self._member(conn, workspace_id, member_id)
+            conn.execute("UPDATE members SET removed_at = ? WHERE id = ?", (self.now_ms(), member_id))
+
+    # API keys ################################################################
+
+    def create_api_key(self, workspace_id: str, scopes: Iterable[str] = SCOPES, *,
+                       member_id: str | None = None,
+                       ip_whitelist: Iterable[str] | None = None) -> dict:
+        """A key with its ``secret``: the only time the secret is returned."""
+        scopes = [scopes] if isinstance(scopes, str) else list(scopes)
+        for scope in scopes:
+            if scope not in SCOPES:
+                raise invalid("scopes", "scope", value=str(scope)[:40], choices=", ".join(SCOPES))
+        if not scopes:
+            raise invalid("scopes", "required")
+        whitelist = None
+        if ip_whitelist is not None:
+            whitelist = []
+            for entry in [ip_whitelist] if isinstance(ip_whitelist, str) else ip_whitelist:
+                try:
+                    whitelist.append(str(ipaddress.ip_network(str(entry).strip(), strict=False)))
+                except ValueError:
+                    raise invalid("ipWhitelist", "ip", value=str(entry)[:60]) from None
+        now = self.now_ms()
+        key_id, secret = self.new_id("ak_", now), secrets.token_urlsafe(32)
+        with self.db.atomic() as conn:
+            self._workspace(conn, workspace_id)
+            if member_id is None:
+                member_id = self._workspace(conn, workspace_id)["owner_member_id"]
+            self._member(conn, workspace_id, member_id)
+            conn.execute(
+                "INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
+                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                (key_id, secret, workspace_id, member_id, " ".join(dict.fromkeys(scopes)),
+                 json.dumps(whitelist) if whitelist is not None else None, now))
+            row = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+        return {**api_key_resource(row), "secret": secret}
+
+    def list_api_keys(self, workspace_id: str) -> list[dict]:
+        with self.db.connection() as conn:
+            self._workspace(conn, workspace_id)
+            rows = conn.execute("SELECT * FROM api_keys WHERE workspace_id = ?"
+                                " ORDER BY created_at, id", (workspace_id,)).fetchall()
+        return [api_key_resource(row) for row in rows]
+
+    def set_api_key_enabled(self, api_key: str, enabled: bool) -> dict:
+        """Disable (GA2021 from then on) or re-enable a key."""
+        with self.db.atomic() as conn:
+            if not conn.execute("UPDATE api_keys SET enabled = ? WHERE id = ?",
+                                (int(bool(enabled)), api_key)).rowcount:
+                raise not_found("API key")
+            return api_key_resource(conn.execute("SELECT * FROM api_keys WHERE id = ?",
+                                                 (api_key,)).fetchone())
+
+    # Wallets and their ledger ################################################
+
+    def create_wallet(self, workspace_id: str, currency: str, *, name: str | None = None) -> dict:
+        currency_exponent(currency)
+        name = f"{currency} wallet" if name is None else name
+        if not isinstance(name, str) or len(name) > 200:
+            raise invalid("name", "max_length", maximum=200)
+        now = self.now_ms()
+        wallet_id = self.new_id("wal_", now)
+        with self.db.atomic() as conn:
+            self._workspace(conn, workspace_id)
+            conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
+                         " updated_at) VALUES (?, ?, ?, ?, 'ACTIVE', ?, ?)",
+                         (wallet_id, workspace_id, name, currency, now, now))
+            return wallet_resource(self._wallet(conn, wallet_id))
+
+    def set_wallet_status(self, wallet_id: str, status: str) -> dict:
+        """ACTIVE, FROZEN or CLOSED; only ACTIVE wallets move money (else W1002)."""
+        if status not in WALLET_STATUSES:
+            raise invalid("status", "one_of", choices=", ".join(WALLET_STATUSES))
+        with self.db.atomic() as conn:
+            self._wallet(conn, wallet_id)
+            conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
+                         (status, self.now_ms(), wallet_id))
+            return wallet_resource(self._wallet(conn, wallet_id))
+
+    def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
+        with self.db.connection() as conn:
+            return wallet_resource(self._wallet(conn, wallet_id, workspace_id))
+
+    def get_balance(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
+        with self.db.connection() as conn:
+            return balance_resource(self._wallet(conn, wallet_id, workspace_id))
+
+    def list_wallets(self, workspace_id: str, query: Mapping[str, Any] | None = None) -> dict:
+        """One page of the workspace's wallets; filters ``currency``, ``status``."""
+        query = normalize_query(query)
+        page = parse_page_request(query, WALLET_SORTS)
+        where, params = ["workspace_id = ?"], [workspace_id]
+        currency = first(query, "currency")
+        if currency is not None:
+            currency_exponent(currency)
+            where.append("currency = ?")
+            params.append(currency)
+        status = filter_choice(query, "status", WALLET_STATUSES)
+        if status is not None:
+            where.append("status = ?")
+            params.append(status)
+        sql = "SELECT * FROM wallets WHERE " + " AND ".join(where)
+        with self.db.snapshot() as conn:
+            total = conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
+            rows = self._page_rows(conn, sql, params, page, total)
+        return page_response([wallet_resource(row) for row in rows], page, total)
+
+    def deposit(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
+        """Money enters from outside; returns the DEPOSIT flow."""
+        return self._external_move(wallet_id, amount, "DEPOSIT", workspace_id)
+
+    def withdraw(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
+        """Money leaves; never below the available balance (T2001); returns the flow."""
+        return self._external_move(wallet_id, amount, "WITHDRAWAL", workspace_id)
+
+    def _external_move(self, wallet_id: str, amount: str, flow_type: str,
+                       workspace_id: str | None) -> dict:
+        now = self.now_ms()
+        with self.db.atomic() as conn:
+            wallet = self._active_wallet(conn, wallet_id, workspace_id)
+            minor = parse_amount(amount, wallet["currency"])
+            if flow_type == "DEPOSIT":
+                if wallet["balance"] + minor > MAX_MINOR_UNITS:
+                    raise invalid("amount", "too_large")
+                balance = self._credit(conn, wallet_id, minor, now)
+            else:
+                if wallet["balance"] - wallet["pending"] < minor:
+                    raise InsufficientBalance(wallet_id=wallet_id)
+                balance = self._debit(conn, wallet_id, minor, now)
+            row = self._write_flow(conn, wallet_id, flow_type, minor, balance, now)
+            return flow_resource(row, wallet["currency"])
+
+    def list_flows(self, wallet_id: str, query: Mapping[str, Any] | None = None, *,
+                   workspace_id: str | None = None) -> dict:
+        """One page of a wallet's ledger; filters type, direction, createdFrom/To."""
+        query = normalize_query(query)
+        page = parse_page_request(query, FLOW_SORTS)
+        where, params = ["wallet_id = ?"], [wallet_id]
+        flow_type = filter_choice(query, "type", FLOW_TYPES)
+        direction = filter_choice(query, "direction", FLOW_DIRECTIONS)
+        created_from, created_to = filter_time(query, "createdFrom"), filter_time(query, "createdTo")
+        for clause, value in (("type = ?", flow_type), ("direction = ?", direction),
+                              ("created_at >= ?", created_from), ("created_at < ?", created_to)):
+            if value is not None:
+                where.append(clause)
+                params.append(value)
+        sql = "SELECT * FROM flows WHERE " + " AND ".join(where)
+        with self.db.snapshot() as conn:
+            wallet = self._wallet(conn, wallet_id, workspace_id)
+            if len(where) == 1 or (len(where) == 2 and flow_type is not None):
+                total = self._counter(conn, wallet_id, f"flows:{flow_type}" if flow_type else "flows")
+            else:
+                total = conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
+            rows = self._page_rows(conn, sql, params, page, total)
+        return page_response([flow_resource(row, wallet["currency"]) for row in rows], page, total)
+
+    # Transfers ###############################################################
+
+    def create_transfer(self, workspace_id: str, *, source_wallet_id: str, target_wallet_id: str,
+                        amount: str, currency: str, biz_id: str | None = None,
+                        description: str | None = None) -> dict:
+        """Move money between two wallets of a workspace; idempotent on ``biz_id``."""
+        order, _ = self.transfer(workspace_id, {
+            "sourceWalletId": source_wallet_id, "targetWalletId": target_wallet_id,
+            "amount": amount, "currency": currency, "bizId": biz_id, "description": description})
+        return order
+
+    def transfer(self, workspace_id: str, body: Mapping[str, Any]) -> tuple[dict, bool]:
+        """Create a transfer order from a request body (DESIGN.md §7).
+
+        Returns the order and whether it was an idempotent replay. The whole
+        check-and-move is one BEGIN IMMEDIATE transaction: a rejected request
+        leaves no order and no flow.
+        """
+        request = self._transfer_request(body)
+        now = self.now_ms()
+        with self.db.atomic() as conn:
+            existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
+                                    (workspace_id, request["biz_id"])).fetchone()
+            if existing is not None:
+                return transfer_resource(self._replay(existing, request)), True
+            if request["source"] == request["target"]:
+                raise SameWallet()
+            source = self._active_wallet(conn, request["source"], workspace_id)
+            target = self._active_wallet(conn, request["target"], workspace_id)
+            for wallet in (source, target):
+                if wallet["currency"] != request["currency"]:
+                    raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
+                                           currency=request["currency"])
+            amount = request["amount"]
+            if source["balance"] - source["pending"] < amount:
+                raise InsufficientBalance(wallet_id=source["id"])
+            if target["balance"] + amount > MAX_MINOR_UNITS:
+                raise invalid("amount", "too_large")
+            transfer_id = self.new_id("tr_", now)
+            conn.execute(
+                "INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id,"
+                " amount, currency, status, description, created_at, updated_at, completed_at)"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, 'COMPLETED', ?, ?, ?, ?)",
+                (transfer_id, workspace_id, request["biz_id"] or transfer_id, source["id"],
+                 target["id"], amount, request["currency"], request["description"], now, now, now))
+            self._settle(conn, transfer_id, source["id"], target["id"], amount, request["biz_id"], now)
+            row = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
+        return transfer_resource(row), False
+
+    def _transfer_request(self, body: Mapping[str, Any]) -> dict:
+        """Validate a create-transfer body; S012 naming the first bad field."""
+        for field in body:
+            if field not in TRANSFER_FIELDS:
+                raise invalid(str(field)[:64], "unknown_field")
+        for field in ("sourceWalletId", "targetWalletId", "amount", "currency"):
+            if body.get(field) is None:
+                raise invalid(field, "required")
+        source = _text(body["sourceWalletId"], "sourceWalletId", 64)
+        target = _text(body["targetWalletId"], "targetWalletId", 64)
+        currency = body["currency"]
+        currency_exponent(currency)
+        if not isinstance(body["amount"], str):
+            raise invalid("amount", "string")
+        amount = parse_amount(body["amount"], currency)
+        biz_id = body.get("bizId")
+        if biz_id is not None:
+            _biz_id(biz_id)
+        description = body.get("description")
+        if description is not None:
+            if not isinstance(description, str):
+                raise invalid("description", "string")
+            if len(description) > 255:
+                raise invalid("description", "max_length", maximum=255)
+        return {"source": source, "target": target, "amount": amount, "currency": currency,
+                "biz_id": biz_id, "description": description}
+
+    @staticmethod
+    def _replay(existing: sqlite3.Row, request: dict) -> sqlite3.Row:
+        same = (existing["source_wallet_id"], existing["target_wallet_id"], existing["amount"],
+                existing["currency"], existing["description"]) == (
+                request["source"], request["target"], request["amount"], request["currency"],
+                request["description"])
+        if not same:
+            raise IdempotencyConflict(biz_id=existing["biz_id"])
+        return existing
+
+    def _settle(self, conn: sqlite3.Connection, transfer_id: str, source_id: str, target_id: str,
+                amount: int, biz_id: str | None, now: int) -> None:
+        """Move the money of a transfer and write one flow per wallet."""
+        biz_id = biz_id or transfer_id
+        source_balance = self._debit(conn, source_id, amount, now)
+        target_balance = self._credit(conn, target_id, amount, now)
+        self._write_flow(conn, source_id, "TRANSFER_OUT", amount, source_balance, now,
+                         transfer_id, biz_id, target_id)
+        self._write_flow(conn, target_id, "TRANSFER_IN", amount, target_balance, now,
+                         transfer_id, biz_id, source_id)
+
+    def get_transfer(self, workspace_id: str, biz_id: str) -> dict:
+        with self.db.connection() as conn:
+            return transfer_resource(self._transfer(conn, workspace_id, biz_id))
+
+    def transfer_completion(self, workspace_id: str, biz_id: str) -> dict:
+        """``{bizId, transferId, status, completed}``."""
+        with self.db.connection() as conn:
+            return completion_resource(self._transfer(conn, workspace_id, biz_id))
+
+    def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
+                       wallet_id: str | None = None) -> dict:
+        """One page of the workspace's transfer orders (or of one wallet's).
+
+        Filters: status, createdFrom (inclusive), createdTo (exclusive),
+        bizIdPrefix.
+        """
+        query = normalize_query(query)
+        page = parse_page_request(query, TRANSFER_SORTS)
+        where, params = [], []
+        status = filter_choice(query, "status", TRANSFER_STATUSES)
+        created_from, created_to = filter_time(query, "createdFrom"), filter_time(query, "createdTo")
+        prefix = first(query, "bizIdPrefix")
+        if prefix is not None:
+            _biz_id(prefix, "bizIdPrefix")
+        for clause, value in (("status = ?", status), ("created_at >= ?", created_from),
+                              ("created_at < ?", created_to), ("biz_id >= ?", prefix),
+                              ("biz_id < ?", prefix and prefix + "\x7f")):
+            if value is not None:
+                where.append(clause)
+                params.append(value)
+        counted = not where or where == ["status = ?"]
+        counter = f"transfers:{status}" if status else "transfers"
+        with self.db.snapshot() as conn:
+            if wallet_id is None:
+                sql = " AND ".join(["SELECT * FROM transfers WHERE workspace_id = ?"] + where)
+                params = [workspace_id] + params
+                owner = workspace_id
+            else:
+                self._wallet(conn, wallet_id, workspace_id)
+                # Two index-ordered halves merged by SQLite: a wallet is either
+                # side of a transfer, never both.
+                sql = " UNION ALL ".join(
+                    " AND ".join([f"SELECT * FROM transfers WHERE {side} = ?"] + where)
+                    for side in ("source_wallet_id", "target_wallet_id"))
+                params = [wallet_id] + params + [wallet_id] + params
+                owner = wallet_id
+            if counted:
+                total = self._counter(conn, owner, counter)
+            else:
+                total = conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
+            rows = self._page_rows(conn, sql, params, page, total)
+        return page_response([transfer_resource(row) for row in rows], page, total)
+
+    # Row access ##############################################################
+
+    @staticmethod
+    def _page_rows(conn: sqlite3.Connection, sql: str, params: list, page: PageRequest,
+                   total: int) -> list:
+        if page.offset >= total:  # past the last page: no query, no OFFSET overflow
+            return []
+        return conn.execute(f"{sql} ORDER BY {page.order_by()} LIMIT ? OFFSET ?",
+                            [*params, page.size, page.offset]).fetchall()
+
+    @staticmethod
+    def _counter(conn: sqlite3.Connection, owner_id: str, name: str) -> int:
+        row = conn.execute("SELECT n FROM counters WHERE owner_id = ? AND name = ?",
+                           (owner_id, name)).fetchone()
+        return row[0] if row else 0
+
+    @staticmethod
+    def _workspace(conn: sqlite3.Connection, workspace_id: str) -> sqlite3.Row:
+        row = conn.execute(_WORKSPACE_SELECT + " WHERE w.id = ? AND w.deleted_at IS NULL",
+                           (workspace_id,)).fetchone()
+        if row is None:
+            raise WorkspaceNotFound()
+        return row
+
+    @staticmethod
+    def _member(conn: sqlite3.Connection, workspace_id: str, member_id: str) -> sqlite3.Row:
+        row = conn.execute("SELECT * FROM members WHERE id = ? AND workspace_id = ?"
+                           " AND removed_at IS NULL", (member_id, workspace_id)).fetchone()
+        if row is None:
+            raise not_found("member")
+        return row
+
+    @staticmethod
+    def _wallet(conn: sqlite3.Connection, wallet_id: str,
+                workspace_id: str | None = None) -> sqlite3.Row:
+        """The wallet; W1001 if it is missing or belongs to another workspace."""
+        row = conn.execute("SELECT * FROM wallets WHERE id = ?", (wallet_id,)).fetchone()
+        if row is None or (workspace_id is not None and row["workspace_id"] != workspace_id):
+            raise WalletNotFound(wallet_id=str(wallet_id)[:64])
+        return row
+
+    def _active_wallet(self, conn: sqlite3.Connection, wallet_id: str,
+                       workspace_id: str | None) -> sqlite3.Row:
+        row = self._wallet(conn, wallet_id, workspace_id)
+        if row["status"] != "ACTIVE":
+            raise WalletNotActive(wallet_id=wallet_id, state=row["status"])
+        return row
+
+    @staticmethod
+    def _transfer(conn: sqlite3.Connection, workspace_id: str, biz_id: str) -> sqlite3.Row:
+        """The order; T1001 if missing or of another workspace (never leak existence)."""
+        row = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
+                           (workspace_id, biz_id)).fetchone()
+        if row is None:
+            raise TransferNotFound(biz_id=str(biz_id)[:64])
+        return row
+
+    @staticmethod
+    def _credit(conn: sqlite3.Connection, wallet_id: str, amount: int, now: int) -> int:
+        return conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?"
+                            " RETURNING balance", (amount, now, wallet_id)).fetchall()[0][0]
+
+    @staticmethod
+    def _debit(conn: sqlite3.Connection, wallet_id: str, amount: int, now: int) -> int:
+        return conn.execute("UPDATE wallets SET balance = balance - ?, updated_at = ? WHERE id = ?"
+                            " RETURNING balance", (amount, now, wallet_id)).fetchall()[0][0]
+
+    def _write_flow(self, conn: sqlite3.Connection, wallet_id: str, flow_type: str, amount: int,
+                    balance_after: int, now: int, transfer_id: str | None = None,
+                    biz_id: str | None = None, counterparty: str | None = None) -> sqlite3.Row:
+        direction = "CREDIT" if flow_type in ("DEPOSIT", "TRANSFER_IN") else "DEBIT"
+        return conn.execute(
+            "INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after, transfer_id,"
+            " biz_id, counterparty_wallet_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+            " RETURNING *",
+            (self.new_id("fl_", now), wallet_id, flow_type, direction, amount, balance_after,
+             transfer_id, biz_id, counterparty, now)).fetchall()[0]
+
+
+###############################################################################
+# HTTP routes ##################################################################
+###############################################################################
+
+JSON_CONTENT_TYPE = "application/json; charset=utf-8"
+
+# The nine endpoints of SPEC.md: the only ones an API key can reach. Anything
+# else under /api/ answers 50090201 after authentication (deny by default).
+API_ROUTES = (
+    ("GET", "/api/v1/wallets", "wallet:read", "list_wallets"),
+    ("GET", "/api/v1/wallets/<wallet_id>", "wallet:read", "get_wallet"),
+    ("GET", "/api/v1/wallets/<wallet_id>/balance", "wallet:read", "get_balance"),
+    ("GET", "/api/v1/wallets/<wallet_id>/flows", "wallet:read", "list_flows"),
+    ("GET", "/api/v1/transfer/query/orders", "transfer:read", "list_transfers"),
+    ("GET", "/api/v1/transfer/query/orders/wallet/<wallet_id>", "transfer:read",
+     "list_wallet_transfers"),
+    ("GET", "/api/v1/transfer/query/orders/<biz_id>", "transfer:read", "get_transfer"),
+    ("GET", "/api/v1/transfer/query/orders/<biz_id>/completed", "transfer:read",
+     "transfer_completed"),
+    ("POST", "/api/v1/transfer/command/create", "transfer:create", "create_transfer"),
+)
+
+
+def envelope(data: Any, now_ms: int) -> dict:
+    """The success envelope of SPEC.md."""
+    return {"version": API_VERSION, "timestamp": now_ms, "success": True,
+            "code": SUCCESS_CODE, "message": "SUCCESS", "data": data}
+
+
+def error_envelope(error: WalletError, locale: str, now_ms: int) -> dict:
+    """The error envelope: the catalog's code and name, data null, a localized detail."""
+    return {"version": API_VERSION, "timestamp": now_ms, "success": False,
+            "code": error.code, "message": error.name, "data": None,
+            "detail": error.detail(locale)}
+
+
+def _json_object(body: bytes) -> dict:
+    """The body as a JSON object; duplicate keys are refused, not silently merged."""
+    def no_duplicates(pairs: list) -> dict:
+        seen = {}
+        for name, value in pairs:
+            if name in seen:
+                raise invalid(str(name)[:64], "duplicate")
+            seen[name] = value
+        return seen
+
+    try:
+        value = json.loads(body.decode("utf-8"), object_pairs_hook=no_duplicates)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise invalid("body", "json") from None
+    if not isinstance(value, dict):
+        raise invalid("body", "json")
+    return value
+
+
+@dataclasses.dataclass
+class Call:
+    """One authenticated API request, as the endpoint handlers see it."""
+
+    principal: Principal
+    query: dict
+    body: bytes
+    environ: Mapping[str, Any]
+    headers: dict = dataclasses.field(default_factory=dict)  # extra response headers
+
+
+class HttpApi:
+    """The HTTP surface: the nine endpoints, the pipeline around them, the envelope.
+
+    Installed into the bottle app as a plugin: every route's callback runs
+    inside ``dispatch``, which authenticates, checks the scope and renders the
+    result or the error as the envelope. Handlers raise; they never build
+    error JSON.
+    """
+
+    name = "walletsvc"
+    api = 2
+
+    def __init__(self, svc: WalletService, settings: Settings) -> None:
+        self.svc = svc
+        self.settings = settings
+        self.auth = Authenticator(svc.db, settings, svc.clock)
+
+    # Plumbing ################################################################
+
+    def apply(self, callback: Callable, route: bottle.Route) -> Callable:
+        def wrapper(**url_args: Any) -> bottle.HTTPResponse:
+            return self.dispatch(route, callback, url_args)
+        return wrapper
+
+    def dispatch(self, route: bottle.Route, callback: Callable, url_args: dict) -> bottle.HTTPResponse:
+        environ = bottle.request.environ
+        locale = self.locale(environ)
+        try:
+            if route.config.get("surface") != "api":
+                return self.respond(200, envelope(callback(**url_args), self.svc.now_ms()), locale)
+            body = environ.get("walletsvc.body", b"")
+            principal = self.auth.authenticate(environ, body)
+            scope = route.config.get("scope")
+            if scope is None or environ["REQUEST_METHOD"] != route.method:
+                raise ApiAccessDenied()
+            if scope not in principal.scopes:  # pipeline step 8
+                raise ScopeRequired(scope=scope)
+            call = Call(principal, parse_query_string(environ.get("QUERY_STRING", "")), body, environ)
+            data = callback(call, **url_args)
+            return self.respond(200, envelope(data, self.svc.now_ms()), locale, call.headers)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the envelope
+            return self.error_response(exc, locale)
+
+    def locale(self, environ: Mapping[str, Any]) -> str:
+        return negotiate_locale(environ.get("HTTP_X_LOCALE"), environ.get("HTTP_ACCEPT_LANGUAGE"),
+                                self.settings.default_locale)
+
+    def respond(self, status: int, body: dict, locale: str,
+                headers: Mapping[str, str] | None = None) -> bottle.HTTPResponse:
+        return bottle.HTTPResponse(to_json(body), status, {
+            "Content-Type": JSON_CONTENT_TYPE, "Content-Language": locale,
+            "Cache-Control": "no-store", **(headers or {})})
+
+    def error_response(self, exc: BaseException, locale: str) -> bottle.HTTPResponse:
+        error = self.as_wallet_error(exc)
+        return self.respond(error.status, error_envelope(error, locale, self.svc.now_ms()), locale)
+
+    @staticmethod
+    def as_wallet_error(exc: BaseException) -> WalletError:
+        if isinstance(exc, WalletError):
+            return exc
+        if isinstance(exc, sqlite3.Error) and _is_busy(exc):
+            return ServiceBusy()
+        log.error("unexpected error while serving a request", exc_info=exc)
+        return InternalError()
+
+    def read_body(self) -> None:
+        """before_request hook: read the body once, exactly, within the limit.
+
+        The size limit is checked before anything else (DESIGN.md §4).
+        """
+        environ = bottle.request.environ
+        limit = self.settings.max_body_bytes
+        length_text = environ.get("CONTENT_LENGTH") or ""
+        chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+        if length_text and not length_text.isdigit():
+            raise self.error_response(invalid("Content-Length", "integer"), self.locale(environ))
+        length = int(length_text or 0)
+        stream = environ.get("wsgi.input")
+        body = b""
+        if length > limit:
+            raise self.error_response(PayloadTooLarge(limit=limit), self.locale(environ))
+        if stream is not None and (length or chunked):
+            body = stream.read(length if length else limit + 1)
+        if len(body) > limit:
+            raise self.error_response(PayloadTooLarge(limit=limit), self.locale(environ))
+        environ["walletsvc.body"] = body
+
+    def bottle_error(self, error: bottle.HTTPError) -> bytes:
+        """bottle's own 404, 405 and 500, in the envelope."""
+        environ = bottle.request.environ
+        locale = self.locale(environ)
+        if error.status_code == 404:
+            wallet_error: WalletError = not_found("path")
+        elif error.status_code == 405:
+            wallet_error = MethodNotAllowed()
+        else:
+            wallet_error = self.as_wallet_error(error.exception or RuntimeError(error.body))
+        response = bottle.response
+        response.status = wallet_error.status
+        response.set_header("Content-Type", JSON_CONTENT_TYPE)
+        response.set_header("Content-Language", locale)
+        return to_json(error_envelope(wallet_error, locale, self.svc.now_ms()))
+
+    # Endpoints ###############################################################
+
+    def list_wallets(self, call: Call) -> dict:
+        return self.svc.list_wallets(call.principal.workspace_id, call.query)
+
+    def get_wallet(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.get_wallet(wallet_id, workspace_id=call.principal.workspace_id)
+
+    def get_balance(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.get_balance(wallet_id, workspace_id=call.principal.workspace_id)
+
+    def list_flows(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.list_flows(wallet_id, call.query, workspace_id=call.principal.workspace_id)
+
+    def list_transfers(self, call: Call) -> dict:
+        return self.svc.list_transfers(call.principal.workspace_id, call.query)
+
+    def list_wallet_transfers(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.list_transfers(call.principal.workspace_id, call.query, wallet_id=wallet_id)
+
+    def get_transfer(self, call: Call, biz_id: str) -> dict:
+        return self.svc.get_transfer(call.principal.workspace_id, biz_id)
+
+    def transfer_completed(self, call: Call, biz_id: str) -> dict:
+        return self.svc.transfer_completion(call.principal.workspace_id, biz_id)
+
+    def create_transfer(self, call: Call) -> dict:
+        media_type = call.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
+        if media_type != "application/json":
+            raise UnsupportedMediaType()
+        body = _json_object(call.body)
+        header_key = _header(call.environ, "Idempotency-Key")
+        if header_key:
+            _biz_id(header_key, "Idempotency-Key")
+            if body.get("bizId") is None:
+                body["bizId"] = header_key
+            elif body["bizId"] != header_key:
+                raise invalid("bizId", "conflict")
+        order, replayed = self.svc.transfer(call.principal.workspace_id, body)
+        if replayed:
+            call.headers["Idempotent-Replayed"] = "true"
+        return order
+
+    def undeclared(self, call: Call, rest: str = "") -> None:
+        raise ApiAccessDenied()
+
+    def healthz(self) -> dict:
+        return {"status": "ok", "version": __version__}
+
+
+###############################################################################
+# App factory ##################################################################
+###############################################################################
+
+
+def create_app(svc: WalletService, **settings: Any) -> bottle.Bottle:
+    """The WSGI app (a ``bottle.Bottle``) serving ``svc``.
+
+    ``settings`` override the service's settings for this app (see Settings);
+    an unknown name raises ValueError. Mount it anywhere: the signed path is
+    the full path the client sent, prefix included.
+    """
+    settings_ = svc.settings.replace(**settings) if settings else svc.settings
+    http = HttpApi(svc, settings_)
+    app = bottle.Bottle()
+    app.config["walletsvc.service"] = svc
+    app.add_hook("before_request", http.read_body)
+    for method, path, scope, handler in API_ROUTES:
+        app.route(path, method, getattr(http, handler), surface="api", scope=scope)
+    app.route("/api<rest:re:(/.*)?>", "ANY", http.undeclared, surface="api", scope=None)
+    app.route("/healthz", "GET", http.healthz, surface="public")
+    app.default_error_handler = http.bottle_error
+    app.install(http)
+    return app
+
+
+###############################################################################
+# Command line #################################################################
+###############################################################################
+
+DEMO_WORKSPACE = "walletsvc demo"
+
+
+def seed_demo(svc: WalletService) -> dict:
+    """Seed the demo once: a workspace, two funded USD wallets, a JPY wallet, a key.
+
+    On a database that already holds the demo, returns the same credentials.
+    """
+    with svc.db.atomic() as conn:
+        row = conn.execute("SELECT k.id, k.secret FROM api_keys k JOIN workspaces w"
+                           " ON w.id = k.workspace_id WHERE w.name = ? AND w.deleted_at IS NULL"
+                           " ORDER BY k.created_at LIMIT 1", (DEMO_WORKSPACE,)).fetchone()
+        if row is None:
+            workspace = svc.create_workspace(DEMO_WORKSPACE)
+            wallets = [svc.create_wallet(workspace["id"], "USD", name="alice"),
+                       svc.create_wallet(workspace["id"], "USD", name="bob"),
+                       svc.create_wallet(workspace["id"], "JPY", name="yen")]
+            svc.deposit(wallets[0]["id"], "1000.00")
+            svc.deposit(wallets[1]["id"], "250.00")
+            svc.deposit(wallets[2]["id"], "50000")
+            key = svc.create_api_key(workspace["id"], SCOPES)
+            row = {"id": key["apiKey"], "secret": key["secret"]}
+        wallet_ids = [wallet["id"] for wallet in conn.execute(
+            "SELECT w.id FROM wallets w JOIN api_keys k ON k.workspace_id = w.workspace_id"
+            " WHERE k.id = ? ORDER BY w.created_at, w.id", (row["id"],))]
+    return {"apiKey": row["id"], "secret": row["secret"], "walletIds": wallet_ids}
+
+
+def demo_instructions(base_url: str, demo: dict) -> str:
+    """What ``serve --demo`` prints: credentials and examples that work as printed."""
+    key, secret = demo["apiKey"], demo["secret"]
+    return f"""walletsvc sandbox at {base_url}
+  API key : {key}
+  secret  : {secret}
+  wallets : {", ".join(demo["walletIds"])}
+
+Signed request from a shell (openssl + curl):
+  KEY={key} SECRET={secret}
+  TS=$(date +%s) NONCE=$(cat /proc/sys/kernel/random/uuid) P=/api/v1/wallets
+  SIG=$(printf 'GET\\n%s\\n%s\\n%s\\n%s' "$P" "$TS" "$NONCE" "$(printf '' | sha256sum | cut -d' ' -f1)" \\
+        | openssl dgst -sha256 -hmac "$SECRET" -binary | base64)
+  curl -s "{base_url}$P" -H "X-Api-Key: $KEY" -H "X-Timestamp: $TS" -H "X-Nonce: $NONCE" -H "X-Signature: $SIG"
+
+From Python:
+  import json, urllib.request, walletsvc
+  path = "/api/v1/wallets"
+  headers = walletsvc.sign_request("GET", path, b"", "{key}", "{secret}")
+  print(json.load(urllib.request.urlopen(urllib.request.Request("{base_url}" + path, headers=headers))))
+"""
+
+
+def serve(svc: WalletService, host: str, port: int, threads: int, **settings: Any) -> None:
+    """Serve ``svc`` on waitress until interrupted."""
+    import waitress
+
+    waitress.serve(create_app(svc, **settings), host=host, port=port, threads=threads,
+                   ident="walletsvc", clear_untrusted_proxy_headers=False)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``walletsvc`` command."""
+    parser = argparse.ArgumentParser(prog="walletsvc", description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    serve_parser = commands.add_parser("serve", help="serve the API on waitress")
+    serve_parser.add_argument("--db", default=os.environ.get("WALLETSVC_DB", "walletsvc.db"),
+                              help="SQLite database file (default walletsvc.db)")
+    serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    serve_parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    serve_parser.add_argument("--threads", type=int, default=4, help="waitress worker threads")
+    serve_parser.add_argument("--demo", action="store_true",
+                              help="seed a demo workspace once and print its credentials")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    try:
+        svc = WalletService(args.db)
+    except (sqlite3.Error, RuntimeError) as exc:
+        print(f"walletsvc: cannot open {args.db}: {exc}", file=sys.stderr)
+        return 2
+    settings: dict[str, Any] = {}
+    if args.demo:
+        settings["debug_signatures"] = True
+        print(demo_instructions(f"http://{args.host}:{args.port}", seed_demo(svc)), flush=True)
+    try:
+        serve(svc, args.host, args.port, args.threads, **settings)
+    except KeyboardInterrupt:
+        pass
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
