@@ -1,0 +1,630 @@
+"""Tests of walletsvc through its public surfaces: HTTP (webtest) and the Python API.
+
+Grouped under banners that mirror SPEC.md's sections. Time-dependent rules
+run on a frozen clock.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import hmac
+import json
+import multiprocessing
+import sqlite3
+import threading
+import uuid
+
+import bottle
+import pytest
+import webtest
+
+import walletsvc
+
+NOW = 1_800_000_000  # a frozen epoch second
+TRANSFER_PATH = "/api/v1/transfer/command/create"
+
+
+class Clock:
+    """A frozen clock the service reads instead of time.time()."""
+
+    def __init__(self, now: float = NOW) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def _manual_signature(key: dict, message: bytes) -> str:
+    digest = hmac.new(key["secret"].encode(), message, hashlib.sha256).digest()
+    return base64.b64encode(digest).decode()
+
+
+class Api:
+    """Signs and sends requests to a webtest app the way a client would."""
+
+    def __init__(self, app: webtest.TestApp, key: dict, clock: Clock, prefix: str = "") -> None:
+        self.app, self.key, self.clock, self.prefix = app, key, clock, prefix
+
+    def headers(self, method: str, path: str, body: bytes = b"", **overrides: str | None) -> dict:
+        """Signed headers; an overridden timestamp or nonce is signed as given."""
+        timestamp = overrides.get("X-Timestamp") or str(int(self.clock()))
+        nonce = overrides.get("X-Nonce") or str(uuid.uuid4())
+        try:
+            message = walletsvc.canonical_message(method, (self.prefix + path).split("?")[0],
+                                                  timestamp, nonce, walletsvc.body_hash(body))
+            signature = _manual_signature(self.key, message)
+        except UnicodeEncodeError:
+            signature = "unsignable"
+        headers = {"X-Api-Key": self.key["apiKey"], "X-Timestamp": timestamp, "X-Nonce": nonce,
+                   "X-Signature": signature, **overrides}
+        return {name: value for name, value in headers.items() if value is not None}
+
+    def request(self, method: str, path: str, body: bytes = b"", query: str = "",
+                headers: dict | None = None, **environ: str) -> webtest.TestResponse:
+        url = self.prefix + path + (f"?{query}" if query else "")
+        return self.app.request(url, method=method, body=body, headers=headers or {},
+                                environ=environ, expect_errors=True)
+
+    def get(self, path: str, query: str = "", **overrides: str) -> webtest.TestResponse:
+        return self.request("GET", path, query=query, headers=self.headers("GET", path, **overrides))
+
+    def transfer(self, body: dict | bytes, **overrides: str) -> webtest.TestResponse:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        headers = {"Content-Type": "application/json", **self.headers("POST", TRANSFER_PATH, raw)}
+        headers.update({name: value for name, value in overrides.items() if value is not None})
+        return self.request("POST", TRANSFER_PATH, raw, headers=headers)
+
+
+def data(response: webtest.TestResponse) -> dict:
+    assert response.status_int == 200, response.text
+    assert response.json["success"] is True
+    return response.json["data"]
+
+
+def error(response: webtest.TestResponse, code: str, status: int) -> dict:
+    """Assert an error envelope with this code and status; return it."""
+    body = response.json
+    assert (response.status_int, body["code"]) == (status, code), response.text
+    assert body["success"] is False and body["data"] is None
+    assert body["message"] == next(e.name for e in walletsvc.ERRORS if e.code == code)
+    assert response.headers["Content-Type"] == "application/json; charset=utf-8"
+    return body
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def svc(clock: Clock):
+    service = walletsvc.WalletService(":memory:", clock=clock)
+    yield service
+    service.close()
+
+
+@pytest.fixture
+def world(svc: walletsvc.WalletService):
+    """A workspace with a full-scope key, two USD wallets (one funded) and a JPY wallet."""
+    ws = svc.create_workspace("Acme")
+    key = svc.create_api_key(ws["id"], walletsvc.SCOPES)
+    usd_a = svc.create_wallet(ws["id"], "USD", name="a")
+    usd_b = svc.create_wallet(ws["id"], "USD", name="b")
+    jpy = svc.create_wallet(ws["id"], "JPY", name="yen")
+    svc.deposit(usd_a["id"], "100.00")
+    svc.deposit(jpy["id"], "5000")
+    return {"ws": ws, "key": key, "a": usd_a["id"], "b": usd_b["id"], "jpy": jpy["id"]}
+
+
+@pytest.fixture
+def app(svc: walletsvc.WalletService) -> webtest.TestApp:
+    return webtest.TestApp(walletsvc.create_app(svc, debug_signatures=True))
+
+
+@pytest.fixture
+def api(app: webtest.TestApp, world: dict, clock: Clock) -> Api:
+    return Api(app, world["key"], clock)
+
+
+def key_api(api: Api, key: dict) -> Api:
+    return Api(api.app, key, api.clock, api.prefix)
+
+
+def balances(svc: walletsvc.WalletService, *wallet_ids: str) -> list[str]:
+    return [svc.get_wallet(wallet_id)["balance"] for wallet_id in wallet_ids]
+
+
+###############################################################################
+# Response envelope ############################################################
+###############################################################################
+
+
+def test_success_envelope_has_every_field(api: Api, world: dict, clock: Clock) -> None:
+    response = api.get(f"/api/v1/wallets/{world['a']}")
+    assert response.headers["Content-Type"] == "application/json; charset=utf-8"
+    body = response.json
+    assert body == {"version": "v1", "timestamp": NOW * 1000, "success": True, "code": "2000",
+                    "message": "SUCCESS", "data": body["data"]}
+    assert body["data"]["id"] == world["a"]
+
+
+def test_error_envelope_has_every_field_and_a_detail(api: Api) -> None:
+    response = api.get("/api/v1/wallets", **{"X-Api-Key": "ak_nope"})
+    assert response.json == {"version": "v1", "timestamp": NOW * 1000, "success": False,
+                             "code": "GA2011", "message": "API_KEY_NOT_FOUND", "data": None,
+                             "detail": "The API key does not exist."}
+    assert response.headers["Content-Language"] == "en-US"
+
+
+@pytest.mark.parametrize("locale_headers, expected", [
+    ({"X-LOCALE": "zh-CN"}, "zh-CN"),
+    ({"X-LOCALE": "zh"}, "zh-CN"),
+    ({"X-LOCALE": "zh_CN"}, "zh-CN"),
+    ({"Accept-Language": "fr-FR, zh-CN;q=0.9, en;q=0.5"}, "zh-CN"),
+    ({"X-LOCALE": "en-US", "Accept-Language": "zh-CN"}, "en-US"),
+    ({"X-LOCALE": "tlh"}, "en-US"),
+    ({}, "en-US"),
+])
+def test_error_detail_is_localized(api: Api, locale_headers: dict, expected: str) -> None:
+    response = api.get("/api/v1/wallets", **{"X-Api-Key": "ak_nope"}, **locale_headers)
+    assert response.headers["Content-Language"] == expected
+    detail = response.json["detail"]
+    assert detail == ("API 密钥不存在。" if expected == "zh-CN" else "The API key does not exist.")
+
+
+def test_default_locale_setting_applies_without_a_language(svc, world, clock) -> None:
+    zh_app = webtest.TestApp(walletsvc.create_app(svc, default_locale="zh-CN"))
+    response = Api(zh_app, world["key"], clock).get("/api/v1/wallets/wal_missing")
+    assert error(response, "W1001", 404)["detail"] == "钱包 wal_missing 不存在。"
+
+
+def test_bottle_404_and_405_use_the_envelope(app: webtest.TestApp) -> None:
+    error(app.get("/nothing/here", expect_errors=True), "S404", 404)
+    error(app.post("/healthz", expect_errors=True), "S405", 405)
+
+
+def test_healthz_answers_without_auth(app: webtest.TestApp) -> None:
+    assert data(app.get("/healthz")) == {"status": "ok", "version": walletsvc.__version__}
+
+
+def test_unexpected_failure_is_s500_without_traceback(svc, api: Api, monkeypatch) -> None:
+    def explode(*args, **kwargs):
+        raise RuntimeError("secret internals")
+    monkeypatch.setattr(svc, "list_wallets", explode)
+    body = error(api.get("/api/v1/wallets"), "S500", 500)
+    assert "secret" not in json.dumps(body) and "Traceback" not in json.dumps(body)
+
+
+###############################################################################
+# Authentication: the validation pipeline #####################################
+###############################################################################
+
+
+def test_missing_api_key_is_ga2001(api: Api) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Api-Key": None}), "GA2001", 401)
+
+
+def test_empty_api_key_is_ga2001(api: Api) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Api-Key": ""}), "GA2001", 401)
+
+
+def test_unknown_api_key_is_ga2011(api: Api) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Api-Key": "ak_unknown"}), "GA2011", 401)
+
+
+def test_disabled_key_is_ga2021_and_reenabled_key_works(svc, api: Api, world: dict) -> None:
+    svc.set_api_key_enabled(world["key"]["apiKey"], False)
+    error(api.get("/api/v1/wallets"), "GA2021", 403)
+    svc.set_api_key_enabled(world["key"]["apiKey"], True)
+    data(api.get("/api/v1/wallets"))
+
+
+def test_deleted_workspace_is_ga2032(svc, api: Api, world: dict) -> None:
+    svc.delete_workspace(world["ws"]["id"])
+    error(api.get("/api/v1/wallets"), "GA2032", 404)
+
+
+def test_removed_member_is_ga2034(svc, api: Api, world: dict) -> None:
+    member = svc.add_member(world["ws"]["id"], "alice")
+    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], member_id=member["id"])
+    data(key_api(api, key).get("/api/v1/wallets"))
+    svc.remove_member(world["ws"]["id"], member["id"])
+    error(key_api(api, key).get("/api/v1/wallets"), "GA2034", 403)
+    data(api.get("/api/v1/wallets"))  # the owner's key is unaffected
+
+
+@pytest.mark.parametrize("skew", [-61, 61, -3600, 3600])
+def test_timestamp_outside_60_seconds_is_ga2013(api: Api, skew: int) -> None:
+    response = api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW + skew)})
+    error(response, "GA2013", 401)
+
+
+@pytest.mark.parametrize("skew", [-60, 60, 0])
+def test_timestamp_exactly_60_seconds_away_passes(api: Api, world: dict, skew: int) -> None:
+    path = "/api/v1/wallets"
+    headers = walletsvc.sign_request("GET", path, b"", world["key"]["apiKey"],
+                                     world["key"]["secret"], timestamp=NOW + skew)
+    data(api.request("GET", path, headers=headers))
+
+
+@pytest.mark.parametrize("timestamp", [None, "", "abc", "1.5", "-1", "1800000000000000", " 1800000000"])
+def test_missing_or_malformed_timestamp_is_ga2013(api: Api, timestamp: str | None) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Timestamp": timestamp}), "GA2013", 401)
+
+
+def test_reused_nonce_is_ga2013(api: Api) -> None:
+    headers = api.headers("GET", "/api/v1/wallets")
+    data(api.request("GET", "/api/v1/wallets", headers=headers))
+    error(api.request("GET", "/api/v1/wallets", headers=headers), "GA2013", 401)
+
+
+@pytest.mark.parametrize("nonce", [None, "", "has space", "x" * 129, "é"])
+def test_missing_or_malformed_nonce_is_ga2013(api: Api, nonce: str | None) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Nonce": nonce}), "GA2013", 401)
+
+
+def test_nonces_are_unique_per_key(svc, api: Api, world: dict) -> None:
+    other = svc.create_api_key(world["ws"]["id"], ["wallet:read"])
+    data(api.get("/api/v1/wallets", **{"X-Nonce": "shared-nonce"}))
+    data(key_api(api, other).get("/api/v1/wallets", **{"X-Nonce": "shared-nonce"}))
+
+
+def test_bad_signature_does_not_burn_the_nonce(api: Api) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Nonce": "n-1", "X-Signature": "AAAA"}), "GA2012", 401)
+    data(api.get("/api/v1/wallets", **{"X-Nonce": "n-1"}))
+
+
+def test_nonce_records_expire_and_are_purged(svc, api: Api, clock: Clock) -> None:
+    for _ in range(5):
+        data(api.get("/api/v1/wallets"))
+    headers = api.headers("GET", "/api/v1/wallets", **{"X-Nonce": "again"})
+    data(api.request("GET", "/api/v1/wallets", headers=headers))
+    clock.advance(121)  # past twice the window
+    data(api.get("/api/v1/wallets", **{"X-Nonce": "again"}))  # an expired record is reusable
+    with svc.db.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM nonces").fetchone()[0] == 1
+
+
+def test_nonce_table_stays_bounded_over_many_windows(svc, api: Api, clock: Clock) -> None:
+    sizes = []
+    for _ in range(12):
+        for _ in range(20):
+            data(api.get("/api/v1/wallets"))
+        clock.advance(30)
+        with svc.db.connection() as conn:
+            sizes.append(conn.execute("SELECT count(*) FROM nonces").fetchone()[0])
+    assert max(sizes) <= 20 * 6  # requests of at most 2 windows plus one purge interval
+
+
+def test_wrong_signature_is_ga2012(api: Api) -> None:
+    wrong = base64.b64encode(b"x" * 32).decode()
+    error(api.get("/api/v1/wallets", **{"X-Signature": wrong}), "GA2012", 401)
+
+
+@pytest.mark.parametrize("signature", [None, "", "not base64!", "AAA"])
+def test_missing_or_undecodable_signature_is_ga2012(api: Api, signature: str | None) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Signature": signature}), "GA2012", 401)
+
+
+def test_signature_with_another_secret_is_ga2012(svc, api: Api, world: dict) -> None:
+    other = svc.create_api_key(world["ws"]["id"], ["wallet:read"])
+    forged = {**world["key"], "secret": other["secret"]}
+    error(key_api(api, forged).get("/api/v1/wallets"), "GA2012", 401)
+
+
+def test_signature_matches_spec_recipe_computed_by_hand(api: Api, world: dict) -> None:
+    path, nonce = "/api/v1/wallets", str(uuid.uuid4())
+    message = f"GET\n{path}\n{NOW}\n{nonce}\n{hashlib.sha256(b'').hexdigest()}".encode()
+    headers = {"X-Api-Key": world["key"]["apiKey"], "X-Timestamp": str(NOW), "X-Nonce": nonce,
+               "X-Signature": _manual_signature(world["key"], message)}
+    data(api.request("GET", path, headers=headers))
+
+
+@pytest.mark.parametrize("body_hash", [
+    hashlib.sha256(b"{}").hexdigest(),  # any other value than the empty hash
+    "",  # left out of the message
+    hashlib.sha256(b"").hexdigest().upper(),  # not lowercase
+])
+def test_get_must_sign_the_empty_body_hash(api: Api, world: dict, body_hash: str) -> None:
+    path, nonce = "/api/v1/wallets", "n-empty"
+    parts = ["GET", path, str(NOW), nonce] + ([body_hash] if body_hash else [])
+    headers = {"X-Api-Key": world["key"]["apiKey"], "X-Timestamp": str(NOW), "X-Nonce": nonce,
+               "X-Signature": _manual_signature(world["key"], "\n".join(parts).encode())}
+    body = error(api.request("GET", path, headers=headers), "GA2012", 401)
+    assert "Canonical message: GET\\n/api/v1/wallets\\n" in body["detail"]
+    assert world["key"]["secret"] not in body["detail"]
+
+
+def test_trailing_line_feed_in_the_message_is_ga2012(api: Api, world: dict) -> None:
+    message = f"GET\n/api/v1/wallets\n{NOW}\nn-lf\n{walletsvc.EMPTY_BODY_HASH}\n".encode()
+    headers = {"X-Api-Key": world["key"]["apiKey"], "X-Timestamp": str(NOW), "X-Nonce": "n-lf",
+               "X-Signature": _manual_signature(world["key"], message)}
+    error(api.request("GET", "/api/v1/wallets", headers=headers), "GA2012", 401)
+
+
+def test_reserialized_body_fails_verification(api: Api, world: dict) -> None:
+    compact = json.dumps({"sourceWalletId": world["a"], "targetWalletId": world["b"],
+                          "amount": "1.00", "currency": "USD"}, separators=(",", ":")).encode()
+    spaced = json.dumps(json.loads(compact), indent=2).encode()
+    headers = {"Content-Type": "application/json", **api.headers("POST", TRANSFER_PATH, compact)}
+    error(api.request("POST", TRANSFER_PATH, spaced, headers=headers), "GA2012", 401)
+    data(api.request("POST", TRANSFER_PATH, compact, headers=headers))
+
+
+def test_query_string_is_not_signed(api: Api) -> None:
+    data(api.get("/api/v1/wallets", query="page=0&size=5"))
+    path = "/api/v1/wallets"
+    headers = api.headers("GET", path + "?size=5")  # sign_request drops the query too
+    data(api.request("GET", path, query="size=5", headers=headers))
+    message_with_query = walletsvc.canonical_message("GET", "/api/v1/wallets?size=5", str(NOW), "q-1",
+                                                     walletsvc.EMPTY_BODY_HASH)
+    headers = {**api.headers("GET", path, **{"X-Nonce": "q-1"}),
+               "X-Signature": _manual_signature(api.key, message_with_query)}
+    error(api.request("GET", path, query="size=5", headers=headers), "GA2012", 401)
+
+
+def test_signed_path_is_the_raw_path_the_client_sent(api: Api, world: dict) -> None:
+    raw = f"/api/v1/wallets/{world['a']}".replace("_", "%5F")
+    headers = api.headers("GET", raw)
+    data(api.request("GET", f"/api/v1/wallets/{world['a']}", headers=headers, REQUEST_URI=raw))
+    decoded_signature = api.headers("GET", f"/api/v1/wallets/{world['a']}")
+    error(api.request("GET", f"/api/v1/wallets/{world['a']}", headers=decoded_signature,
+                      REQUEST_URI=raw + "?x=1"), "GA2012", 401)
+
+
+def test_app_mounted_under_a_prefix_signs_the_full_path(svc, world: dict, clock: Clock) -> None:
+    parent = bottle.Bottle()
+    parent.mount("/payments/", walletsvc.create_app(svc))
+    client = webtest.TestApp(parent)
+    mounted = Api(client, world["key"], clock, prefix="/payments")
+    assert data(mounted.get(f"/api/v1/wallets/{world['a']}"))["id"] == world["a"]
+    unprefixed = Api(client, world["key"], clock).headers("GET", f"/api/v1/wallets/{world['a']}")
+    response = mounted.request("GET", f"/api/v1/wallets/{world['a']}", headers=unprefixed)
+    error(response, "GA2012", 401)
+
+
+@pytest.mark.parametrize("whitelist, remote, allowed", [
+    (["203.0.113.7"], "203.0.113.7", True),
+    (["203.0.113.7"], "203.0.113.8", False),
+    (["10.1.0.0/16"], "10.1.255.3", True),
+    (["10.1.0.0/16"], "10.2.0.1", False),
+    (["2001:db8::1"], "2001:db8::1", True),
+    (["2001:db8::/32"], "2001:db8:ffff::9", True),
+    (["2001:db8::/32"], "2001:db9::1", False),
+    (["192.0.2.0/24"], "::ffff:192.0.2.5", True),  # IPv4-mapped IPv6 peer
+    (["192.0.2.0/24"], "2001:db8::1", False),
+])
+def test_ip_whitelist(svc, api: Api, world: dict, whitelist, remote, allowed) -> None:
+    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], ip_whitelist=whitelist)
+    client = key_api(api, key)
+    path = "/api/v1/wallets"
+    response = client.request("GET", path, headers=client.headers("GET", path), REMOTE_ADDR=remote)
+    if allowed:
+        data(response)
+    else:
+        error(response, "GA2022", 403)
+
+
+@pytest.mark.parametrize("trusted, forwarded, allowed", [
+    (True, "198.51.100.9", True),  # believed: the client is whitelisted
+    (False, "198.51.100.9", False),  # an untrusted peer cannot claim an address
+    (True, "198.51.100.9, 127.0.0.1", True),  # trusted hops on the right are skipped
+    (True, "198.51.100.9, 203.0.113.50", False),  # the first untrusted hop from the right decides
+    (True, "garbage", False),
+])
+def test_x_forwarded_for_only_from_trusted_proxies(svc, world, clock, trusted, forwarded,
+                                                   allowed) -> None:
+    app = webtest.TestApp(walletsvc.create_app(svc, trusted_proxies="127.0.0.0/8" if trusted else ""))
+    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], ip_whitelist=["198.51.100.0/24"])
+    client = Api(app, key, clock)
+    path = "/api/v1/wallets"
+    headers = {**client.headers("GET", path), "X-Forwarded-For": forwarded}
+    response = client.request("GET", path, headers=headers, REMOTE_ADDR="127.0.0.1")
+    if allowed:
+        data(response)
+    else:
+        error(response, "GA2022", 403)
+
+
+ENDPOINTS = [  # (method, path template, required scope)
+    ("GET", "/api/v1/wallets", "wallet:read"),
+    ("GET", "/api/v1/wallets/{a}", "wallet:read"),
+    ("GET", "/api/v1/wallets/{a}/balance", "wallet:read"),
+    ("GET", "/api/v1/wallets/{a}/flows", "wallet:read"),
+    ("GET", "/api/v1/transfer/query/orders", "transfer:read"),
+    ("GET", "/api/v1/transfer/query/orders/wallet/{a}", "transfer:read"),
+    ("GET", "/api/v1/transfer/query/orders/{biz}", "transfer:read"),
+    ("GET", "/api/v1/transfer/query/orders/{biz}/completed", "transfer:read"),
+    ("POST", TRANSFER_PATH, "transfer:create"),
+]
+
+
+@pytest.mark.parametrize("scope", walletsvc.SCOPES)
+@pytest.mark.parametrize("method, template, required", ENDPOINTS)
+def test_each_scope_grants_exactly_its_endpoints(svc, api, world, scope, method, template,
+                                                 required) -> None:
+    svc.create_transfer(world["ws"]["id"], source_wallet_id=world["a"], target_wallet_id=world["b"],
+                        amount="1.00", currency="USD", biz_id="order-1")
+    client = key_api(api, svc.create_api_key(world["ws"]["id"], [scope]))
+    path = template.format(a=world["a"], biz="order-1")
+    if method == "POST":
+        response = client.transfer({"sourceWalletId": world["a"], "targetWalletId": world["b"],
+                                    "amount": "1.00", "currency": "USD"})
+    else:
+        response = client.get(path)
+    if scope == required:
+        data(response)
+    else:
+        body = error(response, "GA2024", 403)
+        assert required in body["detail"]
+
+
+@pytest.mark.parametrize("method, path", [
+    ("GET", "/api/v1/admin/keys"),
+    ("GET", "/api/v2/wallets"),
+    ("GET", "/api/"),
+    ("GET", "/api"),
+    ("GET", "/api/v1/wallets/"),  # no normalisation of a trailing slash
+    ("DELETE", "/api/v1/wallets"),
+    ("POST", "/api/v1/wallets"),
+    ("PUT", TRANSFER_PATH),
+    ("GET", TRANSFER_PATH),
+    ("HEAD", "/api/v1/wallets"),
+])
+def test_undeclared_endpoint_is_denied_by_default(api: Api, method: str, path: str) -> None:
+    response = api.request(method, path, headers=api.headers(method, path))
+    assert response.status_int == 403
+    if method != "HEAD":
+        error(response, "50090201", 403)
+
+
+def test_undeclared_endpoint_still_authenticates_first(api: Api) -> None:
+    error(api.get("/api/v1/admin/keys", **{"X-Signature": "AAAA"}), "GA2012", 401)
+    error(api.get("/api/v1/admin/keys", **{"X-Api-Key": None}), "GA2001", 401)
+
+
+def test_full_scope_key_gets_50090201_not_ga2024_for_undeclared(svc, api, world) -> None:
+    narrow = key_api(api, svc.create_api_key(world["ws"]["id"], ["wallet:read"]))
+    error(narrow.get("/api/v1/nowhere"), "50090201", 403)
+
+
+# Pipeline order: each row fails at its step and would fail at every later one
+# too; the first failure must win (SPEC.md: "the first failure ends processing").
+PIPELINE_ORDER = [
+    ("key missing beats everything", "no_key", "GA2001", 401),
+    ("unknown key beats a disabled state and a stale timestamp", "unknown_key", "GA2011", 401),
+    ("disabled key wins over a stale timestamp", "disabled", "GA2021", 403),
+    ("deleted workspace wins over a stale timestamp", "deleted_workspace", "GA2032", 404),
+    ("removed member wins over a stale timestamp", "removed_member", "GA2034", 403),
+    ("stale timestamp wins over a bad signature", "stale", "GA2013", 401),
+    ("reused nonce wins over a bad signature", "reused_nonce", "GA2013", 401),
+    ("bad signature wins over the whitelist", "bad_signature", "GA2012", 401),
+    ("whitelist wins over a missing scope", "not_whitelisted", "GA2022", 403),
+    ("missing scope last", "no_scope", "GA2024", 403),
+]
+
+
+@pytest.mark.parametrize("case, failing_step, code, status", PIPELINE_ORDER,
+                         ids=[row[0] for row in PIPELINE_ORDER])
+def test_pipeline_order(svc, api, world, case, failing_step, code, status) -> None:
+    steps = [row[1] for row in PIPELINE_ORDER]
+    fails = set(steps[steps.index(failing_step):])
+    member = svc.add_member(world["ws"]["id"], "m")
+    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], member_id=member["id"],
+                             ip_whitelist=["203.0.113.0/24"] if "not_whitelisted" in fails else None)
+    client = key_api(api, key)
+    path = "/api/v1/transfer/query/orders" if "no_scope" in fails else "/api/v1/wallets"
+    overrides = {}
+    if "reused_nonce" in fails:
+        first = client.headers("GET", "/api/v1/wallets", **{"X-Nonce": "used"})
+        data(client.request("GET", "/api/v1/wallets", headers=first, REMOTE_ADDR="203.0.113.5"))
+        overrides["X-Nonce"] = "used"
+    if "stale" in fails:
+        overrides["X-Timestamp"] = str(NOW - 120)
+    if "bad_signature" in fails:
+        overrides["X-Signature"] = base64.b64encode(b"0" * 32).decode()
+    if "unknown_key" in fails:
+        overrides["X-Api-Key"] = "ak_missing"
+    if "no_key" in fails:
+        overrides["X-Api-Key"] = None
+    if "disabled" in fails:
+        svc.set_api_key_enabled(key["apiKey"], False)
+    if "removed_member" in fails:
+        svc.remove_member(world["ws"]["id"], member["id"])
+    if "deleted_workspace" in fails:
+        svc.delete_workspace(world["ws"]["id"])
+    headers = client.headers("GET", path, **overrides)
+    error(client.request("GET", path, headers=headers, REMOTE_ADDR="198.51.100.1"), code, status)
+
+
+MALFORMED_VALUES = {
+    "empty": "",
+    "non-ascii": "clé-ünï",
+    "very long": "k" * 20000,
+    "non-numeric": "12ab",
+    "invalid base64": "@@@==",
+    "control characters": "a\tb",
+}
+
+
+@pytest.mark.parametrize("header", ["X-Api-Key", "X-Timestamp", "X-Nonce", "X-Signature",
+                                    "X-LOCALE", "Accept-Language", "X-Forwarded-For",
+                                    "Content-Type", "Idempotency-Key"])
+@pytest.mark.parametrize("value_name", list(MALFORMED_VALUES))
+def test_malformed_headers_never_cause_a_500(api: Api, world, header, value_name) -> None:
+    value = MALFORMED_VALUES[value_name]
+    body = json.dumps({"sourceWalletId": world["a"], "targetWalletId": world["b"],
+                       "amount": "1.00", "currency": "USD"}).encode()
+    for method, path, payload in (("GET", "/api/v1/wallets", b""), ("POST", TRANSFER_PATH, body)):
+        headers = {"Content-Type": "application/json", **api.headers(method, path, payload)}
+        headers[header] = value
+        environ = {"HTTP_" + header.upper().replace("-", "_"): value}
+        if header == "Content-Type":
+            environ = {"CONTENT_TYPE": value}
+        response = api.request(method, path, payload, headers={k: v for k, v in headers.items()
+                                                               if k != header}, **environ)
+        assert response.status_int < 500, response.text
+        assert response.json["code"] in {e.code for e in walletsvc.ERRORS} | {"2000"}
+
+
+def test_body_over_the_limit_is_413_before_authentication(app: webtest.TestApp) -> None:
+    response = app.post(TRANSFER_PATH, b"x" * 65537, expect_errors=True)
+    assert error(response, "S413", 413)["detail"] == "The request body exceeds 65536 bytes."
+
+
+def test_body_limit_is_a_setting(svc, api: Api, world: dict) -> None:
+    small = Api(webtest.TestApp(walletsvc.create_app(svc, max_body_bytes=10)), world["key"], api.clock)
+    error(small.transfer({"sourceWalletId": world["a"]}), "S413", 413)
+    data(small.get("/api/v1/wallets"))
+
+
+def test_two_services_in_one_process_share_nothing(clock: Clock) -> None:
+    first_svc = walletsvc.WalletService(":memory:", clock=clock)
+    second_svc = walletsvc.WalletService(":memory:", clock=clock)
+    key = first_svc.create_api_key(first_svc.create_workspace("one")["id"], ["wallet:read"])
+    second = Api(webtest.TestApp(walletsvc.create_app(second_svc)), key, clock)
+    error(second.get("/api/v1/wallets"), "GA2011", 401)
+    assert second_svc.list_workspaces() == []
+
+
+###############################################################################
+# Settings #####################################################################
+###############################################################################
+
+
+def test_unknown_setting_is_an_error(svc) -> None:
+    with pytest.raises(ValueError, match="unknown setting"):
+        walletsvc.create_app(svc, timestamp_tolerence=30)
+    with pytest.raises(ValueError, match="unknown setting"):
+        walletsvc.WalletService(":memory:", bogus=True)
+
+
+@pytest.mark.parametrize("name, value", [("timestamp_tolerance", 0), ("max_body_bytes", -1),
+                                         ("default_locale", "fr-FR"), ("debug_signatures", "maybe"),
+                                         ("trusted_proxies", "not-an-ip"), ("busy_timeout", 0)])
+def test_invalid_setting_values_are_errors(name: str, value) -> None:
+    with pytest.raises(ValueError, match=name):
+        walletsvc.Settings(**{name: value})
+
+
+def test_settings_convert_strings() -> None:
+    settings = walletsvc.Settings(timestamp_tolerance="30", debug_signatures="true",
+                                  trusted_proxies="10.0.0.0/8, ::1")
+    assert settings.timestamp_tolerance == 30 and settings.debug_signatures is True
+    assert [str(net) for net in settings.trusted_proxies] == ["10.0.0.0/8", "::1/128"]
+
+
+def test_timestamp_tolerance_setting_changes_the_window(svc, world, clock) -> None:
+    strict = Api(webtest.TestApp(walletsvc.create_app(svc, timestamp_tolerance=5)), world["key"], clock)
+    error(strict.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 6)}), "GA2013", 401)
+    data(strict.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 5)}))
+
+
+def test_signature_detail_hides_canonical_message_unless_debug(svc, world, clock) -> None:
+    quiet = Api(webtest.TestApp(walletsvc.create_app(svc)), world["key"], clock)
+    body = error(quiet.get("/api/v1/wallets", **{"X-Signature": "AAAA"}), "GA2012", 401)
+    assert body["detail"] == "The request signature is invalid."
