@@ -11,6 +11,7 @@ import hashlib
 import hmac
 import json
 import multiprocessing
+import pathlib
 import sqlite3
 import threading
 import uuid
@@ -628,3 +629,169 @@ def test_signature_detail_hides_canonical_message_unless_debug(svc, world, clock
     quiet = Api(webtest.TestApp(walletsvc.create_app(svc)), world["key"], clock)
     body = error(quiet.get("/api/v1/wallets", **{"X-Signature": "AAAA"}), "GA2012", 401)
     assert body["detail"] == "The request signature is invalid."
+
+
+###############################################################################
+# Python admin API and storage #################################################
+###############################################################################
+
+
+def test_admin_api_returns_camel_case_dicts(svc) -> None:
+    ws = svc.create_workspace("Acme")
+    assert ws == {"id": ws["id"], "name": "Acme", "ownerMemberId": ws["ownerMemberId"],
+                  "createdAt": "2027-01-15T08:00:00.000Z"}
+    assert ws["id"].startswith("ws_") and ws["ownerMemberId"].startswith("mem_")
+    member = svc.add_member(ws["id"], "alice")
+    assert member == {"id": member["id"], "workspaceId": ws["id"], "name": "alice", "role": "MEMBER",
+                      "createdAt": "2027-01-15T08:00:00.000Z"}
+    key = svc.create_api_key(ws["id"], ["wallet:read"], member_id=member["id"],
+                             ip_whitelist=["10.0.0.1", "2001:db8::/48"])
+    assert key == {"apiKey": key["apiKey"], "secret": key["secret"], "workspaceId": ws["id"],
+                   "memberId": member["id"], "scopes": ["wallet:read"], "enabled": True,
+                   "ipWhitelist": ["10.0.0.1/32", "2001:db8::/48"],
+                   "createdAt": "2027-01-15T08:00:00.000Z"}
+    listed = svc.list_api_keys(ws["id"])
+    assert [k["apiKey"] for k in listed] == [key["apiKey"]]
+    assert "secret" not in listed[0]  # returned once, at creation
+    wallet = svc.create_wallet(ws["id"], "EUR", name="ops")
+    assert wallet == {"id": wallet["id"], "workspaceId": ws["id"], "name": "ops", "currency": "EUR",
+                      "status": "ACTIVE", "balance": "0.00", "createdAt": "2027-01-15T08:00:00.000Z",
+                      "updatedAt": "2027-01-15T08:00:00.000Z"}
+
+
+def test_default_key_belongs_to_the_owner(svc) -> None:
+    ws = svc.create_workspace("Acme")
+    assert svc.create_api_key(ws["id"])["memberId"] == ws["ownerMemberId"]
+    assert [m["role"] for m in svc.list_members(ws["id"])] == ["OWNER"]
+
+
+@pytest.mark.parametrize("call, code, status", [
+    (lambda svc, ws: svc.create_wallet("ws_missing", "USD"), "GA2032", 404),
+    (lambda svc, ws: svc.create_wallet(ws["id"], "XYZ"), "S012", 400),
+    (lambda svc, ws: svc.create_api_key(ws["id"], ["wallet:write"]), "S012", 400),
+    (lambda svc, ws: svc.create_api_key(ws["id"], []), "S012", 400),
+    (lambda svc, ws: svc.create_api_key(ws["id"], ip_whitelist=["10.0.0.300"]), "S012", 400),
+    (lambda svc, ws: svc.create_api_key(ws["id"], member_id="mem_missing"), "S404", 404),
+    (lambda svc, ws: svc.set_api_key_enabled("ak_missing", False), "S404", 404),
+    (lambda svc, ws: svc.remove_member(ws["id"], "mem_missing"), "S404", 404),
+    (lambda svc, ws: svc.delete_workspace("ws_missing"), "GA2032", 404),
+    (lambda svc, ws: svc.create_workspace(""), "S012", 400),
+    (lambda svc, ws: svc.set_wallet_status("wal_missing", "FROZEN"), "W1001", 404),
+    (lambda svc, ws: svc.deposit("wal_missing", "1.00"), "W1001", 404),
+])
+def test_admin_errors_carry_the_catalog_code(svc, call, code: str, status: int) -> None:
+    ws = svc.create_workspace("Acme")
+    with pytest.raises(walletsvc.WalletError) as raised:
+        call(svc, ws)
+    assert (raised.value.code, raised.value.status) == (code, status)
+
+
+def test_deleted_workspace_is_gone_from_the_admin_api(svc) -> None:
+    ws = svc.create_workspace("Acme")
+    svc.delete_workspace(ws["id"])
+    assert svc.list_workspaces() == []
+    with pytest.raises(walletsvc.WalletError, match="workspace does not exist"):
+        svc.create_wallet(ws["id"], "USD")
+
+
+def test_file_database_uses_wal_and_a_schema_version(tmp_path) -> None:
+    path = str(tmp_path / "wallet.db")
+    first = walletsvc.WalletService(path)
+    ws = first.create_workspace("Acme")
+    first.close()
+    second = walletsvc.WalletService(path)  # schema applied again: idempotent, data kept
+    assert [w["id"] for w in second.list_workspaces()] == [ws["id"]]
+    with second.db.connection() as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(1,)]
+
+
+def test_schema_sql_applies_idempotently(tmp_path) -> None:
+    schema = (pathlib.Path(walletsvc.__file__).parent / "schema.sql").read_text()
+    with sqlite3.connect(tmp_path / "raw.db") as conn:
+        conn.executescript(schema)
+        conn.executescript(schema)
+        assert conn.execute("SELECT count(*) FROM schema_version").fetchone()[0] == 1
+
+
+def test_database_of_another_schema_version_is_refused(tmp_path) -> None:
+    path = str(tmp_path / "wallet.db")
+    walletsvc.WalletService(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE schema_version SET version = 99")
+    with pytest.raises(RuntimeError, match="schema version 99"):
+        walletsvc.WalletService(path)
+
+
+@pytest.mark.parametrize("statement", [
+    "UPDATE wallets SET balance = -1",
+    "UPDATE wallets SET balance = 1.5",
+    "UPDATE wallets SET pending = balance + 1",
+])
+def test_schema_checks_are_the_last_line_of_defence(svc, world, statement: str) -> None:
+    with pytest.raises(sqlite3.IntegrityError), svc.db.atomic() as conn:
+        conn.execute(statement)
+    assert balances(svc, world["a"]) == ["100.00"]
+
+
+def test_in_memory_service_works_from_many_threads(svc, world) -> None:
+    def deposit_many() -> None:
+        for _ in range(25):
+            svc.deposit(world["b"], "0.01")
+    threads = [threading.Thread(target=deposit_many) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert balances(svc, world["b"]) == ["2.00"]
+
+
+###############################################################################
+# Money ########################################################################
+###############################################################################
+
+
+@pytest.mark.parametrize("currency, amount, shown", [
+    ("USD", "10", "10.00"),
+    ("USD", "10.5", "10.50"),
+    ("USD", "0.01", "0.01"),
+    ("USD", "999999999999999.99", "999999999999999.99"),
+    ("JPY", "10", "10"),
+    ("KWD", "1.234", "1.234"),
+    ("CLF", "1.0001", "1.0001"),
+])
+def test_amounts_are_exact_in_the_currency_exponent(svc, currency, amount, shown) -> None:
+    wallet = svc.create_wallet(svc.create_workspace("Acme")["id"], currency)
+    flow = svc.deposit(wallet["id"], amount)
+    assert (flow["amount"], flow["balanceAfter"], svc.get_wallet(wallet["id"])["balance"]) == (
+        shown, shown, shown)
+
+
+@pytest.mark.parametrize("currency, amount", [
+    ("USD", "10.001"), ("JPY", "10.5"), ("KWD", "1.2345"), ("USD", "1e3"), ("USD", "-1.00"),
+    ("USD", "0"), ("USD", "0.00"), ("USD", "+1"), ("USD", " 1"), ("USD", "1,000"), ("USD", ""),
+    ("USD", "1."), ("USD", ".5"), ("USD", "1234567890123456"), ("USD", "NaN"), ("USD", 1.5),
+    ("USD", True), ("USD", None), ("USD", "１"),
+])
+def test_bad_amounts_are_refused_never_rounded(svc, currency, amount) -> None:
+    wallet = svc.create_wallet(svc.create_workspace("Acme")["id"], currency)
+    with pytest.raises(walletsvc.WalletError) as raised:
+        svc.deposit(wallet["id"], amount)
+    assert raised.value.code == "S012" and "amount" in str(raised.value)
+    assert svc.get_wallet(wallet["id"])["balance"] in ("0", "0.00", "0.000", "0.0000")
+
+
+def test_withdraw_never_goes_below_zero(svc, world) -> None:
+    with pytest.raises(walletsvc.WalletError) as raised:
+        svc.withdraw(world["a"], "100.01")
+    assert raised.value.code == "T2001"
+    assert svc.withdraw(world["a"], "100.00")["balanceAfter"] == "0.00"
+
+
+def test_frozen_wallet_moves_no_money(svc, world) -> None:
+    svc.set_wallet_status(world["a"], "FROZEN")
+    for move in (svc.deposit, svc.withdraw):
+        with pytest.raises(walletsvc.WalletError) as raised:
+            move(world["a"], "1.00")
+        assert (raised.value.code, raised.value.status) == ("W1002", 422)
