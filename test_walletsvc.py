@@ -795,3 +795,568 @@ def test_frozen_wallet_moves_no_money(svc, world) -> None:
         with pytest.raises(walletsvc.WalletError) as raised:
             move(world["a"], "1.00")
         assert (raised.value.code, raised.value.status) == ("W1002", 422)
+
+
+###############################################################################
+# Wallets, balances and flows ##################################################
+###############################################################################
+
+T0 = "2027-01-15T08:00:00.000Z"  # NOW as ISO-8601
+
+
+def test_wallet_endpoint_shape(api: Api, world: dict) -> None:
+    assert data(api.get(f"/api/v1/wallets/{world['a']}")) == {
+        "id": world["a"], "workspaceId": world["ws"]["id"], "name": "a", "currency": "USD",
+        "status": "ACTIVE", "balance": "100.00", "createdAt": T0, "updatedAt": T0}
+
+
+def test_balance_endpoint_shape(api: Api, world: dict) -> None:
+    assert data(api.get(f"/api/v1/wallets/{world['jpy']}/balance")) == {
+        "walletId": world["jpy"], "currency": "JPY", "balance": "5000", "available": "5000",
+        "pending": "0", "updatedAt": T0}
+
+
+def test_flow_endpoint_shape_and_balance_after(api: Api, world: dict) -> None:
+    order = data(api.transfer({"sourceWalletId": world["a"], "targetWalletId": world["b"],
+                               "amount": "30.00", "currency": "USD", "bizId": "inv-1"}))
+    flows = data(api.get(f"/api/v1/wallets/{world['a']}/flows", query="sort=createdAt,asc"))
+    deposit, out = flows["content"]
+    assert deposit == {"id": deposit["id"], "walletId": world["a"], "type": "DEPOSIT",
+                       "direction": "CREDIT", "amount": "100.00", "balanceAfter": "100.00",
+                       "transferId": None, "bizId": None, "counterpartyWalletId": None, "createdAt": T0}
+    assert out == {"id": out["id"], "walletId": world["a"], "type": "TRANSFER_OUT",
+                   "direction": "DEBIT", "amount": "30.00", "balanceAfter": "70.00",
+                   "transferId": order["transferId"], "bizId": "inv-1",
+                   "counterpartyWalletId": world["b"], "createdAt": T0}
+    (incoming,) = data(api.get(f"/api/v1/wallets/{world['b']}/flows"))["content"]
+    assert (incoming["type"], incoming["direction"], incoming["balanceAfter"],
+            incoming["counterpartyWalletId"]) == ("TRANSFER_IN", "CREDIT", "30.00", world["a"])
+
+
+def test_list_wallets_shape(api: Api, world: dict) -> None:
+    page = data(api.get("/api/v1/wallets"))
+    assert page["page"] == {"size": 20, "number": 0, "totalElements": 3, "totalPages": 1}
+    assert sorted(w["id"] for w in page["content"]) == sorted([world["a"], world["b"], world["jpy"]])
+
+
+@pytest.mark.parametrize("path", ["/api/v1/wallets/{x}", "/api/v1/wallets/{x}/balance",
+                                  "/api/v1/wallets/{x}/flows",
+                                  "/api/v1/transfer/query/orders/wallet/{x}"])
+def test_wallet_of_another_workspace_is_w1001(svc, api: Api, path: str) -> None:
+    other = svc.create_wallet(svc.create_workspace("Other")["id"], "USD")
+    error(api.get(path.format(x=other["id"])), "W1001", 404)
+    error(api.get(path.format(x="wal_does_not_exist")), "W1001", 404)
+
+
+###############################################################################
+# Pagination rules #############################################################
+###############################################################################
+
+
+@pytest.fixture
+def many(svc, world, clock):
+    """25 transfers a->b of 1.00 .. 25.00 cents, one per second."""
+    for n in range(1, 26):
+        clock.advance(1)
+        svc.create_transfer(world["ws"]["id"], source_wallet_id=world["a"],
+                            target_wallet_id=world["b"], amount=f"0.{n:02d}" if n < 100 else "1",
+                            currency="USD", biz_id=f"biz-{n:02d}")
+    clock.advance(1)
+    return world
+
+
+@pytest.mark.parametrize("query, size, number, count", [
+    ("", 20, 0, 20),
+    ("page=1", 20, 1, 5),
+    ("size=5&page=4", 5, 4, 5),
+    ("size=5&page=5", 5, 5, 0),  # beyond the last page: empty, totals accurate
+    ("page=999999999999", 20, 999999999999, 0),
+    ("size=100", 100, 0, 25),
+    ("size=101", 100, 0, 25),  # capped silently
+    ("size=100000", 100, 0, 25),
+    ("size=1", 1, 0, 1),
+    ("page=0&size=20", 20, 0, 20),
+])
+def test_pagination_table(api: Api, many: dict, query: str, size: int, number: int, count: int) -> None:
+    page = data(api.get("/api/v1/transfer/query/orders", query=query))
+    assert page["page"] == {"size": size, "number": number, "totalElements": 25,
+                            "totalPages": -(-25 // size)}
+    assert len(page["content"]) == count
+
+
+@pytest.mark.parametrize("query", ["page=-1", "size=-1", "size=0", "size=abc", "page=1.5",
+                                   "size=", "page=", "page=1e2", "size=+5", "page=0x1"])
+@pytest.mark.parametrize("path", ["/api/v1/wallets", "/api/v1/transfer/query/orders",
+                                  "/api/v1/wallets/{a}/flows", "/api/v1/transfer/query/orders/wallet/{a}"])
+def test_bad_page_or_size_is_s012(api: Api, world: dict, path: str, query: str) -> None:
+    body = error(api.get(path.format(a=world["a"]), query=query), "S012", 400)
+    assert query.split("=")[0] in body["detail"]
+
+
+def test_empty_collection_has_accurate_page_metadata(svc, api: Api, world: dict) -> None:
+    page = data(api.get("/api/v1/transfer/query/orders"))
+    assert page == {"content": [], "page": {"size": 20, "number": 0, "totalElements": 0,
+                                            "totalPages": 0}}
+
+
+def test_default_order_is_newest_first(api: Api, many: dict) -> None:
+    biz_ids = [o["bizId"] for o in data(api.get("/api/v1/transfer/query/orders", query="size=3"))["content"]]
+    assert biz_ids == ["biz-25", "biz-24", "biz-23"]
+
+
+@pytest.mark.parametrize("sort, expected", [
+    (["createdAt,asc"], ["biz-01", "biz-02", "biz-03"]),
+    (["createdAt,desc"], ["biz-25", "biz-24", "biz-23"]),
+    (["createdAt"], ["biz-01", "biz-02", "biz-03"]),  # direction defaults to asc
+    (["amount,desc"], ["biz-25", "biz-24", "biz-23"]),
+    (["amount,ASC"], ["biz-01", "biz-02", "biz-03"]),
+    (["status,asc", "amount,desc"], ["biz-25", "biz-24", "biz-23"]),  # second key breaks ties
+    (["updatedAt,asc", "amount,desc"], ["biz-01", "biz-02", "biz-03"]),
+])
+def test_sort_keys_primary_first(api: Api, many: dict, sort: list, expected: list) -> None:
+    query = "&".join(f"sort={s}" for s in sort) + "&size=3"
+    biz_ids = [o["bizId"] for o in data(api.get("/api/v1/transfer/query/orders", query=query))["content"]]
+    assert biz_ids == expected
+
+
+def test_tie_break_on_id_keeps_pages_stable(svc, api: Api, world: dict) -> None:
+    for n in range(12):  # same createdAt, same amount: only the id tells them apart
+        svc.create_transfer(world["ws"]["id"], source_wallet_id=world["a"], target_wallet_id=world["b"],
+                            amount="1.00", currency="USD", biz_id=f"tie-{n}")
+    seen = []
+    for number in range(4):
+        page = data(api.get("/api/v1/transfer/query/orders", query=f"sort=amount,desc&size=3&page={number}"))
+        seen += [o["transferId"] for o in page["content"]]
+    assert len(seen) == len(set(seen)) == 12
+    assert seen == sorted(seen, reverse=True)
+
+
+@pytest.mark.parametrize("path, sort", [
+    ("/api/v1/wallets", "amount,asc"),  # sortable for transfers, not wallets
+    ("/api/v1/transfer/query/orders", "balance,asc"),
+    ("/api/v1/transfer/query/orders", "bizId,asc"),
+    ("/api/v1/wallets/{a}/flows", "status,asc"),
+    ("/api/v1/transfer/query/orders", "createdAt,sideways"),
+    ("/api/v1/transfer/query/orders", ""),
+    ("/api/v1/transfer/query/orders", "createdat,asc"),  # field names are exact
+    ("/api/v1/transfer/query/orders/wallet/{a}", "id,asc"),
+])
+def test_unsortable_field_or_bad_direction_is_s012(api: Api, world: dict, path: str, sort: str) -> None:
+    body = error(api.get(path.format(a=world["a"]), query=f"sort={sort}"), "S012", 400)
+    assert "sort" in body["detail"]
+
+
+@pytest.mark.parametrize("sort, expected", [
+    ("balance,desc", ["a", "yen", "b"]),
+    ("name,asc", ["a", "b", "yen"]),
+    ("currency,desc", ["b", "a", "yen"]),
+])
+def test_wallet_sorts(svc, api: Api, world: dict, sort: str, expected: list) -> None:
+    query = f"sort={sort}&sort=name,desc" if sort.startswith("currency") else f"sort={sort}"
+    names = [w["name"] for w in data(api.get("/api/v1/wallets", query=query))["content"]]
+    assert names == expected
+
+
+@pytest.mark.parametrize("query, names", [
+    ("currency=USD", ["a", "b"]),
+    ("currency=JPY", ["yen"]),
+    ("status=FROZEN", ["b"]),
+    ("status=ACTIVE&currency=USD", ["a"]),
+    ("unknownFilter=1", ["a", "b", "yen"]),  # unknown parameters are ignored
+])
+def test_wallet_filters(svc, api: Api, world: dict, query: str, names: list) -> None:
+    svc.set_wallet_status(world["b"], "FROZEN")
+    page = data(api.get("/api/v1/wallets", query=query + "&sort=name,asc"))
+    assert [w["name"] for w in page["content"]] == names
+    assert page["page"]["totalElements"] == len(names)
+
+
+@pytest.mark.parametrize("path, query", [
+    ("/api/v1/wallets", "currency=usd"),
+    ("/api/v1/wallets", "status=OPEN"),
+    ("/api/v1/transfer/query/orders", "status=DONE"),
+    ("/api/v1/transfer/query/orders", "createdFrom=yesterday"),
+    ("/api/v1/transfer/query/orders", "createdTo=2027-13-01"),
+    ("/api/v1/transfer/query/orders", "bizIdPrefix=has space"),
+    ("/api/v1/wallets/{a}/flows", "type=REFUND"),
+    ("/api/v1/wallets/{a}/flows", "direction=UP"),
+    ("/api/v1/wallets/{a}/flows", "createdFrom=1.5"),
+])
+def test_malformed_filter_is_s012(api: Api, world: dict, path: str, query: str) -> None:
+    body = error(api.get(path.format(a=world["a"]), query=query), "S012", 400)
+    assert query.split("=")[0] in body["detail"]
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("status=COMPLETED", 25),
+    ("status=PENDING", 0),
+    ("bizIdPrefix=biz-1", 10),
+    ("bizIdPrefix=biz-2", 6),
+    ("bizIdPrefix=nope", 0),
+    (f"createdFrom={(NOW + 5) * 1000}", 21),  # inclusive from (epoch ms)
+    ("createdTo=2027-01-15T08:00:05.000Z", 4),  # exclusive to (ISO-8601)
+    ("createdFrom=2027-01-15T08:00:05Z&createdTo=2027-01-15T08:00:07Z", 2),
+    ("createdFrom=2027-01-15T08:00:05&status=COMPLETED", 21),  # naive ISO means UTC
+])
+def test_transfer_filters(api: Api, many: dict, query: str, expected: int) -> None:
+    page = data(api.get("/api/v1/transfer/query/orders", query=query + "&size=100"))
+    assert page["page"]["totalElements"] == len(page["content"]) == expected
+
+
+@pytest.mark.parametrize("query, expected", [
+    ("", 26), ("type=DEPOSIT", 1), ("type=TRANSFER_OUT", 25), ("direction=CREDIT", 1),
+    ("direction=DEBIT", 25), ("type=DEPOSIT&direction=DEBIT", 0),
+    (f"createdFrom={(NOW + 20) * 1000}", 6), (f"createdTo={(NOW + 1) * 1000}", 1),
+])
+def test_flow_filters(api: Api, many: dict, query: str, expected: int) -> None:
+    page = data(api.get(f"/api/v1/wallets/{many['a']}/flows", query=query + "&size=100"))
+    assert page["page"]["totalElements"] == len(page["content"]) == expected
+
+
+@pytest.mark.parametrize("sort, first_type", [("type,asc", "DEPOSIT"), ("type,desc", "TRANSFER_OUT"),
+                                              ("amount,desc", "DEPOSIT"), ("createdAt,asc", "DEPOSIT")])
+def test_flow_sorts(api: Api, many: dict, sort: str, first_type: str) -> None:
+    page = data(api.get(f"/api/v1/wallets/{many['a']}/flows", query=f"sort={sort}&size=1"))
+    assert page["content"][0]["type"] == first_type
+
+
+def test_transfers_of_a_wallet_cover_both_sides(svc, api: Api, many: dict) -> None:
+    svc.deposit(many["b"], "5.00")
+    svc.create_transfer(many["ws"]["id"], source_wallet_id=many["b"], target_wallet_id=many["a"],
+                        amount="2.00", currency="USD", biz_id="back")
+    page = data(api.get(f"/api/v1/transfer/query/orders/wallet/{many['b']}", query="size=3"))
+    assert page["page"] == {"size": 3, "number": 0, "totalElements": 26, "totalPages": 9}
+    assert [o["bizId"] for o in page["content"]] == ["back", "biz-25", "biz-24"]
+    filtered = data(api.get(f"/api/v1/transfer/query/orders/wallet/{many['b']}",
+                            query="bizIdPrefix=back"))
+    assert filtered["page"]["totalElements"] == 1
+    assert data(api.get(f"/api/v1/transfer/query/orders/wallet/{many['jpy']}"))["page"]["totalElements"] == 0
+
+
+###############################################################################
+# Transfer orders ##############################################################
+###############################################################################
+
+
+def transfer_body(world: dict, **changes) -> dict:
+    body = {"sourceWalletId": world["a"], "targetWalletId": world["b"], "amount": "25.50",
+            "currency": "USD"}
+    body.update(changes)
+    return {name: value for name, value in body.items() if value is not ...}
+
+
+def test_create_transfer_moves_money_and_returns_the_order(svc, api: Api, world: dict) -> None:
+    order = data(api.transfer(transfer_body(world, bizId="inv-7", description="rent")))
+    assert order == {"transferId": order["transferId"], "bizId": "inv-7", "sourceWalletId": world["a"],
+                     "targetWalletId": world["b"], "amount": "25.50", "currency": "USD",
+                     "status": "COMPLETED", "description": "rent", "createdAt": T0, "updatedAt": T0,
+                     "completedAt": T0}
+    assert order["transferId"].startswith("tr_")
+    assert balances(svc, world["a"], world["b"]) == ["74.50", "25.50"]
+
+
+def test_order_without_biz_id_is_addressed_by_its_transfer_id(api: Api, world: dict) -> None:
+    order = data(api.transfer(transfer_body(world)))
+    assert order["bizId"] == order["transferId"]
+    assert data(api.get(f"/api/v1/transfer/query/orders/{order['bizId']}")) == order
+
+
+def test_get_order_and_completion_check(api: Api, world: dict) -> None:
+    order = data(api.transfer(transfer_body(world, bizId="inv-9")))
+    assert data(api.get("/api/v1/transfer/query/orders/inv-9")) == order
+    assert data(api.get("/api/v1/transfer/query/orders/inv-9/completed")) == {
+        "bizId": "inv-9", "transferId": order["transferId"], "status": "COMPLETED", "completed": True}
+
+
+@pytest.mark.parametrize("path", ["/api/v1/transfer/query/orders/{biz}",
+                                  "/api/v1/transfer/query/orders/{biz}/completed"])
+def test_order_of_another_workspace_is_t1001(svc, api: Api, path: str) -> None:
+    other = svc.create_workspace("Other")
+    source, target = (svc.create_wallet(other["id"], "USD") for _ in range(2))
+    svc.deposit(source["id"], "5.00")
+    svc.create_transfer(other["id"], source_wallet_id=source["id"], target_wallet_id=target["id"],
+                        amount="1.00", currency="USD", biz_id="theirs")
+    body = error(api.get(path.format(biz="theirs")), "T1001", 404)
+    assert body == error(api.get(path.format(biz="never-existed")), "T1001", 404) | {
+        "detail": body["detail"], "timestamp": body["timestamp"]}
+    assert data(api.get("/api/v1/transfer/query/orders"))["page"]["totalElements"] == 0
+    assert data(api.get("/api/v1/transfer/query/orders", query="bizIdPrefix=the"))["content"] == []
+
+
+BAD_TRANSFERS = [  # (case, changes, code, status, field named in the detail)
+    ("missing source", {"sourceWalletId": ...}, "S012", 400, "sourceWalletId"),
+    ("missing target", {"targetWalletId": ...}, "S012", 400, "targetWalletId"),
+    ("missing amount", {"amount": ...}, "S012", 400, "amount"),
+    ("missing currency", {"currency": ...}, "S012", 400, "currency"),
+    ("null amount", {"amount": None}, "S012", 400, "amount"),
+    ("unknown field", {"memo": "x"}, "S012", 400, "memo"),
+    ("numeric amount", {"amount": 25.5}, "S012", 400, "amount"),
+    ("integer amount", {"amount": 25}, "S012", 400, "amount"),
+    ("zero amount", {"amount": "0.00"}, "S012", 400, "amount"),
+    ("negative amount", {"amount": "-1.00"}, "S012", 400, "amount"),
+    ("exponent", {"amount": "1e2"}, "S012", 400, "amount"),
+    ("too many decimals", {"amount": "1.005"}, "S012", 400, "amount"),
+    ("decimals on JPY", {"amount": "1.5", "currency": "JPY"}, "S012", 400, "amount"),
+    ("too many digits", {"amount": "1234567890123456.00"}, "S012", 400, "amount"),
+    ("unknown currency", {"currency": "ABC"}, "S012", 400, "currency"),
+    ("lowercase currency", {"currency": "usd"}, "S012", 400, "currency"),
+    ("numeric wallet id", {"sourceWalletId": 7}, "S012", 400, "sourceWalletId"),
+    ("bad bizId", {"bizId": "has space"}, "S012", 400, "bizId"),
+    ("long bizId", {"bizId": "b" * 65}, "S012", 400, "bizId"),
+    ("long description", {"description": "d" * 256}, "S012", 400, "description"),
+    ("numeric description", {"description": 5}, "S012", 400, "description"),
+    ("same wallet", {"targetWalletId": "@a"}, "T2003", 422, None),
+    ("unknown source", {"sourceWalletId": "wal_nope"}, "W1001", 404, "wal_nope"),
+    ("unknown target", {"targetWalletId": "wal_nope"}, "W1001", 404, "wal_nope"),
+    ("other workspace's wallet", {"targetWalletId": "@other"}, "W1001", 404, None),
+    ("frozen target", {"targetWalletId": "@frozen"}, "W1002", 422, None),
+    ("currency mismatch with both", {"currency": "EUR"}, "T2002", 422, None),
+    ("currency mismatch with target", {"targetWalletId": "@jpy"}, "T2002", 422, None),
+    ("insufficient balance", {"amount": "100.01"}, "T2001", 422, None),
+]
+
+
+@pytest.mark.parametrize("case, changes, code, status, field", BAD_TRANSFERS,
+                         ids=[row[0] for row in BAD_TRANSFERS])
+def test_rejected_transfer_leaves_no_trace(svc, api, world, case, changes, code, status, field) -> None:
+    other = svc.create_wallet(svc.create_workspace("Other")["id"], "USD")
+    frozen = svc.create_wallet(world["ws"]["id"], "USD", name="frozen")
+    svc.set_wallet_status(frozen["id"], "FROZEN")
+    named = {"@a": world["a"], "@other": other["id"], "@frozen": frozen["id"], "@jpy": world["jpy"]}
+    changes = {k: named.get(v, v) if isinstance(v, str) else v for k, v in changes.items()}
+    before = balances(svc, world["a"], world["b"], world["jpy"])
+    body = error(api.transfer(transfer_body(world, **changes)), code, status)
+    if field:
+        assert field in body["detail"]
+    assert balances(svc, world["a"], world["b"], world["jpy"]) == before
+    assert data(api.get("/api/v1/transfer/query/orders"))["page"]["totalElements"] == 0
+    for wallet in (world["a"], world["b"]):
+        assert data(api.get(f"/api/v1/wallets/{wallet}/flows"))["page"]["totalElements"] == (
+            1 if wallet == world["a"] else 0)
+
+
+@pytest.mark.parametrize("raw", [b"", b"not json", b"[1, 2]", b'"text"', b"\xff\xfe",
+                                 b'{"amount": "1.00", "amount": "2.00"}', b"{" * 5000])
+def test_unparsable_body_is_s012(api: Api, raw: bytes) -> None:
+    error(api.transfer(raw), "S012", 400)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_non_json_content_type_is_s415_after_authentication(api, world, content_type) -> None:
+    body = transfer_body(world)
+    error(api.transfer(body, **{"Content-Type": content_type}), "S415", 415)
+    error(api.transfer(body, **{"Content-Type": content_type, "X-Signature": "AAAA"}), "GA2012", 401)
+
+
+def test_json_content_type_with_charset_is_accepted(api: Api, world: dict) -> None:
+    data(api.transfer(transfer_body(world), **{"Content-Type": "application/json; charset=utf-8"}))
+
+
+def test_idempotent_replay_moves_money_once(svc, api: Api, world: dict) -> None:
+    body = transfer_body(world, bizId="pay-1")
+    first = api.transfer(body)
+    assert "Idempotent-Replayed" not in first.headers
+    second = api.transfer(body)
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert data(second) == data(first)
+    assert balances(svc, world["a"], world["b"]) == ["74.50", "25.50"]
+    assert data(api.get("/api/v1/transfer/query/orders"))["page"]["totalElements"] == 1
+
+
+def test_replay_returns_the_original_even_when_it_could_not_run_again(svc, api, world) -> None:
+    body = transfer_body(world, bizId="pay-2", amount="100.00")
+    original = data(api.transfer(body))
+    svc.set_wallet_status(world["a"], "FROZEN")
+    assert data(api.transfer(body)) == original
+
+
+@pytest.mark.parametrize("changes", [{"amount": "1.00"}, {"targetWalletId": "@jpy"},
+                                     {"description": "other"}])
+def test_biz_id_reused_with_different_parameters_is_t2004(svc, api, world, changes) -> None:
+    data(api.transfer(transfer_body(world, bizId="pay-3")))
+    changes = {k: world["jpy"] if v == "@jpy" else v for k, v in changes.items()}
+    error(api.transfer(transfer_body(world, bizId="pay-3", **changes)), "T2004", 409)
+    assert balances(svc, world["a"], world["b"]) == ["74.50", "25.50"]
+
+
+def test_idempotency_key_header_is_the_biz_id(svc, api: Api, world: dict) -> None:
+    order = data(api.transfer(transfer_body(world), **{"Idempotency-Key": "hdr-1"}))
+    assert order["bizId"] == "hdr-1"
+    replay = api.transfer(transfer_body(world), **{"Idempotency-Key": "hdr-1"})
+    assert replay.headers["Idempotent-Replayed"] == "true"
+    data(api.transfer(transfer_body(world, bizId="hdr-1"), **{"Idempotency-Key": "hdr-1"}))
+    error(api.transfer(transfer_body(world, bizId="hdr-2"), **{"Idempotency-Key": "hdr-1"}), "S012", 400)
+    error(api.transfer(transfer_body(world), **{"Idempotency-Key": "bad key!"}), "S012", 400)
+    assert balances(svc, world["a"]) == ["74.50"]
+
+
+def test_biz_ids_are_unique_per_workspace_not_globally(svc, api: Api, world: dict) -> None:
+    other = svc.create_workspace("Other")
+    source, target = (svc.create_wallet(other["id"], "USD") for _ in range(2))
+    svc.deposit(source["id"], "5.00")
+    svc.create_transfer(other["id"], source_wallet_id=source["id"], target_wallet_id=target["id"],
+                        amount="1.00", currency="USD", biz_id="shared")
+    assert data(api.transfer(transfer_body(world, bizId="shared")))["amount"] == "25.50"
+
+
+def test_python_api_transfer_matches_http(svc, world: dict) -> None:
+    order = svc.create_transfer(world["ws"]["id"], source_wallet_id=world["a"],
+                                target_wallet_id=world["b"], amount="1.25", currency="USD")
+    assert svc.get_transfer(world["ws"]["id"], order["bizId"]) == order
+    assert svc.transfer_completion(world["ws"]["id"], order["bizId"])["completed"] is True
+    assert svc.list_transfers(world["ws"]["id"], {"size": 1})["content"] == [order]
+
+
+###############################################################################
+# Money under concurrency ######################################################
+###############################################################################
+
+
+def ledger_invariants(path: str) -> dict:
+    """Check conservation, non-negativity and sum(flows) == balance, from the file."""
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute(
+            "SELECT w.id, w.balance, coalesce(sum(CASE f.direction WHEN 'CREDIT' THEN f.amount"
+            " ELSE -f.amount END), 0) FROM wallets w LEFT JOIN flows f ON f.wallet_id = w.id"
+            " GROUP BY w.id").fetchall()
+        for wallet_id, balance, flow_sum in rows:
+            assert balance >= 0, wallet_id
+            assert flow_sum == balance, wallet_id
+        deposits = conn.execute("SELECT coalesce(sum(amount), 0) FROM flows WHERE type = 'DEPOSIT'"
+                                ).fetchone()[0]
+        assert sum(balance for _, balance, _ in rows) == deposits
+        transfers = conn.execute("SELECT count(*), count(DISTINCT biz_id) FROM transfers").fetchone()
+        assert transfers[0] == transfers[1]
+        assert conn.execute("SELECT count(*) FROM flows WHERE transfer_id IS NOT NULL").fetchone()[0] == (
+            2 * transfers[0])
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        return {"transfers": transfers[0], "total": deposits}
+    finally:
+        conn.close()
+
+
+def _hammer(path: str, workspace_id: str, wallet_ids: list, worker: int, count: int) -> list:
+    """Random transfers among the wallets, each also retried once with its bizId."""
+    import random
+
+    svc = walletsvc.WalletService(path, busy_timeout=30)
+    rng = random.Random(worker)
+    done = []
+    for n in range(count):
+        source, target = rng.sample(wallet_ids, 2)
+        biz_id, amount = f"w{worker}-{n}", f"{rng.randint(1, 900)}.{rng.randint(0, 99):02d}"
+        for _ in range(2):  # the retry must not move money twice
+            try:
+                svc.create_transfer(workspace_id, source_wallet_id=source, target_wallet_id=target,
+                                    amount=amount, currency="USD", biz_id=biz_id)
+                done.append(biz_id)
+            except walletsvc.WalletError as exc:
+                assert exc.code == "T2001", exc
+    svc.close()
+    return done
+
+
+def _shared_ledger(tmp_path) -> tuple[str, str, list]:
+    path = str(tmp_path / "bank.db")
+    svc = walletsvc.WalletService(path)
+    ws = svc.create_workspace("Bank")
+    wallets = [svc.create_wallet(ws["id"], "USD")["id"] for _ in range(4)]
+    for wallet_id in wallets:
+        svc.deposit(wallet_id, "1000.00")
+    svc.close()
+    return path, ws["id"], wallets
+
+
+def test_eight_threads_hammering_transfers_conserve_money(tmp_path) -> None:
+    path, workspace_id, wallets = _shared_ledger(tmp_path)
+    results: list = []
+    threads = [threading.Thread(target=lambda w=w: results.extend(_hammer(path, workspace_id, wallets, w, 40)))
+               for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    facts = ledger_invariants(path)
+    assert facts["total"] == 4 * 100000
+    assert facts["transfers"] == len(set(results)) > 0
+    assert len(results) == 2 * len(set(results))  # every retry was answered by a replay
+
+
+def test_two_processes_sharing_one_file_conserve_money(tmp_path) -> None:
+    path, workspace_id, wallets = _shared_ledger(tmp_path)
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(2) as pool:
+        runs = pool.starmap(_hammer, [(path, workspace_id, wallets, w, 60) for w in range(2)])
+    facts = ledger_invariants(path)
+    assert facts["total"] == 4 * 100000
+    assert facts["transfers"] == len({biz for run in runs for biz in run}) > 0
+
+
+def test_a_nonce_recorded_by_one_process_is_rejected_by_another(tmp_path, clock) -> None:
+    path, workspace_id, _ = _shared_ledger(tmp_path)
+    first_svc = walletsvc.WalletService(path, clock=clock)
+    key = first_svc.create_api_key(workspace_id, ["wallet:read"])
+    first = Api(webtest.TestApp(walletsvc.create_app(first_svc)), key, clock)
+    second_svc = walletsvc.WalletService(path, clock=clock)
+    second = Api(webtest.TestApp(walletsvc.create_app(second_svc)), key, clock)
+    headers = first.headers("GET", "/api/v1/wallets")
+    data(first.request("GET", "/api/v1/wallets", headers=headers))
+    error(second.request("GET", "/api/v1/wallets", headers=headers), "GA2013", 401)
+
+
+###############################################################################
+# Built for a big workspace ####################################################
+###############################################################################
+
+
+def test_every_lookup_and_list_is_served_by_an_index(svc, api: Api, many: dict) -> None:
+    """Run every endpoint with tracing and EXPLAIN each SELECT: no full table scan."""
+    statements: list[str] = []
+    with svc.db.connection() as conn:
+        conn.set_trace_callback(statements.append)
+    try:
+        a = many["a"]
+        for path, query in [
+            ("/api/v1/wallets", ""), ("/api/v1/wallets", "currency=USD&status=ACTIVE&sort=balance,desc"),
+            (f"/api/v1/wallets/{a}", ""), (f"/api/v1/wallets/{a}/balance", ""),
+            (f"/api/v1/wallets/{a}/flows", ""), (f"/api/v1/wallets/{a}/flows", "type=DEPOSIT"),
+            (f"/api/v1/wallets/{a}/flows", "direction=DEBIT&createdFrom=0&sort=amount,asc"),
+            ("/api/v1/transfer/query/orders", ""), ("/api/v1/transfer/query/orders", "status=COMPLETED"),
+            ("/api/v1/transfer/query/orders", "bizIdPrefix=biz-1&createdFrom=0&createdTo=9999999999999"),
+            ("/api/v1/transfer/query/orders", "sort=amount,desc"),
+            (f"/api/v1/transfer/query/orders/wallet/{a}", ""),
+            (f"/api/v1/transfer/query/orders/wallet/{a}", "status=COMPLETED&createdFrom=0"),
+            ("/api/v1/transfer/query/orders/biz-01", ""), ("/api/v1/transfer/query/orders/biz-01/completed", ""),
+        ]:
+            data(api.get(path, query=query))
+        data(api.transfer(transfer_body(many, bizId="indexed")))
+    finally:
+        with svc.db.connection() as conn:
+            conn.set_trace_callback(None)
+    selects = [s for s in statements if s.lstrip().upper().startswith("SELECT")]
+    assert len(selects) > 20
+    with svc.db.connection() as conn:
+        for statement in selects:
+            plan = [row[3] for row in conn.execute("EXPLAIN QUERY PLAN " + statement)]
+            scans = [step for step in plan if step.startswith("SCAN") and "INDEX" not in step
+                     and "CONSTANT ROW" not in step and "SUBQUERY" not in step
+                     and "(subquery" not in step]
+            assert not scans, (statement, plan)
+
+
+def test_totals_come_from_counters_not_scans(svc, api: Api, many: dict) -> None:
+    """totalElements of the unfiltered and status-filtered lists is one counter lookup."""
+    statements: list[str] = []
+    with svc.db.connection() as conn:
+        conn.set_trace_callback(statements.append)
+    try:
+        for path, query in [("/api/v1/transfer/query/orders", ""),
+                            ("/api/v1/transfer/query/orders", "status=COMPLETED"),
+                            (f"/api/v1/transfer/query/orders/wallet/{many['a']}", "status=COMPLETED"),
+                            (f"/api/v1/wallets/{many['a']}/flows", "type=TRANSFER_OUT")]:
+            assert data(api.get(path, query=query))["page"]["totalElements"] == 25
+    finally:
+        with svc.db.connection() as conn:
+            conn.set_trace_callback(None)
+    assert not [s for s in statements if "count(*)" in s and "transfers" in s or "count(*)" in s and "flows" in s]

@@ -1086,12 +1086,21 @@ class WalletService:
         self.settings = settings.replace(**setting_values) if setting_values else settings
         self.clock = clock or time.time
         self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
+        self._id_lock = threading.Lock()
+        self._last_id = (0, 0)
 
     def now_ms(self) -> int:
         return int(self.clock() * 1000)
 
     def new_id(self, prefix: str, now_ms: int) -> str:
-        return new_id(prefix, now_ms, secrets.randbits(80))
+        """A fresh id; ids made by one service only ever increase, so that the id
+        tie-break orders rows created in the same millisecond by creation."""
+        with self._id_lock:
+            if now_ms > self._last_id[0]:
+                self._last_id = (now_ms, secrets.randbits(79))
+            else:
+                self._last_id = (self._last_id[0], self._last_id[1] + 1)
+            return new_id(prefix, *self._last_id)
 
     def close(self) -> None:
         self.db.close()
