@@ -1412,3 +1412,24 @@ def test_serve_demo_answers_signed_requests_over_http(tmp_path) -> None:
         server.terminate()
         server.wait(timeout=10)
         server.stdout.close()
+
+
+def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
+    path = str(tmp_path / "locked.db")
+    svc = walletsvc.WalletService(path, clock=clock, busy_timeout=0.2)
+    ws = svc.create_workspace("Acme")
+    key = svc.create_api_key(ws["id"])
+    source, target = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
+    svc.deposit(source, "10.00")
+    api = Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock)
+    body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD"}
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    try:
+        error(api.transfer(body), "S503", 503)
+    finally:
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert balances(svc, source, target) == ["10.00", "0.00"]
+    data(api.transfer(body))
+    assert balances(svc, source, target) == ["9.00", "1.00"]
