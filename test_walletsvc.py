@@ -1433,3 +1433,66 @@ def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
     assert balances(svc, source, target) == ["10.00", "0.00"]
     data(api.transfer(body))
     assert balances(svc, source, target) == ["9.00", "1.00"]
+
+
+###############################################################################
+# Settlement modes #############################################################
+###############################################################################
+
+
+@pytest.fixture
+def manual(clock):
+    svc = walletsvc.WalletService(":memory:", clock=clock, settlement="manual")
+    ws = svc.create_workspace("Acme")
+    key = svc.create_api_key(ws["id"])
+    a, b = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
+    svc.deposit(a, "100.00")
+    api = Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock)
+    return svc, api, {"ws": ws, "a": a, "b": b}
+
+
+def test_manual_settlement_holds_then_completes(manual) -> None:
+    svc, api, w = manual
+    order = data(api.transfer(transfer_body(w, bizId="m-1", amount="30.00")))
+    assert (order["status"], order["completedAt"]) == ("PENDING", None)
+    balance = data(api.get(f"/api/v1/wallets/{w['a']}/balance"))
+    assert (balance["balance"], balance["available"], balance["pending"]) == ("100.00", "70.00", "30.00")
+    assert data(api.get("/api/v1/transfer/query/orders/m-1/completed"))["completed"] is False
+    assert data(api.get(f"/api/v1/wallets/{w['a']}/flows"))["page"]["totalElements"] == 1
+    error(api.transfer(transfer_body(w, bizId="m-2", amount="70.01")), "T2001", 422)  # held money is not available
+    done = svc.complete_transfer("m-1")
+    assert (done["status"], done["completedAt"]) == ("COMPLETED", T0)
+    balance = data(api.get(f"/api/v1/wallets/{w['a']}/balance"))
+    assert (balance["balance"], balance["available"], balance["pending"]) == ("70.00", "70.00", "0.00")
+    assert balances(svc, w["b"]) == ["30.00"]
+    assert data(api.get("/api/v1/transfer/query/orders/m-1/completed"))["completed"] is True
+    assert data(api.get(f"/api/v1/wallets/{w['a']}/flows"))["content"][0]["type"] == "TRANSFER_OUT"
+    with pytest.raises(walletsvc.WalletError, match="COMPLETED"):
+        svc.fail_transfer("m-1")
+
+
+def test_manual_settlement_failure_releases_the_hold(manual) -> None:
+    svc, api, w = manual
+    data(api.transfer(transfer_body(w, bizId="m-3", amount="100.00")))
+    failed = svc.fail_transfer("m-3", workspace_id=w["ws"]["id"])
+    assert (failed["status"], failed["completedAt"]) == ("FAILED", None)
+    balance = data(api.get(f"/api/v1/wallets/{w['a']}/balance"))
+    assert (balance["balance"], balance["available"], balance["pending"]) == ("100.00", "100.00", "0.00")
+    assert data(api.get("/api/v1/transfer/query/orders", query="status=FAILED"))["page"]["totalElements"] == 1
+    assert data(api.get("/api/v1/transfer/query/orders", query="status=PENDING"))["page"]["totalElements"] == 0
+    assert data(api.get(f"/api/v1/wallets/{w['b']}/flows"))["page"]["totalElements"] == 0
+
+
+def test_delayed_settlement_completes_on_the_service_clock(clock) -> None:
+    svc = walletsvc.WalletService(":memory:", clock=clock, settlement="delayed", settlement_delay=10)
+    ws = svc.create_workspace("Acme")
+    a, b = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
+    svc.deposit(a, "5.00")
+    order = svc.create_transfer(ws["id"], source_wallet_id=a, target_wallet_id=b, amount="5.00",
+                                currency="USD")
+    assert order["status"] == "PENDING"
+    clock.advance(9.999)
+    assert svc.get_transfer(ws["id"], order["bizId"])["status"] == "PENDING"
+    clock.advance(0.001)
+    assert svc.transfer_completion(ws["id"], order["bizId"])["completed"] is True
+    assert balances(svc, a, b) == ["0.00", "5.00"]

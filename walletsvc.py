@@ -375,6 +375,13 @@ def _positive_float(value: Any) -> float:
     return number
 
 
+def _non_negative_float(value: Any) -> float:
+    number = float(value)
+    if not number >= 0:
+        raise ValueError("must be >= 0")
+    return number
+
+
 def _boolean(value: Any) -> bool:
     if isinstance(value, str):
         if value.lower() in ("1", "true", "yes", "on"):
@@ -431,6 +438,12 @@ class Settings:
         5.0, _positive_float, "seconds to wait for a locked database before S503")
     synchronous: str = _setting(
         "FULL", _one_of("FULL", "NORMAL"), "SQLite synchronous pragma for file databases")
+    settlement: str = _setting(
+        "immediate", _one_of("immediate", "manual", "delayed"),
+        "immediate: orders are COMPLETED at once; manual: PENDING until completed or failed;"
+        " delayed: PENDING for settlement_delay seconds of the service clock")
+    settlement_delay: float = _setting(
+        5.0, _non_negative_float, "seconds a delayed-settlement order stays PENDING")
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -1238,15 +1251,18 @@ class WalletService:
             return wallet_resource(self._wallet(conn, wallet_id))
 
     def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
+        self.settle_due()
         with self.db.connection() as conn:
             return wallet_resource(self._wallet(conn, wallet_id, workspace_id))
 
     def get_balance(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
+        self.settle_due()
         with self.db.connection() as conn:
             return balance_resource(self._wallet(conn, wallet_id, workspace_id))
 
     def list_wallets(self, workspace_id: str, query: Mapping[str, Any] | None = None) -> dict:
         """One page of the workspace's wallets; filters ``currency``, ``status``."""
+        self.settle_due()
         query = normalize_query(query)
         page = parse_page_request(query, WALLET_SORTS)
         where, params = ["workspace_id = ?"], [workspace_id]
@@ -1275,6 +1291,7 @@ class WalletService:
 
     def _external_move(self, wallet_id: str, amount: str, flow_type: str,
                        workspace_id: str | None) -> dict:
+        self.settle_due()
         now = self.now_ms()
         with self.db.atomic() as conn:
             wallet = self._active_wallet(conn, wallet_id, workspace_id)
@@ -1293,6 +1310,7 @@ class WalletService:
     def list_flows(self, wallet_id: str, query: Mapping[str, Any] | None = None, *,
                    workspace_id: str | None = None) -> dict:
         """One page of a wallet's ledger; filters type, direction, createdFrom/To."""
+        self.settle_due()
         query = normalize_query(query)
         page = parse_page_request(query, FLOW_SORTS)
         where, params = ["wallet_id = ?"], [wallet_id]
@@ -1333,6 +1351,7 @@ class WalletService:
         leaves no order and no flow.
         """
         request = self._transfer_request(body)
+        self.settle_due()
         now = self.now_ms()
         with self.db.atomic() as conn:
             existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
@@ -1353,14 +1372,20 @@ class WalletService:
             if target["balance"] + amount > MAX_MINOR_UNITS:
                 raise invalid("amount", "too_large")
             transfer_id = self.new_id("tr_", now)
-            conn.execute(
+            mode = self.settings.settlement
+            settle_at = now + int(self.settings.settlement_delay * 1000) if mode == "delayed" else None
+            row = conn.execute(
                 "INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id,"
-                " amount, currency, status, description, created_at, updated_at, completed_at)"
-                " VALUES (?, ?, ?, ?, ?, ?, ?, 'COMPLETED', ?, ?, ?, ?)",
+                " amount, currency, status, description, created_at, updated_at, completed_at,"
+                " settle_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *",
                 (transfer_id, workspace_id, request["biz_id"] or transfer_id, source["id"],
-                 target["id"], amount, request["currency"], request["description"], now, now, now))
-            self._settle(conn, transfer_id, source["id"], target["id"], amount, request["biz_id"], now)
-            row = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
+                 target["id"], amount, request["currency"],
+                 "COMPLETED" if mode == "immediate" else "PENDING", request["description"], now,
+                 now, now if mode == "immediate" else None, settle_at)).fetchall()[0]
+            if mode == "immediate":
+                self._move(conn, row, now)
+            else:
+                self._hold(conn, source["id"], amount, now)
         return transfer_resource(row), False
 
     def _transfer_request(self, body: Mapping[str, Any]) -> dict:
@@ -1400,23 +1425,77 @@ class WalletService:
             raise IdempotencyConflict(biz_id=existing["biz_id"])
         return existing
 
-    def _settle(self, conn: sqlite3.Connection, transfer_id: str, source_id: str, target_id: str,
-                amount: int, biz_id: str | None, now: int) -> None:
-        """Move the money of a transfer and write one flow per wallet."""
-        biz_id = biz_id or transfer_id
+    def _finish(self, conn: sqlite3.Connection, transfer_id: str, status: str, now: int) -> sqlite3.Row:
+        """Settle a PENDING order: COMPLETED moves the held money and writes one
+        flow per wallet; FAILED releases the hold. Nothing else changes state."""
+        order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
+        self._hold(conn, order["source_wallet_id"], -order["amount"], now)
+        if status == "COMPLETED":
+            self._move(conn, order, now)
+        conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?, settle_at = NULL"
+                     " WHERE id = ?", (status, now, now if status == "COMPLETED" else None, transfer_id))
+        return conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
+
+    def _move(self, conn: sqlite3.Connection, order: sqlite3.Row, now: int) -> None:
+        """Move an order's money and write one flow per wallet."""
+        amount, source_id, target_id = order["amount"], order["source_wallet_id"], order["target_wallet_id"]
         source_balance = self._debit(conn, source_id, amount, now)
         target_balance = self._credit(conn, target_id, amount, now)
         self._write_flow(conn, source_id, "TRANSFER_OUT", amount, source_balance, now,
-                         transfer_id, biz_id, target_id)
+                         order["id"], order["biz_id"], target_id)
         self._write_flow(conn, target_id, "TRANSFER_IN", amount, target_balance, now,
-                         transfer_id, biz_id, source_id)
+                         order["id"], order["biz_id"], source_id)
+
+    def complete_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
+        """Complete a PENDING order (manual or delayed settlement): the money moves."""
+        return self._decide(biz_id, workspace_id, "COMPLETED")
+
+    def fail_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
+        """Fail a PENDING order: the held amount is released, no money moves."""
+        return self._decide(biz_id, workspace_id, "FAILED")
+
+    def _decide(self, biz_id: str, workspace_id: str | None, status: str) -> dict:
+        with self.db.atomic() as conn:
+            if workspace_id is not None:
+                order = self._transfer(conn, workspace_id, biz_id)
+            else:  # bizIds are unique per workspace: accept a transferId, or a bizId used once
+                rows = conn.execute("SELECT * FROM transfers WHERE id = ? OR biz_id = ? LIMIT 2",
+                                    (biz_id, biz_id)).fetchall()
+                if len(rows) > 1:
+                    raise invalid("workspaceId", "required")
+                if not rows:
+                    raise TransferNotFound(biz_id=str(biz_id)[:64])
+                order = rows[0]
+            if order["status"] != "PENDING":
+                raise invalid("bizId", "state", state=order["status"])
+            return transfer_resource(self._finish(conn, order["id"], status, self.now_ms()))
+
+    def settle_due(self) -> int:
+        """Complete delayed-settlement orders whose time has come; returns how many.
+
+        Called before every read and write, so the clock alone drives them.
+        """
+        if self.settings.settlement != "delayed":
+            return 0
+        now = self.now_ms()
+        with self.db.connection() as conn:
+            if conn.execute("SELECT 1 FROM transfers WHERE settle_at <= ? LIMIT 1", (now,)).fetchone() is None:
+                return 0
+        with self.db.atomic() as conn:
+            due = conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = 'PENDING'",
+                               (now,)).fetchall()
+            for row in due:
+                self._finish(conn, row["id"], "COMPLETED", now)
+        return len(due)
 
     def get_transfer(self, workspace_id: str, biz_id: str) -> dict:
+        self.settle_due()
         with self.db.connection() as conn:
             return transfer_resource(self._transfer(conn, workspace_id, biz_id))
 
     def transfer_completion(self, workspace_id: str, biz_id: str) -> dict:
         """``{bizId, transferId, status, completed}``."""
+        self.settle_due()
         with self.db.connection() as conn:
             return completion_resource(self._transfer(conn, workspace_id, biz_id))
 
@@ -1427,6 +1506,7 @@ class WalletService:
         Filters: status, createdFrom (inclusive), createdTo (exclusive),
         bizIdPrefix.
         """
+        self.settle_due()
         query = normalize_query(query)
         page = parse_page_request(query, TRANSFER_SORTS)
         where, params = [], []
@@ -1520,6 +1600,11 @@ class WalletService:
         if row is None:
             raise TransferNotFound(biz_id=str(biz_id)[:64])
         return row
+
+    @staticmethod
+    def _hold(conn: sqlite3.Connection, wallet_id: str, amount: int, now: int) -> None:
+        conn.execute("UPDATE wallets SET pending = pending + ?, updated_at = ? WHERE id = ?",
+                     (amount, now, wallet_id))
 
     @staticmethod
     def _credit(conn: sqlite3.Connection, wallet_id: str, amount: int, now: int) -> int:
