@@ -12,6 +12,7 @@ import hmac
 import json
 import multiprocessing
 import pathlib
+import re
 import sqlite3
 import threading
 import uuid
@@ -1377,43 +1378,6 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_serve_demo_answers_signed_requests_over_http(tmp_path) -> None:
-    import re
-    import subprocess
-    import sys
-    import time
-    import urllib.request
-
-    port = _free_port()
-    command = [sys.executable, "-m", "walletsvc", "serve", "--demo", "--port", str(port),
-               "--db", str(tmp_path / "demo.db")]
-    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        banner = ""
-        deadline = time.monotonic() + 20
-        while "From Python" not in banner and time.monotonic() < deadline:
-            banner += server.stdout.readline()
-        key = re.search(r"API key : (\S+)", banner).group(1)
-        secret = re.search(r"secret  : (\S+)", banner).group(1)
-        base = f"http://127.0.0.1:{port}"
-        for _ in range(100):
-            try:
-                urllib.request.urlopen(base + "/healthz", timeout=2)
-                break
-            except OSError:
-                time.sleep(0.1)
-        headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key, secret)
-        with urllib.request.urlopen(urllib.request.Request(base + "/api/v1/wallets?size=2",
-                                                           headers=headers), timeout=5) as reply:
-            page = json.load(reply)
-        assert page["data"]["page"]["totalElements"] == 3
-        assert len(page["data"]["content"]) == 2
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-        server.stdout.close()
-
-
 def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
     path = str(tmp_path / "locked.db")
     svc = walletsvc.WalletService(path, clock=clock, busy_timeout=0.2)
@@ -1496,3 +1460,365 @@ def test_delayed_settlement_completes_on_the_service_clock(clock) -> None:
     clock.advance(0.001)
     assert svc.transfer_completion(ws["id"], order["bizId"])["completed"] is True
     assert balances(svc, a, b) == ["0.00", "5.00"]
+
+
+###############################################################################
+# Sandbox: demo server, CLI, admin surface, OpenAPI, clients ###################
+###############################################################################
+
+
+def _start_demo(db_path, *extra: str):
+    """`walletsvc serve --demo` on a free port; returns (process, banner text)."""
+    import subprocess
+    import sys
+    import time
+
+    command = [sys.executable, "-m", "walletsvc", "serve", "--demo", "--port", "0", "--db", str(db_path),
+               *extra]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    banner = ""
+    deadline = time.monotonic() + 30
+    while "print(json.load" not in banner and time.monotonic() < deadline:
+        line = server.stdout.readline()
+        if not line and server.poll() is not None:
+            break
+        banner += line
+    return server, banner
+
+
+def _block(banner: str, title: str) -> str:
+    """The indented example under a heading of the demo banner, dedented."""
+    import textwrap
+
+    lines = banner.split(title, 1)[1].splitlines()[1:]
+    block = []
+    for line in lines:
+        if not line.startswith("  "):
+            break
+        block.append(line)
+    return textwrap.dedent("\n".join(block))
+
+
+def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    server, banner = _start_demo(tmp_path / "demo.db")
+    try:
+        base_url = re.search(r"sandbox at (\S+)", banner).group(1)
+        curl = subprocess.run(["bash", "-c", _block(banner, "(openssl + curl):")], capture_output=True, check=False,
+                              text=True, timeout=30)
+        answer = json.loads(curl.stdout)
+        assert answer["success"] is True and answer["data"]["page"]["totalElements"] == 3
+        python = subprocess.run([sys.executable, "-c", _block(banner, "From Python:")], capture_output=True, check=False,
+                                text=True, timeout=30)
+        assert "'success': True" in python.stdout, python.stderr
+        token = re.search(r"admin token : (\S+)", banner).group(1)
+        import urllib.request
+        request = urllib.request.Request(base_url + "/_admin/workspaces",
+                                         headers={"Authorization": f"Bearer {token}"})
+        with urllib.request.urlopen(request, timeout=5) as reply:
+            assert [w["name"] for w in json.load(reply)["data"]] == ["walletsvc demo"]
+    finally:
+        server.send_signal(signal.SIGTERM)
+        output, _ = server.communicate(timeout=15)
+    assert server.returncode == 0  # SIGTERM (like Ctrl-C) shuts down cleanly
+    log_lines = [line for line in output.splitlines() if "walletsvc.access" in line]
+    assert re.search(r"GET /api/v1/wallets 200 2000 \d+\.\dms", "\n".join(log_lines))
+    assert "Traceback" not in output and "Task queue depth" not in output
+    again, second_banner = _start_demo(tmp_path / "demo.db")  # same database: same credentials
+    again.send_signal(signal.SIGTERM)
+    again.communicate(timeout=15)
+    credentials = r"API key +: \S+\n +secret +: \S+\n +admin token : \S+"
+    assert re.search(credentials, banner).group(0) == re.search(credentials, second_banner).group(0)
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = walletsvc.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def test_every_cli_verb(tmp_path, capsys) -> None:
+    db = ["--db", str(tmp_path / "cli.db")]
+
+    def ok(*argv: str):
+        code, out, err = run_cli(capsys, *argv, *db)
+        assert code == 0, err
+        return json.loads(out)
+
+    ws = ok("workspace", "create", "Acme")
+    assert [w["id"] for w in ok("workspace", "list")] == [ws["id"]]
+    member = ok("member", "add", ws["id"], "alice")
+    assert {m["name"] for m in ok("member", "list", ws["id"])} == {"owner", "alice"}
+    key = ok("key", "create", ws["id"], "--scope", "wallet:read", "--ip", "10.0.0.0/8", "--member", member["id"])
+    assert (key["scopes"], key["ipWhitelist"], key["memberId"]) == (["wallet:read"], ["10.0.0.0/8"], member["id"])
+    assert "secret" in key and "secret" not in ok("key", "list", ws["id"])[0]
+    assert ok("key", "disable", key["apiKey"])["enabled"] is False
+    assert ok("key", "enable", key["apiKey"])["enabled"] is True
+    wallet = ok("wallet", "create", ws["id"], "USD", "--name", "main")
+    other = ok("wallet", "create", ws["id"], "USD")
+    assert ok("deposit", wallet["id"], "10.00")["balanceAfter"] == "10.00"
+    assert ok("withdraw", wallet["id"], "2.50")["balanceAfter"] == "7.50"
+    assert ok("wallet", "freeze", wallet["id"])["status"] == "FROZEN"
+    assert ok("wallet", "unfreeze", wallet["id"])["status"] == "ACTIVE"
+    assert ok("wallet", "get", wallet["id"])["balance"] == "7.50"
+    assert ok("wallet", "list", ws["id"])["page"]["totalElements"] == 2
+    manual = walletsvc.WalletService(str(tmp_path / "cli.db"), settlement="manual")
+    for biz_id in ("p-1", "p-2"):
+        manual.create_transfer(ws["id"], source_wallet_id=wallet["id"], target_wallet_id=other["id"],
+                               amount="1.00", currency="USD", biz_id=biz_id)
+    manual.close()
+    assert ok("transfer", "complete", "p-1")["status"] == "COMPLETED"
+    assert ok("transfer", "fail", "p-2", "--workspace", ws["id"])["status"] == "FAILED"
+    assert ok("wallet", "close", other["id"])["status"] == "CLOSED"
+    assert ok("member", "remove", ws["id"], member["id"]) == {"removed": member["id"]}
+    assert ok("workspace", "delete", ws["id"]) == {"deleted": ws["id"]}
+    assert ok("reset", "--yes") == {"reset": str(tmp_path / "cli.db")}
+    assert ok("workspace", "list") == []
+
+
+def test_cli_table_output(tmp_path, capsys) -> None:
+    db = ["--db", str(tmp_path / "cli.db")]
+    run_cli(capsys, "workspace", "create", "Acme", *db)
+    code, out, _ = run_cli(capsys, "workspace", "list", "--table", *db)
+    header, row = out.splitlines()
+    assert code == 0 and header.split() == ["id", "name", "ownerMemberId", "createdAt"]
+    assert row.split()[1] == "Acme"
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["workspace", "delete", "ws_missing"], "WORKSPACE_NOT_FOUND (GA2032)"),
+    (["member", "add", "ws_missing", "x"], "WORKSPACE_NOT_FOUND (GA2032)"),
+    (["member", "remove", "ws_missing", "mem_x"], "WORKSPACE_NOT_FOUND (GA2032)"),
+    (["member", "list", "ws_missing"], "WORKSPACE_NOT_FOUND (GA2032)"),
+    (["key", "create", "ws_missing"], "WORKSPACE_NOT_FOUND (GA2032)"),
+    (["key", "list", "ws_missing"], "WORKSPACE_NOT_FOUND (GA2032)"),
+    (["key", "disable", "ak_missing"], "NOT_FOUND (S404)"),
+    (["key", "enable", "ak_missing"], "NOT_FOUND (S404)"),
+    (["wallet", "create", "ws_missing", "USD"], "WORKSPACE_NOT_FOUND (GA2032)"),
+    (["wallet", "list", "ws_missing"], "WORKSPACE_NOT_FOUND (GA2032)"),
+    (["wallet", "get", "wal_missing"], "WALLET_NOT_FOUND (W1001)"),
+    (["wallet", "freeze", "wal_missing"], "WALLET_NOT_FOUND (W1001)"),
+    (["wallet", "unfreeze", "wal_missing"], "WALLET_NOT_FOUND (W1001)"),
+    (["wallet", "close", "wal_missing"], "WALLET_NOT_FOUND (W1001)"),
+    (["deposit", "wal_missing", "1.00"], "WALLET_NOT_FOUND (W1001)"),
+    (["withdraw", "wal_missing", "1.00"], "WALLET_NOT_FOUND (W1001)"),
+    (["transfer", "complete", "nope"], "TRANSFER_NOT_FOUND (T1001)"),
+    (["transfer", "fail", "nope"], "TRANSFER_NOT_FOUND (T1001)"),
+    (["workspace", "create", ""], "INVALID_PARAMETER (S012)"),
+])
+def test_cli_errors_exit_non_zero_with_name_and_detail(tmp_path, capsys, argv, message) -> None:
+    code, out, err = run_cli(capsys, *argv, "--db", str(tmp_path / "cli.db"))
+    assert code == 1 and out == ""
+    assert err.startswith(f"walletsvc: {message}: ") and "Traceback" not in err
+
+
+def test_cli_reset_needs_confirmation(tmp_path, capsys) -> None:
+    with pytest.raises(SystemExit) as exited:
+        walletsvc.main(["reset", "--db", str(tmp_path / "cli.db")])
+    assert exited.value.code == 2
+
+
+def test_cli_unopenable_database_is_a_clear_error(tmp_path, capsys) -> None:
+    code, _, err = run_cli(capsys, "workspace", "list", "--db", str(tmp_path / "missing" / "dir" / "x.db"))
+    assert code == 2 and "unable to open database" in err
+
+
+@pytest.fixture
+def live(tmp_path, svc, world):
+    """The app on waitress on a free port, in a thread, stopped afterwards."""
+    import waitress
+
+    server = waitress.create_server(walletsvc.create_app(svc, admin_token="tok"), host="127.0.0.1", port=0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.effective_port}"
+    server.close()
+    thread.join(timeout=5)
+
+
+def test_cli_request_and_sign_against_a_live_server(live, world, capsys, monkeypatch, clock) -> None:
+    import subprocess
+    import time as real_time
+
+    clock.now = real_time.time()
+    monkeypatch.setenv("WALLETSVC_KEY", world["key"]["apiKey"])
+    monkeypatch.setenv("WALLETSVC_SECRET", world["key"]["secret"])
+    code, out, _ = run_cli(capsys, "request", "GET", "/api/v1/wallets?size=1", "--url", live)
+    assert code == 0 and json.loads(out)["data"]["page"] == {"size": 1, "number": 0, "totalElements": 3,
+                                                               "totalPages": 3}
+    body = json.dumps({"sourceWalletId": world["a"], "targetWalletId": world["b"], "amount": "1.00",
+                       "currency": "USD"})
+    code, out, _ = run_cli(capsys, "request", "POST", TRANSFER_PATH, "--data", body, "--url", live)
+    assert code == 0 and json.loads(out)["data"]["status"] == "COMPLETED"
+    code, out, _ = run_cli(capsys, "request", "GET", "/api/v1/wallets/wal_missing", "--url", live)
+    assert code == 1 and json.loads(out)["code"] == "W1001"
+    code, out, _ = run_cli(capsys, "sign", "GET", "/api/v1/wallets", "--format", "curl")
+    curl = subprocess.run(["curl", "-s", live + "/api/v1/wallets", *out.split()], capture_output=True, check=False,
+                          text=True, timeout=10)
+    assert json.loads(curl.stdout)["success"] is True
+    code, out, _ = run_cli(capsys, "sign", "GET", "/api/v1/wallets")
+    assert [line.split(":")[0] for line in out.splitlines()] == ["X-Api-Key", "X-Timestamp", "X-Nonce",
+                                                                 "X-Signature"]
+
+
+def test_cli_request_without_credentials_is_a_usage_error(capsys, monkeypatch) -> None:
+    monkeypatch.delenv("WALLETSVC_KEY", raising=False)
+    with pytest.raises(SystemExit) as exited:
+        walletsvc.main(["request", "GET", "/api/v1/wallets"])
+    assert exited.value.code == 2
+
+
+def admin_app(svc, token: str | None = "s3cret") -> webtest.TestApp:
+    return webtest.TestApp(walletsvc.create_app(svc, admin_token=token))
+
+
+def test_admin_surface_is_404_without_a_token(svc) -> None:
+    app = admin_app(svc, None)
+    for method, path, _ in walletsvc.ADMIN_ROUTES:
+        response = app.request(path.replace("<", "x").replace(">", ""), method=method,
+                               headers={"Authorization": "Bearer anything"}, expect_errors=True)
+        error(response, "S404", 404)
+
+
+@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer wrong", "Basic czNjcmV0",
+                                           "Bearer s3cret-and-more", "bearer s3cre"])
+def test_admin_surface_refuses_a_wrong_token(svc, authorization) -> None:
+    app = admin_app(svc)
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    for method, path, _ in walletsvc.ADMIN_ROUTES:
+        response = app.request(path.replace("<", "x").replace(">", ""), method=method, headers=headers,
+                               expect_errors=True)
+        error(response, "S401", 401)
+
+
+def test_admin_surface_mirrors_the_python_api(svc, clock) -> None:
+    app = admin_app(svc)
+    auth = {"Authorization": "Bearer s3cret"}
+
+    def call(method: str, path: str, body: dict | None = None):
+        response = app.request(path, method=method, headers=auth, expect_errors=True,
+                               body=json.dumps(body).encode() if body is not None else b"",
+                               content_type="application/json")
+        return data(response)
+
+    ws = call("POST", "/_admin/workspaces", {"name": "Acme"})
+    assert call("GET", f"/_admin/workspaces/{ws['id']}") == ws
+    member = call("POST", f"/_admin/workspaces/{ws['id']}/members", {"name": "bob"})
+    assert len(call("GET", f"/_admin/workspaces/{ws['id']}/members")) == 2
+    key = call("POST", f"/_admin/workspaces/{ws['id']}/keys", {"scopes": ["wallet:read"], "memberId": member["id"]})
+    assert key["secret"] and call("GET", f"/_admin/workspaces/{ws['id']}/keys")[0]["apiKey"] == key["apiKey"]
+    assert call("POST", f"/_admin/keys/{key['apiKey']}/disable")["enabled"] is False
+    assert call("POST", f"/_admin/keys/{key['apiKey']}/enable")["enabled"] is True
+    a = call("POST", f"/_admin/workspaces/{ws['id']}/wallets", {"currency": "USD", "name": "a"})
+    b = call("POST", f"/_admin/workspaces/{ws['id']}/wallets", {"currency": "USD"})
+    assert call("POST", f"/_admin/wallets/{a['id']}/deposit", {"amount": "9.00"})["balanceAfter"] == "9.00"
+    assert call("POST", f"/_admin/wallets/{a['id']}/withdraw", {"amount": "1.00"})["balanceAfter"] == "8.00"
+    assert call("POST", f"/_admin/wallets/{b['id']}/status", {"status": "FROZEN"})["status"] == "FROZEN"
+    assert call("GET", f"/_admin/wallets/{a['id']}")["balance"] == "8.00"
+    assert call("GET", f"/_admin/workspaces/{ws['id']}/wallets")["page"]["totalElements"] == 2
+    call("POST", f"/_admin/wallets/{b['id']}/status", {"status": "ACTIVE"})
+    manual = walletsvc.WalletService(":memory:", settlement="manual")
+    svc.settings = manual.settings  # the same service, now settling manually
+    svc.create_transfer(ws["id"], source_wallet_id=a["id"], target_wallet_id=b["id"], amount="1.00",
+                        currency="USD", biz_id="t-1")
+    svc.create_transfer(ws["id"], source_wallet_id=a["id"], target_wallet_id=b["id"], amount="1.00",
+                        currency="USD", biz_id="t-2")
+    assert call("POST", "/_admin/transfers/t-1/complete")["status"] == "COMPLETED"
+    assert call("POST", "/_admin/transfers/t-2/fail", {"workspaceId": ws["id"]})["status"] == "FAILED"
+    assert call("DELETE", f"/_admin/workspaces/{ws['id']}/members/{member['id']}") is None
+    assert call("DELETE", f"/_admin/workspaces/{ws['id']}") is None
+    assert call("GET", "/_admin/workspaces") == []
+    assert call("POST", "/_admin/reset") is None
+
+
+@pytest.mark.parametrize("path, body, code", [
+    ("/_admin/workspaces", {"nam": "x"}, "S012"),
+    ("/_admin/workspaces", {}, "S012"),
+    ("/_admin/workspaces", [], "S012"),
+    ("/_admin/workspaces/ws_missing/wallets", {"currency": "USD"}, "GA2032"),
+    ("/_admin/wallets/wal_missing/deposit", {"amount": "1.00"}, "W1001"),
+    ("/_admin/transfers/none/complete", {}, "T1001"),
+])
+def test_admin_errors_use_the_envelope(svc, path, body, code) -> None:
+    response = admin_app(svc).post(path, json.dumps(body), headers={"Authorization": "Bearer s3cret"},
+                                   content_type="application/json", expect_errors=True)
+    assert response.json["code"] == code and response.json["success"] is False
+
+
+def test_openapi_document_is_valid_and_covers_every_route(svc) -> None:
+    from openapi_spec_validator import validate
+
+    app = walletsvc.create_app(svc, admin_token="s3cret")
+    document = data(webtest.TestApp(app).get("/openapi.json"))
+    validate(document)
+    documented = {(method.upper(), path) for path, operations in document["paths"].items()
+                  for method in operations}
+    served = {(route.method, re.sub(r"<(\w+)>", r"{\1}", route.rule)) for route in app.routes
+              if route.rule != "/api<rest:re:(/.*)?>"}
+    assert documented == served
+    create = document["paths"][TRANSFER_PATH]["post"]
+    assert create["security"] == [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}]
+    described = " ".join(r["description"] for r in document["components"]["responses"].values())
+    assert all(f"{e.code} {e.name}" in described for e in walletsvc.ERRORS)
+    for name in ("Wallet", "Balance", "Flow", "TransferOrder", "Completion", "Workspace", "Member", "ApiKey"):
+        assert name in document["components"]["schemas"]
+
+
+def test_openapi_without_admin_token_documents_only_what_is_served(svc) -> None:
+    document = data(webtest.TestApp(walletsvc.create_app(svc)).get("/openapi.json"))
+    assert not [path for path in document["paths"] if path.startswith("/_admin")]
+
+
+def test_openapi_command_prints_the_raw_document(capsys) -> None:
+    code, out, _ = run_cli(capsys, "openapi")
+    assert code == 0 and json.loads(out)["openapi"] == "3.1.0"
+
+
+@pytest.mark.parametrize("target", ["live", "wsgi"])
+def test_client_covers_the_nine_endpoints(svc, world, live, clock, target) -> None:
+    import time as real_time
+
+    clock.now = real_time.time()
+    app = walletsvc.create_app(svc)
+    client = walletsvc.Client(live if target == "live" else app, world["key"]["apiKey"], world["key"]["secret"])
+    order = client.create_transfer(world["a"], world["b"], "2.00", "USD", biz_id="c-1", description="x")
+    assert client.create_transfer(world["a"], world["b"], "2.00", "USD", biz_id="c-1", description="x") == order
+    assert client.last_headers["Idempotent-Replayed"] == "true"
+    assert client.list_wallets(size=1, sort=["name,asc"])["content"][0]["name"] == "a"
+    assert client.get_wallet(world["a"])["balance"] == "98.00"
+    assert client.get_balance(world["b"])["available"] == "2.00"
+    assert client.list_flows(world["a"], type="TRANSFER_OUT")["page"]["totalElements"] == 1
+    assert client.list_transfers(status="COMPLETED")["content"] == [order]
+    assert client.list_wallet_transfers(world["b"])["content"] == [order]
+    assert client.get_transfer("c-1") == order
+    assert client.transfer_completed("c-1")["completed"] is True
+    with pytest.raises(walletsvc.WalletError) as raised:
+        client.create_transfer(world["a"], world["b"], "1000.00", "USD")
+    assert (type(raised.value).__name__, raised.value.code, raised.value.status) == (
+        "InsufficientBalance", "T2001", 422)
+    assert "below the amount" in str(raised.value)
+    with pytest.raises(walletsvc.WalletError) as raised:
+        client.get_transfer("no-such-order")
+    assert raised.value.code == "T1001"
+
+
+def test_hmac_auth_signs_requests_and_httpx(svc, live, world, clock) -> None:
+    import time as real_time
+
+    import httpx
+    import requests
+
+    clock.now = real_time.time()
+    auth = walletsvc.HmacAuth(world["key"]["apiKey"], world["key"]["secret"])
+    response = requests.get(live + "/api/v1/wallets", params={"size": 1}, auth=auth, timeout=5)
+    assert response.json()["data"]["page"]["size"] == 1
+    body = {"sourceWalletId": world["a"], "targetWalletId": world["b"], "amount": "1.00", "currency": "USD"}
+    assert requests.post(live + TRANSFER_PATH, json=body, auth=auth, timeout=5).json()["success"] is True
+    with httpx.Client(auth=auth, timeout=5) as client:
+        assert client.get(live + "/api/v1/wallets", params={"size": 2}).json()["data"]["page"]["size"] == 2
+        assert client.post(live + TRANSFER_PATH, json=body).json()["success"] is True
+    assert balances(svc, world["b"]) == ["2.00"]

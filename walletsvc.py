@@ -37,6 +37,7 @@ import decimal
 import hashlib
 import hmac
 import importlib.metadata
+import io
 import ipaddress
 import json
 import logging
@@ -47,7 +48,9 @@ import sqlite3
 import sys
 import threading
 import time
+import urllib.error
 import urllib.parse
+import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
@@ -59,6 +62,8 @@ __all__ = [
     "CURRENCY_EXPONENTS",
     "ERRORS",
     "SCOPES",
+    "Client",
+    "HmacAuth",
     "Principal",
     "Settings",
     "WalletError",
@@ -147,12 +152,15 @@ class WalletError(Exception):
     status = 500
     messages = ("An unexpected error occurred.", "服务器发生意外错误。")
 
-    def __init__(self, extra: str | None = None, **params: Any) -> None:
+    def __init__(self, extra: str | None = None, *, text: str | None = None, **params: Any) -> None:
         self.params = params
         self.extra = extra
+        self.text = text  # a detail already rendered (by a server, for the client)
         super().__init__(self.detail("en-US"))
 
     def detail(self, locale: str = "en-US") -> str:
+        if self.text is not None:
+            return self.text
         template = self.messages[1] if locale == "zh-CN" else self.messages[0]
         text = template.format(**self.params)
         return f"{text} {self.extra}" if self.extra else text
@@ -216,6 +224,12 @@ class InvalidParameter(WalletError):
 class NotFound(WalletError):
     code, name, status = "S404", "NOT_FOUND", 404
     messages = ("No such {thing}.", "{thing_zh}不存在。")
+
+
+class Unauthorized(WalletError):
+    code, name, status = "S401", "UNAUTHORIZED", 401
+    messages = ("The admin surface needs Authorization: Bearer <admin token>.",
+                "管理接口需要 Authorization: Bearer <管理令牌>。")
 
 
 class MethodNotAllowed(WalletError):
@@ -283,7 +297,7 @@ class IdempotencyConflict(WalletError):
 ERRORS = (
     ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember,
     RequestExpired, SignatureInvalid, IpNotWhitelisted, ScopeRequired, ApiAccessDenied,
-    InvalidParameter, NotFound, MethodNotAllowed, PayloadTooLarge, UnsupportedMediaType,
+    InvalidParameter, Unauthorized, NotFound, MethodNotAllowed, PayloadTooLarge, UnsupportedMediaType,
     InternalError, ServiceBusy, WalletNotFound, WalletNotActive, TransferNotFound,
     InsufficientBalance, CurrencyMismatch, SameWallet, IdempotencyConflict,
 )
@@ -1118,6 +1132,13 @@ class WalletService:
     def close(self) -> None:
         self.db.close()
 
+    def reset(self) -> None:
+        """Erase every row (workspaces, keys, wallets, ledger, nonces); keep the schema."""
+        with self.db.atomic() as conn:
+            for table in ("flows", "transfers", "wallets", "nonces", "api_keys", "members",
+                          "workspaces", "counters"):
+                conn.execute(f"DELETE FROM {table}")
+
     # Workspaces and members ##################################################
 
     def create_workspace(self, name: str) -> dict:
@@ -1685,9 +1706,9 @@ def _json_object(body: bytes) -> dict:
 
 @dataclasses.dataclass
 class Call:
-    """One authenticated API request, as the endpoint handlers see it."""
+    """One authenticated request, as the endpoint handlers see it."""
 
-    principal: Principal
+    principal: Principal | None  # None on the admin surface
     query: dict
     body: bytes
     environ: Mapping[str, Any]
@@ -1722,20 +1743,32 @@ class HttpApi:
         environ = bottle.request.environ
         locale = self.locale(environ)
         try:
-            if route.config.get("surface") != "api":
+            surface = route.config.get("surface")
+            if surface == "public":
                 return self.respond(200, envelope(callback(**url_args), self.svc.now_ms()), locale)
             body = environ.get("walletsvc.body", b"")
-            principal = self.auth.authenticate(environ, body)
-            scope = route.config.get("scope")
-            if scope is None or environ["REQUEST_METHOD"] != route.method:
-                raise ApiAccessDenied()
-            if scope not in principal.scopes:  # pipeline step 8
-                raise ScopeRequired(scope=scope)
+            principal = None
+            if surface == "admin":
+                self.check_admin_token(environ)
+            else:
+                principal = self.auth.authenticate(environ, body)
+                scope = route.config.get("scope")
+                if scope is None or environ["REQUEST_METHOD"] != route.method:
+                    raise ApiAccessDenied()
+                if scope not in principal.scopes:  # pipeline step 8
+                    raise ScopeRequired(scope=scope)
             call = Call(principal, parse_query_string(environ.get("QUERY_STRING", "")), body, environ)
             data = callback(call, **url_args)
             return self.respond(200, envelope(data, self.svc.now_ms()), locale, call.headers)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the envelope
             return self.error_response(exc, locale)
+
+    def check_admin_token(self, environ: Mapping[str, Any]) -> None:
+        scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        expected = (self.settings.admin_token or "").encode("utf-8")
+        given = token.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not expected or not hmac.compare_digest(given, expected):
+            raise Unauthorized()
 
     def locale(self, environ: Mapping[str, Any]) -> str:
         return negotiate_locale(environ.get("HTTP_X_LOCALE"), environ.get("HTTP_ACCEPT_LANGUAGE"),
@@ -1743,6 +1776,7 @@ class HttpApi:
 
     def respond(self, status: int, body: dict, locale: str,
                 headers: Mapping[str, str] | None = None) -> bottle.HTTPResponse:
+        bottle.request.environ["walletsvc.code"] = body["code"]
         return bottle.HTTPResponse(to_json(body), status, {
             "Content-Type": JSON_CONTENT_TYPE, "Content-Language": locale,
             "Cache-Control": "no-store", **(headers or {})})
@@ -1792,6 +1826,7 @@ class HttpApi:
             wallet_error = MethodNotAllowed()
         else:
             wallet_error = self.as_wallet_error(error.exception or RuntimeError(error.body))
+        environ["walletsvc.code"] = wallet_error.code
         response = bottle.response
         response.status = wallet_error.status
         response.set_header("Content-Type", JSON_CONTENT_TYPE)
@@ -1849,6 +1884,309 @@ class HttpApi:
 
 
 ###############################################################################
+# Admin surface ################################################################
+###############################################################################
+
+# The Python admin API over HTTP, for test suites in any language. Registered
+# only when an admin token is configured: otherwise the whole surface is 404.
+ADMIN_ROUTES = (
+    ("GET", "/_admin/workspaces", "list_workspaces"),
+    ("POST", "/_admin/workspaces", "create_workspace"),
+    ("GET", "/_admin/workspaces/<workspace_id>", "get_workspace"),
+    ("DELETE", "/_admin/workspaces/<workspace_id>", "delete_workspace"),
+    ("GET", "/_admin/workspaces/<workspace_id>/members", "list_members"),
+    ("POST", "/_admin/workspaces/<workspace_id>/members", "add_member"),
+    ("DELETE", "/_admin/workspaces/<workspace_id>/members/<member_id>", "remove_member"),
+    ("GET", "/_admin/workspaces/<workspace_id>/keys", "list_api_keys"),
+    ("POST", "/_admin/workspaces/<workspace_id>/keys", "create_api_key"),
+    ("POST", "/_admin/keys/<api_key>/enable", "enable_api_key"),
+    ("POST", "/_admin/keys/<api_key>/disable", "disable_api_key"),
+    ("GET", "/_admin/workspaces/<workspace_id>/wallets", "list_wallets"),
+    ("POST", "/_admin/workspaces/<workspace_id>/wallets", "create_wallet"),
+    ("GET", "/_admin/wallets/<wallet_id>", "get_wallet"),
+    ("POST", "/_admin/wallets/<wallet_id>/status", "set_wallet_status"),
+    ("POST", "/_admin/wallets/<wallet_id>/deposit", "deposit"),
+    ("POST", "/_admin/wallets/<wallet_id>/withdraw", "withdraw"),
+    ("POST", "/_admin/transfers/<biz_id>/complete", "complete_transfer"),
+    ("POST", "/_admin/transfers/<biz_id>/fail", "fail_transfer"),
+    ("POST", "/_admin/reset", "reset"),
+)
+
+
+def _fields(call: Call, required: Sequence[str] = (), optional: Sequence[str] = ()) -> dict:
+    """The admin body as a JSON object with exactly these fields (an empty body is {})."""
+    body = _json_object(call.body) if call.body.strip() else {}
+    for name in body:
+        if name not in (*required, *optional):
+            raise invalid(str(name)[:64], "unknown_field")
+    for name in required:
+        if body.get(name) is None:
+            raise invalid(name, "required")
+    return body
+
+
+class AdminApi:
+    """Handlers of /_admin/: each is one call of the Python admin API."""
+
+    def __init__(self, svc: WalletService) -> None:
+        self.svc = svc
+
+    def list_workspaces(self, call: Call) -> list:
+        return self.svc.list_workspaces()
+
+    def create_workspace(self, call: Call) -> dict:
+        return self.svc.create_workspace(_fields(call, ["name"])["name"])
+
+    def get_workspace(self, call: Call, workspace_id: str) -> dict:
+        return self.svc.get_workspace(workspace_id)
+
+    def delete_workspace(self, call: Call, workspace_id: str) -> None:
+        self.svc.delete_workspace(workspace_id)
+
+    def list_members(self, call: Call, workspace_id: str) -> list:
+        return self.svc.list_members(workspace_id)
+
+    def add_member(self, call: Call, workspace_id: str) -> dict:
+        return self.svc.add_member(workspace_id, _fields(call, ["name"])["name"])
+
+    def remove_member(self, call: Call, workspace_id: str, member_id: str) -> None:
+        self.svc.remove_member(workspace_id, member_id)
+
+    def list_api_keys(self, call: Call, workspace_id: str) -> list:
+        return self.svc.list_api_keys(workspace_id)
+
+    def create_api_key(self, call: Call, workspace_id: str) -> dict:
+        body = _fields(call, optional=["scopes", "memberId", "ipWhitelist"])
+        return self.svc.create_api_key(workspace_id, body.get("scopes", SCOPES),
+                                       member_id=body.get("memberId"),
+                                       ip_whitelist=body.get("ipWhitelist"))
+
+    def enable_api_key(self, call: Call, api_key: str) -> dict:
+        return self.svc.set_api_key_enabled(api_key, True)
+
+    def disable_api_key(self, call: Call, api_key: str) -> dict:
+        return self.svc.set_api_key_enabled(api_key, False)
+
+    def list_wallets(self, call: Call, workspace_id: str) -> dict:
+        self.svc.get_workspace(workspace_id)
+        return self.svc.list_wallets(workspace_id, call.query)
+
+    def create_wallet(self, call: Call, workspace_id: str) -> dict:
+        body = _fields(call, ["currency"], ["name"])
+        return self.svc.create_wallet(workspace_id, body["currency"], name=body.get("name"))
+
+    def get_wallet(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.get_wallet(wallet_id)
+
+    def set_wallet_status(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.set_wallet_status(wallet_id, _fields(call, ["status"])["status"])
+
+    def deposit(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.deposit(wallet_id, _fields(call, ["amount"])["amount"])
+
+    def withdraw(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.withdraw(wallet_id, _fields(call, ["amount"])["amount"])
+
+    def complete_transfer(self, call: Call, biz_id: str) -> dict:
+        body = _fields(call, optional=["workspaceId"])
+        return self.svc.complete_transfer(biz_id, workspace_id=body.get("workspaceId"))
+
+    def fail_transfer(self, call: Call, biz_id: str) -> dict:
+        body = _fields(call, optional=["workspaceId"])
+        return self.svc.fail_transfer(biz_id, workspace_id=body.get("workspaceId"))
+
+    def reset(self, call: Call) -> None:
+        self.svc.reset()
+
+
+###############################################################################
+# OpenAPI document #############################################################
+###############################################################################
+
+_STRING = {"type": "string"}
+_TIME = {"type": "string", "format": "date-time"}
+_NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
+_AMOUNT_SCHEMA = {"type": "string", "pattern": r"^[0-9]{1,15}(\.[0-9]+)?$", "examples": ["10.00"]}
+
+
+def _object(properties: dict, required: Sequence[str] | None = None) -> dict:
+    return {"type": "object", "properties": properties,
+            "required": list(properties) if required is None else list(required),
+            "additionalProperties": False}
+
+
+def _enum(values: Sequence[str]) -> dict:
+    return {"type": "string", "enum": list(values)}
+
+
+_SCHEMAS = {
+    "Wallet": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING,
+                       "currency": _STRING, "status": _enum(WALLET_STATUSES), "balance": _AMOUNT_SCHEMA,
+                       "createdAt": _TIME, "updatedAt": _TIME}),
+    "Balance": _object({"walletId": _STRING, "currency": _STRING, "balance": _AMOUNT_SCHEMA,
+                        "available": _AMOUNT_SCHEMA, "pending": _AMOUNT_SCHEMA, "updatedAt": _TIME}),
+    "Flow": _object({"id": _STRING, "walletId": _STRING, "type": _enum(FLOW_TYPES),
+                     "direction": _enum(FLOW_DIRECTIONS), "amount": _AMOUNT_SCHEMA,
+                     "balanceAfter": _AMOUNT_SCHEMA, "transferId": {"type": ["string", "null"]},
+                     "bizId": {"type": ["string", "null"]},
+                     "counterpartyWalletId": {"type": ["string", "null"]}, "createdAt": _TIME}),
+    "TransferOrder": _object({
+        "transferId": _STRING, "bizId": _STRING, "sourceWalletId": _STRING,
+        "targetWalletId": _STRING, "amount": _AMOUNT_SCHEMA, "currency": _STRING,
+        "status": _enum(TRANSFER_STATUSES), "description": {"type": ["string", "null"]},
+        "createdAt": _TIME, "updatedAt": _TIME, "completedAt": _NULLABLE_TIME}),
+    "Completion": _object({"bizId": _STRING, "transferId": _STRING,
+                           "status": _enum(TRANSFER_STATUSES), "completed": {"type": "boolean"}}),
+    "CreateTransfer": _object({
+        "sourceWalletId": _STRING, "targetWalletId": _STRING, "amount": _AMOUNT_SCHEMA,
+        "currency": {"type": "string", "pattern": "^[A-Z]{3}$"},
+        "bizId": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"},
+        "description": {"type": "string", "maxLength": 255}},
+        ["sourceWalletId", "targetWalletId", "amount", "currency"]),
+    "PageInfo": _object({"size": {"type": "integer"}, "number": {"type": "integer"},
+                         "totalElements": {"type": "integer"}, "totalPages": {"type": "integer"}}),
+    "Workspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}),
+    "Member": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING,
+                       "role": _enum(("OWNER", "MEMBER")), "createdAt": _TIME}),
+    "ApiKey": _object({"apiKey": _STRING, "secret": {"type": "string", "description": "at creation only"},
+                       "workspaceId": _STRING, "memberId": _STRING,
+                       "scopes": {"type": "array", "items": _enum(SCOPES)}, "enabled": {"type": "boolean"},
+                       "ipWhitelist": {"type": ["array", "null"], "items": _STRING}, "createdAt": _TIME},
+                      ["apiKey", "workspaceId", "memberId", "scopes", "enabled", "createdAt"]),
+    "Health": _object({"status": _STRING, "version": _STRING}),
+    "Error": _object({"version": _STRING, "timestamp": {"type": "integer"},
+                      "success": {"const": False}, "code": _enum([e.code for e in ERRORS]),
+                      "message": _enum([e.name for e in ERRORS]), "data": {"type": "null"},
+                      "detail": _STRING}),
+    "NameBody": _object({"name": _STRING}),
+    "NewKeyBody": _object({"scopes": {"type": "array", "items": _enum(SCOPES)}, "memberId": _STRING,
+                           "ipWhitelist": {"type": "array", "items": _STRING}}, []),
+    "NewWalletBody": _object({"currency": _STRING, "name": _STRING}, ["currency"]),
+    "StatusBody": _object({"status": _enum(WALLET_STATUSES)}),
+    "AmountBody": _object({"amount": _AMOUNT_SCHEMA}),
+    "DecisionBody": _object({"workspaceId": _STRING}, []),
+}
+for _item in ("Wallet", "Flow", "TransferOrder"):
+    _SCHEMAS[_item + "Page"] = _object({"content": {"type": "array", "items": {"$ref": f"#/components/schemas/{_item}"}},
+                                        "page": {"$ref": "#/components/schemas/PageInfo"}})
+
+_PAGE_PARAMETERS = [
+    {"name": "page", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0}},
+    {"name": "size", "in": "query", "schema": {"type": "integer", "minimum": 1, "default": 20},
+     "description": "values above 100 are capped at 100"},
+    {"name": "sort", "in": "query", "style": "form", "explode": True,
+     "schema": {"type": "array", "items": {"type": "string"}}, "description": "field,asc|desc; repeatable"},
+]
+_TRANSFER_FILTERS = [{"name": name, "in": "query", "schema": _STRING}
+                     for name in ("status", "createdFrom", "createdTo", "bizIdPrefix")]
+
+# handler -> (summary, data schema, extra query parameters, request body schema)
+_OPERATIONS: dict[str, tuple] = {
+    "list_wallets": ("List wallets", "WalletPage",
+                     _PAGE_PARAMETERS + [{"name": n, "in": "query", "schema": _STRING}
+                                         for n in ("currency", "status")], None),
+    "get_wallet": ("Get a wallet", "Wallet", [], None),
+    "get_balance": ("Get a wallet balance", "Balance", [], None),
+    "list_flows": ("List a wallet's flows", "FlowPage",
+                   _PAGE_PARAMETERS + [{"name": n, "in": "query", "schema": _STRING}
+                                       for n in ("type", "direction", "createdFrom", "createdTo")], None),
+    "list_transfers": ("List transfer orders", "TransferOrderPage", _PAGE_PARAMETERS + _TRANSFER_FILTERS, None),
+    "list_wallet_transfers": ("List a wallet's transfer orders", "TransferOrderPage",
+                              _PAGE_PARAMETERS + _TRANSFER_FILTERS, None),
+    "get_transfer": ("Get a transfer order", "TransferOrder", [], None),
+    "transfer_completed": ("Check whether a transfer order is completed", "Completion", [], None),
+    "create_transfer": ("Create a transfer order", "TransferOrder",
+                        [{"name": "Idempotency-Key", "in": "header", "schema": _STRING}], "CreateTransfer"),
+    "admin.list_workspaces": ("List workspaces", {"type": "array", "items": {"$ref": "#/components/schemas/Workspace"}}, [], None),
+    "admin.create_workspace": ("Create a workspace", "Workspace", [], "NameBody"),
+    "admin.get_workspace": ("Get a workspace", "Workspace", [], None),
+    "admin.delete_workspace": ("Delete a workspace (its keys answer GA2032)", None, [], None),
+    "admin.list_members": ("List members", {"type": "array", "items": {"$ref": "#/components/schemas/Member"}}, [], None),
+    "admin.add_member": ("Add a member", "Member", [], "NameBody"),
+    "admin.remove_member": ("Remove a member (its keys answer GA2034)", None, [], None),
+    "admin.list_api_keys": ("List API keys", {"type": "array", "items": {"$ref": "#/components/schemas/ApiKey"}}, [], None),
+    "admin.create_api_key": ("Create an API key (the secret is returned once)", "ApiKey", [], "NewKeyBody"),
+    "admin.enable_api_key": ("Enable an API key", "ApiKey", [], None),
+    "admin.disable_api_key": ("Disable an API key (GA2021)", "ApiKey", [], None),
+    "admin.list_wallets": ("List a workspace's wallets", "WalletPage", _PAGE_PARAMETERS, None),
+    "admin.create_wallet": ("Create a wallet", "Wallet", [], "NewWalletBody"),
+    "admin.get_wallet": ("Get a wallet", "Wallet", [], None),
+    "admin.set_wallet_status": ("Freeze, unfreeze or close a wallet", "Wallet", [], "StatusBody"),
+    "admin.deposit": ("Deposit money from outside", "Flow", [], "AmountBody"),
+    "admin.withdraw": ("Withdraw money", "Flow", [], "AmountBody"),
+    "admin.complete_transfer": ("Complete a PENDING order", "TransferOrder", [], "DecisionBody"),
+    "admin.fail_transfer": ("Fail a PENDING order", "TransferOrder", [], "DecisionBody"),
+    "admin.reset": ("Erase all data", None, [], None),
+    "healthz": ("Health check", "Health", [], None),
+    "openapi": ("This document", {"type": "object"}, [], None),
+}
+
+
+def _ref(schema: str | dict | None) -> dict:
+    if schema is None:
+        return {"type": "null"}
+    return {"$ref": f"#/components/schemas/{schema}"} if isinstance(schema, str) else schema
+
+
+def openapi_document(routes: Iterable[tuple[str, str, str, str]]) -> dict:
+    """OpenAPI 3.1 of ``routes``: (method, bottle path, surface, operation key)."""
+    statuses: dict[int, list] = {}
+    for error in ERRORS:
+        statuses.setdefault(error.status, []).append(error)
+    responses = {f"E{status}": {
+        "description": "; ".join(f"{e.code} {e.name}" for e in errors),
+        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
+        for status, errors in sorted(statuses.items())}
+    paths: dict[str, dict] = {}
+    for method, path, surface, key in routes:
+        summary, data_schema, parameters, request_schema = _OPERATIONS[key]
+        openapi_path = re.sub(r"<(\w+)>", r"{\1}", path)
+        path_parameters = [{"name": name, "in": "path", "required": True, "schema": _STRING}
+                           for name in re.findall(r"<(\w+)>", path)]
+        operation: dict[str, Any] = {
+            "operationId": key.replace(".", "_"), "summary": summary, "tags": [surface],
+            "parameters": path_parameters + parameters,
+            "responses": {"200": {"description": "SUCCESS", "content": {"application/json": {"schema": {
+                "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
+                "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
+                               "success": {"const": True}, "code": {"const": SUCCESS_CODE},
+                               "message": {"const": "SUCCESS"}, "data": _ref(data_schema)}}}}}}}
+        operation["responses"].update({str(status): {"$ref": f"#/components/responses/E{status}"}
+                                       for status in sorted(statuses)})
+        if request_schema:
+            operation["requestBody"] = {"required": surface == "api", "content": {
+                "application/json": {"schema": _ref(request_schema)}}}
+        if surface == "api":
+            operation["security"] = [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}]
+        elif surface == "admin":
+            operation["security"] = [{"AdminToken": []}]
+        else:
+            operation["security"] = []
+        paths.setdefault(openapi_path, {})[method.lower()] = operation
+    header = {"type": "apiKey", "in": "header"}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "walletsvc", "version": __version__,
+                 "description": "Wallet and Transfer Service. Every /api/ request is signed: "
+                                "X-Signature = Base64(HMAC-SHA256(secret, METHOD\\nPATH\\nTIMESTAMP"
+                                "\\nNONCE\\nSHA256_HEX(body))). /_admin/ exists only when an admin token is set."},
+        "paths": paths,
+        "components": {
+            "schemas": _SCHEMAS,
+            "responses": responses,
+            "securitySchemes": {
+                "ApiKey": {**header, "name": "X-Api-Key"},
+                "Timestamp": {**header, "name": "X-Timestamp", "description": "Unix seconds, within 60 s"},
+                "Nonce": {**header, "name": "X-Nonce", "description": "unique per key; UUID v4 recommended"},
+                "Signature": {**header, "name": "X-Signature",
+                              "description": "Base64 HMAC-SHA256 of the canonical message"},
+                "AdminToken": {"type": "http", "scheme": "bearer"},
+            },
+        },
+    }
+
+
+###############################################################################
 # App factory ##################################################################
 ###############################################################################
 
@@ -1866,12 +2204,169 @@ def create_app(svc: WalletService, **settings: Any) -> bottle.Bottle:
     app.config["walletsvc.service"] = svc
     app.add_hook("before_request", http.read_body)
     for method, path, scope, handler in API_ROUTES:
-        app.route(path, method, getattr(http, handler), surface="api", scope=scope)
+        app.route(path, method, getattr(http, handler), surface="api", scope=scope, operation=handler)
     app.route("/api<rest:re:(/.*)?>", "ANY", http.undeclared, surface="api", scope=None)
-    app.route("/healthz", "GET", http.healthz, surface="public")
+    if settings_.admin_token:
+        admin = AdminApi(svc)
+        for method, path, handler in ADMIN_ROUTES:
+            app.route(path, method, getattr(admin, handler), surface="admin", operation=f"admin.{handler}")
+    app.route("/healthz", "GET", http.healthz, surface="public", operation="healthz")
+    app.route("/openapi.json", "GET", lambda: document, surface="public", operation="openapi")
+    document = app.config["walletsvc.openapi"] = openapi_document(
+        (route.method, route.rule, route.config["surface"], route.config["operation"])
+        for route in app.routes if route.config.get("operation"))
     app.default_error_handler = http.bottle_error
     app.install(http)
     return app
+
+
+###############################################################################
+# Client #######################################################################
+###############################################################################
+
+
+def error_for(code: str, detail: str = "", status: int | None = None) -> WalletError:
+    """The WalletError subclass of a catalog code, carrying the server's detail."""
+    cls = next((error for error in ERRORS if error.code == code), None)
+    if cls is None:
+        cls = type("UnknownError", (WalletError,), {"code": code, "name": "UNKNOWN", "status": status or 500})
+    return cls(text=detail)
+
+
+class HmacAuth:
+    """Signs requests for ``requests`` and ``httpx`` (``auth=HmacAuth(key, secret)``).
+
+    Imports neither library: a requests PreparedRequest and an httpx Request
+    are told apart by their attributes.
+    """
+
+    def __init__(self, api_key: str, secret: str) -> None:
+        self.api_key = api_key
+        self.secret = secret
+
+    def __call__(self, request: Any) -> Any:
+        if hasattr(request, "path_url"):  # requests
+            path, body = request.path_url, request.body
+        else:  # httpx
+            path, body = request.url.raw_path.decode("ascii"), request.content
+        if body is not None and not isinstance(body, (bytes, str)):
+            raise TypeError("HmacAuth signs the exact body bytes; streamed bodies cannot be signed")
+        request.headers.update(sign_request(request.method, path, body, self.api_key, self.secret))
+        return request
+
+    def auth_flow(self, request: Any) -> Iterator[Any]:
+        """httpx's Auth protocol."""
+        yield self(request)
+
+
+class Client:
+    """A small signed client of the nine endpoints, standard library only.
+
+    ``target`` is a base URL (``"http://127.0.0.1:8080"``) or a WSGI app for
+    in-process use. Methods return the envelope's ``data`` and raise the
+    WalletError subclass of the answer's code.
+    """
+
+    def __init__(self, target: str | Callable, api_key: str, secret: str, *,
+                 timeout: float = 10.0) -> None:
+        self.target = target.rstrip("/") if isinstance(target, str) else target
+        self.api_key, self.secret, self.timeout = api_key, secret, timeout
+        self.last_headers: dict[str, str] = {}
+
+    def list_wallets(self, **query: Any) -> dict:
+        return self.request("GET", "/api/v1/wallets", query=query)
+
+    def get_wallet(self, wallet_id: str) -> dict:
+        return self.request("GET", f"/api/v1/wallets/{_segment(wallet_id)}")
+
+    def get_balance(self, wallet_id: str) -> dict:
+        return self.request("GET", f"/api/v1/wallets/{_segment(wallet_id)}/balance")
+
+    def list_flows(self, wallet_id: str, **query: Any) -> dict:
+        return self.request("GET", f"/api/v1/wallets/{_segment(wallet_id)}/flows", query=query)
+
+    def list_transfers(self, **query: Any) -> dict:
+        return self.request("GET", "/api/v1/transfer/query/orders", query=query)
+
+    def list_wallet_transfers(self, wallet_id: str, **query: Any) -> dict:
+        return self.request("GET", f"/api/v1/transfer/query/orders/wallet/{_segment(wallet_id)}",
+                            query=query)
+
+    def get_transfer(self, biz_id: str) -> dict:
+        return self.request("GET", f"/api/v1/transfer/query/orders/{_segment(biz_id)}")
+
+    def transfer_completed(self, biz_id: str) -> dict:
+        return self.request("GET", f"/api/v1/transfer/query/orders/{_segment(biz_id)}/completed")
+
+    def create_transfer(self, source_wallet_id: str, target_wallet_id: str, amount: str,
+                        currency: str, *, biz_id: str | None = None,
+                        description: str | None = None) -> dict:
+        body = {"sourceWalletId": source_wallet_id, "targetWalletId": target_wallet_id,
+                "amount": amount, "currency": currency}
+        if biz_id is not None:
+            body["bizId"] = biz_id
+        if description is not None:
+            body["description"] = description
+        return self.request("POST", "/api/v1/transfer/command/create", body=body)
+
+    def request(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
+                body: Any = None) -> Any:
+        """Sign and send one request; the envelope's data, or a typed error."""
+        raw = b"" if body is None else (body if isinstance(body, bytes) else to_json(body))
+        status, self.last_headers, answer = self.send(method, path, query=query, body=raw)
+        if not answer.get("success"):
+            raise error_for(str(answer.get("code")), answer.get("detail", ""), status)
+        return answer["data"]
+
+    def send(self, method: str, path: str, *, query: Mapping[str, Any] | str | None = None,
+             body: bytes | None = None) -> tuple[int, dict, dict]:
+        """Sign and send; (HTTP status, response headers, envelope) whatever the outcome."""
+        raw = body or b""
+        headers = sign_request(method, path, raw, self.api_key, self.secret)
+        if raw:
+            headers["Content-Type"] = "application/json"
+        if not isinstance(query, str):
+            query = urllib.parse.urlencode(
+                {name: value for name, value in (query or {}).items() if value is not None}, doseq=True)
+        status, response_headers, payload = self._send(method, path, query, headers, raw)
+        try:
+            return status, response_headers, json.loads(payload)
+        except ValueError:
+            return status, response_headers, {"success": False, "code": "S500",
+                                               "detail": f"HTTP {status}: not a JSON envelope"}
+
+    def _send(self, method: str, path: str, query: str, headers: dict,
+              body: bytes) -> tuple[int, dict, bytes]:
+        if isinstance(self.target, str):
+            url = self.target + path + (f"?{query}" if query else "")
+            request = urllib.request.Request(url, data=body or None, method=method, headers=headers)
+            try:
+                with urllib.request.urlopen(request, timeout=self.timeout) as reply:
+                    return reply.status, dict(reply.headers), reply.read()
+            except urllib.error.HTTPError as reply:
+                return reply.code, dict(reply.headers), reply.read()
+        environ = {"REQUEST_METHOD": method, "SCRIPT_NAME": "",
+                   "PATH_INFO": urllib.parse.unquote(path, "latin-1"), "REQUEST_URI": path,
+                   "QUERY_STRING": query, "SERVER_NAME": "walletsvc", "SERVER_PORT": "80",
+                   "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1",
+                   "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": headers.pop("Content-Type", ""),
+                   "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr, "wsgi.version": (1, 0),
+                   "wsgi.url_scheme": "http", "wsgi.multithread": True,
+                   "wsgi.multiprocess": False, "wsgi.run_once": False}
+        for name, value in headers.items():
+            environ["HTTP_" + name.upper().replace("-", "_")] = value
+        started: list = []
+        chunks = self.target(environ, lambda status, response_headers, exc_info=None:
+                             started.extend((status, response_headers)))
+        try:
+            payload = b"".join(chunks)
+        finally:
+            getattr(chunks, "close", lambda: None)()
+        return int(started[0].split()[0]), dict(started[1]), payload
+
+
+def _segment(value: str) -> str:
+    return urllib.parse.quote(str(value), safe="")
 
 
 ###############################################################################
@@ -1906,13 +2401,14 @@ def seed_demo(svc: WalletService) -> dict:
     return {"apiKey": row["id"], "secret": row["secret"], "walletIds": wallet_ids}
 
 
-def demo_instructions(base_url: str, demo: dict) -> str:
+def demo_instructions(base_url: str, demo: dict, admin_token: str | None = None) -> str:
     """What ``serve --demo`` prints: credentials and examples that work as printed."""
     key, secret = demo["apiKey"], demo["secret"]
     return f"""walletsvc sandbox at {base_url}
-  API key : {key}
-  secret  : {secret}
-  wallets : {", ".join(demo["walletIds"])}
+  API key     : {key}
+  secret      : {secret}
+  admin token : {admin_token or "(admin surface off)"}
+  wallets     : {", ".join(demo["walletIds"])}
 
 Signed request from a shell (openssl + curl):
   KEY={key} SECRET={secret}
@@ -1929,42 +2425,257 @@ From Python:
 """
 
 
-def serve(svc: WalletService, host: str, port: int, threads: int, **settings: Any) -> None:
-    """Serve ``svc`` on waitress until interrupted."""
+def access_logged(app: Callable, logger: logging.Logger) -> Callable:
+    """WSGI middleware: one line per request (method, path, status, code, milliseconds)."""
+    def logged(environ: dict, start_response: Callable) -> Iterable[bytes]:
+        started, seen = time.perf_counter(), {}
+
+        def capture(status: str, headers: list, exc_info: Any = None) -> Callable:
+            seen["status"] = status.split(" ", 1)[0]
+            return start_response(status, headers, exc_info)
+
+        try:
+            return app(environ, capture)
+        finally:
+            logger.info("%s %s %s %s %.1fms", environ.get("REQUEST_METHOD"), environ.get("PATH_INFO"),
+                        seen.get("status", "-"), environ.get("walletsvc.code", "-"),
+                        (time.perf_counter() - started) * 1000)
+    return logged
+
+
+def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads: int = 4, *,
+          on_ready: Callable[[str], None] | None = None, **settings: Any) -> None:
+    """Serve ``svc`` on waitress until interrupted (Ctrl-C or SIGTERM)."""
+    import signal
+
     import waitress
 
-    waitress.serve(create_app(svc, **settings), host=host, port=port, threads=threads,
-                   ident="walletsvc", clear_untrusted_proxy_headers=False)
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
+    app = access_logged(create_app(svc, **settings), logging.getLogger("walletsvc.access"))
+    server = waitress.create_server(app, host=host, port=port, threads=threads, ident="walletsvc",
+                                    clear_untrusted_proxy_headers=False)
+    base_url = f"http://{host}:{server.effective_port}"
+    if on_ready:
+        on_ready(base_url)
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt
+
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    try:
+        log.info("serving on %s", base_url)
+        server.run()
+    except KeyboardInterrupt:
+        log.info("stopped")
+    finally:
+        if main_thread:
+            signal.signal(signal.SIGTERM, previous)
+        server.close()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``walletsvc`` command."""
+def demo_admin_token(secret: str) -> str:
+    """The demo's admin token, derived from its key so that a restart prints the same one."""
+    return hmac.new(secret.encode(), b"walletsvc demo admin token", hashlib.sha256).hexdigest()[:32]
+
+
+def _table(value: Any) -> str:
+    """A human table of a resource, a list of them or a page."""
+    if isinstance(value, dict) and "content" in value and "page" in value:
+        page = value["page"]
+        return (_table(value["content"]) + f"\npage {page['number']} of {page['totalPages']},"
+                f" {page['totalElements']} in all")
+    if isinstance(value, dict):
+        value = [{"field": name, "value": item} for name, item in value.items()]
+    if not isinstance(value, list):
+        return json.dumps(value)
+    if not value:
+        return "(none)"
+    columns = list(value[0])
+    rows = [[("" if row.get(c) is None else str(row.get(c))) for c in columns] for row in value]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
+    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
+    return "\n".join(line.rstrip() for line in lines)
+
+
+def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any]) -> Callable:
+    def run(args: argparse.Namespace) -> int:
+        svc = WalletService(args.db)
+        try:
+            result = action(svc, args)
+        finally:
+            svc.close()
+        print(_table(result) if args.table else json.dumps(result, indent=2, ensure_ascii=False))
+        return 0
+    return run
+
+
+def _serve_command(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    svc = WalletService(args.db)
+    settings: dict[str, Any] = {"admin_token": args.admin_token}
+    demo = seed_demo(svc) if args.demo else None
+    if demo:
+        settings["debug_signatures"] = True
+        settings["admin_token"] = args.admin_token or demo_admin_token(demo["secret"])
+
+    def banner(base_url: str) -> None:
+        if demo:
+            print(demo_instructions(base_url, demo, settings["admin_token"]), flush=True)
+
+    serve(svc, args.host, args.port, args.threads, on_ready=banner, **settings)
+    return 0
+
+
+def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str]:
+    if not args.key or not args.secret:
+        parser.error("an API key and secret are needed: --key/--secret or WALLETSVC_KEY/WALLETSVC_SECRET")
+    return args.key, args.secret
+
+
+def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    key, secret = _credentials(args, parser)
+    path, _, query = args.path.partition("?")
+    client = Client(args.url, key, secret)
+    body = args.data.encode("utf-8") if args.data is not None else None
+    _, _, answer = client.send(args.method.upper(), path, query=query, body=body)
+    print(json.dumps(answer, indent=2, ensure_ascii=False))
+    return 0 if answer.get("success") else 1
+
+
+def _sign_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    key, secret = _credentials(args, parser)
+    headers = sign_request(args.method.upper(), args.path, (args.data or "").encode("utf-8"), key, secret)
+    if args.format == "curl":
+        print(" ".join(f"-H {name}:{value}" for name, value in headers.items()))
+    else:
+        print("\n".join(f"{name}: {value}" for name, value in headers.items()))
+    return 0
+
+
+def _leaf(commands: Any, name: str, common: argparse.ArgumentParser, help_text: str,
+          action: Callable[[WalletService, argparse.Namespace], Any], *arguments: str) -> argparse.ArgumentParser:
+    parser = commands.add_parser(name, parents=[common], help=help_text)
+    for argument in arguments:
+        parser.add_argument(argument)
+    parser.set_defaults(run=_admin_command(action))
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``walletsvc`` command line: serve, one verb per admin action, request, sign."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--db", default=os.environ.get("WALLETSVC_DB", "walletsvc.db"),
+                        help="SQLite database file (default $WALLETSVC_DB or walletsvc.db)")
+    common.add_argument("--table", action="store_true", help="print a table instead of JSON")
     parser = argparse.ArgumentParser(prog="walletsvc", description=__doc__.splitlines()[0])
-    commands = parser.add_subparsers(dest="command", required=True)
-    serve_parser = commands.add_parser("serve", help="serve the API on waitress")
-    serve_parser.add_argument("--db", default=os.environ.get("WALLETSVC_DB", "walletsvc.db"),
-                              help="SQLite database file (default walletsvc.db)")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve_parser = commands.add_parser("serve", parents=[common], help="serve the API on waitress")
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve_parser.add_argument("--port", type=int, default=8080, help="port (default 8080)")
+    serve_parser.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
     serve_parser.add_argument("--threads", type=int, default=4, help="waitress worker threads")
     serve_parser.add_argument("--demo", action="store_true",
                               help="seed a demo workspace once and print its credentials")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN"),
+                              help="enable /_admin/ with this bearer token")
+    serve_parser.set_defaults(run=_serve_command)
+
+    workspace = commands.add_parser("workspace", help="create, list, delete workspaces")
+    verbs = workspace.add_subparsers(dest="verb", required=True)
+    _leaf(verbs, "create", common, "create a workspace", lambda svc, a: svc.create_workspace(a.name), "name")
+    _leaf(verbs, "list", common, "list workspaces", lambda svc, a: svc.list_workspaces())
+    _leaf(verbs, "delete", common, "delete a workspace (its keys answer GA2032)",
+          lambda svc, a: svc.delete_workspace(a.workspace_id) or {"deleted": a.workspace_id}, "workspace_id")
+
+    member = commands.add_parser("member", help="add, remove, list members")
+    verbs = member.add_subparsers(dest="verb", required=True)
+    _leaf(verbs, "add", common, "add a member", lambda svc, a: svc.add_member(a.workspace_id, a.name),
+          "workspace_id", "name")
+    _leaf(verbs, "remove", common, "remove a member (its keys answer GA2034)",
+          lambda svc, a: svc.remove_member(a.workspace_id, a.member_id) or {"removed": a.member_id},
+          "workspace_id", "member_id")
+    _leaf(verbs, "list", common, "list members", lambda svc, a: svc.list_members(a.workspace_id),
+          "workspace_id")
+
+    key = commands.add_parser("key", help="create, list, disable, enable API keys")
+    verbs = key.add_subparsers(dest="verb", required=True)
+    create_key = _leaf(verbs, "create", common, "create a key (prints its secret once)",
+                       lambda svc, a: svc.create_api_key(a.workspace_id, a.scope or SCOPES,
+                                                         member_id=a.member, ip_whitelist=a.ip),
+                       "workspace_id")
+    create_key.add_argument("--scope", action="append", choices=SCOPES, help="repeatable; default all")
+    create_key.add_argument("--ip", action="append", help="whitelisted address or CIDR; repeatable")
+    create_key.add_argument("--member", help="member id (default: the workspace owner)")
+    _leaf(verbs, "list", common, "list keys", lambda svc, a: svc.list_api_keys(a.workspace_id), "workspace_id")
+    _leaf(verbs, "disable", common, "disable a key", lambda svc, a: svc.set_api_key_enabled(a.api_key, False),
+          "api_key")
+    _leaf(verbs, "enable", common, "enable a key", lambda svc, a: svc.set_api_key_enabled(a.api_key, True),
+          "api_key")
+
+    wallet = commands.add_parser("wallet", help="create, list, freeze, unfreeze, close wallets")
+    verbs = wallet.add_subparsers(dest="verb", required=True)
+    create_wallet = _leaf(verbs, "create", common, "create a wallet",
+                          lambda svc, a: svc.create_wallet(a.workspace_id, a.currency, name=a.name),
+                          "workspace_id", "currency")
+    create_wallet.add_argument("--name")
+    _leaf(verbs, "list", common, "list a workspace's wallets",
+          lambda svc, a: svc.get_workspace(a.workspace_id) and svc.list_wallets(a.workspace_id, {"size": 100}),
+          "workspace_id")
+    _leaf(verbs, "get", common, "show a wallet", lambda svc, a: svc.get_wallet(a.wallet_id), "wallet_id")
+    for verb, status in (("freeze", "FROZEN"), ("unfreeze", "ACTIVE"), ("close", "CLOSED")):
+        _leaf(verbs, verb, common, f"set a wallet {status}",
+              lambda svc, a, status=status: svc.set_wallet_status(a.wallet_id, status), "wallet_id")
+
+    _leaf(commands, "deposit", common, "deposit money into a wallet",
+          lambda svc, a: svc.deposit(a.wallet_id, a.amount), "wallet_id", "amount")
+    _leaf(commands, "withdraw", common, "withdraw money from a wallet",
+          lambda svc, a: svc.withdraw(a.wallet_id, a.amount), "wallet_id", "amount")
+
+    transfer = commands.add_parser("transfer", help="complete or fail PENDING transfer orders")
+    verbs = transfer.add_subparsers(dest="verb", required=True)
+    for verb in ("complete", "fail"):
+        decide = _leaf(verbs, verb, common, f"{verb} a PENDING order",
+                       lambda svc, a, verb=verb: getattr(svc, f"{verb}_transfer")(
+                           a.biz_id, workspace_id=a.workspace), "biz_id")
+        decide.add_argument("--workspace", help="workspace id, when the bizId is used in several")
+
+    reset = _leaf(commands, "reset", common, "erase every row of the database",
+                  lambda svc, a: svc.reset() or {"reset": a.db})
+    reset.add_argument("--yes", action="store_true", required=True, help="confirm")
+
+    for name, help_text, runner in (("request", "sign and send a request; print the answer", _request_command),
+                                    ("sign", "print the signature headers of a request", _sign_command)):
+        sub = commands.add_parser(name, help=help_text)
+        sub.add_argument("method")
+        sub.add_argument("path", help="path, e.g. /api/v1/wallets (a query string is not signed)")
+        sub.add_argument("--data", help="the exact JSON body")
+        sub.add_argument("--key", default=os.environ.get("WALLETSVC_KEY"))
+        sub.add_argument("--secret", default=os.environ.get("WALLETSVC_SECRET"))
+        if name == "request":
+            sub.add_argument("--url", default=os.environ.get("WALLETSVC_URL", "http://127.0.0.1:8080"))
+        else:
+            sub.add_argument("--format", choices=("headers", "curl"), default="headers")
+        sub.set_defaults(run=lambda args, runner=runner, sub=sub: runner(args, sub))
+
+    openapi = commands.add_parser("openapi", help="print the OpenAPI 3.1 document (API and admin)")
+    openapi.set_defaults(run=lambda args: print(json.dumps(
+        create_app(WalletService(), admin_token="x").config["walletsvc.openapi"], indent=2)) or 0)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``walletsvc`` command; returns the exit status."""
+    args = build_parser().parse_args(argv)
     try:
-        svc = WalletService(args.db)
-    except (sqlite3.Error, RuntimeError) as exc:
-        print(f"walletsvc: cannot open {args.db}: {exc}", file=sys.stderr)
+        return args.run(args)
+    except WalletError as exc:
+        print(f"walletsvc: {exc.name} ({exc.code}): {exc.detail()}", file=sys.stderr)
+        return 1
+    except (sqlite3.Error, RuntimeError, ValueError, OSError) as exc:
+        print(f"walletsvc: {exc}", file=sys.stderr)
         return 2
-    settings: dict[str, Any] = {}
-    if args.demo:
-        settings["debug_signatures"] = True
-        print(demo_instructions(f"http://{args.host}:{args.port}", seed_demo(svc)), flush=True)
-    try:
-        serve(svc, args.host, args.port, args.threads, **settings)
-    except KeyboardInterrupt:
-        pass
-    return 0
 
 
 if __name__ == "__main__":
