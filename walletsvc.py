@@ -30,10 +30,12 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import collections
 import contextlib
 import dataclasses
 import datetime
 import decimal
+import fnmatch
 import hashlib
 import hmac
 import importlib.metadata
@@ -42,6 +44,7 @@ import ipaddress
 import json
 import logging
 import os
+import random
 import re
 import secrets
 import sqlite3
@@ -63,8 +66,10 @@ __all__ = [
     "ERRORS",
     "SCOPES",
     "Client",
+    "Clock",
     "HmacAuth",
     "Principal",
+    "Sandbox",
     "Settings",
     "WalletError",
     "WalletService",
@@ -96,25 +101,23 @@ EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()
 _BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _NONCE = re.compile(r"[!-~]{1,128}")  # printable ASCII, no whitespace
-_CROCKFORD = "0123456789abcdefghjkmnpqrstvwxyz"
+_BASE32_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789abcdefghjkmnpqrstvwxyz")
 
 
 def new_id(prefix: str, now_ms: int, random_bits: int) -> str:
-    """A type-prefixed, time-ordered id: 10 base-32 digits of time, 16 of randomness."""
-    value = (now_ms << 80) | random_bits
-    digits = []
-    for _ in range(26):
-        value, digit = divmod(value, 32)
-        digits.append(_CROCKFORD[digit])
-    return prefix + "".join(reversed(digits))
+    """A type-prefixed, time-ordered id: 10 base-32 digits of time (50 bits), 16 of
+    randomness (80 bits), in Crockford's lowercase alphabet so that ids sort by time."""
+    head = base64.b32encode((now_ms << 30).to_bytes(10, "big"))[:10]
+    tail = base64.b32encode(random_bits.to_bytes(10, "big"))
+    return prefix + (head + tail).translate(_BASE32_TO_CROCKFORD).decode("ascii")
 
 
 def iso_time(ms: int | None) -> str | None:
     """Epoch milliseconds as ISO-8601 UTC with milliseconds and ``Z``."""
     if ms is None:
         return None
-    moment = datetime.datetime.fromtimestamp(ms / 1000, datetime.UTC)
-    return moment.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ms % 1000:03d}Z"
+    seconds, millis = divmod(ms, 1000)
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds)) + f".{millis:03d}Z"
 
 
 def parse_time(text: str) -> int | None:
@@ -132,6 +135,58 @@ def parse_time(text: str) -> int | None:
 
 def to_json(value: Any) -> bytes:
     return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+class Clock:
+    """A controllable clock: real time plus an offset, or frozen.
+
+    Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
+    nonce expiry and delayed settlement all read it.
+    """
+
+    def __init__(self, frozen_at: float | None = None) -> None:
+        self._lock = threading.Lock()
+        self._offset = 0.0
+        self._frozen_at = frozen_at
+
+    def __call__(self) -> float:
+        frozen_at = self._frozen_at
+        return frozen_at if frozen_at is not None else time.time() + self._offset
+
+    @property
+    def frozen(self) -> bool:
+        return self._frozen_at is not None
+
+    def freeze(self, at: float | None = None) -> None:
+        """Stop the clock, at ``at`` (epoch seconds) or now."""
+        with self._lock:
+            self._frozen_at = self() if at is None else float(at)
+
+    def set(self, at: float) -> None:
+        """Jump to ``at``; a running clock keeps running from there."""
+        with self._lock:
+            if self._frozen_at is not None:
+                self._frozen_at = float(at)
+            else:
+                self._offset = float(at) - time.time()
+
+    def advance(self, seconds: float) -> None:
+        with self._lock:
+            if self._frozen_at is not None:
+                self._frozen_at += seconds
+            else:
+                self._offset += seconds
+
+    def unfreeze(self) -> None:
+        """Run again from the frozen moment."""
+        with self._lock:
+            if self._frozen_at is not None:
+                self._offset, self._frozen_at = self._frozen_at - time.time(), None
+
+    def reset(self) -> None:
+        """Back to real time, running."""
+        with self._lock:
+            self._offset, self._frozen_at = 0.0, None
 
 
 ###############################################################################
@@ -406,6 +461,10 @@ def _boolean(value: Any) -> bool:
     return bool(value)
 
 
+def _optional_int(value: Any) -> int | None:
+    return None if value in (None, "") else int(value)
+
+
 def _optional_str(value: Any) -> str | None:
     return None if value in (None, "") else str(value)
 
@@ -458,6 +517,12 @@ class Settings:
         " delayed: PENDING for settlement_delay seconds of the service clock")
     settlement_delay: float = _setting(
         5.0, _non_negative_float, "seconds a delayed-settlement order stays PENDING")
+    id_seed: int | None = _setting(
+        None, _optional_int, "seed for deterministic ids and secrets (tests only; never in production)")
+    journal_size: int = _setting(
+        1000, _non_negative_int, "requests kept in the request journal (0 turns it off)")
+    magic_values: bool = _setting(
+        False, _boolean, "honour the documented magic values (amount 666.66, wallet wal_magic_busy)")
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -801,7 +866,7 @@ class Authenticator:
         self.clock = clock
         self._next_purge = 0
 
-    def authenticate(self, environ: Mapping[str, Any], body: bytes) -> Principal:
+    def authenticate(self, environ: dict, body: bytes) -> Principal:
         now = self.clock()
         # Step 1: API key lookup.
         api_key = _header(environ, "X-Api-Key")
@@ -836,11 +901,14 @@ class Authenticator:
         # Step 6: signature.
         message = canonical_message(environ["REQUEST_METHOD"], raw_request_path(environ),
                                     timestamp, nonce, body_hash(body))
+        environ["walletsvc.canonical"] = message.decode("latin-1")
+        environ["walletsvc.signature"] = "invalid"
         if not self._signature_matches(key["secret"], message, _header(environ, "X-Signature")):
             shown = None
             if self.settings.debug_signatures:
                 shown = "Canonical message: " + message.decode("latin-1").replace("\n", "\\n")
             raise SignatureInvalid(extra=shown)
+        environ["walletsvc.signature"] = "valid"
         if not self._record_nonce(api_key, nonce, now_ms):
             raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
         # Step 7: IP whitelist, only when configured.
@@ -1064,6 +1132,134 @@ def completion_resource(row: sqlite3.Row) -> dict:
 
 
 ###############################################################################
+# Request journal and fault rules ##############################################
+###############################################################################
+
+
+class Journal:
+    """The last ``size`` requests the HTTP surfaces received, with assertion helpers.
+
+    Each entry: at, method, path, query, apiKey, status, code, canonicalMessage
+    (as the server computed it), signature (valid, invalid or unchecked) and
+    replayed (an idempotent replay).
+    """
+
+    def __init__(self, size: int) -> None:
+        self._entries: collections.deque = collections.deque(maxlen=size or None)
+        self._lock = threading.Lock()
+        self.enabled = size > 0
+
+    def record(self, entry: dict) -> None:
+        if self.enabled:
+            with self._lock:
+                self._entries.append(entry)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entries.clear()
+
+    def entries(self, method: str | None = None, path: str | None = None) -> list[dict]:
+        """Entries, oldest first; ``path`` may be an fnmatch pattern (``/api/v1/wallets/*``)."""
+        with self._lock:
+            entries = list(self._entries)
+        return [entry for entry in entries
+                if (method is None or entry["method"] == method.upper())
+                and (path is None or fnmatch.fnmatchcase(entry["path"], path))]
+
+    def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
+        """Fail unless ``method path`` was received (exactly ``times`` times, if given)."""
+        calls = self.entries(method, path)
+        if (times is None and not calls) or (times is not None and len(calls) != times):
+            seen = "\n".join(f"  {e['method']} {e['path']} -> {e['status']} {e['code']}"
+                              for e in self.entries()) or "  (nothing)"
+            wanted = "at least once" if times is None else f"{times} time(s)"
+            raise AssertionError(f"expected {method.upper()} {path} {wanted}, got {len(calls)}; "
+                                 f"the journal holds:\n{seen}")
+        return calls
+
+    def assert_not_called(self, method: str, path: str) -> None:
+        self.assert_called(method, path, times=0)
+
+
+FAULT_ACTIONS = ("error", "commit_then_fail", "commit_then_drop", "latency")
+
+
+class Faults:
+    """Fault rules applied to authenticated /api/ requests that match them.
+
+    ``error`` answers a forced code; ``commit_then_fail`` runs the request (a
+    transfer commits) and answers S500; ``commit_then_drop`` runs it and drops
+    the connection mid-response; ``latency`` only delays. Any rule may add
+    ``latency`` seconds. ``times`` fires a rule that many times (None: always).
+    """
+
+    def __init__(self) -> None:
+        self._rules: list[dict] = []
+        self._lock = threading.Lock()
+        self._next = 0
+
+    def add(self, *, action: str = "error", method: str = "*", path: str = "*",
+            workspace_id: str | None = None, code: str | None = None, status: int | None = None,
+            latency: float = 0.0, times: int | None = None) -> dict:
+        if action not in FAULT_ACTIONS:
+            raise invalid("action", "one_of", choices=", ".join(FAULT_ACTIONS))
+        if action == "error":
+            code = code or "S500"
+            known = next((error for error in ERRORS if error.code == code), None)
+            if known is None and status is None:
+                raise invalid("status", "required")
+            status = status or known.status
+        for name, value in (("method", method), ("path", path), ("code", code)):
+            if value is not None and not isinstance(value, str):
+                raise invalid(name, "string")
+        if status is not None and not (isinstance(status, int) and 400 <= status <= 599):
+            raise invalid("status", "one_of", choices="400-599")
+        if not isinstance(latency, (int, float)) or not 0 <= latency <= 60:
+            raise invalid("latency", "one_of", choices="0-60 seconds")
+        if times is not None and not (isinstance(times, int) and times >= 1):
+            raise invalid("times", "minimum", minimum=1)
+        with self._lock:
+            self._next += 1
+            rule = {"id": f"fault_{self._next}", "action": action, "method": method.upper(), "path": path,
+                    "workspaceId": workspace_id, "code": code, "status": status,
+                    "latency": float(latency), "times": times, "fired": 0}
+            self._rules.append(rule)
+            return dict(rule)
+
+    def rules(self) -> list[dict]:
+        with self._lock:
+            return [dict(rule) for rule in self._rules]
+
+    def clear(self) -> None:
+        with self._lock:
+            self._rules.clear()
+
+    def take(self, method: str, path: str, workspace_id: str) -> dict | None:
+        """The first rule matching this request, counted as fired (and dropped when spent)."""
+        if not self._rules:
+            return None
+        with self._lock:
+            for rule in self._rules:
+                if (rule["method"] in ("*", method) and fnmatch.fnmatchcase(path, rule["path"])
+                        and rule["workspaceId"] in (None, workspace_id)):
+                    rule["fired"] += 1
+                    if rule["times"] is not None and rule["fired"] >= rule["times"]:
+                        self._rules.remove(rule)
+                    return dict(rule)
+        return None
+
+
+def forced_error(rule: dict) -> WalletError:
+    """The error a fault rule forces: the catalog's, or an ad-hoc code and status."""
+    known = next((error for error in ERRORS if error.code == rule["code"]), None)
+    if known is not None and known.status == rule["status"]:
+        return known(text=f"Forced by fault rule {rule['id']}.")
+    cls = type("ForcedError", (WalletError,), {"code": rule["code"], "name": known.name if known else "FORCED_ERROR",
+                                               "status": rule["status"]})
+    return cls(text=f"Forced by fault rule {rule['id']}.")
+
+
+###############################################################################
 # Wallet and transfer logic ####################################################
 ###############################################################################
 
@@ -1072,6 +1268,8 @@ WALLET_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "name": "n
 TRANSFER_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "amount": "amount",
                   "status": "status"}
 FLOW_SORTS = {"createdAt": "created_at", "amount": "amount", "type": "type"}
+MAGIC_DECLINED_AMOUNT = "666.66"  # with magic_values: always T2001
+MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
 TRANSFER_FIELDS = ("sourceWalletId", "targetWalletId", "amount", "currency", "bizId", "description")
 _WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
                      " AND m.role = 'OWNER' ORDER BY created_at LIMIT 1) AS owner_member_id"
@@ -1113,7 +1311,14 @@ class WalletService:
         self.settings = settings.replace(**setting_values) if setting_values else settings
         self.clock = clock or time.time
         self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
+        self.journal = Journal(self.settings.journal_size)
+        self.faults = Faults()
         self._id_lock = threading.Lock()
+        self._reset_ids()
+
+    def _reset_ids(self) -> None:
+        seed = self.settings.id_seed
+        self._random = random.Random(seed) if seed is not None else None
         self._last_id = (0, 0)
 
     def now_ms(self) -> int:
@@ -1123,21 +1328,34 @@ class WalletService:
         """A fresh id; ids made by one service only ever increase, so that the id
         tie-break orders rows created in the same millisecond by creation."""
         with self._id_lock:
-            if now_ms > self._last_id[0]:
+            if self._random is not None:  # seeded: a sequence, the same on every run
+                self._last_id = (self._last_id[0] + 1, self._random.getrandbits(80))
+            elif now_ms > self._last_id[0]:
                 self._last_id = (now_ms, secrets.randbits(79))
             else:
                 self._last_id = (self._last_id[0], self._last_id[1] + 1)
             return new_id(prefix, *self._last_id)
 
+    def new_secret(self) -> str:
+        with self._id_lock:
+            if self._random is not None:
+                return base64.urlsafe_b64encode(self._random.getrandbits(256).to_bytes(32, "big")).decode().rstrip("=")
+        return secrets.token_urlsafe(32)
+
     def close(self) -> None:
         self.db.close()
 
     def reset(self) -> None:
-        """Erase every row (workspaces, keys, wallets, ledger, nonces); keep the schema."""
+        """Erase every row (workspaces, keys, wallets, ledger, nonces), the journal
+        and the fault rules; restart seeded ids. The schema stays."""
         with self.db.atomic() as conn:
             for table in ("flows", "transfers", "wallets", "nonces", "api_keys", "members",
                           "workspaces", "counters"):
                 conn.execute(f"DELETE FROM {table}")
+        self.journal.clear()
+        self.faults.clear()
+        with self._id_lock:
+            self._reset_ids()
 
     # Workspaces and members ##################################################
 
@@ -1215,7 +1433,7 @@ class WalletService:
                 except ValueError:
                     raise invalid("ipWhitelist", "ip", value=str(entry)[:60]) from None
         now = self.now_ms()
-        key_id, secret = self.new_id("ak_", now), secrets.token_urlsafe(32)
+        key_id, secret = self.new_id("ak_", now), self.new_secret()
         with self.db.atomic() as conn:
             self._workspace(conn, workspace_id)
             if member_id is None:
@@ -1388,6 +1606,8 @@ class WalletService:
                     raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
                                            currency=request["currency"])
             amount = request["amount"]
+            if self.settings.magic_values and format_amount(amount, request["currency"]) == MAGIC_DECLINED_AMOUNT:
+                raise InsufficientBalance(wallet_id=source["id"])
             if source["balance"] - source["pending"] < amount:
                 raise InsufficientBalance(wallet_id=source["id"])
             if target["balance"] + amount > MAX_MINOR_UNITS:
@@ -1597,10 +1817,12 @@ class WalletService:
             raise not_found("member")
         return row
 
-    @staticmethod
-    def _wallet(conn: sqlite3.Connection, wallet_id: str,
+    def _wallet(self, conn: sqlite3.Connection, wallet_id: str,
                 workspace_id: str | None = None) -> sqlite3.Row:
         """The wallet; W1001 if it is missing or belongs to another workspace."""
+        magic = self.settings.magic_values
+        if wallet_id == MAGIC_BUSY_WALLET and magic:
+            raise ServiceBusy()
         row = conn.execute("SELECT * FROM wallets WHERE id = ?", (wallet_id,)).fetchone()
         if row is None or (workspace_id is not None and row["workspace_id"] != workspace_id):
             raise WalletNotFound(wallet_id=str(wallet_id)[:64])
@@ -1742,26 +1964,52 @@ class HttpApi:
     def dispatch(self, route: bottle.Route, callback: Callable, url_args: dict) -> bottle.HTTPResponse:
         environ = bottle.request.environ
         locale = self.locale(environ)
+        surface = route.config.get("surface")
+        call = Call(None, parse_query_string(environ.get("QUERY_STRING", "")),
+                    environ.get("walletsvc.body", b""), environ)
         try:
-            surface = route.config.get("surface")
             if surface == "public":
                 return self.respond(200, envelope(callback(**url_args), self.svc.now_ms()), locale)
-            body = environ.get("walletsvc.body", b"")
-            principal = None
             if surface == "admin":
                 self.check_admin_token(environ)
-            else:
-                principal = self.auth.authenticate(environ, body)
-                scope = route.config.get("scope")
-                if scope is None or environ["REQUEST_METHOD"] != route.method:
-                    raise ApiAccessDenied()
-                if scope not in principal.scopes:  # pipeline step 8
-                    raise ScopeRequired(scope=scope)
-            call = Call(principal, parse_query_string(environ.get("QUERY_STRING", "")), body, environ)
-            data = callback(call, **url_args)
-            return self.respond(200, envelope(data, self.svc.now_ms()), locale, call.headers)
+                return self.respond(200, envelope(callback(call, **url_args), self.svc.now_ms()), locale)
+            response = self.respond(200, envelope(self.call_api(route, callback, url_args, call),
+                                                  self.svc.now_ms()), locale, call.headers)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the envelope
-            return self.error_response(exc, locale)
+            response = self.error_response(exc, locale)
+        if surface == "api" and self.svc.journal.enabled:
+            self.svc.journal.record({
+                "at": iso_time(self.svc.now_ms()), "method": environ["REQUEST_METHOD"],
+                "path": raw_request_path(environ).decode("latin-1"), "query": environ.get("QUERY_STRING", ""),
+                "apiKey": _header(environ, "X-Api-Key") or None, "status": response.status_code,
+                "code": environ.get("walletsvc.code"), "canonicalMessage": environ.get("walletsvc.canonical"),
+                "signature": environ.get("walletsvc.signature", "unchecked"),
+                "replayed": "Idempotent-Replayed" in call.headers})
+        return response
+
+    def call_api(self, route: bottle.Route, callback: Callable, url_args: dict, call: Call) -> Any:
+        """The pipeline, the scope, the fault rules, then the endpoint."""
+        environ = call.environ
+        call.principal = principal = self.auth.authenticate(environ, call.body)
+        scope = route.config.get("scope")
+        if scope is None or environ["REQUEST_METHOD"] != route.method:
+            raise ApiAccessDenied()
+        if scope not in principal.scopes:  # pipeline step 8
+            raise ScopeRequired(scope=scope)
+        fault = self.svc.faults.take(environ["REQUEST_METHOD"], environ.get("PATH_INFO", ""),
+                                     principal.workspace_id)
+        if fault is None:
+            return callback(call, **url_args)
+        if fault["latency"]:
+            time.sleep(fault["latency"])
+        if fault["action"] == "error":
+            raise forced_error(fault)
+        data = callback(call, **url_args)
+        if fault["action"] == "commit_then_fail":
+            raise InternalError(text=f"Forced by fault rule {fault['id']} after the request was applied.")
+        if fault["action"] == "commit_then_drop":
+            environ["walletsvc.drop"] = True
+        return data
 
     def check_admin_token(self, environ: Mapping[str, Any]) -> None:
         scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
@@ -1910,6 +2158,13 @@ ADMIN_ROUTES = (
     ("POST", "/_admin/transfers/<biz_id>/complete", "complete_transfer"),
     ("POST", "/_admin/transfers/<biz_id>/fail", "fail_transfer"),
     ("POST", "/_admin/reset", "reset"),
+    ("GET", "/_admin/journal", "journal"),
+    ("DELETE", "/_admin/journal", "clear_journal"),
+    ("GET", "/_admin/faults", "list_faults"),
+    ("POST", "/_admin/faults", "add_fault"),
+    ("DELETE", "/_admin/faults", "clear_faults"),
+    ("GET", "/_admin/clock", "get_clock"),
+    ("POST", "/_admin/clock", "set_clock"),
 )
 
 
@@ -1998,6 +2253,51 @@ class AdminApi:
     def reset(self, call: Call) -> None:
         self.svc.reset()
 
+    def journal(self, call: Call) -> list:
+        return self.svc.journal.entries(first(call.query, "method"), first(call.query, "path"))
+
+    def clear_journal(self, call: Call) -> None:
+        self.svc.journal.clear()
+
+    def list_faults(self, call: Call) -> list:
+        return self.svc.faults.rules()
+
+    def add_fault(self, call: Call) -> dict:
+        body = _fields(call, optional=["action", "method", "path", "workspaceId", "code", "status",
+                                       "latency", "times"])
+        if "workspaceId" in body:
+            body["workspace_id"] = body.pop("workspaceId")
+        return self.svc.faults.add(**body)
+
+    def clear_faults(self, call: Call) -> None:
+        self.svc.faults.clear()
+
+    def get_clock(self, call: Call) -> dict:
+        clock = self.svc.clock
+        return {"now": iso_time(self.svc.now_ms()), "epochMillis": self.svc.now_ms(),
+                "frozen": bool(getattr(clock, "frozen", False)), "controllable": isinstance(clock, Clock)}
+
+    def set_clock(self, call: Call) -> dict:
+        """``{"freeze": true|false, "at": epoch seconds or ISO-8601, "advance": seconds}``."""
+        body = _fields(call, optional=["freeze", "at", "advance"])
+        clock = self.svc.clock
+        if not isinstance(clock, Clock):
+            raise invalid("clock", "state", state="not controllable (start the service with a walletsvc.Clock)")
+        if body.get("freeze") is True:
+            clock.freeze()
+        if "at" in body:
+            at = parse_time(str(body["at"])) if isinstance(body["at"], str) else body["at"] * 1000
+            if not isinstance(at, (int, float)):
+                raise invalid("at", "time")
+            clock.set(at / 1000)
+        if "advance" in body:
+            if not isinstance(body["advance"], (int, float)):
+                raise invalid("advance", "one_of", choices="a number of seconds")
+            clock.advance(body["advance"])
+        if body.get("freeze") is False:
+            clock.unfreeze()
+        return self.get_clock(call)
+
 
 ###############################################################################
 # OpenAPI document #############################################################
@@ -2065,6 +2365,17 @@ _SCHEMAS = {
     "StatusBody": _object({"status": _enum(WALLET_STATUSES)}),
     "AmountBody": _object({"amount": _AMOUNT_SCHEMA}),
     "DecisionBody": _object({"workspaceId": _STRING}, []),
+    "FaultBody": _object({"action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
+                          "workspaceId": _STRING, "code": _STRING, "status": {"type": "integer"},
+                          "latency": {"type": "number"}, "times": {"type": "integer"}}, []),
+    "Fault": _object({"id": _STRING, "action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
+                      "workspaceId": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
+                      "status": {"type": ["integer", "null"]}, "latency": {"type": "number"},
+                      "times": {"type": ["integer", "null"]}, "fired": {"type": "integer"}}),
+    "ClockBody": _object({"freeze": {"type": "boolean"}, "at": {"type": ["number", "string"]},
+                          "advance": {"type": "number"}}, []),
+    "ClockState": _object({"now": _TIME, "epochMillis": {"type": "integer"}, "frozen": {"type": "boolean"},
+                           "controllable": {"type": "boolean"}}),
 }
 for _item in ("Wallet", "Flow", "TransferOrder"):
     _SCHEMAS[_item + "Page"] = _object({"content": {"type": "array", "items": {"$ref": f"#/components/schemas/{_item}"}},
@@ -2116,7 +2427,16 @@ _OPERATIONS: dict[str, tuple] = {
     "admin.withdraw": ("Withdraw money", "Flow", [], "AmountBody"),
     "admin.complete_transfer": ("Complete a PENDING order", "TransferOrder", [], "DecisionBody"),
     "admin.fail_transfer": ("Fail a PENDING order", "TransferOrder", [], "DecisionBody"),
-    "admin.reset": ("Erase all data", None, [], None),
+    "admin.reset": ("Erase all data, the journal and the fault rules", None, [], None),
+    "admin.journal": ("The request journal, oldest first", {"type": "array", "items": {"type": "object"}},
+                      [{"name": n, "in": "query", "schema": _STRING} for n in ("method", "path")], None),
+    "admin.clear_journal": ("Empty the request journal", None, [], None),
+    "admin.list_faults": ("List fault rules", {"type": "array", "items": {"$ref": "#/components/schemas/Fault"}},
+                          [], None),
+    "admin.add_fault": ("Add a fault rule", "Fault", [], "FaultBody"),
+    "admin.clear_faults": ("Remove every fault rule", None, [], None),
+    "admin.get_clock": ("The service clock", "ClockState", [], None),
+    "admin.set_clock": ("Freeze, set, advance or unfreeze the service clock", "ClockState", [], "ClockBody"),
     "healthz": ("Health check", "Health", [], None),
     "openapi": ("This document", {"type": "object"}, [], None),
 }
@@ -2191,6 +2511,31 @@ def openapi_document(routes: Iterable[tuple[str, str, str, str]]) -> dict:
 ###############################################################################
 
 
+def app_openapi(app: bottle.Bottle) -> dict:
+    """The OpenAPI document of the routes ``app`` serves (built on first use)."""
+    if "walletsvc.openapi" not in app.config:
+        app.config["walletsvc.openapi"] = openapi_document(
+            (route.method, route.rule, route.config["surface"], route.config["operation"])
+            for route in app.routes if route.config.get("operation"))
+    return app.config["walletsvc.openapi"]
+
+
+class WalletApp(bottle.Bottle):
+    """bottle.Bottle, plus the dropped connection of a ``commit_then_drop`` fault."""
+
+    def wsgi(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        out = super().wsgi(environ, start_response)
+        if environ.get("walletsvc.drop"):
+            return _dropped(b"".join(out))
+        return out
+
+
+def _dropped(body: bytes) -> Iterator[bytes]:
+    """Half the body, then an abort: the server closes the connection mid-response."""
+    yield body[: len(body) // 2]
+    raise ConnectionAbortedError("walletsvc fault rule: connection dropped after the commit")
+
+
 def create_app(svc: WalletService, **settings: Any) -> bottle.Bottle:
     """The WSGI app (a ``bottle.Bottle``) serving ``svc``.
 
@@ -2200,7 +2545,7 @@ def create_app(svc: WalletService, **settings: Any) -> bottle.Bottle:
     """
     settings_ = svc.settings.replace(**settings) if settings else svc.settings
     http = HttpApi(svc, settings_)
-    app = bottle.Bottle()
+    app = WalletApp()
     app.config["walletsvc.service"] = svc
     app.add_hook("before_request", http.read_body)
     for method, path, scope, handler in API_ROUTES:
@@ -2211,10 +2556,7 @@ def create_app(svc: WalletService, **settings: Any) -> bottle.Bottle:
         for method, path, handler in ADMIN_ROUTES:
             app.route(path, method, getattr(admin, handler), surface="admin", operation=f"admin.{handler}")
     app.route("/healthz", "GET", http.healthz, surface="public", operation="healthz")
-    app.route("/openapi.json", "GET", lambda: document, surface="public", operation="openapi")
-    document = app.config["walletsvc.openapi"] = openapi_document(
-        (route.method, route.rule, route.config["surface"], route.config["operation"])
-        for route in app.routes if route.config.get("operation"))
+    app.route("/openapi.json", "GET", lambda: app_openapi(app), surface="public", operation="openapi")
     app.default_error_handler = http.bottle_error
     app.install(http)
     return app
@@ -2268,9 +2610,9 @@ class Client:
     """
 
     def __init__(self, target: str | Callable, api_key: str, secret: str, *,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 10.0, clock: Callable[[], float] = time.time) -> None:
         self.target = target.rstrip("/") if isinstance(target, str) else target
-        self.api_key, self.secret, self.timeout = api_key, secret, timeout
+        self.api_key, self.secret, self.timeout, self.clock = api_key, secret, timeout, clock
         self.last_headers: dict[str, str] = {}
 
     def list_wallets(self, **query: Any) -> dict:
@@ -2322,7 +2664,7 @@ class Client:
              body: bytes | None = None) -> tuple[int, dict, dict]:
         """Sign and send; (HTTP status, response headers, envelope) whatever the outcome."""
         raw = body or b""
-        headers = sign_request(method, path, raw, self.api_key, self.secret)
+        headers = sign_request(method, path, raw, self.api_key, self.secret, timestamp=int(self.clock()))
         if raw:
             headers["Content-Type"] = "application/json"
         if not isinstance(query, str):
@@ -2367,6 +2709,137 @@ class Client:
 
 def _segment(value: str) -> str:
     return urllib.parse.quote(str(value), safe="")
+
+
+###############################################################################
+# pytest plugin ################################################################
+###############################################################################
+
+
+@dataclasses.dataclass
+class Sandbox:
+    """A ready fake wallet backend for one test.
+
+    ``service`` (the Python admin API), ``app`` (the WSGI app), ``clock`` (a
+    walletsvc.Clock), ``workspace``, a full-scope ``key``, ``wallets`` by name
+    (alice: USD 1000.00, bob: USD 1000.00, yen: JPY 100000), a signed
+    ``client`` (in-process, or over HTTP for a live sandbox) and ``url`` (live
+    only). Ids are seeded: the same test sees the same ids on every run.
+    """
+
+    service: WalletService
+    app: bottle.Bottle
+    clock: Clock
+    workspace: dict = dataclasses.field(default_factory=dict)
+    key: dict = dataclasses.field(default_factory=dict)
+    wallets: dict = dataclasses.field(default_factory=dict)
+    client: Client | None = None
+    url: str | None = None
+
+    @classmethod
+    def create(cls, database: str = ":memory:", **settings: Any) -> Sandbox:
+        settings = {"id_seed": 0, "debug_signatures": True, "admin_token": "walletsvc-test-admin", **settings}
+        clock = Clock()
+        service = WalletService(database, clock=clock, **settings)
+        return cls(service, create_app(service), clock).reset()
+
+    def reset(self) -> Sandbox:
+        """Erase everything, restart the clock and the ids, seed again (a millisecond or two)."""
+        svc = self.service
+        svc.reset()
+        self.clock.reset()
+        with svc.db.atomic():
+            self.workspace = svc.create_workspace("test")
+            self.key = svc.create_api_key(self.workspace["id"], SCOPES)
+            self.wallets = {name: svc.create_wallet(self.workspace["id"], currency, name=name)
+                            for name, currency in (("alice", "USD"), ("bob", "USD"), ("yen", "JPY"))}
+            for name, amount in (("alice", "1000.00"), ("bob", "1000.00"), ("yen", "100000")):
+                svc.deposit(self.wallets[name]["id"], amount)
+                self.wallets[name] = svc.get_wallet(self.wallets[name]["id"])
+        self.client = self.client_for(self.key)
+        return self
+
+    def client_for(self, key: dict) -> Client:
+        """A signed client for another key (signing on the sandbox clock)."""
+        return Client(self.url or self.app, key["apiKey"], key["secret"], clock=self.clock)
+
+    def headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
+        """Signed headers for the sandbox key, timestamped on the sandbox clock."""
+        return sign_request(method, path, body, self.key["apiKey"], self.key["secret"],
+                            timestamp=int(self.clock()))
+
+    @property
+    def journal(self) -> Journal:
+        return self.service.journal
+
+    @property
+    def faults(self) -> Faults:
+        return self.service.faults
+
+    def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
+        return self.service.journal.assert_called(method, path, times=times)
+
+
+class LiveServer:
+    """An app on waitress, on a free port of 127.0.0.1, in a daemon thread."""
+
+    def __init__(self, app: Callable, threads: int = 4) -> None:
+        import waitress
+
+        logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+        self._server = waitress.create_server(app, host="127.0.0.1", port=0, threads=threads)
+        self.url = f"http://127.0.0.1:{self._server.effective_port}"
+        self._thread = threading.Thread(target=self._server.run, name="walletsvc-live", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._server.close()
+        self._thread.join(timeout=5)
+
+
+def _build_pytest_plugin() -> Any:
+    """The fixtures registered through the ``pytest11`` entry point.
+
+    ``walletsvc_sandbox``: an in-process Sandbox, created once per session
+    (per xdist worker) and reset before each test. ``walletsvc_live``: the
+    same on a live waitress server on a random port, started once per
+    session and reset before each test.
+    """
+    import types
+
+    import pytest
+
+    @pytest.fixture(scope="session")
+    def walletsvc_session_sandbox() -> Sandbox:
+        return Sandbox.create()
+
+    @pytest.fixture
+    def walletsvc_sandbox(walletsvc_session_sandbox: Sandbox) -> Sandbox:
+        return walletsvc_session_sandbox.reset()
+
+    @pytest.fixture(scope="session")
+    def walletsvc_session_live() -> Iterator[Sandbox]:
+        sandbox = Sandbox.create()
+        server = LiveServer(sandbox.app)
+        sandbox.url = server.url
+        yield sandbox
+        server.stop()
+
+    @pytest.fixture
+    def walletsvc_live(walletsvc_session_live: Sandbox) -> Sandbox:
+        return walletsvc_session_live.reset()
+
+    plugin = types.ModuleType("walletsvc.pytest_plugin", _build_pytest_plugin.__doc__)
+    for fixture in (walletsvc_session_sandbox, walletsvc_sandbox, walletsvc_session_live, walletsvc_live):
+        setattr(plugin, fixture.__name__, fixture)
+    return plugin
+
+
+def __getattr__(name: str) -> Any:
+    """``walletsvc.pytest_plugin`` is built on demand, so that importing walletsvc never imports pytest."""
+    if name == "pytest_plugin":
+        return _build_pytest_plugin()
+    raise AttributeError(f"module 'walletsvc' has no attribute {name!r}")
 
 
 ###############################################################################
@@ -2661,7 +3134,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI 3.1 document (API and admin)")
     openapi.set_defaults(run=lambda args: print(json.dumps(
-        create_app(WalletService(), admin_token="x").config["walletsvc.openapi"], indent=2)) or 0)
+        app_openapi(create_app(WalletService(), admin_token="x")), indent=2)) or 0)
     return parser
 
 
