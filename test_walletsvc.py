@@ -1822,3 +1822,288 @@ def test_hmac_auth_signs_requests_and_httpx(svc, live, world, clock) -> None:
         assert client.get(live + "/api/v1/wallets", params={"size": 2}).json()["data"]["page"]["size"] == 2
         assert client.post(live + TRANSFER_PATH, json=body).json()["success"] is True
     assert balances(svc, world["b"]) == ["2.00"]
+
+
+###############################################################################
+# Test double: pytest plugin, clock, ids, faults, journal, magic values ########
+###############################################################################
+
+
+def test_sandbox_fixture_is_ready_to_use(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    assert {name: (w["currency"], w["balance"]) for name, w in sandbox.wallets.items()} == {
+        "alice": ("USD", "1000.00"), "bob": ("USD", "1000.00"), "yen": ("JPY", "100000")}
+    assert sorted(sandbox.key["scopes"]) == sorted(walletsvc.SCOPES)
+    assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
+    response = webtest.TestApp(sandbox.app).get("/api/v1/wallets", headers=sandbox.headers("GET", "/api/v1/wallets"))
+    assert response.json["success"] is True
+
+
+def test_sandbox_reset_restores_the_seed_with_the_same_ids(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    def ids() -> list:
+        return [sandbox.workspace["id"], sandbox.key["apiKey"], sandbox.key["secret"],
+                *[(w["id"], w["balance"]) for w in sandbox.wallets.values()]]
+    before = ids()
+    sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"], "5.00", "USD")
+    sandbox.faults.add(code="S503")
+    sandbox.clock.advance(100)
+    sandbox.reset()
+    assert ids() == before
+    assert sandbox.journal.entries() == [] and sandbox.faults.rules() == []
+    assert sandbox.client.list_transfers()["page"]["totalElements"] == 0
+
+
+def test_seeded_ids_are_the_same_on_every_run() -> None:
+    def run() -> list:
+        sandbox = walletsvc.Sandbox.create()
+        order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                               "1.00", "USD")
+        return [sandbox.workspace["id"], sandbox.key["apiKey"], sandbox.key["secret"],
+                *[w["id"] for w in sandbox.wallets.values()], order["transferId"]]
+    assert run() == run()
+    unseeded = [walletsvc.WalletService(":memory:").create_workspace("x")["id"] for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+
+
+def test_live_fixture_serves_over_http(walletsvc_live) -> None:
+    import urllib.request
+
+    sandbox = walletsvc_live
+    assert sandbox.url.startswith("http://127.0.0.1:")
+    with urllib.request.urlopen(sandbox.url + "/healthz", timeout=5) as reply:
+        assert json.load(reply)["data"]["status"] == "ok"
+    assert sandbox.client.get_wallet(sandbox.wallets["yen"]["id"])["balance"] == "100000"
+
+
+def test_readme_pytest_example_passes_as_written(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    readme = (pathlib.Path(__file__).parent / "README.md").read_text()
+    section = readme.split("## Using walletsvc in your tests", 1)[1]
+    example = section.split("```python\n", 1)[1].split("```", 1)[0]
+    (tmp_path / "test_readme_example.py").write_text(example)
+    for extra in ([], ["-n", "2"]):  # also under pytest-xdist: a sandbox and a port per worker
+        result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra,
+                                 str(tmp_path / "test_readme_example.py")], capture_output=True, text=True,
+                                timeout=120, cwd=tmp_path, check=False)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "4 passed" in result.stdout
+
+
+def test_clock_freeze_set_advance_unfreeze() -> None:
+    import time as real_time
+
+    clock = walletsvc.Clock()
+    assert abs(clock() - real_time.time()) < 1 and not clock.frozen
+    clock.freeze(at=1000)
+    assert clock() == 1000 and clock.frozen
+    clock.advance(5.5)
+    clock.set(2000)
+    assert clock() == 2000
+    clock.unfreeze()
+    assert 2000 <= clock() < 2001
+    clock.advance(-1000)
+    assert 1000 <= clock() < 1001
+    clock.reset()
+    assert abs(clock() - real_time.time()) < 1
+
+
+def test_everything_reads_the_service_clock(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    sandbox.clock.freeze(at=NOW)
+    app = webtest.TestApp(sandbox.app)
+    headers = sandbox.headers("GET", "/api/v1/wallets")
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           "1.00", "USD")
+    assert order["createdAt"] == T0  # createdAt
+    sandbox.clock.advance(61)
+    assert app.get("/api/v1/wallets", headers=headers, expect_errors=True).json["code"] == "GA2013"  # window
+    sandbox.clock.set(NOW)
+    assert app.get("/api/v1/wallets", headers=headers).json["success"] is True
+    assert app.get("/api/v1/wallets", headers=headers, expect_errors=True).json["code"] == "GA2013"  # replay
+    sandbox.clock.advance(120)  # nonce records expire after twice the window
+    sandbox.clock.set(NOW)
+    assert app.get("/api/v1/wallets", headers=headers, expect_errors=True).json["code"] == "GA2013"
+    assert webtest.TestApp(sandbox.app).get("/healthz").json["timestamp"] == NOW * 1000  # envelope
+
+
+def test_admin_clock_controls_the_sandbox(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    admin = webtest.TestApp(sandbox.app)
+    auth = {"Authorization": "Bearer walletsvc-test-admin"}
+    state = admin.post_json("/_admin/clock", {"freeze": True, "at": "2027-01-15T08:00:00Z"}, headers=auth).json["data"]
+    assert state == {"now": T0, "epochMillis": NOW * 1000, "frozen": True, "controllable": True}
+    state = admin.post_json("/_admin/clock", {"advance": 1.5}, headers=auth).json["data"]
+    assert state["now"] == "2027-01-15T08:00:01.500Z"
+    assert admin.get("/_admin/clock", headers=auth).json["data"]["frozen"] is True
+    bad = admin.post_json("/_admin/clock", {"advance": "soon"}, headers=auth, expect_errors=True)
+    assert bad.json["code"] == "S012"
+
+
+@pytest.mark.parametrize("rule, request_path, fires", [
+    ({"code": "S503"}, "/api/v1/wallets", True),
+    ({"code": "S503", "method": "POST"}, "/api/v1/wallets", False),
+    ({"code": "S503", "path": "/api/v1/wallets/*"}, "/api/v1/wallets", False),
+    ({"code": "S503", "path": "/api/v1/wallets*"}, "/api/v1/wallets", True),
+    ({"code": "S503", "workspace_id": "ws_other"}, "/api/v1/wallets", False),
+    ({"code": "W1002"}, "/api/v1/wallets", True),
+    ({"code": "X999", "status": 418}, "/api/v1/wallets", True),
+])
+def test_fault_rules_force_errors_on_matching_requests(walletsvc_sandbox, rule, request_path, fires) -> None:
+    sandbox = walletsvc_sandbox
+    sandbox.faults.add(**rule)
+    app = webtest.TestApp(sandbox.app)
+    response = app.get(request_path, headers=sandbox.headers("GET", request_path), expect_errors=True)
+    if fires:
+        expected_status = rule.get("status") or next(e.status for e in walletsvc.ERRORS if e.code == rule["code"])
+        assert (response.status_int, response.json["code"]) == (expected_status, rule["code"])
+        assert "fault rule" in response.json["detail"]
+    else:
+        assert response.json["success"] is True
+
+
+def test_fault_rules_fire_n_times_or_always(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    sandbox.faults.add(code="S503", times=2)
+    codes = [c.code if isinstance(c, walletsvc.WalletError) else "2000" for c in
+             (_attempt(sandbox.client.list_wallets) for _ in range(3))]
+    assert codes == ["S503", "S503", "2000"]
+    sandbox.faults.add(code="S503")
+    assert all(_attempt(sandbox.client.list_wallets).code == "S503" for _ in range(5))
+    assert sandbox.faults.rules()[0]["fired"] == 5
+    sandbox.faults.clear()
+    assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
+
+
+def _attempt(call):
+    try:
+        return call()
+    except walletsvc.WalletError as exc:
+        return exc
+
+
+def test_latency_fault_delays_the_answer(walletsvc_sandbox) -> None:
+    import time as real_time
+
+    sandbox = walletsvc_sandbox
+    sandbox.faults.add(action="latency", latency=0.3, times=1)
+    started = real_time.perf_counter()
+    assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
+    assert real_time.perf_counter() - started >= 0.3
+
+
+def test_commit_then_fail_applies_the_transfer_and_answers_500(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
+    sandbox.faults.add(action="commit_then_fail", method="POST", times=1)
+    with pytest.raises(walletsvc.WalletError) as raised:
+        sandbox.client.create_transfer(alice, bob, "10.00", "USD", biz_id="retry-me")
+    assert (raised.value.code, raised.value.status) == ("S500", 500)
+    assert sandbox.service.get_balance(alice)["balance"] == "990.00"  # it did commit
+    again = sandbox.client.create_transfer(alice, bob, "10.00", "USD", biz_id="retry-me")
+    assert sandbox.client.last_headers["Idempotent-Replayed"] == "true" and again["status"] == "COMPLETED"
+    assert sandbox.service.get_balance(alice)["balance"] == "990.00"
+
+
+def test_commit_then_drop_drops_the_connection_on_a_live_server(walletsvc_live) -> None:
+    import requests
+
+    sandbox = walletsvc_live
+    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
+    sandbox.faults.add(action="commit_then_drop", method="POST", times=1)
+    auth = walletsvc.HmacAuth(sandbox.key["apiKey"], sandbox.key["secret"])
+    body = {"sourceWalletId": alice, "targetWalletId": bob, "amount": "3.00", "currency": "USD", "bizId": "d-1"}
+    with pytest.raises(requests.exceptions.RequestException):
+        requests.post(sandbox.url + TRANSFER_PATH, json=body, auth=auth, timeout=5).json()
+    assert sandbox.service.get_balance(alice)["balance"] == "997.00"
+    retry = requests.post(sandbox.url + TRANSFER_PATH, json=body, auth=auth, timeout=5)
+    assert retry.headers["Idempotent-Replayed"] == "true"
+    assert sandbox.service.get_balance(alice)["balance"] == "997.00"
+
+
+@pytest.mark.parametrize("rule", [{"action": "explode"}, {"code": "X1"}, {"status": 200, "code": "X1"},
+                                  {"latency": -1}, {"times": 0}, {"method": 5}])
+def test_bad_fault_rules_are_refused(walletsvc_sandbox, rule) -> None:
+    with pytest.raises(walletsvc.WalletError) as raised:
+        walletsvc_sandbox.faults.add(**rule)
+    assert raised.value.code == "S012"
+
+
+def test_admin_faults_and_journal(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    admin = webtest.TestApp(sandbox.app)
+    auth = {"Authorization": "Bearer walletsvc-test-admin"}
+    rule = admin.post_json("/_admin/faults", {"code": "T2001", "method": "POST", "times": 1}, headers=auth).json["data"]
+    assert rule["status"] == 422 and admin.get("/_admin/faults", headers=auth).json["data"] == [rule]
+    with pytest.raises(walletsvc.WalletError):
+        sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"], "1.00", "USD")
+    assert admin.get("/_admin/faults", headers=auth).json["data"] == []  # spent
+    journal = admin.get("/_admin/journal", params={"method": "POST"}, headers=auth).json["data"]
+    assert [(e["path"], e["status"], e["code"]) for e in journal] == [(TRANSFER_PATH, 422, "T2001")]
+    admin.delete("/_admin/journal", headers=auth)
+    admin.post_json("/_admin/faults", {"code": "S503"}, headers=auth)
+    admin.delete("/_admin/faults", headers=auth)
+    assert admin.get("/_admin/journal", headers=auth).json["data"] == []
+    assert admin.get("/_admin/faults", headers=auth).json["data"] == []
+    bad = admin.post_json("/_admin/faults", {"action": "nope"}, headers=auth, expect_errors=True)
+    assert bad.json["code"] == "S012"
+
+
+def test_journal_records_each_api_request(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    sandbox.clock.freeze(at=NOW)
+    app = webtest.TestApp(sandbox.app)
+    path = f"/api/v1/wallets/{sandbox.wallets['alice']['id']}"
+    headers = sandbox.headers("GET", path)
+    app.get(path + "?x=1", headers=headers)
+    app.get(path, headers={**headers, "X-Signature": "AAAA", "X-Nonce": "other"}, expect_errors=True)
+    app.get(path, headers={"X-Api-Key": "ak_nope"}, expect_errors=True)
+    ok, forged, unknown = sandbox.journal.entries()
+    assert ok == {"at": T0, "method": "GET", "path": path, "query": "x=1", "apiKey": sandbox.key["apiKey"],
+                  "status": 200, "code": "2000", "signature": "valid", "replayed": False,
+                  "canonicalMessage": f"GET\n{path}\n{NOW}\n{headers['X-Nonce']}\n{walletsvc.EMPTY_BODY_HASH}"}
+    assert (forged["status"], forged["code"], forged["signature"]) == (401, "GA2012", "invalid")
+    assert (unknown["code"], unknown["signature"], unknown["canonicalMessage"]) == ("GA2011", "unchecked", None)
+    assert sandbox.assert_called("GET", "/api/v1/wallets/*", times=3) == [ok, forged, unknown]
+    sandbox.journal.assert_not_called("POST", TRANSFER_PATH)
+    with pytest.raises(AssertionError, match=r"expected POST /api/v1/transfer/command/create 1 time\(s\), got 0"):
+        sandbox.assert_called("POST", TRANSFER_PATH, times=1)
+    with pytest.raises(AssertionError, match="GET /api/v1/wallets/"):
+        sandbox.journal.assert_called("DELETE", "/api/*")
+
+
+def test_journal_is_bounded() -> None:
+    sandbox = walletsvc.Sandbox.create(journal_size=3)
+    for _ in range(5):
+        sandbox.client.list_wallets()
+    assert len(sandbox.journal.entries()) == 3
+    off = walletsvc.Sandbox.create(journal_size=0)
+    off.client.list_wallets()
+    assert off.journal.entries() == []
+
+
+def test_magic_values_are_off_by_default(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           "666.66", "USD")
+    assert order["status"] == "COMPLETED"
+    with pytest.raises(walletsvc.WalletError) as raised:
+        sandbox.client.get_wallet("wal_magic_busy")
+    assert raised.value.code == "W1001"
+
+
+def test_magic_values_when_enabled() -> None:
+    sandbox = walletsvc.Sandbox.create(magic_values=True)
+    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
+    with pytest.raises(walletsvc.WalletError) as raised:
+        sandbox.client.create_transfer(alice, bob, "666.66", "USD")
+    assert raised.value.code == "T2001"
+    assert sandbox.client.create_transfer(alice, bob, "666.67", "USD")["status"] == "COMPLETED"
+    for call in (lambda: sandbox.client.get_wallet("wal_magic_busy"),
+                 lambda: sandbox.client.list_flows("wal_magic_busy"),
+                 lambda: sandbox.client.create_transfer("wal_magic_busy", bob, "1.00", "USD")):
+        with pytest.raises(walletsvc.WalletError) as raised:
+            call()
+        assert (raised.value.code, raised.value.status) == ("S503", 503)
