@@ -102,15 +102,11 @@ EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()
 _BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _NONCE = re.compile(r"[!-~]{1,128}")  # printable ASCII, no whitespace
-_BASE32_TO_CROCKFORD = bytes.maketrans(b"ABCDEFGHIJKLMNOPQRSTUVWXYZ234567", b"0123456789abcdefghjkmnpqrstvwxyz")
 
 
 def new_id(prefix: str, now_ms: int, random_bits: int) -> str:
-    """A type-prefixed, time-ordered id: 10 base-32 digits of time (50 bits), 16 of
-    randomness (80 bits), in Crockford's lowercase alphabet so that ids sort by time."""
-    head = base64.b32encode((now_ms << 30).to_bytes(10, "big"))[:10]
-    tail = base64.b32encode(random_bits.to_bytes(10, "big"))
-    return prefix + (head + tail).translate(_BASE32_TO_CROCKFORD).decode("ascii")
+    """A type-prefixed, time-ordered id: 12 hex digits of time (48 bits), 20 of randomness (80 bits)."""
+    return f"{prefix}{now_ms:012x}{random_bits:020x}"
 
 
 def iso_time(ms: int | None) -> str | None:
@@ -665,6 +661,10 @@ class Database:
         self.synchronous = synchronous
         self._local = threading.local()
         self._lock = threading.RLock() if self.memory else contextlib.nullcontext()
+        # Writers of one process queue on this lock instead of in SQLite's busy
+        # handler, which sleeps in steps of milliseconds; other processes still
+        # meet the busy timeout.
+        self._write_lock = threading.Lock()
         self._shared: sqlite3.Connection | None = None
         with self.connection() as conn:
             self._apply_schema(conn)
@@ -721,14 +721,29 @@ class Database:
             if conn.in_transaction:
                 yield conn
                 return
-            conn.execute("BEGIN IMMEDIATE")
+            if not self._write_lock.acquire(timeout=self.busy_timeout):
+                raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
             try:
-                yield conn
-            except BaseException:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-                raise
-            conn.execute("COMMIT")
+                conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield conn
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+                conn.execute("COMMIT")
+            finally:
+                self._write_lock.release()
+
+    def write(self, sql: str, params: Sequence = ()) -> int:
+        """One write statement in its own (implicit) transaction; the rows it changed."""
+        with self.connection() as conn:
+            if not self._write_lock.acquire(timeout=self.busy_timeout):
+                raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
+            try:
+                return conn.execute(sql, params).rowcount
+            finally:
+                self._write_lock.release()
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[sqlite3.Connection]:
@@ -965,15 +980,13 @@ class Authenticator:
         record is taken over in place.
         """
         window_ms = 2 * self.settings.timestamp_tolerance * 1000
-        with self.db.atomic() as conn:
-            won = conn.execute(
-                "INSERT INTO nonces (api_key, nonce, expires_at) VALUES (?, ?, ?)"
-                " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at"
-                " WHERE nonces.expires_at <= ?",
-                (api_key, nonce, now_ms + window_ms, now_ms)).rowcount == 1
-            if now_ms >= self._next_purge:
-                self._next_purge = now_ms + window_ms // 4
-                conn.execute("DELETE FROM nonces WHERE expires_at <= ?", (now_ms,))
+        won = self.db.write(
+            "INSERT INTO nonces (api_key, nonce, expires_at) VALUES (?, ?, ?)"
+            " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at"
+            " WHERE nonces.expires_at <= ?", (api_key, nonce, now_ms + window_ms, now_ms)) == 1
+        if now_ms >= self._next_purge:
+            self._next_purge = now_ms + window_ms // 4
+            self.db.write("DELETE FROM nonces WHERE expires_at <= ?", (now_ms,))
         return won
 
 
@@ -1176,7 +1189,7 @@ class Journal:
         """Entries, oldest first; ``path`` may be an fnmatch pattern (``/api/v1/wallets/*``)."""
         with self._lock:
             entries = list(self._entries)
-        return [entry for entry in entries
+        return [{**entry, "at": iso_time(entry["at"])} for entry in entries
                 if (method is None or entry["method"] == method.upper())
                 and (path is None or fnmatch.fnmatchcase(entry["path"], path))]
 
@@ -1607,10 +1620,11 @@ class WalletService:
         self.settle_due()
         now = self.now_ms()
         with self.db.atomic() as conn:
-            existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
-                                    (workspace_id, request["biz_id"])).fetchone()
-            if existing is not None:
-                return transfer_resource(self._replay(existing, request)), True
+            if request["biz_id"] is not None:
+                existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
+                                        (workspace_id, request["biz_id"])).fetchone()
+                if existing is not None:
+                    return transfer_resource(self._replay(existing, request)), True
             if request["source"] == request["target"]:
                 raise SameWallet()
             source = self._active_wallet(conn, request["source"], workspace_id)
@@ -1993,7 +2007,7 @@ class HttpApi:
             response = self.error_response(exc, locale)
         if surface == "api" and self.svc.journal.enabled:
             self.svc.journal.record({
-                "at": iso_time(self.svc.now_ms()), "method": environ["REQUEST_METHOD"],
+                "at": self.svc.now_ms(), "method": environ["REQUEST_METHOD"],
                 "path": raw_request_path(environ).decode("latin-1"), "query": environ.get("QUERY_STRING", ""),
                 "apiKey": _header(environ, "X-Api-Key") or None, "status": response.status_code,
                 "code": environ.get("walletsvc.code"), "canonicalMessage": environ.get("walletsvc.canonical"),

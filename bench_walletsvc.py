@@ -1,0 +1,536 @@
+"""Benchmarks of walletsvc, each figure a ratio against a baseline measured in the same run.
+
+    python bench_walletsvc.py            # every figure (about five minutes on 2 cores)
+    python bench_walletsvc.py --quick    # smaller counts, for a smoke run
+
+Baselines built here: **bare** (a bottle route answering a same-sized envelope: no auth, no SQL)
+and **floor** (the least work a correct signed request must do, written straight-line with
+sqlite3 and hmac on the same database: key row, nonce check and insert, HMAC, the wallet row or
+the transfer transaction, the JSON envelope). Medians of several rounds; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import hmac
+import http.client
+import io
+import json
+import logging
+import multiprocessing
+import os
+import pathlib
+import random
+import sqlite3
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import uuid
+
+import bottle
+
+import walletsvc
+
+SETTINGS = {"synchronous": "NORMAL"}  # the same for the service and the floor
+TRANSFER = "/api/v1/transfer/command/create"
+
+
+###############################################################################
+# Helpers ######################################################################
+###############################################################################
+
+
+def median_of_rounds(run, calls: int, rounds: int) -> float:
+    """Microseconds per call: the median over rounds of (round time / calls)."""
+    results = []
+    for _ in range(rounds):
+        started = time.perf_counter()
+        for _ in range(calls):
+            run()
+        results.append((time.perf_counter() - started) / calls * 1e6)
+    return statistics.median(results)
+
+
+def environ_for(method: str, path: str, body: bytes, headers: dict, query: str = "") -> dict:
+    environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "SCRIPT_NAME": "", "QUERY_STRING": query,
+               "SERVER_NAME": "bench", "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1",
+               "REMOTE_ADDR": "127.0.0.1", "CONTENT_LENGTH": str(len(body)), "wsgi.input": io.BytesIO(body),
+               "wsgi.errors": sys.stderr, "wsgi.url_scheme": "http", "wsgi.multithread": True,
+               "wsgi.multiprocess": False, "wsgi.run_once": False, "wsgi.version": (1, 0)}
+    if body:
+        environ["CONTENT_TYPE"] = "application/json"
+    for name, value in headers.items():
+        environ["HTTP_" + name.upper().replace("-", "_")] = value
+    return environ
+
+
+def call_wsgi(app, method: str, path: str, body: bytes, headers: dict, query: str = "") -> bytes:
+    status = []
+    chunks = app(environ_for(method, path, body, headers, query), lambda s, h, e=None: status.append(s))
+    payload = b"".join(chunks)
+    if not status[0].startswith("200"):
+        raise RuntimeError(f"{method} {path}: {status[0]} {payload[:200]!r}")
+    return payload
+
+
+def seeded(path: str, wallets: int = 10, **settings) -> tuple:
+    svc = walletsvc.WalletService(path, **{**SETTINGS, **settings})
+    ws = svc.create_workspace("bench")
+    key = svc.create_api_key(ws["id"])
+    ids = [svc.create_wallet(ws["id"], "USD")["id"] for _ in range(wallets)]
+    for wallet_id in ids:
+        svc.deposit(wallet_id, "1000000000.00")
+    return svc, ws, key, ids
+
+
+def bare_app(get_body: bytes, post_body: bytes) -> bottle.Bottle:
+    app = bottle.Bottle()
+
+    def answer(payload: bytes) -> bottle.HTTPResponse:
+        return bottle.HTTPResponse(payload, 200, {"Content-Type": "application/json; charset=utf-8"})
+
+    app.route("/api/v1/wallets/<wallet_id>", "GET", lambda wallet_id: answer(get_body))
+    app.route(TRANSFER, "POST", lambda: answer(post_body))
+    return app
+
+
+###############################################################################
+# Floor: the least work of a correct signed request ############################
+###############################################################################
+
+
+class Floor:
+    """Straight-line sqlite3 + hmac on the service's own database file and schema."""
+
+    def __init__(self, path: str) -> None:
+        self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
+        self.conn.execute("PRAGMA busy_timeout = 5000")
+        self.conn.execute(f"PRAGMA synchronous = {SETTINGS['synchronous']}")
+
+    def authenticate(self, method: str, path: str, body: bytes, headers: dict) -> tuple:
+        key = self.conn.execute("SELECT secret, workspace_id, enabled FROM api_keys WHERE id = ?",
+                                (headers["X-Api-Key"],)).fetchone()
+        now = time.time()
+        timestamp, nonce = headers["X-Timestamp"], headers["X-Nonce"]
+        if not key[2] or abs(now - int(timestamp)) > 60:
+            raise RuntimeError("rejected")
+        now_ms = int(now * 1000)
+        if self.conn.execute("SELECT 1 FROM nonces WHERE api_key = ? AND nonce = ? AND expires_at > ?",
+                             (headers["X-Api-Key"], nonce, now_ms)).fetchone():
+            raise RuntimeError("replay")
+        message = b"\n".join((method.encode(), path.encode(), timestamp.encode(), nonce.encode(),
+                              hashlib.sha256(body).hexdigest().encode()))
+        expected = hmac.new(key[0].encode(), message, hashlib.sha256).digest()
+        if not hmac.compare_digest(expected, base64.b64decode(headers["X-Signature"])):
+            raise RuntimeError("signature")
+        self.conn.execute("INSERT INTO nonces (api_key, nonce, expires_at) VALUES (?, ?, ?)",
+                          (headers["X-Api-Key"], nonce, now_ms + 120_000))
+        return key[1], now_ms
+
+    def get_wallet(self, path: str, headers: dict) -> bytes:
+        workspace_id, now_ms = self.authenticate("GET", path, b"", headers)
+        row = self.conn.execute("SELECT id, workspace_id, name, currency, status, balance, created_at,"
+                                " updated_at FROM wallets WHERE id = ? AND workspace_id = ?",
+                                (path.rsplit("/", 1)[1], workspace_id)).fetchone()
+        data = {"id": row[0], "workspaceId": row[1], "name": row[2], "currency": row[3], "status": row[4],
+                "balance": f"{row[5] // 100}.{row[5] % 100:02d}", "createdAt": str(row[6]),
+                "updatedAt": str(row[7])}
+        return json.dumps({"version": "v1", "timestamp": now_ms, "success": True, "code": "2000",
+                           "message": "SUCCESS", "data": data}).encode()
+
+    def transfer(self, body: bytes, headers: dict) -> bytes:
+        workspace_id, now_ms = self.authenticate("POST", TRANSFER, body, headers)
+        request = json.loads(body)
+        amount = int(request["amount"].replace(".", ""))
+        conn = self.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            source, target = (conn.execute("SELECT balance - pending, status, currency FROM wallets"
+                                           " WHERE id = ? AND workspace_id = ?",
+                                           (request[k], workspace_id)).fetchone()
+                              for k in ("sourceWalletId", "targetWalletId"))
+            if source[0] < amount or {source[1], target[1]} != {"ACTIVE"} or {source[2], target[2]} != {"USD"}:
+                raise RuntimeError("rejected")
+            transfer_id = "tr_" + uuid.uuid4().hex
+            balance_out = conn.execute("UPDATE wallets SET balance = balance - ?, updated_at = ? WHERE id = ?"
+                                       " RETURNING balance", (amount, now_ms, request["sourceWalletId"])).fetchall()
+            balance_in = conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?"
+                                      " RETURNING balance", (amount, now_ms, request["targetWalletId"])).fetchall()
+            conn.execute("INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id,"
+                         " amount, currency, status, created_at, updated_at, completed_at)"
+                         " VALUES (?, ?, ?, ?, ?, ?, 'USD', 'COMPLETED', ?, ?, ?)",
+                         (transfer_id, workspace_id, transfer_id, request["sourceWalletId"],
+                          request["targetWalletId"], amount, now_ms, now_ms, now_ms))
+            for wallet, kind, direction, balance, other in (
+                    (request["sourceWalletId"], "TRANSFER_OUT", "DEBIT", balance_out, request["targetWalletId"]),
+                    (request["targetWalletId"], "TRANSFER_IN", "CREDIT", balance_in, request["sourceWalletId"])):
+                conn.execute("INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after,"
+                             " transfer_id, biz_id, counterparty_wallet_id, created_at)"
+                             " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+                             ("fl_" + uuid.uuid4().hex, wallet, kind, direction, amount, balance[0][0],
+                              transfer_id, transfer_id, other, now_ms))
+            conn.execute("COMMIT")
+        except BaseException:
+            conn.execute("ROLLBACK")
+            raise
+        return json.dumps({"version": "v1", "timestamp": now_ms, "success": True, "code": "2000",
+                           "message": "SUCCESS", "data": {"transferId": transfer_id, "status": "COMPLETED",
+                                                          "amount": request["amount"], "currency": "USD"}}).encode()
+
+
+###############################################################################
+# Figure 1: in-process signed requests #########################################
+###############################################################################
+
+
+def in_process(tmp: str, calls: int, rounds: int) -> list:
+    svc, _, key, wallets = seeded(os.path.join(tmp, "inproc.db"))
+    app = walletsvc.create_app(svc)
+    floor = Floor(os.path.join(tmp, "inproc.db"))
+    path = f"/api/v1/wallets/{wallets[0]}"
+    sign = walletsvc.sign_request
+    get_body = call_wsgi(app, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"]))
+    transfer_body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1],
+                                "amount": "0.01", "currency": "USD"}).encode()
+    post_body = call_wsgi(app, "POST", TRANSFER, transfer_body,
+                          sign("POST", TRANSFER, transfer_body, key["apiKey"], key["secret"]))
+    bare = bare_app(get_body, post_body)
+
+    def service_get():
+        call_wsgi(app, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"]))
+
+    def floor_get():
+        floor.get_wallet(path, sign("GET", path, b"", key["apiKey"], key["secret"]))
+
+    def bare_get():
+        call_wsgi(bare, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"]))
+
+    def service_post():
+        call_wsgi(app, "POST", TRANSFER, transfer_body, sign("POST", TRANSFER, transfer_body, key["apiKey"],
+                                                             key["secret"]))
+
+    def floor_post():
+        floor.transfer(transfer_body, sign("POST", TRANSFER, transfer_body, key["apiKey"], key["secret"]))
+
+    def bare_post():
+        call_wsgi(bare, "POST", TRANSFER, transfer_body, sign("POST", TRANSFER, transfer_body, key["apiKey"],
+                                                              key["secret"]))
+
+    rows = []
+    for name, service, floor_run, bare_run in (("GET /api/v1/wallets/{id}", service_get, floor_get, bare_get),
+                                               ("POST create transfer", service_post, floor_post, bare_post)):
+        measured = {label: [] for label in ("service", "floor", "bare")}
+        for _ in range(rounds):  # interleaved, so that noise hits all three alike
+            for label, run in (("service", service), ("floor", floor_run), ("bare", bare_run)):
+                measured[label].append(median_of_rounds(run, calls, 1))
+        s, f, b = (statistics.median(measured[label]) for label in ("service", "floor", "bare"))
+        rows.append((f"in-process {name}", f"{s:.0f} us", f"floor {f:.0f} us", s / f, "<= 1.3x floor"))
+        rows.append((f"in-process {name} vs bare", f"{s:.0f} us", f"bare {b:.0f} us", s / b, "report"))
+    svc.close()
+    return rows
+
+
+###############################################################################
+# Figure 2: over HTTP through waitress ##########################################
+###############################################################################
+
+
+def serve_for_bench(kind: str, db: str, ready) -> None:
+    """Child process: serve the bare app or walletsvc on waitress; report the port."""
+    import waitress
+
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+    svc = walletsvc.WalletService(db, **SETTINGS)
+    app = walletsvc.create_app(svc)
+    if kind == "bare":
+        with open(db + ".bodies", "rb") as handle:
+            get_body, post_body = json.loads(handle.read())
+        app = bare_app(get_body.encode(), post_body.encode())
+    server = waitress.create_server(app, host="127.0.0.1", port=0, threads=4)
+    ready.put(server.effective_port)
+    server.run()
+
+
+def load_worker(port: int, plan: dict, seconds: float, threads: int, results) -> None:
+    """Child process: ``threads`` keep-alive connections sending signed requests."""
+    counts = []
+
+    def loop(seed: int) -> None:
+        rng = random.Random(seed)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        done, deadline = 0, time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            if plan["method"] == "GET":
+                path, body = f"/api/v1/wallets/{rng.choice(plan['wallets'])}", b""
+            else:
+                source, target = rng.sample(plan["wallets"], 2)
+                path, body = TRANSFER, json.dumps({"sourceWalletId": source, "targetWalletId": target,
+                                                   "amount": "0.01", "currency": "USD"}).encode()
+            headers = walletsvc.sign_request(plan["method"], path, body, plan["key"], plan["secret"])
+            if body:
+                headers["Content-Type"] = "application/json"
+            conn.request(plan["method"], path, body=body or None, headers=headers)
+            reply = conn.getresponse()
+            reply.read()
+            done += reply.status == 200
+        counts.append(done)
+        conn.close()
+
+    workers = [threading.Thread(target=loop, args=(n,)) for n in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join()
+    results.put(sum(counts))
+
+
+def requests_per_second(port: int, plan: dict, seconds: float) -> float:
+    context = multiprocessing.get_context("spawn")
+    results = context.Queue()
+    workers = [context.Process(target=load_worker, args=(port, plan, seconds, 4, results)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    total = sum(results.get(timeout=seconds + 60) for _ in workers)
+    for worker in workers:
+        worker.join()
+    return total / seconds
+
+
+def over_http(tmp: str, seconds: float, rounds: int) -> list:
+    db = os.path.join(tmp, "http.db")
+    svc, _, key, wallets = seeded(db)
+    app = walletsvc.create_app(svc)
+    path = f"/api/v1/wallets/{wallets[0]}"
+    get_body = call_wsgi(app, "GET", path, b"", walletsvc.sign_request("GET", path, b"", key["apiKey"],
+                                                                       key["secret"]))
+    body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "0.01",
+                       "currency": "USD"}).encode()
+    post_body = call_wsgi(app, "POST", TRANSFER, body, walletsvc.sign_request("POST", TRANSFER, body,
+                                                                              key["apiKey"], key["secret"]))
+    svc.close()
+    with open(db + ".bodies", "w") as handle:
+        json.dump([get_body.decode(), post_body.decode()], handle)
+    context = multiprocessing.get_context("spawn")
+    ports, servers = {}, {}
+    for kind in ("bare", "walletsvc"):
+        ready = context.Queue()
+        servers[kind] = context.Process(target=serve_for_bench, args=(kind, db, ready), daemon=True)
+        servers[kind].start()
+        ports[kind] = ready.get(timeout=30)
+    rows = []
+    try:
+        for method, target in (("GET", 0.55), ("POST", 0.35)):
+            plan = {"method": method, "wallets": wallets, "key": key["apiKey"], "secret": key["secret"]}
+            measured = {"bare": [], "walletsvc": []}
+            for _ in range(rounds):
+                for kind in ("bare", "walletsvc"):
+                    measured[kind].append(requests_per_second(ports[kind], plan, seconds))
+            bare, ours = statistics.median(measured["bare"]), statistics.median(measured["walletsvc"])
+            name = "GET /api/v1/wallets/{id}" if method == "GET" else "POST create transfer"
+            rows.append((f"HTTP {name}", f"{ours:.0f} req/s", f"bare {bare:.0f} req/s", ours / bare,
+                         f">= {target:.2f}x bare"))
+    finally:
+        for server in servers.values():
+            server.terminate()
+            server.join(timeout=10)
+    return rows
+
+
+###############################################################################
+# Figure 3 and 6: a million transfers ##########################################
+###############################################################################
+
+
+def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
+    """Bulk insert with SQL: transfers and their two flows each, counters recomputed after."""
+    svc, ws, key, ids = seeded(path, wallets=wallets)
+    svc.close()
+    started = time.perf_counter()
+    conn = sqlite3.connect(path, isolation_level=None)
+    conn.execute("PRAGMA synchronous = OFF")
+    conn.execute("BEGIN IMMEDIATE")
+    for trigger in ("transfers_counted", "transfers_recounted", "flows_counted"):
+        conn.execute(f"DROP TRIGGER {trigger}")
+    conn.execute("CREATE TEMP TABLE w (k INTEGER PRIMARY KEY, id TEXT)")
+    conn.executemany("INSERT INTO w VALUES (?, ?)", list(enumerate(ids)))
+    base = int(time.time() * 1000) - transfers
+    conn.execute(f"""
+        WITH RECURSIVE seq(i) AS (SELECT 0 UNION ALL SELECT i + 1 FROM seq WHERE i < {transfers - 1})
+        INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id, amount,
+                               currency, status, created_at, updated_at, completed_at)
+        SELECT printf('tr_%026d', i), ?, printf('b%09d', i), s.id, t.id, 1 + i % 997, 'USD',
+               CASE WHEN i % 10 = 0 THEN 'FAILED' ELSE 'COMPLETED' END, {base} + i, {base} + i,
+               CASE WHEN i % 10 = 0 THEN NULL ELSE {base} + i END
+          FROM seq JOIN w s ON s.k = i % {wallets} JOIN w t ON t.k = (i + 1) % {wallets}""", (ws["id"],))
+    conn.execute("""
+        INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after, transfer_id, biz_id,
+                           counterparty_wallet_id, created_at)
+        SELECT 'fl_o' || substr(id, 4), source_wallet_id, 'TRANSFER_OUT', 'DEBIT', amount, 1, id, biz_id,
+               target_wallet_id, created_at FROM transfers WHERE status = 'COMPLETED'
+        UNION ALL
+        SELECT 'fl_i' || substr(id, 4), target_wallet_id, 'TRANSFER_IN', 'CREDIT', amount, 1, id, biz_id,
+               source_wallet_id, created_at FROM transfers WHERE status = 'COMPLETED'""")
+    conn.execute("DELETE FROM counters")
+    for owner in ("workspace_id", "source_wallet_id", "target_wallet_id"):
+        conn.execute(f"INSERT INTO counters SELECT {owner}, 'transfers', count(*) FROM transfers GROUP BY 1"
+                     " ON CONFLICT DO UPDATE SET n = n + excluded.n")
+        conn.execute(f"INSERT INTO counters SELECT {owner}, 'transfers:' || status, count(*) FROM transfers"
+                     " GROUP BY 1, 2 ON CONFLICT DO UPDATE SET n = n + excluded.n")
+    conn.execute("INSERT INTO counters SELECT wallet_id, 'flows', count(*) FROM flows GROUP BY 1")
+    conn.execute("INSERT INTO counters SELECT wallet_id, 'flows:' || type, count(*) FROM flows GROUP BY 1, 2")
+    conn.execute("COMMIT")
+    conn.close()
+    with sqlite3.connect(path) as again:  # the schema script is idempotent: the triggers come back
+        again.executescript(pathlib.Path(walletsvc.__file__).with_name("schema.sql").read_text())
+    with sqlite3.connect(path) as check:
+        assert check.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'").fetchone()[0] == 3
+    return ws, key, ids, time.perf_counter() - started
+
+
+def list_timings(path: str, key: dict, wallet_id: str, calls: int, rounds: int) -> dict:
+    svc = walletsvc.WalletService(path, **SETTINGS)
+    app = walletsvc.create_app(svc)
+
+    def timing(request_path: str, query: str) -> float:
+        def run():
+            call_wsgi(app, "GET", request_path, b"", walletsvc.sign_request("GET", request_path, b"",
+                                                                            key["apiKey"], key["secret"]), query)
+        run()
+        return median_of_rounds(run, calls, rounds)
+
+    result = {"page 0": timing("/api/v1/transfer/query/orders", "size=20"),
+              "status": timing("/api/v1/transfer/query/orders", "status=FAILED&size=20"),
+              "flows": timing(f"/api/v1/wallets/{wallet_id}/flows", "size=20"),
+              "page 1000": timing("/api/v1/transfer/query/orders", "page=1000&size=20")}
+    svc.close()
+    return result
+
+
+def peak_rss_kib(path: str, key: dict, wallet_id: str) -> int:
+    """Serve the dataset with `walletsvc serve`, exercise the lists, read VmHWM."""
+    server = subprocess.Popen([sys.executable, "-m", "walletsvc", "serve", "--db", path, "--port", "0"],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        port = None
+        while port is None:
+            line = server.stdout.readline()
+            if "serving on" in line:
+                port = int(line.rsplit(":", 1)[1])
+        client = walletsvc.Client(f"http://127.0.0.1:{port}", key["apiKey"], key["secret"])
+        for _ in range(20):
+            client.list_transfers(size=100)
+            client.list_transfers(status="FAILED", size=100)
+            client.list_transfers(page=1000, size=100)
+            client.list_flows(wallet_id, size=100)
+            client.list_wallet_transfers(wallet_id, size=100)
+        with open(f"/proc/{server.pid}/status") as status:
+            return next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+
+
+def scale(tmp: str, transfers: int, calls: int, rounds: int) -> list:
+    small = os.path.join(tmp, "small.db")
+    big = os.path.join(tmp, "big.db")
+    _, small_key, small_ids, _ = build_dataset(small, 1000)
+    _, big_key, big_ids, seconds = build_dataset(big, transfers)
+    small_t = list_timings(small, small_key, small_ids[3], calls, rounds)
+    big_t = list_timings(big, big_key, big_ids[3], calls, rounds)
+    label = f"{transfers:,}"
+    rows = [(f"build {label} transfers + flows (bulk SQL)", f"{seconds:.1f} s", "", None, "seconds")]
+    for name, target in (("page 0", "<= 2x"), ("flows", "<= 2x"), ("status", "<= 5x"), ("page 1000", "report")):
+        rows.append((f"{label}: {name} of the list", f"{big_t[name]:.0f} us", f"1,000: {small_t[name]:.0f} us",
+                     big_t[name] / small_t[name], f"{target} 1,000"))
+    rss = peak_rss_kib(big, big_key, big_ids[3])
+    rows.append((f"peak RSS of a server holding {label}", f"{rss / 1024:.0f} MiB", "", None, "report"))
+    return rows
+
+
+###############################################################################
+# Figures 4 and 5: nonce table, fresh service, reset ###########################
+###############################################################################
+
+
+def nonce_table(requests: int) -> list:
+    clock = walletsvc.Clock(frozen_at=time.time())
+    svc = walletsvc.WalletService(":memory:", clock=clock)
+    ws = svc.create_workspace("nonces")
+    key = svc.create_api_key(ws["id"])
+    wallet = svc.create_wallet(ws["id"], "USD")
+    app = walletsvc.create_app(svc)
+    path = f"/api/v1/wallets/{wallet['id']}"
+    step = 300 / requests  # spread over 300 s of service clock: five 60 s windows
+    largest = 0
+    for n in range(requests):
+        headers = walletsvc.sign_request("GET", path, b"", key["apiKey"], key["secret"], timestamp=int(clock()))
+        call_wsgi(app, "GET", path, b"", headers)
+        clock.advance(step)
+        if n % 1000 == 0:
+            with svc.db.connection() as conn:
+                largest = max(largest, conn.execute("SELECT count(*) FROM nonces").fetchone()[0])
+    with svc.db.connection() as conn:
+        final = conn.execute("SELECT count(*) FROM nonces").fetchone()[0]
+    per_window = requests / 5
+    return [(f"nonce rows after {requests:,} requests over 300 s", f"{final:,} (peak {largest:,})",
+             f"{per_window:,.0f} requests per 60 s window", largest / per_window, "bounded (~2.5 windows)")]
+
+
+def startup(rounds: int) -> list:
+    def fresh():
+        svc = walletsvc.WalletService(":memory:")
+        walletsvc.create_app(svc)
+        ws = svc.create_workspace("w")
+        svc.create_api_key(ws["id"])
+        svc.create_wallet(ws["id"], "USD")
+        svc.create_wallet(ws["id"], "USD")
+
+    sandbox = walletsvc.Sandbox.create()
+    fresh_ms = median_of_rounds(fresh, 50, rounds) / 1000
+    reset_ms = median_of_rounds(sandbox.reset, 50, rounds) / 1000
+    return [("fresh in-memory service + app + seed", f"{fresh_ms:.2f} ms", "", fresh_ms / 3, "<= 3 ms"),
+            ("Sandbox.reset (erase + reseed)", f"{reset_ms:.2f} ms", "", reset_ms / 3, "<= 3 ms")]
+
+
+###############################################################################
+# Main #########################################################################
+###############################################################################
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="smaller counts for a smoke run")
+    args = parser.parse_args()
+    quick = args.quick
+    rounds = 3 if quick else 7
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for section in (lambda: startup(rounds),
+                        lambda: in_process(tmp, 200 if quick else 1000, rounds),
+                        lambda: over_http(tmp, 1.0 if quick else 3.0, 3 if quick else 5),
+                        lambda: nonce_table(20_000 if quick else 200_000),
+                        lambda: scale(tmp, 100_000 if quick else 1_000_000, 50 if quick else 200, rounds)):
+            for row in section():
+                rows.append(row)
+                print_row(row)
+    print()
+    print("| figure | walletsvc | baseline | ratio | target |")
+    print("|---|---|---|---|---|")
+    for name, value, baseline, ratio, target in rows:
+        print(f"| {name} | {value} | {baseline} | {'' if ratio is None else f'{ratio:.2f}x'} | {target} |")
+    return 0
+
+
+def print_row(row: tuple) -> None:
+    name, value, baseline, ratio, target = row
+    shown = "" if ratio is None else f"{ratio:.2f}x"
+    print(f"{name:<55} {value:>18} {baseline:>24} {shown:>8}  {target}", flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
