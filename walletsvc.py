@@ -665,7 +665,7 @@ class Database:
         # handler, which sleeps in steps of milliseconds; other processes still
         # meet the busy timeout.
         self._write_lock = threading.Lock()
-        self._shared: sqlite3.Connection | None = None
+        self._shared: _Held | None = None
         with self.connection() as conn:
             self._apply_schema(conn)
 
@@ -697,19 +697,19 @@ class Database:
             raise RuntimeError(f"{self.path} has schema version {row[0]}; "
                                f"this walletsvc expects {SCHEMA_VERSION}")
 
-    @contextlib.contextmanager
-    def connection(self) -> Iterator[sqlite3.Connection]:
-        """This thread's connection (the shared one, locked, for ``:memory:``)."""
-        with self._lock:
-            if self.memory:
-                if self._shared is None:
-                    self._shared = self._connect()
-                yield self._shared
-                return
-            local = self._local
-            if getattr(local, "pid", None) != os.getpid():
-                local.conn, local.pid = self._connect(), os.getpid()
-            yield local.conn
+    def connection(self) -> _Held:
+        """``with db.connection() as conn``: this thread's connection (the shared
+        one, under the lock, for ``:memory:``)."""
+        if self.memory:
+            if self._shared is None:
+                with self._lock:
+                    if self._shared is None:
+                        self._shared = _Held(self._connect(), self._lock)
+            return self._shared
+        local = self._local
+        if getattr(local, "pid", None) != os.getpid():
+            local.held, local.pid = _Held(self._connect(), None), os.getpid()
+        return local.held
 
     @contextlib.contextmanager
     def atomic(self) -> Iterator[sqlite3.Connection]:
@@ -763,12 +763,30 @@ class Database:
         """Close this thread's connection (all of them, for ``:memory:``)."""
         with self._lock:
             if self.memory and self._shared is not None:
-                self._shared.close()
+                self._shared.conn.close()
                 self._shared = None
-            conn = getattr(self._local, "conn", None)
-            if conn is not None:
-                conn.close()
-                self._local.conn = self._local.pid = None
+            held = getattr(self._local, "held", None)
+            if held is not None:
+                held.conn.close()
+                self._local.held = self._local.pid = None
+
+
+class _Held:
+    """A connection as a context manager, optionally under a lock (cheaper than a generator)."""
+
+    __slots__ = ("conn", "lock")
+
+    def __init__(self, conn: sqlite3.Connection, lock: Any) -> None:
+        self.conn, self.lock = conn, lock
+
+    def __enter__(self) -> sqlite3.Connection:
+        if self.lock is not None:
+            self.lock.acquire()
+        return self.conn
+
+    def __exit__(self, *exc_info: object) -> None:
+        if self.lock is not None:
+            self.lock.release()
 
 
 ###############################################################################
@@ -901,7 +919,9 @@ class Authenticator:
         api_key = _header(environ, "X-Api-Key")
         if not api_key:
             raise ApiKeyMissing()
-        key = self._key(api_key)
+        now_ms = int(now * 1000)
+        nonce = _header(environ, "X-Nonce")
+        key = self._key(api_key, nonce, now_ms)  # also answers step 5's question, asked there
         if key is None:
             raise ApiKeyNotFound()
         # Step 2: key status.
@@ -920,12 +940,10 @@ class Authenticator:
             raise expired(f"X-Timestamp is more than {self.settings.timestamp_tolerance} s from server time.",
                           f"X-Timestamp 与服务器时间相差超过 {self.settings.timestamp_tolerance} 秒。")
         # Step 5: nonce (checked here, recorded only once the signature passed).
-        nonce = _header(environ, "X-Nonce")
         if not _NONCE.fullmatch(nonce):
             raise expired("X-Nonce must be 1-128 printable ASCII characters.",
                           "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
-        now_ms = int(now * 1000)
-        if self._nonce_seen(api_key, nonce, now_ms):
+        if key["nonce_used"]:
             raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
         # Step 6: signature.
         message = canonical_message(environ["REQUEST_METHOD"], raw_request_path(environ),
@@ -946,17 +964,20 @@ class Authenticator:
             raise IpNotWhitelisted()
         return Principal(api_key, key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
 
-    def _key(self, api_key: str) -> sqlite3.Row | None:
+    def _key(self, api_key: str, nonce: str, now_ms: int) -> sqlite3.Row | None:
+        """The key with its workspace and member state, and whether the nonce is taken."""
         if len(api_key) > 128:
             return None
         with self.db.connection() as conn:
             return conn.execute(
                 "SELECT k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
                 "       w.deleted_at IS NOT NULL AS workspace_deleted,"
-                "       m.removed_at IS NOT NULL AS member_removed"
+                "       m.removed_at IS NOT NULL AS member_removed,"
+                "       EXISTS (SELECT 1 FROM nonces n WHERE n.api_key = k.id AND n.nonce = ?"
+                "               AND n.expires_at > ?) AS nonce_used"
                 "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
                 "                  JOIN members m ON m.id = k.member_id"
-                " WHERE k.id = ?", (api_key,)).fetchone()
+                " WHERE k.id = ?", (nonce, now_ms, api_key)).fetchone()
 
     @staticmethod
     def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
@@ -966,12 +987,6 @@ class Authenticator:
             return False
         expected = hmac.new(secret.encode("utf-8"), message, hashlib.sha256).digest()
         return hmac.compare_digest(expected, given)
-
-    def _nonce_seen(self, api_key: str, nonce: str, now_ms: int) -> bool:
-        with self.db.connection() as conn:
-            return conn.execute(
-                "SELECT 1 FROM nonces WHERE api_key = ? AND nonce = ? AND expires_at > ?",
-                (api_key, nonce, now_ms)).fetchone() is not None
 
     def _record_nonce(self, api_key: str, nonce: str, now_ms: int) -> bool:
         """Record the nonce; False when another request recorded it first (a replay).
@@ -2047,6 +2062,8 @@ class HttpApi:
             raise Unauthorized()
 
     def locale(self, environ: Mapping[str, Any]) -> str:
+        if "HTTP_X_LOCALE" not in environ and "HTTP_ACCEPT_LANGUAGE" not in environ:
+            return self.settings.default_locale
         return negotiate_locale(environ.get("HTTP_X_LOCALE"), environ.get("HTTP_ACCEPT_LANGUAGE"),
                                 self.settings.default_locale)
 
