@@ -245,6 +245,8 @@ def serve_for_bench(kind: str, db: str, ready) -> None:
     import waitress
 
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+    if os.environ.get("BENCH_SWITCH"):
+        sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
     svc = walletsvc.WalletService(db, **SETTINGS)
     app = walletsvc.create_app(svc)
     if kind == "bare":
@@ -356,6 +358,11 @@ def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
     conn.execute("BEGIN IMMEDIATE")
     for trigger in ("transfers_counted", "transfers_recounted", "flows_counted"):
         conn.execute(f"DROP TRIGGER {trigger}")
+    indexes = [name for (name,) in conn.execute(  # rebuilt in one sorted pass after the insert
+        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name IN ('transfers', 'flows')"
+        " AND sql IS NOT NULL")]
+    for index in indexes:
+        conn.execute(f"DROP INDEX {index}")
     conn.execute("CREATE TEMP TABLE w (k INTEGER PRIMARY KEY, id TEXT)")
     conn.executemany("INSERT INTO w VALUES (?, ?)", list(enumerate(ids)))
     base = int(time.time() * 1000) - transfers
@@ -385,10 +392,12 @@ def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
     conn.execute("INSERT INTO counters SELECT wallet_id, 'flows:' || type, count(*) FROM flows GROUP BY 1, 2")
     conn.execute("COMMIT")
     conn.close()
-    with sqlite3.connect(path) as again:  # the schema script is idempotent: the triggers come back
+    with sqlite3.connect(path) as again:  # the schema script is idempotent: triggers and indexes come back
         again.executescript(pathlib.Path(walletsvc.__file__).with_name("schema.sql").read_text())
     with sqlite3.connect(path) as check:
         assert check.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'").fetchone()[0] == 3
+        restored = {name for (name,) in check.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
+        assert set(indexes) <= restored
     return ws, key, ids, time.perf_counter() - started
 
 

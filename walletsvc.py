@@ -664,7 +664,7 @@ class Database:
         # Writers of one process queue on this lock instead of in SQLite's busy
         # handler, which sleeps in steps of milliseconds; other processes still
         # meet the busy timeout.
-        self._write_lock = threading.Lock()
+        self._write_lock = threading.RLock()
         self._shared: _Held | None = None
         with self.connection() as conn:
             self._apply_schema(conn)
