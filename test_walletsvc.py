@@ -1069,14 +1069,18 @@ def test_get_order_and_completion_check(api: Api, world: dict) -> None:
         "bizId": "inv-9", "transferId": order["transferId"], "status": "COMPLETED", "completed": True}
 
 
-@pytest.mark.parametrize("path", ["/api/v1/transfer/query/orders/{biz}",
-                                  "/api/v1/transfer/query/orders/{biz}/completed"])
-def test_order_of_another_workspace_is_t1001(svc, api: Api, path: str) -> None:
+def order_in_another_workspace(svc: walletsvc.WalletService, biz_id: str) -> dict:
     other = svc.create_workspace("Other")
     source, target = (svc.create_wallet(other["id"], "USD") for _ in range(2))
     svc.deposit(source["id"], "5.00")
-    svc.create_transfer(other["id"], source_wallet_id=source["id"], target_wallet_id=target["id"],
-                        amount="1.00", currency="USD", biz_id="theirs")
+    return svc.create_transfer(other["id"], source_wallet_id=source["id"], target_wallet_id=target["id"],
+                               amount="1.00", currency="USD", biz_id=biz_id)
+
+
+@pytest.mark.parametrize("path", ["/api/v1/transfer/query/orders/{biz}",
+                                  "/api/v1/transfer/query/orders/{biz}/completed"])
+def test_order_of_another_workspace_is_t1001(svc, api: Api, path: str) -> None:
+    order_in_another_workspace(svc, "theirs")
     body = error(api.get(path.format(biz="theirs")), "T1001", 404)
     assert body == error(api.get(path.format(biz="never-existed")), "T1001", 404) | {
         "detail": body["detail"], "timestamp": body["timestamp"]}
@@ -1192,11 +1196,7 @@ def test_idempotency_key_header_is_the_biz_id(svc, api: Api, world: dict) -> Non
 
 
 def test_biz_ids_are_unique_per_workspace_not_globally(svc, api: Api, world: dict) -> None:
-    other = svc.create_workspace("Other")
-    source, target = (svc.create_wallet(other["id"], "USD") for _ in range(2))
-    svc.deposit(source["id"], "5.00")
-    svc.create_transfer(other["id"], source_wallet_id=source["id"], target_wallet_id=target["id"],
-                        amount="1.00", currency="USD", biz_id="shared")
+    order_in_another_workspace(svc, "shared")
     assert data(api.transfer(transfer_body(world, bizId="shared")))["amount"] == "25.50"
 
 
