@@ -11,14 +11,19 @@ import hashlib
 import hmac
 import json
 import multiprocessing
+import os
 import pathlib
 import re
 import sqlite3
+import subprocess
+import sys
 import threading
+import time
 import uuid
 
 import bottle
 import pytest
+import requests
 import webtest
 
 import walletsvc
@@ -2107,3 +2112,214 @@ def test_magic_values_when_enabled() -> None:
         with pytest.raises(walletsvc.WalletError) as raised:
             call()
         assert (raised.value.code, raised.value.status) == ("S503", 503)
+
+
+###############################################################################
+# Nothing lost under load, crashes and bad input ###############################
+###############################################################################
+#
+# Bounded here; a soak runs the same tests longer (README, "Soak"):
+#   WALLETSVC_SOAK_SECONDS=600 WALLETSVC_FUZZ_EXAMPLES=20000 python -m pytest -m slow -s
+
+SOAK_SECONDS = float(os.environ.get("WALLETSVC_SOAK_SECONDS", "0"))
+FUZZ_EXAMPLES = int(os.environ.get("WALLETSVC_FUZZ_EXAMPLES", "300"))
+
+
+class ServerProcess:
+    """One ``walletsvc serve`` child on a port of its own: kill -9, restart."""
+
+    def __init__(self, db_path: str, log_path: pathlib.Path) -> None:
+        self.db_path, self.log_path, self.port = db_path, log_path, _free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "walletsvc", "serve", "--db", self.db_path, "--port", str(self.port)],
+                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log_path.read_text()[-2000:]
+            try:
+                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                time.sleep(0.05)
+        raise AssertionError(f"{self.url} did not start")
+
+    def kill(self) -> None:
+        self.process.kill()  # SIGKILL: no cleanup, no rollback but SQLite's own
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+class BankClient:
+    """Random transfers with unique bizIds; a timeout, a dropped connection or a
+    5xx is retried with the same bizId (on either server) until it has an answer."""
+
+    def __init__(self, servers: list, key: dict, wallets: list, worker: int, deadline: float) -> None:
+        import random
+
+        self.servers, self.wallets, self.worker, self.deadline = servers, wallets, worker, deadline
+        self.auth = walletsvc.HmacAuth(key["apiKey"], key["secret"])
+        self.rng = random.Random(worker)
+        self.session = requests.Session()
+        self.attempted: dict = {}  # bizId -> (source, target, minor units)
+        self.acknowledged: dict = {}  # bizId -> transferId
+        self.rejected: dict = {}  # bizId -> code
+        self.unresolved: list = []
+        self.retries = self.replays = 0
+        self.failures: list = []
+
+    def post(self, body: bytes) -> requests.Response | None:
+        server = self.rng.choice(self.servers)
+        try:
+            response = self.session.post(server.url + TRANSFER_PATH, data=body, auth=self.auth, timeout=10,
+                                         headers={"Content-Type": "application/json"})
+        except requests.RequestException:
+            return None
+        return None if response.status_code >= 500 else response
+
+    def transfer(self, biz_id: str, body: bytes) -> None:
+        give_up = self.deadline + 120
+        while (response := self.post(body)) is None:
+            self.retries += 1
+            if time.monotonic() > give_up:
+                self.unresolved.append(biz_id)
+                return
+            time.sleep(0.01)
+        answer = response.json()
+        if response.status_code == 200 and answer["success"]:
+            order = answer["data"]
+            if order["bizId"] != biz_id or order["status"] != "COMPLETED":
+                self.failures.append(("wrong order", biz_id, order))
+            if self.acknowledged.setdefault(biz_id, order["transferId"]) != order["transferId"]:
+                self.failures.append(("two orders for one bizId", biz_id, order))
+        elif answer.get("code") == "T2001":  # insufficient balance: refused without a trace
+            self.rejected[biz_id] = answer["code"]
+        else:
+            self.failures.append(("unexpected answer", biz_id, response.status_code, answer))
+
+    def run(self) -> None:
+        try:
+            n = 0
+            while time.monotonic() < self.deadline:
+                source, target = self.rng.sample(self.wallets, 2)
+                minor = self.rng.randint(1, 30000)
+                biz_id = f"bank-{self.worker}-{n}"
+                n += 1
+                self.attempted[biz_id] = (source, target, minor)
+                body = json.dumps({"sourceWalletId": source, "targetWalletId": target, "bizId": biz_id,
+                                   "amount": walletsvc.format_amount(minor, "USD"), "currency": "USD"}).encode()
+                self.transfer(biz_id, body)
+                if biz_id in self.acknowledged and self.rng.random() < 0.1:  # a client that resends anyway
+                    first = self.acknowledged[biz_id]
+                    self.transfer(biz_id, body)
+                    self.replays += 1
+                    if self.acknowledged[biz_id] != first:
+                        self.failures.append(("replay changed the order", biz_id))
+        except Exception as exc:  # noqa: BLE001 - reported by the test, never lost in a thread
+            self.failures.append(("client crashed", repr(exc)))
+
+
+def _nonce_crosses_processes(servers: list, key: dict) -> bool | None:
+    """One signed request to each server with the same headers: the second must be GA2013.
+    None when a server was down at the time."""
+    headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"])
+    try:
+        first = requests.get(servers[0].url + "/api/v1/wallets", headers=headers, timeout=10)
+        second = requests.get(servers[1].url + "/api/v1/wallets", headers=headers, timeout=10)
+    except requests.RequestException:
+        return None
+    if first.status_code >= 500 or second.status_code >= 500:
+        return None
+    return first.status_code == 200 and (second.status_code, second.json()["code"]) == (401, "GA2013")
+
+
+def _kill_and_restart(servers: list, deadline: float, seed: int, kills: list) -> None:
+    import random
+
+    rng = random.Random(seed)
+    while time.monotonic() < deadline:
+        time.sleep(rng.uniform(0.2, 1.5))
+        victims = servers if rng.random() < 0.15 else [rng.choice(servers)]  # now and then both at once
+        for server in victims:
+            server.kill()
+            kills.append(server.port)
+        for server in victims:
+            server.start()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("crashes", [False, True], ids=["steady", "kill-9"])
+def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> None:
+    """Jepsen's bank: 8 clients, 10 wallets, two processes on one file, retries
+    with the same bizId; with crashes, servers are SIGKILLed and restarted."""
+    seconds = SOAK_SECONDS or (12 if crashes else 6)
+    path = str(tmp_path / "bank.db")
+    svc = walletsvc.WalletService(path)
+    workspace = svc.create_workspace("Bank")
+    key = svc.create_api_key(workspace["id"])
+    wallets = [svc.create_wallet(workspace["id"], "USD")["id"] for _ in range(10)]
+    for wallet_id in wallets:
+        svc.deposit(wallet_id, "1000.00")
+    svc.close()
+    servers = [ServerProcess(path, tmp_path / f"server{n}.log") for n in range(2)]
+    for server in servers:
+        server.start()
+    deadline = time.monotonic() + seconds
+    clients = [BankClient(servers, key, wallets, worker, deadline) for worker in range(8)]
+    threads = [threading.Thread(target=client.run) for client in clients]
+    kills: list = []
+    if crashes:
+        threads.append(threading.Thread(target=_kill_and_restart, args=(servers, deadline, 7, kills)))
+    nonce_checks = []
+    try:
+        for thread in threads:
+            thread.start()
+        while time.monotonic() < deadline:
+            if (verdict := _nonce_crosses_processes(servers, key)) is not None:
+                nonce_checks.append(verdict)
+            time.sleep(0.5)
+        for thread in threads:
+            thread.join()
+    finally:
+        for server in servers:
+            server.stop()
+
+    failures = [failure for client in clients for failure in client.failures]
+    attempted = {biz: facts for client in clients for biz, facts in client.attempted.items()}
+    acknowledged = {biz: order for client in clients for biz, order in client.acknowledged.items()}
+    rejected = {biz for client in clients for biz in client.rejected}
+    unresolved = [biz for client in clients for biz in client.unresolved]
+    facts = ledger_invariants(path)  # conservation, no negative balance, Σ flows = balance, integrity_check
+    conn = sqlite3.connect(path)
+    stored = {biz: (row_id, source, target, amount) for biz, row_id, source, target, amount in conn.execute(
+        "SELECT biz_id, id, source_wallet_id, target_wallet_id, amount FROM transfers")}
+    duplicated = conn.execute("SELECT count(*) FROM (SELECT biz_id FROM transfers GROUP BY biz_id"
+                              " HAVING count(*) > 1)").fetchone()[0]
+    conn.close()
+    lost = [biz for biz in acknowledged if biz not in stored]
+    report = {"seconds": seconds, "attempted": len(attempted), "acknowledged": len(acknowledged),
+              "rejected_insufficient": len(rejected), "lost": len(lost), "duplicated": duplicated,
+              "unresolved": len(unresolved), "retries": sum(c.retries for c in clients),
+              "replays": sum(c.replays for c in clients), "kills": len(kills),
+              "nonce_checks": len(nonce_checks)}
+    print("bank workload:", json.dumps(report))
+    assert not failures, failures[:5]
+    assert facts["total"] == 10 * 100000
+    assert not lost and not duplicated and not unresolved
+    assert set(stored) == set(acknowledged)  # every stored order was acknowledged: no phantoms
+    for biz, (transfer_id, source, target, amount) in stored.items():
+        assert transfer_id == acknowledged[biz]
+        assert (source, target, amount) == attempted[biz]
+    assert not rejected & set(stored)
+    assert len(acknowledged) > 50
+    assert nonce_checks and all(nonce_checks)
+    if crashes:
+        assert len(kills) >= 3
