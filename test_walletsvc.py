@@ -19,9 +19,12 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 import uuid
 
 import bottle
+import hypothesis
+import hypothesis.strategies as st
 import pytest
 import requests
 import webtest
@@ -1404,6 +1407,96 @@ def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
     assert balances(svc, source, target) == ["9.00", "1.00"]
 
 
+def _storage_world(tmp_path, clock) -> tuple[walletsvc.WalletService, Api, str, str]:
+    svc = walletsvc.WalletService(str(tmp_path / "storage.db"), clock=clock)
+    ws = svc.create_workspace("Acme")
+    key = svc.create_api_key(ws["id"])
+    source, target = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
+    svc.deposit(source, "1000.00")
+    return svc, Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock), source, target
+
+
+def test_read_only_storage_answers_s503_and_applies_nothing(tmp_path, clock) -> None:
+    svc, api, source, target = _storage_world(tmp_path, clock)
+    body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
+            "bizId": "ro-1"}
+    with svc.db.connection() as conn:  # the connection this thread's requests use
+        conn.execute("PRAGMA query_only = ON")  # every write fails as on a read-only file
+    error(api.transfer(body), "S503", 503)
+    error(api.get(f"/api/v1/wallets/{source}"), "S503", 503)  # a read must still record its nonce
+    with svc.db.connection() as conn:
+        conn.execute("PRAGMA query_only = OFF")
+    assert balances(svc, source, target) == ["1000.00", "0.00"]
+    assert svc.list_transfers(api.key["workspaceId"], {})["content"] == []
+    data(api.transfer(body))
+    assert balances(svc, source, target) == ["999.00", "1.00"]
+
+
+def test_full_disk_answers_s503_and_never_half_applies(tmp_path, clock) -> None:
+    svc, api, source, target = _storage_world(tmp_path, clock)
+    with svc.db.connection() as conn:
+        conn.execute("VACUUM")
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full at the current size
+    done = 0
+    for n in range(500):
+        body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
+                "bizId": f"full-{n}", "description": "x" * 100}
+        response = api.transfer(body)
+        if response.status_int != 200:
+            error(response, "S503", 503)
+            break
+        done += 1
+    else:
+        pytest.fail("the database never filled up")
+    assert balances(svc, source, target) == [walletsvc.format_amount(100000 - 100 * done, "USD"),
+                                             walletsvc.format_amount(100 * done, "USD")]
+    ledger_invariants(svc.db.path)
+    with svc.db.connection() as conn:
+        conn.execute("PRAGMA max_page_count = 1073741823")
+    data(api.transfer(body))  # the same bizId, retried once there is room: applied once
+    assert balances(svc, source, target)[1] == walletsvc.format_amount(100 * (done + 1), "USD")
+    ledger_invariants(svc.db.path)
+
+
+def _as_unprivileged(command: list) -> list:
+    """``command`` run so that file permissions bind it (root ignores them)."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return command
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: a read-only file cannot be simulated")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *command]
+
+
+@pytest.mark.parametrize("read_only", ["file", "directory", "directory, new file"])
+def test_serve_refuses_unwritable_storage_at_start(tmp_path, read_only: str) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    path = folder / "wallets.db"
+    walletsvc.WalletService(str(path)).close()
+    before = path.read_bytes()
+    if read_only == "file":
+        path.chmod(0o444)
+    else:
+        for leftover in folder.glob("wallets.db-*"):
+            leftover.unlink()
+        folder.chmod(0o555)
+    target = folder / "new.db" if read_only == "directory, new file" else path
+    try:
+        finished = subprocess.run(_as_unprivileged(
+            [sys.executable, "-m", "walletsvc", "serve", "--db", str(target), "--port", "0"]),
+            check=False, capture_output=True, text=True, timeout=60)
+    finally:
+        folder.chmod(0o755)
+        path.chmod(0o644)
+    assert finished.returncode == 2, finished.stderr
+    assert f"walletsvc: cannot serve {target}:" in finished.stderr
+    assert "must be writable" in finished.stderr and "Traceback" not in finished.stderr
+    assert path.read_bytes() == before
+
+
 ###############################################################################
 # Settlement modes #############################################################
 ###############################################################################
@@ -2323,3 +2416,176 @@ def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> N
     assert nonce_checks and all(nonce_checks)
     if crashes:
         assert len(kills) >= 3
+
+
+CATALOG = {error.code: error.status for error in walletsvc.ERRORS}
+FUZZ_SETTINGS = hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
+                                    derandomize=not SOAK_SECONDS,  # the same cases on every CI run
+                                    suppress_health_check=list(hypothesis.HealthCheck))
+FUZZ_TEMPLATES = ("/api/v1/wallets", "/api/v1/wallets/{}", "/api/v1/wallets/{}/balance", "/api/v1/wallets/{}/flows",
+                  TRANSFER_PATH, "/api/v1/transfer/query/orders", "/api/v1/transfer/query/orders/{}",
+                  "/api/v1/transfer/query/orders/{}/completed", "/api/v1/transfer/query/orders/wallet/{}",
+                  "/api/v1/{}", "/{}", "/healthz", "/openapi.json", "/_admin/workspaces", "/_admin/{}",
+                  "/_admin/workspaces/{}/wallets", "/_admin/wallets/{}/deposit", "/_admin/faults",
+                  "/_admin/clock", "/_admin/transfers/{}/complete")
+FUZZ_HEADERS = ("X-Api-Key", "X-Timestamp", "X-Nonce", "X-Signature", "Content-Type", "Accept-Language",
+                "X-Forwarded-For", "Idempotency-Key", "Authorization", "Accept", "Content-Encoding")
+FUZZ_FIELDS = ("sourceWalletId", "targetWalletId", "amount", "currency", "bizId", "description", "status",
+               "name", "seconds", "action", "method", "path", "times", "now")
+FUZZ_QUERY_NAMES = ("page", "size", "sort", "status", "currency", "type", "direction", "createdFrom",
+                    "createdTo", "bizIdPrefix", "minBalance", "name")
+latin1 = st.text(st.characters(min_codepoint=0, max_codepoint=255), max_size=40)
+json_values = st.recursive(
+    st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.floats(allow_nan=False)
+    | st.text(max_size=30) | st.sampled_from(["10.00", "0.01", "-1", "1e3", "USD", "JPY", "usd"]),
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=8)
+
+
+@st.composite
+def fuzz_requests(draw, sandbox: walletsvc.Sandbox) -> dict:
+    """One request: a known or made-up path with real or junk segments, query,
+    headers and body; signed properly (to get past authentication) or not."""
+    known = [sandbox.wallets["alice"]["id"], sandbox.wallets["yen"]["id"], "wal_magic_busy", "biz-1",
+             sandbox.workspace["id"], sandbox.key["apiKey"]]
+    segment = draw(st.sampled_from(known) | st.sampled_from(known) | st.text(max_size=30) | st.just(".."))
+    path = draw(st.sampled_from(FUZZ_TEMPLATES[:9]) | st.sampled_from(FUZZ_TEMPLATES)).replace("{}", urllib.parse.quote(segment, safe=draw(
+        st.sampled_from(["", "/", "/%:@!$&'()*+,;="]))))
+    if draw(st.booleans()):
+        path = draw(st.sampled_from([path, path + "/", path.upper(), "//" + path, path + "%", path + "%zz"]))
+    pairs = draw(st.lists(st.tuples(st.sampled_from(FUZZ_QUERY_NAMES) | latin1, latin1), max_size=4))
+    query = draw(st.sampled_from([urllib.parse.urlencode(pairs), "&".join(f"{k}={v}" for k, v in pairs)]))
+    method = draw(st.sampled_from(["GET", "POST"]) | st.sampled_from(["PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
+                  | st.from_regex(r"\A[A-Za-z]{1,8}\Z"))
+    if draw(st.booleans()):  # a real endpoint with its own method, so that bodies and queries get parsed
+        method = "POST" if path == TRANSFER_PATH else "GET"
+    document = draw(st.dictionaries(st.sampled_from(FUZZ_FIELDS), json_values, max_size=6)
+                    | st.fixed_dictionaries({"sourceWalletId": st.sampled_from(known),
+                                             "targetWalletId": st.sampled_from(known),
+                                             "amount": st.sampled_from(["1.00", "0.001", "1000000.00"]) | latin1,
+                                             "currency": st.sampled_from(["USD", "JPY", "XXX"])}))
+    body = draw(st.just(json.dumps(document).encode()) | st.binary(max_size=200) | st.just(b""))
+    headers = draw(st.dictionaries(st.sampled_from(FUZZ_HEADERS), latin1, max_size=4))
+    signing = draw(st.sampled_from(["signed", "unsigned", "tampered"]) | st.just("signed"))
+    if signing != "unsigned":  # random headers, but not in place of the four signed ones
+        headers.update(sandbox.headers(method, path, body))
+        if draw(st.booleans()):
+            headers["Content-Type"] = "application/json"
+    if signing == "tampered":  # one header or the body changed after signing
+        name = draw(st.sampled_from(["X-Api-Key", "X-Timestamp", "X-Nonce", "X-Signature", "body"]))
+        if name == "body":
+            body += draw(st.binary(min_size=1, max_size=5))
+        else:
+            headers[name] = draw(latin1)
+    if draw(st.booleans()):
+        headers["Authorization"] = "Bearer walletsvc-test-admin"
+    return {"method": method, "path": path, "query": query, "headers": headers, "body": body}
+
+
+def call_wsgi(app, method: str, path: str, query: str, headers: dict, body: bytes) -> tuple[int, dict, bytes]:
+    """The WSGI call a server would make for this request, raw path included."""
+    import io
+
+    environ = {"REQUEST_METHOD": method, "SCRIPT_NAME": "", "REQUEST_URI": path + (f"?{query}" if query else ""),
+               "PATH_INFO": urllib.parse.unquote(path, "latin-1"), "QUERY_STRING": query,
+               "SERVER_NAME": "fuzz", "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1",
+               "REMOTE_ADDR": "127.0.0.1", "CONTENT_LENGTH": str(len(body)),
+               "wsgi.input": io.BytesIO(body), "wsgi.errors": io.StringIO(), "wsgi.version": (1, 0),
+               "wsgi.url_scheme": "http", "wsgi.multithread": False, "wsgi.multiprocess": False,
+               "wsgi.run_once": False}
+    for name, value in headers.items():
+        if name == "Content-Type":
+            environ["CONTENT_TYPE"] = value
+        else:
+            environ["HTTP_" + name.upper().replace("-", "_")] = value
+    started: list = []
+    chunks = app(environ, lambda status, response_headers, exc_info=None: started.extend((status, response_headers)))
+    payload = b"".join(chunks)
+    getattr(chunks, "close", lambda: None)()
+    return int(started[0].split()[0]), dict(started[1]), payload
+
+
+def assert_enveloped(method: str, status: int, headers: dict, payload: bytes) -> None:
+    """Never a 500, never a traceback: the envelope, with a catalog code on failure."""
+    assert status != 500 and b"Traceback" not in payload, payload[:500]
+    assert headers["Content-Type"] == "application/json; charset=utf-8"
+    if method == "HEAD":
+        assert payload == b""
+        return
+    envelope = json.loads(payload)
+    assert {"success", "code", "message", "data"} <= set(envelope), envelope
+    if envelope["success"]:
+        assert 200 <= status < 300
+    else:
+        assert CATALOG.get(envelope["code"]) == status, (status, envelope)
+        assert envelope["message"] and envelope["data"] is None
+
+
+@pytest.mark.slow
+def test_fuzzed_requests_always_get_the_envelope() -> None:
+    """Hypothesis-made methods, paths, queries, headers and bodies, signed and not."""
+    sandbox = walletsvc.Sandbox.create()
+    seen: dict = {}
+
+    @hypothesis.given(st.data())
+    @FUZZ_SETTINGS
+    def run(draws) -> None:
+        sandbox.reset()
+        request = draws.draw(fuzz_requests(sandbox))
+        status, headers, payload = call_wsgi(sandbox.app, **request)
+        assert_enveloped(request["method"], status, headers, payload)
+        code = json.loads(payload)["code"] if payload else str(status)
+        seen[code] = seen.get(code, 0) + 1
+
+    run()
+    print("fuzz codes:", json.dumps(dict(sorted(seen.items()))))
+    assert sum(seen.values()) >= min(FUZZ_EXAMPLES, 100)
+    # from the first step of the pipeline to the ledger
+    assert {"GA2001", "GA2012", "GA2013", "S404", "S012", "2000"} <= set(seen), seen
+
+
+@pytest.mark.slow
+def test_fuzzed_requests_over_a_socket_always_get_the_envelope() -> None:
+    """The same fuzz through waitress: its environ (REQUEST_URI, chunked bodies,
+    Expect: 100-continue) rather than one built by the test."""
+    import http.client
+
+    sandbox = walletsvc.Sandbox.create()
+    server = walletsvc.LiveServer(sandbox.app)
+    port = int(server.url.rsplit(":", 1)[1])
+    header_safe = st.text(st.characters(min_codepoint=32, max_codepoint=126), max_size=40)
+    seen: dict = {}
+
+    @hypothesis.given(st.data())
+    @hypothesis.settings(FUZZ_SETTINGS, max_examples=max(FUZZ_EXAMPLES // 3, 50))
+    def run(draws) -> None:
+        sandbox.reset()
+        request = draws.draw(fuzz_requests(sandbox))
+        # a well-formed HTTP request line and headers: what waitress refuses before the app is not ours
+        path = urllib.parse.quote(request["path"], safe="/%:@!$&'()*+,;=")
+        query = urllib.parse.quote(request["query"], safe="=&%")
+        headers = {name: value for name, value in request["headers"].items()
+                   if value == value.strip() and all(32 <= ord(c) < 127 for c in value)}
+        headers.update(draws.draw(st.dictionaries(st.sampled_from(["Expect", "Connection", "Accept-Encoding"]),
+                                                  header_safe, max_size=1)))
+        method = request["method"].upper()  # waitress refuses lower-case methods itself
+        connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        try:
+            chunked = request["body"] and draws.draw(st.booleans())
+            body = iter([request["body"]]) if chunked else request["body"]
+            connection.request(method, path + (f"?{query}" if query else ""), body=body,
+                               headers=headers, encode_chunked=bool(chunked))
+            response = connection.getresponse()
+            payload = response.read()
+        finally:
+            connection.close()
+        assert_enveloped(method, response.status, dict(response.getheaders()), payload)
+        code = json.loads(payload)["code"] if payload else str(response.status)
+        seen[code] = seen.get(code, 0) + 1
+
+    try:
+        run()
+    finally:
+        server.stop()
+    print("socket fuzz codes:", json.dumps(dict(sorted(seen.items()))))
+    assert {"GA2001", "S404", "2000"} <= set(seen), seen

@@ -643,7 +643,8 @@ def _schema_image() -> bytes:
 def _is_busy(exc: sqlite3.Error) -> bool:
     text = str(exc).lower()
     return isinstance(exc, sqlite3.OperationalError) and any(
-        word in text for word in ("locked", "busy", "readonly", "read-only", "unable to open", "disk i/o"))
+        word in text for word in ("locked", "busy", "readonly", "read-only", "unable to open", "disk i/o",
+                                  "is full"))
 
 
 class Database:
@@ -744,6 +745,17 @@ class Database:
                 return conn.execute(sql, params).rowcount
             finally:
                 self._write_lock.release()
+
+    def check_writable(self) -> None:
+        """Raise sqlite3.OperationalError unless this process can write the
+        database (a read-only file or directory, a full disk): nothing is changed."""
+        with self.connection() as conn:
+            conn.execute("BEGIN IMMEDIATE")
+            try:
+                conn.execute("UPDATE schema_version SET version = version")
+            finally:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[sqlite3.Connection]:
@@ -3031,7 +3043,12 @@ def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any]) -
 
 def _serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    svc = WalletService(args.db)
+    try:  # every request records its nonce: refuse to start on storage that cannot be written
+        svc = WalletService(args.db)
+        svc.db.check_writable()
+    except sqlite3.OperationalError as exc:
+        raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be "
+                           "writable)") from exc
     settings: dict[str, Any] = {"admin_token": args.admin_token}
     demo = seed_demo(svc) if args.demo else None
     if demo:
