@@ -1398,7 +1398,10 @@ def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
     blocker = sqlite3.connect(path, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")
     try:
+        started = time.monotonic()
         error(api.transfer(body), "S503", 503)
+        error(api.get(f"/api/v1/wallets/{source}"), "S503", 503)  # its nonce cannot be recorded
+        assert time.monotonic() - started < 2 * 0.2 + 2  # the busy timeout, not a hang
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
