@@ -397,6 +397,35 @@ def test_app_mounted_under_a_prefix_signs_the_full_path(svc, world: dict, clock:
     error(response, "GA2012", 401)
 
 
+def test_hooks_and_plugins_added_to_the_app_see_api_requests(svc, world: dict, clock: Clock) -> None:
+    """/api/ GET and POST skip bottle's request objects unless someone else needs them."""
+    seen: list = []
+
+    class Recorder:
+        api = 2
+
+        def apply(self, callback, route):
+            def wrapper(*args, **kwargs):
+                seen.append(("plugin", route.rule))
+                return callback(*args, **kwargs)
+            return wrapper
+
+    apps = {"direct": walletsvc.create_app(svc), "hooked": walletsvc.create_app(svc),
+            "plugged": walletsvc.create_app(svc)}
+    apps["hooked"].add_hook("after_request", lambda: seen.append(("hook", bottle.request.path)))
+    apps["plugged"].install(Recorder())
+    answers = {}
+    for name, app in apps.items():
+        api = Api(webtest.TestApp(app), world["key"], clock)
+        answers[name] = (data(api.get(f"/api/v1/wallets/{world['a']}")),
+                         error(api.get("/api/v1/wallets/wal_missing"), "W1001", 404),
+                         error(api.transfer(b"{"), "S012", 400)["detail"])
+    assert answers["direct"] == answers["hooked"] == answers["plugged"]
+    assert ("hook", f"/api/v1/wallets/{world['a']}") in seen
+    assert ("plugin", "/api/v1/wallets/<wallet_id>") in seen
+    assert len(seen) == 6
+
+
 @pytest.mark.parametrize("whitelist, remote, allowed", [
     (["203.0.113.7"], "203.0.113.7", True),
     (["203.0.113.7"], "203.0.113.8", False),
