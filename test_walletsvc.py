@@ -2298,17 +2298,36 @@ class BankClient:
         self.acknowledged: dict = {}  # bizId -> transferId
         self.rejected: dict = {}  # bizId -> code
         self.unresolved: list = []
-        self.retries = self.replays = 0
+        self.retries = self.replays = self.twin_sends = 0
         self.failures: list = []
 
-    def post(self, body: bytes) -> requests.Response | None:
-        server = self.rng.choice(self.servers)
+    def post(self, body: bytes, server: ServerProcess | None = None,
+             session: requests.Session | None = None) -> requests.Response | None:
+        server = server or self.rng.choice(self.servers)
         try:
-            response = self.session.post(server.url + TRANSFER_PATH, data=body, auth=self.auth, timeout=10,
-                                         headers={"Content-Type": "application/json"})
+            response = (session or self.session).post(server.url + TRANSFER_PATH, data=body, auth=self.auth,
+                                                      timeout=10, headers={"Content-Type": "application/json"})
         except requests.RequestException:
             return None
         return None if response.status_code >= 500 else response
+
+    def twins(self, biz_id: str, body: bytes) -> None:
+        """The same transfer sent to both processes at once: one applies it, the other
+        answers the same order (or its own error, and the retry loop settles it)."""
+        answers: list = []
+        threads = [threading.Thread(target=lambda s=server: answers.append(self.post(body, s, requests.Session())))
+                   for server in self.servers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        self.twin_sends += 1
+        for response in answers:
+            if response is not None:
+                self.record(biz_id, response)
+        applied = [response for response in answers if response is not None and response.status_code == 200]
+        if len(applied) == 2 and sorted(r.headers.get("Idempotent-Replayed", "") for r in applied) != ["", "true"]:
+            self.failures.append(("twins were not one original and one replay", biz_id))
 
     def transfer(self, biz_id: str, body: bytes) -> None:
         give_up = self.deadline + 120
@@ -2318,6 +2337,9 @@ class BankClient:
                 self.unresolved.append(biz_id)
                 return
             time.sleep(0.01)
+        self.record(biz_id, response)
+
+    def record(self, biz_id: str, response: requests.Response) -> None:
         answer = response.json()
         if response.status_code == 200 and answer["success"]:
             order = answer["data"]
@@ -2325,8 +2347,10 @@ class BankClient:
                 self.failures.append(("wrong order", biz_id, order))
             if self.acknowledged.setdefault(biz_id, order["transferId"]) != order["transferId"]:
                 self.failures.append(("two orders for one bizId", biz_id, order))
+            self.rejected.pop(biz_id, None)  # a twin refused earlier, when the balance was lower
         elif answer.get("code") == "T2001":  # insufficient balance: refused without a trace
-            self.rejected[biz_id] = answer["code"]
+            if biz_id not in self.acknowledged:
+                self.rejected[biz_id] = answer["code"]
         else:
             self.failures.append(("unexpected answer", biz_id, response.status_code, answer))
 
@@ -2341,7 +2365,10 @@ class BankClient:
                 self.attempted[biz_id] = (source, target, minor)
                 body = json.dumps({"sourceWalletId": source, "targetWalletId": target, "bizId": biz_id,
                                    "amount": walletsvc.format_amount(minor, "USD"), "currency": "USD"}).encode()
-                self.transfer(biz_id, body)
+                if self.rng.random() < 0.05:
+                    self.twins(biz_id, body)
+                if biz_id not in self.acknowledged and biz_id not in self.rejected:
+                    self.transfer(biz_id, body)
                 if biz_id in self.acknowledged and self.rng.random() < 0.1:  # a client that resends anyway
                     first = self.acknowledged[biz_id]
                     self.transfer(biz_id, body)
@@ -2433,7 +2460,8 @@ def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> N
     report = {"seconds": seconds, "attempted": len(attempted), "acknowledged": len(acknowledged),
               "rejected_insufficient": len(rejected), "lost": len(lost), "duplicated": duplicated,
               "unresolved": len(unresolved), "retries": sum(c.retries for c in clients),
-              "replays": sum(c.replays for c in clients), "kills": len(kills),
+              "replays": sum(c.replays for c in clients), "twin_sends": sum(c.twin_sends for c in clients),
+              "kills": len(kills),
               "nonce_checks": len(nonce_checks)}
     print("bank workload:", json.dumps(report))
     assert not failures, failures[:5]
