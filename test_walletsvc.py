@@ -1795,6 +1795,57 @@ def test_cli_request_and_sign_against_a_live_server(live, world, capsys, monkeyp
                                                                  "X-Signature"]
 
 
+def test_serve_takes_settings(tmp_path, capsys) -> None:
+    path = str(tmp_path / "set.db")
+    svc = walletsvc.WalletService(path)
+    key = svc.create_api_key(svc.create_workspace("Acme")["id"])
+    svc.close()
+    server = ServerProcess(path, tmp_path / "server.log", "--set", "timestamp_tolerance=5", "--set",
+                           "default_locale=zh-CN")
+    server.start()
+    try:
+        def get(skew: int) -> requests.Response:
+            headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"],
+                                             timestamp=int(time.time()) + skew)
+            return requests.get(server.url + "/api/v1/wallets", headers=headers, timeout=10)
+
+        assert get(0).json()["success"] is True
+        late = get(10).json()
+        assert late["code"] == "GA2013" and "5" in late["detail"] and "服务器" in late["detail"]
+    finally:
+        server.stop()
+    with pytest.raises(SystemExit):
+        walletsvc.main(["serve", "--db", path, "--set", "no_such_setting=1"])
+    assert "NAME one of timestamp_tolerance" in capsys.readouterr().err
+    assert run_cli(capsys, "serve", "--db", path, "--set", "busy_timeout=soon")[0] == 2
+
+
+def test_server_started_on_a_locked_database_answers_s503_until_it_is_free(tmp_path) -> None:
+    path = str(tmp_path / "locked.db")
+    svc = walletsvc.WalletService(path)
+    key = svc.create_api_key(svc.create_workspace("Acme")["id"])
+    svc.close()
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    server = ServerProcess(path, tmp_path / "server.log", "--set", "busy_timeout=0.2")
+    try:
+        server.start()  # a lock held by another writer is not unwritable storage
+
+        def get() -> requests.Response:
+            headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"])
+            return requests.get(server.url + "/api/v1/wallets", headers=headers, timeout=10)
+
+        started = time.monotonic()
+        busy = get()
+        assert (busy.status_code, busy.json()["code"]) == (503, "S503")
+        assert time.monotonic() - started < 5
+        blocker.execute("ROLLBACK")
+        assert get().json()["success"] is True
+    finally:
+        blocker.close()
+        server.stop()
+
+
 def test_cli_request_without_credentials_is_a_usage_error(capsys, monkeypatch) -> None:
     monkeypatch.delenv("WALLETSVC_KEY", raising=False)
     with pytest.raises(SystemExit) as exited:
@@ -2253,15 +2304,16 @@ FUZZ_EXAMPLES = int(os.environ.get("WALLETSVC_FUZZ_EXAMPLES", "300"))
 class ServerProcess:
     """One ``walletsvc serve`` child on a port of its own: kill -9, restart."""
 
-    def __init__(self, db_path: str, log_path: pathlib.Path) -> None:
-        self.db_path, self.log_path, self.port = db_path, log_path, _free_port()
+    def __init__(self, db_path: str, log_path: pathlib.Path, *options: str) -> None:
+        self.db_path, self.log_path, self.port, self.options = db_path, log_path, _free_port(), options
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "walletsvc", "serve", "--db", self.db_path, "--port", str(self.port)],
+                [sys.executable, "-m", "walletsvc", "serve", "--db", self.db_path, "--port", str(self.port),
+                 *self.options],
                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -2298,7 +2350,7 @@ class BankClient:
         self.acknowledged: dict = {}  # bizId -> transferId
         self.rejected: dict = {}  # bizId -> code
         self.unresolved: list = []
-        self.retries = self.replays = self.twin_sends = 0
+        self.retries = self.replays = self.twin_sends = self.busy = 0
         self.failures: list = []
 
     def post(self, body: bytes, server: ServerProcess | None = None,
@@ -2309,6 +2361,8 @@ class BankClient:
                                                       timeout=10, headers={"Content-Type": "application/json"})
         except requests.RequestException:
             return None
+        if response.status_code == 503 and response.json()["code"] == "S503":
+            self.busy += 1  # the database was locked past the busy timeout
         return None if response.status_code >= 500 else response
 
     def twins(self, biz_id: str, body: bytes) -> None:
@@ -2404,7 +2458,23 @@ def _kill_and_restart(servers: list, deadline: float, seed: int, kills: list) ->
             server.kill()
             kills.append(server.port)
         for server in victims:
-            server.start()
+            try:
+                server.start()
+            except AssertionError as exc:  # reported by the test, not lost in a thread
+                kills.append(exc)
+                return
+
+
+def _lock_now_and_then(path: str, deadline: float, locks: list) -> None:
+    """Hold the write lock past the servers' busy timeout, now and then."""
+    conn = sqlite3.connect(path, isolation_level=None, timeout=30)
+    while time.monotonic() < deadline:
+        time.sleep(2)
+        conn.execute("BEGIN IMMEDIATE")
+        time.sleep(0.8)
+        conn.execute("ROLLBACK")
+        locks.append(1)
+    conn.close()
 
 
 @pytest.mark.slow
@@ -2421,15 +2491,17 @@ def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> N
     for wallet_id in wallets:
         svc.deposit(wallet_id, "1000.00")
     svc.close()
-    servers = [ServerProcess(path, tmp_path / f"server{n}.log") for n in range(2)]
+    servers = [ServerProcess(path, tmp_path / f"server{n}.log", "--set", "busy_timeout=0.3") for n in range(2)]
     for server in servers:
         server.start()
     deadline = time.monotonic() + seconds
     clients = [BankClient(servers, key, wallets, worker, deadline) for worker in range(8)]
     threads = [threading.Thread(target=client.run) for client in clients]
     kills: list = []
-    if crashes:
+    locks: list = []
+    if crashes:  # and locks: the other ways a request fails after it was sent
         threads.append(threading.Thread(target=_kill_and_restart, args=(servers, deadline, 7, kills)))
+        threads.append(threading.Thread(target=_lock_now_and_then, args=(path, deadline, locks)))
     nonce_checks = []
     try:
         for thread in threads:
@@ -2461,7 +2533,7 @@ def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> N
               "rejected_insufficient": len(rejected), "lost": len(lost), "duplicated": duplicated,
               "unresolved": len(unresolved), "retries": sum(c.retries for c in clients),
               "replays": sum(c.replays for c in clients), "twin_sends": sum(c.twin_sends for c in clients),
-              "kills": len(kills),
+              "kills": len(kills), "locks": len(locks), "s503_answers": sum(c.busy for c in clients),
               "nonce_checks": len(nonce_checks)}
     print("bank workload:", json.dumps(report))
     assert not failures, failures[:5]
@@ -2475,7 +2547,9 @@ def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> N
     assert len(acknowledged) > 50
     assert nonce_checks and all(nonce_checks)
     if crashes:
-        assert len(kills) >= 3
+        assert not [kill for kill in kills if isinstance(kill, Exception)], kills
+        assert len(kills) >= 3 and locks
+        assert sum(client.busy for client in clients) > 0  # S503 while locked, retried, nothing lost
 
 
 CATALOG = {error.code: error.status for error in walletsvc.ERRORS}

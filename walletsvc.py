@@ -753,12 +753,16 @@ class Database:
                 self._write_lock.release()
 
     def check_writable(self) -> None:
-        """Raise sqlite3.OperationalError unless this process can write the
-        database (a read-only file or directory, a full disk): nothing is changed."""
+        """Raise sqlite3.OperationalError if this process cannot write the database
+        (a read-only file or directory, a full disk); nothing is changed. A database
+        locked by another writer passes: its requests answer S503 until it is free."""
         with self.connection() as conn:
-            conn.execute("BEGIN IMMEDIATE")
             try:
+                conn.execute("BEGIN IMMEDIATE")
                 conn.execute("UPDATE schema_version SET version = version")
+            except sqlite3.OperationalError as exc:
+                if getattr(exc, "sqlite_errorname", "") not in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+                    raise
             finally:
                 if conn.in_transaction:
                     conn.execute("ROLLBACK")
@@ -3121,16 +3125,17 @@ def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any]) -
 def _serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     try:  # every request records its nonce: refuse to start on storage that cannot be written
-        svc = WalletService(args.db)
+        svc = WalletService(args.db, **dict(args.set or ()))
         svc.db.check_writable()
     except sqlite3.OperationalError as exc:
         raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be "
                            "writable)") from exc
-    settings: dict[str, Any] = {"admin_token": args.admin_token}
+    settings: dict[str, Any] = {"admin_token": args.admin_token} if args.admin_token else {}
     demo = seed_demo(svc) if args.demo else None
     if demo:
         settings["debug_signatures"] = True
-        settings["admin_token"] = args.admin_token or demo_admin_token(demo["secret"])
+        settings["admin_token"] = (args.admin_token or svc.settings.admin_token
+                                   or demo_admin_token(demo["secret"]))
 
     def banner(base_url: str) -> None:
         if demo:
@@ -3138,6 +3143,13 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     serve(svc, args.host, args.port, args.threads, on_ready=banner, **settings)
     return 0
+
+
+def _setting_pair(text: str) -> tuple[str, str]:
+    name, equals, value = text.partition("=")
+    if not equals or name.strip() not in Settings.names():
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {', '.join(Settings.names())}")
+    return name.strip(), value
 
 
 def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str]:
@@ -3192,6 +3204,8 @@ def build_parser() -> argparse.ArgumentParser:
                               help="seed a demo workspace once and print its credentials")
     serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN"),
                               help="enable /_admin/ with this bearer token")
+    serve_parser.add_argument("--set", action="append", type=_setting_pair, metavar="NAME=VALUE",
+                              help="a setting (README, Settings), e.g. busy_timeout=2; repeatable")
     serve_parser.set_defaults(run=_serve_command)
 
     workspace = commands.add_parser("workspace", help="create, list, delete workspaces")
