@@ -37,6 +37,7 @@ import bottle
 import walletsvc
 
 SETTINGS = {"synchronous": "NORMAL"}  # the same for the service and the floor
+SERVER_THREADS = int(os.environ.get("BENCH_THREADS", "4"))  # waitress threads, bare and walletsvc alike
 TRANSFER = "/api/v1/transfer/command/create"
 
 
@@ -253,7 +254,7 @@ def serve_for_bench(kind: str, db: str, ready) -> None:
         with open(db + ".bodies", "rb") as handle:
             get_body, post_body = json.loads(handle.read())
         app = bare_app(get_body.encode(), post_body.encode())
-    server = waitress.create_server(app, host="127.0.0.1", port=0, threads=4)
+    server = waitress.create_server(app, host="127.0.0.1", port=0, threads=SERVER_THREADS)
     ready.put(server.effective_port)
     server.run()
 
@@ -511,20 +512,25 @@ def startup(rounds: int) -> list:
 ###############################################################################
 
 
+SECTIONS = ("startup", "in_process", "http", "nonce", "scale")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller counts for a smoke run")
+    parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section; repeatable")
     args = parser.parse_args()
     quick = args.quick
     rounds = 3 if quick else 7
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        for section in (lambda: startup(rounds),
-                        lambda: in_process(tmp, 200 if quick else 1000, rounds),
-                        lambda: over_http(tmp, 1.0 if quick else 3.0, 3 if quick else 5),
-                        lambda: nonce_table(20_000 if quick else 200_000),
-                        lambda: scale(tmp, 100_000 if quick else 1_000_000, 50 if quick else 200, rounds)):
-            for row in section():
+        sections = {"startup": lambda: startup(rounds),
+                    "in_process": lambda: in_process(tmp, 200 if quick else 1000, rounds),
+                    "http": lambda: over_http(tmp, 1.0 if quick else 3.0, 3 if quick else 5),
+                    "nonce": lambda: nonce_table(20_000 if quick else 200_000),
+                    "scale": lambda: scale(tmp, 100_000 if quick else 1_000_000, 50 if quick else 200, rounds)}
+        for name in args.only or SECTIONS:
+            for row in sections[name]():
                 rows.append(row)
                 print_row(row)
     print()

@@ -1415,14 +1415,19 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
-    path = str(tmp_path / "locked.db")
-    svc = walletsvc.WalletService(path, clock=clock, busy_timeout=0.2)
+def _storage_world(tmp_path, clock, **settings) -> tuple[walletsvc.WalletService, Api, str, str]:
+    """A file database: a workspace, a full key, a wallet with 1000.00 USD and an empty one."""
+    svc = walletsvc.WalletService(str(tmp_path / "storage.db"), clock=clock, **settings)
     ws = svc.create_workspace("Acme")
     key = svc.create_api_key(ws["id"])
     source, target = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
-    svc.deposit(source, "10.00")
-    api = Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock)
+    svc.deposit(source, "1000.00")
+    return svc, Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock), source, target
+
+
+def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
+    svc, api, source, target = _storage_world(tmp_path, clock, busy_timeout=0.2)
+    path = svc.db.path
     body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD"}
     blocker = sqlite3.connect(path, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")
@@ -1434,18 +1439,9 @@ def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
     finally:
         blocker.execute("ROLLBACK")
         blocker.close()
-    assert balances(svc, source, target) == ["10.00", "0.00"]
+    assert balances(svc, source, target) == ["1000.00", "0.00"]
     data(api.transfer(body))
-    assert balances(svc, source, target) == ["9.00", "1.00"]
-
-
-def _storage_world(tmp_path, clock) -> tuple[walletsvc.WalletService, Api, str, str]:
-    svc = walletsvc.WalletService(str(tmp_path / "storage.db"), clock=clock)
-    ws = svc.create_workspace("Acme")
-    key = svc.create_api_key(ws["id"])
-    source, target = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
-    svc.deposit(source, "1000.00")
-    return svc, Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock), source, target
+    assert balances(svc, source, target) == ["999.00", "1.00"]
 
 
 def test_read_only_storage_answers_s503_and_applies_nothing(tmp_path, clock) -> None:
@@ -1797,20 +1793,13 @@ def test_cli_request_and_sign_against_a_live_server(live, world, capsys, monkeyp
 
 def test_serve_takes_settings(tmp_path, capsys) -> None:
     path = str(tmp_path / "set.db")
-    svc = walletsvc.WalletService(path)
-    key = svc.create_api_key(svc.create_workspace("Acme")["id"])
-    svc.close()
+    key = _keyed_database(path)
     server = ServerProcess(path, tmp_path / "server.log", "--set", "timestamp_tolerance=5", "--set",
                            "default_locale=zh-CN")
     server.start()
     try:
-        def get(skew: int) -> requests.Response:
-            headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"],
-                                             timestamp=int(time.time()) + skew)
-            return requests.get(server.url + "/api/v1/wallets", headers=headers, timeout=10)
-
-        assert get(0).json()["success"] is True
-        late = get(10).json()
+        assert _list_wallets(server, key).json()["success"] is True
+        late = _list_wallets(server, key, skew=10).json()
         assert late["code"] == "GA2013" and "5" in late["detail"] and "服务器" in late["detail"]
     finally:
         server.stop()
@@ -1820,27 +1809,34 @@ def test_serve_takes_settings(tmp_path, capsys) -> None:
     assert run_cli(capsys, "serve", "--db", path, "--set", "busy_timeout=soon")[0] == 2
 
 
-def test_server_started_on_a_locked_database_answers_s503_until_it_is_free(tmp_path) -> None:
-    path = str(tmp_path / "locked.db")
+def _keyed_database(path: str) -> dict:
+    """A database file with one workspace and a full-scope key, closed again."""
     svc = walletsvc.WalletService(path)
     key = svc.create_api_key(svc.create_workspace("Acme")["id"])
     svc.close()
+    return key
+
+
+def _list_wallets(server: ServerProcess, key: dict, skew: int = 0) -> requests.Response:
+    headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"],
+                                     timestamp=int(time.time()) + skew)
+    return requests.get(server.url + "/api/v1/wallets", headers=headers, timeout=10)
+
+
+def test_server_started_on_a_locked_database_answers_s503_until_it_is_free(tmp_path) -> None:
+    path = str(tmp_path / "locked.db")
+    key = _keyed_database(path)
     blocker = sqlite3.connect(path, isolation_level=None)
     blocker.execute("BEGIN IMMEDIATE")
     server = ServerProcess(path, tmp_path / "server.log", "--set", "busy_timeout=0.2")
     try:
         server.start()  # a lock held by another writer is not unwritable storage
-
-        def get() -> requests.Response:
-            headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"])
-            return requests.get(server.url + "/api/v1/wallets", headers=headers, timeout=10)
-
         started = time.monotonic()
-        busy = get()
+        busy = _list_wallets(server, key)
         assert (busy.status_code, busy.json()["code"]) == (503, "S503")
         assert time.monotonic() - started < 5
         blocker.execute("ROLLBACK")
-        assert get().json()["success"] is True
+        assert _list_wallets(server, key).json()["success"] is True
     finally:
         blocker.close()
         server.stop()
