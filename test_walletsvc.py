@@ -2361,9 +2361,11 @@ class BankClient:
             self.busy += 1  # the database was locked past the busy timeout
         return None if response.status_code >= 500 else response
 
-    def twins(self, biz_id: str, body: bytes) -> None:
+    def twins(self, biz_id: str, body: bytes) -> bool:
         """The same transfer sent to both processes at once: one applies it, the other
-        answers the same order (or its own error, and the retry loop settles it)."""
+        answers the same order. True when both answered; else the retry loop must
+        settle it (one twin may be refused for the balance of that moment while the
+        other, unanswered, was applied)."""
         answers: list = []
         threads = [threading.Thread(target=lambda s=server: answers.append(self.post(body, s, requests.Session())))
                    for server in self.servers]
@@ -2378,6 +2380,7 @@ class BankClient:
         applied = [response for response in answers if response is not None and response.status_code == 200]
         if len(applied) == 2 and sorted(r.headers.get("Idempotent-Replayed", "") for r in applied) != ["", "true"]:
             self.failures.append(("twins were not one original and one replay", biz_id))
+        return None not in answers
 
     def transfer(self, biz_id: str, body: bytes) -> None:
         give_up = self.deadline + 120
@@ -2415,9 +2418,8 @@ class BankClient:
                 self.attempted[biz_id] = (source, target, minor)
                 body = json.dumps({"sourceWalletId": source, "targetWalletId": target, "bizId": biz_id,
                                    "amount": walletsvc.format_amount(minor, "USD"), "currency": "USD"}).encode()
-                if self.rng.random() < 0.05:
-                    self.twins(biz_id, body)
-                if biz_id not in self.acknowledged and biz_id not in self.rejected:
+                answered = self.rng.random() < 0.05 and self.twins(biz_id, body)
+                if not answered and biz_id not in self.acknowledged:
                     self.transfer(biz_id, body)
                 if biz_id in self.acknowledged and self.rng.random() < 0.1:  # a client that resends anyway
                     first = self.acknowledged[biz_id]
