@@ -646,11 +646,18 @@ def _schema_image() -> bytes:
         conn.close()
 
 
+# SQLite results that mean "the storage cannot take this now" (S503), extended codes included.
+_UNAVAILABLE = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR",
+                "SQLITE_FULL")
+
+
 def _is_busy(exc: sqlite3.Error) -> bool:
-    text = str(exc).lower()
-    return isinstance(exc, sqlite3.OperationalError) and any(
-        word in text for word in ("locked", "busy", "readonly", "read-only", "unable to open", "disk i/o",
-                                  "is full"))
+    if not isinstance(exc, sqlite3.OperationalError):
+        return False
+    name = getattr(exc, "sqlite_errorname", None)
+    if name:
+        return name.startswith(_UNAVAILABLE)
+    return "locked" in str(exc)  # raised by this module: the per-process write lock timed out
 
 
 class Database:
@@ -761,7 +768,7 @@ class Database:
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute("UPDATE schema_version SET version = version")
             except sqlite3.OperationalError as exc:
-                if getattr(exc, "sqlite_errorname", "") not in ("SQLITE_BUSY", "SQLITE_LOCKED"):
+                if not (getattr(exc, "sqlite_errorname", None) or "").startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
                     raise
             finally:
                 if conn.in_transaction:
@@ -2626,9 +2633,9 @@ class WalletApp(bottle.Bottle):
     installs a plugin or adds a hook, so that those see every request.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, **options: Any) -> None:
         self.direct: list[HttpApi] = []  # create_app puts the HttpApi here once every route is in place
-        super().__init__()  # installs bottle's default plugins
+        super().__init__(**options)  # installs bottle's default plugins
 
     def install(self, plugin: Any) -> Any:
         self.direct.clear()
