@@ -1333,6 +1333,33 @@ def test_two_processes_sharing_one_file_conserve_money(tmp_path) -> None:
     assert len(acknowledged) == len(dict(acknowledged)) == facts["transfers"] > 0
 
 
+def test_a_forked_child_opens_its_own_connection(tmp_path) -> None:
+    """A service made before os.fork works in the child on a connection of its own."""
+    path, _, wallets = _shared_ledger(tmp_path)
+    svc = walletsvc.WalletService(path)
+    svc.deposit(wallets[0], "1.00")  # the parent's connection exists before the fork
+    with svc.db.connection() as conn:
+        parent_connection = id(conn)
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+
+    def child() -> None:
+        svc.deposit(wallets[0], "1.00")
+        with svc.db.connection() as conn:
+            answers.put(id(conn) != parent_connection)
+
+    children = [context.Process(target=child) for _ in range(4)]
+    for process in children:
+        process.start()
+    own = [answers.get(timeout=60) for _ in children]
+    for process in children:
+        process.join(timeout=60)
+    assert own == [True] * 4 and all(process.exitcode == 0 for process in children)
+    svc.deposit(wallets[0], "1.00")  # and the parent's still works
+    assert balances(svc, wallets[0]) == ["1006.00"]
+    ledger_invariants(path)
+
+
 def test_a_nonce_recorded_by_one_process_is_rejected_by_another(tmp_path, clock) -> None:
     path, workspace_id, _ = _shared_ledger(tmp_path)
     first_svc = walletsvc.WalletService(path, clock=clock)
