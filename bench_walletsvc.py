@@ -261,6 +261,20 @@ def serve_for_bench(kind: str, db: str, ready) -> None:
     server.run()
 
 
+def signed_request(plan: dict, rng: random.Random) -> tuple[str, bytes, dict]:
+    """A GET of a random wallet or a 0.01 transfer between two, signed: path, body, headers."""
+    if plan["method"] == "GET":
+        path, body = f"/api/v1/wallets/{rng.choice(plan['wallets'])}", b""
+    else:
+        source, target = rng.sample(plan["wallets"], 2)
+        path, body = TRANSFER, json.dumps({"sourceWalletId": source, "targetWalletId": target,
+                                           "amount": "0.01", "currency": "USD"}).encode()
+    headers = walletsvc.sign_request(plan["method"], path, body, plan["key"], plan["secret"])
+    if body:
+        headers["Content-Type"] = "application/json"
+    return path, body, headers
+
+
 def load_worker(port: int, plan: dict, seconds: float, threads: int, results) -> None:
     """Child process: ``threads`` keep-alive connections sending signed requests."""
     counts = []
@@ -270,15 +284,7 @@ def load_worker(port: int, plan: dict, seconds: float, threads: int, results) ->
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         done, deadline = 0, time.monotonic() + seconds
         while time.monotonic() < deadline:
-            if plan["method"] == "GET":
-                path, body = f"/api/v1/wallets/{rng.choice(plan['wallets'])}", b""
-            else:
-                source, target = rng.sample(plan["wallets"], 2)
-                path, body = TRANSFER, json.dumps({"sourceWalletId": source, "targetWalletId": target,
-                                                   "amount": "0.01", "currency": "USD"}).encode()
-            headers = walletsvc.sign_request(plan["method"], path, body, plan["key"], plan["secret"])
-            if body:
-                headers["Content-Type"] = "application/json"
+            path, body, headers = signed_request(plan, rng)
             conn.request(plan["method"], path, body=body or None, headers=headers)
             reply = conn.getresponse()
             reply.read()
@@ -316,16 +322,8 @@ def wrk_requests_per_second(port: int, plan: dict, seconds: float) -> float:
     rng = random.Random(7)
     raw = []
     for _ in range(int(6000 * seconds)):  # more than either server answers in the time
-        if plan["method"] == "GET":
-            path, body = f"/api/v1/wallets/{rng.choice(plan['wallets'])}", b""
-        else:
-            source, target = rng.sample(plan["wallets"], 2)
-            path, body = TRANSFER, json.dumps({"sourceWalletId": source, "targetWalletId": target,
-                                               "amount": "0.01", "currency": "USD"}).encode()
-        headers = walletsvc.sign_request(plan["method"], path, body, plan["key"], plan["secret"])
+        path, body, headers = signed_request(plan, rng)
         headers.update({"Host": f"127.0.0.1:{port}", "Content-Length": str(len(body))})
-        if body:
-            headers["Content-Type"] = "application/json"
         head = "".join(f"{name}: {value}\r\n" for name, value in headers.items())
         raw.append(f"{plan['method']} {path} HTTP/1.1\r\n{head}\r\n{body.decode()}")
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
