@@ -136,8 +136,11 @@ def parse_time(text: str) -> int | None:
     return int(moment.timestamp() * 1000)
 
 
+_JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+
+
 def to_json(value: Any) -> bytes:
-    return json.dumps(value, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+    return _JSON.encode(value).encode("utf-8")
 
 
 class Clock:
@@ -660,6 +663,20 @@ def _is_busy(exc: sqlite3.Error) -> bool:
     return "locked" in str(exc)  # raised by this module: the per-process write lock timed out
 
 
+class _Process:
+    """This process's id, kept current across os.fork: os.getpid is a system call,
+    and Database.connection asks three times a request."""
+
+    pid = os.getpid()
+
+    @classmethod
+    def forked(cls) -> None:
+        cls.pid = os.getpid()
+
+
+os.register_at_fork(after_in_child=_Process.forked)
+
+
 class Database:
     """SQLite done one way: WAL, foreign keys, a busy timeout, BEGIN IMMEDIATE.
 
@@ -721,8 +738,8 @@ class Database:
                         self._shared = _Held(self._connect(), self._lock)
             return self._shared
         local = self._local
-        if getattr(local, "pid", None) != os.getpid():
-            local.held, local.pid = _Held(self._connect(), None), os.getpid()
+        if getattr(local, "pid", None) != _Process.pid:
+            local.held, local.pid = _Held(self._connect(), None), _Process.pid
         return local.held
 
     @contextlib.contextmanager
@@ -823,9 +840,12 @@ class _Held:
 ###############################################################################
 
 
+EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()  # every GET signs it
+
+
 def body_hash(body: bytes) -> str:
     """Lowercase hex SHA-256 of the exact body bytes (of b"" for no body)."""
-    return hashlib.sha256(body).hexdigest()
+    return hashlib.sha256(body).hexdigest() if body else EMPTY_BODY_HASH
 
 
 def canonical_message(method: str, path: str | bytes, timestamp: str, nonce: str,
