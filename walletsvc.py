@@ -954,8 +954,34 @@ def _environ_key(name: str) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _scope_set(scopes: str) -> frozenset:
-    return frozenset(scopes.split())
+def _principal(api_key: str, workspace_id: str, member_id: str, scopes: str) -> Principal:
+    """Principals are immutable: one per key and state, made once."""
+    return Principal(api_key, workspace_id, member_id, frozenset(scopes.split()))
+
+
+_IPAD = bytes(x ^ 0x36 for x in range(256))
+_OPAD = bytes(x ^ 0x5C for x in range(256))
+
+
+@functools.lru_cache(maxsize=256)
+def _hmac_pads(secret: str) -> tuple:
+    """SHA-256 states with the HMAC inner and outer pads of ``secret`` absorbed (RFC 2104)."""
+    key = secret.encode("utf-8")
+    if len(key) > 64:
+        key = hashlib.sha256(key).digest()
+    key = key.ljust(64, b"\0")
+    return hashlib.sha256(key.translate(_IPAD)), hashlib.sha256(key.translate(_OPAD))
+
+
+def hmac_sha256(secret: str, message: bytes) -> bytes:
+    """HMAC-SHA256(secret, message): hmac.digest's result, without redoing the
+    key schedule for every request of the same key."""
+    inner, outer = _hmac_pads(secret)
+    inner = inner.copy()
+    inner.update(message)
+    outer = outer.copy()
+    outer.update(inner.digest())
+    return outer.digest()
 
 
 class Authenticator:
@@ -973,25 +999,28 @@ class Authenticator:
 
     def authenticate(self, environ: dict, body: bytes) -> Principal:
         now = self.clock()
+        get = environ.get
         # Step 1: API key lookup.
-        api_key = _header(environ, "X-Api-Key")
+        api_key = get("HTTP_X_API_KEY", "")
         if not api_key:
             raise ApiKeyMissing()
         now_ms = int(now * 1000)
-        nonce = _header(environ, "X-Nonce")
+        nonce = get("HTTP_X_NONCE", "")
         key = self._key(api_key, nonce, now_ms)  # also answers step 5's question, asked there
         if key is None:
             raise ApiKeyNotFound()
+        secret, workspace_id, member_id, scopes, ip_whitelist, enabled, workspace_deleted, member_removed, \
+            nonce_used = key
         # Step 2: key status.
-        if not key["enabled"]:
+        if not enabled:
             raise ApiKeyDisabled()
         # Step 3: workspace resolution.
-        if key["workspace_deleted"]:
+        if workspace_deleted:
             raise WorkspaceNotFound()
-        if key["member_removed"]:
+        if member_removed:
             raise NotWorkspaceMember()
         # Step 4: timestamp.
-        timestamp = _header(environ, "X-Timestamp")
+        timestamp = get("HTTP_X_TIMESTAMP", "")
         if not _TIMESTAMP.fullmatch(timestamp):
             raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
         if abs(now - int(timestamp)) > self.settings.timestamp_tolerance:
@@ -1001,14 +1030,14 @@ class Authenticator:
         if not _NONCE.fullmatch(nonce):
             raise expired("X-Nonce must be 1-128 printable ASCII characters.",
                           "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
-        if key["nonce_used"]:
+        if nonce_used:
             raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
         # Step 6: signature.
         message = canonical_message(environ["REQUEST_METHOD"], raw_request_path(environ),
                                     timestamp, nonce, body_hash(body))
-        environ["walletsvc.canonical"] = message.decode("latin-1")
+        environ["walletsvc.canonical"] = message
         environ["walletsvc.signature"] = "invalid"
-        if not self._signature_matches(key["secret"], message, _header(environ, "X-Signature")):
+        if not self._signature_matches(secret, message, get("HTTP_X_SIGNATURE", "")):
             shown = None
             if self.settings.debug_signatures:
                 shown = "Canonical message: " + message.decode("latin-1").replace("\n", "\\n")
@@ -1017,10 +1046,11 @@ class Authenticator:
         if not self._record_nonce(api_key, nonce, now_ms):
             raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
         # Step 7: IP whitelist, only when configured.
-        whitelist = json.loads(key["ip_whitelist"]) if key["ip_whitelist"] else None
-        if whitelist and not ip_allowed(client_ip(environ, self.settings.trusted_proxies), whitelist):
-            raise IpNotWhitelisted()
-        return Principal(api_key, key["workspace_id"], key["member_id"], _scope_set(key["scopes"]))
+        if ip_whitelist:
+            whitelist = json.loads(ip_whitelist)
+            if whitelist and not ip_allowed(client_ip(environ, self.settings.trusted_proxies), whitelist):
+                raise IpNotWhitelisted()
+        return _principal(api_key, workspace_id, member_id, scopes)
 
     def _key(self, api_key: str, nonce: str, now_ms: int) -> sqlite3.Row | None:
         """The key with its workspace and member state, and whether the nonce is taken."""
@@ -1040,10 +1070,10 @@ class Authenticator:
     @staticmethod
     def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
         try:
-            given = base64.b64decode(provided.encode("ascii"), validate=True)
+            given = binascii.a2b_base64(provided.encode("ascii"), strict_mode=True)
         except (UnicodeEncodeError, binascii.Error, ValueError):
             return False
-        return hmac.compare_digest(hmac.digest(secret.encode("utf-8"), message, "sha256"), given)
+        return hmac.compare_digest(hmac_sha256(secret, message), given)
 
     def _record_nonce(self, api_key: str, nonce: str, now_ms: int) -> bool:
         """Record the nonce; False when another request recorded it first (a replay).
@@ -1250,10 +1280,15 @@ class Journal:
         self._lock = threading.Lock()
         self.enabled = size > 0
 
-    def record(self, entry: dict) -> None:
+    FIELDS = ("at", "method", "path", "query", "apiKey", "status", "code", "canonicalMessage", "signature",
+              "replayed")
+
+    def record(self, *values: Any) -> None:
+        """One entry: the values of FIELDS in order (epoch ms; path and canonical
+        message as the raw bytes), turned into a dict only when read."""
         if self.enabled:
             with self._lock:
-                self._entries.append(entry)
+                self._entries.append(values)
 
     def clear(self) -> None:
         with self._lock:
@@ -1263,9 +1298,17 @@ class Journal:
         """Entries, oldest first; ``path`` may be an fnmatch pattern (``/api/v1/wallets/*``)."""
         with self._lock:
             entries = list(self._entries)
-        return [{**entry, "at": iso_time(entry["at"])} for entry in entries
-                if (method is None or entry["method"] == method.upper())
-                and (path is None or fnmatch.fnmatchcase(entry["path"], path))]
+        result = []
+        for values in entries:
+            entry = dict(zip(self.FIELDS, values))
+            entry["at"] = iso_time(entry["at"])
+            entry["path"] = entry["path"].decode("latin-1")
+            if entry["canonicalMessage"] is not None:
+                entry["canonicalMessage"] = entry["canonicalMessage"].decode("latin-1")
+            if (method is None or entry["method"] == method.upper()) and (
+                    path is None or fnmatch.fnmatchcase(entry["path"], path)):
+                result.append(entry)
+        return result
 
     def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
         """Fail unless ``method path`` was received (exactly ``times`` times, if given)."""
@@ -2083,13 +2126,11 @@ class HttpApi:
         except Exception as exc:  # noqa: BLE001 - every failure becomes the envelope
             response = self.error_response(environ, exc, locale)
         if surface == "api" and self.svc.journal.enabled:
-            self.svc.journal.record({
-                "at": self.svc.now_ms(), "method": environ["REQUEST_METHOD"],
-                "path": raw_request_path(environ).decode("latin-1"), "query": environ.get("QUERY_STRING", ""),
-                "apiKey": _header(environ, "X-Api-Key") or None, "status": response[1],
-                "code": environ.get("walletsvc.code"), "canonicalMessage": environ.get("walletsvc.canonical"),
-                "signature": environ.get("walletsvc.signature", "unchecked"),
-                "replayed": "Idempotent-Replayed" in call.headers})
+            self.svc.journal.record(
+                self.svc.now_ms(), environ["REQUEST_METHOD"], raw_request_path(environ),
+                environ.get("QUERY_STRING", ""), environ.get("HTTP_X_API_KEY") or None, response[1],
+                environ.get("walletsvc.code"), environ.get("walletsvc.canonical"),
+                environ.get("walletsvc.signature", "unchecked"), "Idempotent-Replayed" in call.headers)
         return response
 
     def answer_directly(self, environ: dict, route: bottle.Route, url_args: dict) -> tuple[bytes, int, dict]:
