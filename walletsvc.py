@@ -137,9 +137,15 @@ def parse_time(text: str) -> int | None:
 
 
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
+# JSONEncoder.encode builds its C encoder anew for every call; this one is built once
+# (the same function json uses, with the same arguments as _JSON's).
+_C_ENCODER = json.encoder.c_make_encoder and json.encoder.c_make_encoder(
+    None, _JSON.default, json.encoder.encode_basestring, None, ":", ",", False, False, True)
 
 
 def to_json(value: Any) -> bytes:
+    if _C_ENCODER is not None and isinstance(value, dict):
+        return "".join(_C_ENCODER(value, 0)).encode("utf-8")
     return _JSON.encode(value).encode("utf-8")
 
 
@@ -765,15 +771,26 @@ class Database:
             finally:
                 self._write_lock.release()
 
+    def one(self, sql: str, params: Sequence = ()) -> sqlite3.Row | None:
+        """The first row of one read statement, or None."""
+        held = self.connection()
+        if held.lock is None:  # a file: this thread's own connection
+            return held.conn.execute(sql, params).fetchone()
+        with held.lock:
+            return held.conn.execute(sql, params).fetchone()
+
     def write(self, sql: str, params: Sequence = ()) -> int:
         """One write statement in its own (implicit) transaction; the rows it changed."""
-        with self.connection() as conn:
-            if not self._write_lock.acquire(timeout=self.busy_timeout):
-                raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
-            try:
-                return conn.execute(sql, params).rowcount
-            finally:
-                self._write_lock.release()
+        held = self.connection()
+        if not self._write_lock.acquire(timeout=self.busy_timeout):
+            raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
+        try:
+            if held.lock is None:
+                return held.conn.execute(sql, params).rowcount
+            with held.lock:
+                return held.conn.execute(sql, params).rowcount
+        finally:
+            self._write_lock.release()
 
     def check_writable(self) -> None:
         """Raise sqlite3.OperationalError if this process cannot write the database
@@ -895,20 +912,18 @@ def raw_request_path(environ: dict) -> bytes:
     """The path as the client sent it, including any mount prefix (DESIGN.md §5);
     worked out once per request (the signature check and the journal both need it)."""
     path = environ.get("walletsvc.path")
-    if path is None:
-        path = environ["walletsvc.path"] = _raw_request_path(environ)
-    return path
-
-
-def _raw_request_path(environ: Mapping[str, Any]) -> bytes:
+    if path is not None:
+        return path
     raw = environ.get("REQUEST_URI") or environ.get("RAW_URI")
     if raw:
         if not raw.startswith("/"):  # absolute-form request target
             raw = urllib.parse.urlsplit(raw).path or "/"
-        return raw.split("?", 1)[0].encode("latin-1", "replace")
-    script = environ.get("SCRIPT_NAME", "")
-    path = environ.get("bottle.raw_path", environ.get("PATH_INFO", ""))
-    return (script + path).encode("latin-1", "replace")
+        path = raw.split("?", 1)[0].encode("latin-1", "replace")
+    else:
+        raw = environ.get("SCRIPT_NAME", "") + environ.get("bottle.raw_path", environ.get("PATH_INFO", ""))
+        path = raw.encode("latin-1", "replace")
+    environ["walletsvc.path"] = path
+    return path
 
 
 def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
@@ -1063,16 +1078,15 @@ class Authenticator:
         """The key with its workspace and member state, and whether the nonce is taken."""
         if len(api_key) > 128:
             return None
-        with self.db.connection() as conn:
-            return conn.execute(
-                "SELECT k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
-                "       w.deleted_at IS NOT NULL AS workspace_deleted,"
-                "       m.removed_at IS NOT NULL AS member_removed,"
-                "       EXISTS (SELECT 1 FROM nonces n WHERE n.api_key = k.id AND n.nonce = ?"
-                "               AND n.expires_at > ?) AS nonce_used"
-                "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
-                "                  JOIN members m ON m.id = k.member_id"
-                " WHERE k.id = ?", (nonce, now_ms, api_key)).fetchone()
+        return self.db.one(
+            "SELECT k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
+            "       w.deleted_at IS NOT NULL AS workspace_deleted,"
+            "       m.removed_at IS NOT NULL AS member_removed,"
+            "       EXISTS (SELECT 1 FROM nonces n WHERE n.api_key = k.id AND n.nonce = ?"
+            "               AND n.expires_at > ?) AS nonce_used"
+            "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
+            "                  JOIN members m ON m.id = k.member_id"
+            " WHERE k.id = ?", (nonce, now_ms, api_key))
 
     @staticmethod
     def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
@@ -1231,10 +1245,12 @@ def api_key_resource(row: sqlite3.Row) -> dict:
 
 
 def wallet_resource(row: sqlite3.Row) -> dict:
-    return {"id": row["id"], "workspaceId": row["workspace_id"], "name": row["name"],
-            "currency": row["currency"], "status": row["status"],
-            "balance": format_amount(row["balance"], row["currency"]),
-            "createdAt": iso_time(row["created_at"]), "updatedAt": iso_time(row["updated_at"])}
+    # a whole wallets row (SELECT *), unpacked in schema.sql's column order: the
+    # hottest resource, and a row read by name costs a search of its columns
+    wallet_id, workspace_id, name, currency, status, balance, _pending, created_at, updated_at = row
+    return {"id": wallet_id, "workspaceId": workspace_id, "name": name, "currency": currency,
+            "status": status, "balance": format_amount(balance, currency),
+            "createdAt": iso_time(created_at), "updatedAt": iso_time(updated_at)}
 
 
 def balance_resource(row: sqlite3.Row) -> dict:
@@ -1642,13 +1658,11 @@ class WalletService:
 
     def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
         self.settle_due()
-        with self.db.connection() as conn:
-            return wallet_resource(self._wallet(conn, wallet_id, workspace_id))
+        return wallet_resource(self._wallet(None, wallet_id, workspace_id))
 
     def get_balance(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
         self.settle_due()
-        with self.db.connection() as conn:
-            return balance_resource(self._wallet(conn, wallet_id, workspace_id))
+        return balance_resource(self._wallet(None, wallet_id, workspace_id))
 
     def list_wallets(self, workspace_id: str, query: Mapping[str, Any] | None = None) -> dict:
         """One page of the workspace's wallets; filters ``currency``, ``status``."""
@@ -1969,13 +1983,17 @@ class WalletService:
             raise not_found("member")
         return row
 
-    def _wallet(self, conn: sqlite3.Connection, wallet_id: str,
+    def _wallet(self, conn: sqlite3.Connection | None, wallet_id: str,
                 workspace_id: str | None = None) -> sqlite3.Row:
-        """The wallet; W1001 if it is missing or belongs to another workspace."""
-        magic = self.settings.magic_values
-        if wallet_id == MAGIC_BUSY_WALLET and magic:
+        """The wallet; W1001 if it is missing or belongs to another workspace.
+
+        ``conn`` None reads outside any transaction (a lone statement)."""
+        if wallet_id == MAGIC_BUSY_WALLET and self.settings.magic_values:
             raise ServiceBusy()
-        row = conn.execute("SELECT * FROM wallets WHERE id = ?", (wallet_id,)).fetchone()
+        if conn is None:
+            row = self.db.one("SELECT * FROM wallets WHERE id = ?", (wallet_id,))
+        else:
+            row = conn.execute("SELECT * FROM wallets WHERE id = ?", (wallet_id,)).fetchone()
         if row is None or (workspace_id is not None and row["workspace_id"] != workspace_id):
             raise WalletNotFound(wallet_id=str(wallet_id)[:64])
         return row
@@ -2119,8 +2137,8 @@ class HttpApi:
         """Run one request: body, status and headers of the envelope it gets."""
         surface = route.config.get("surface")
         locale = self.locale(environ)
-        call = Call(None, parse_query_string(environ.get("QUERY_STRING", "")),
-                    environ.get("walletsvc.body", b""), environ)
+        query = environ.get("QUERY_STRING")
+        call = Call(None, parse_query_string(query) if query else {}, environ.get("walletsvc.body", b""), environ)
         try:
             if surface == "api":
                 data = self.call_api(route, callback, url_args, call)
@@ -2141,15 +2159,6 @@ class HttpApi:
                 environ.get("walletsvc.canonical"), environ.get("walletsvc.signature", "unchecked"),
                 "Idempotent-Replayed" in call.headers)
         return response
-
-    def answer_directly(self, environ: dict, route: bottle.Route, url_args: dict) -> tuple[bytes, int, dict]:
-        """``answer`` without bottle's request and response objects (WalletApp's
-        fast path for /api/): the body is read here, as the before_request hook would."""
-        try:
-            environ["walletsvc.body"] = self.body(environ)
-        except WalletError as exc:
-            return self.error_response(environ, exc, self.locale(environ))
-        return self.answer(environ, route, route.callback, url_args)
 
     def call_api(self, route: bottle.Route, callback: Callable, url_args: dict, call: Call) -> Any:
         """The pipeline, the scope, the fault rules, then the endpoint."""
@@ -2771,10 +2780,13 @@ class WalletApp(bottle.Bottle):
         route, names = targets[found.lastindex]
         return route, dict(zip(names, found.groups()[found.lastindex:found.lastindex + len(names)]))
 
-    def wsgi(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         if (self.direct and environ.get("REQUEST_METHOD") in ("GET", "POST")
                 and environ.get("PATH_INFO", "").startswith("/api/")):
             return self._direct(self.direct[0], environ, start_response)
+        return self.wsgi(environ, start_response)
+
+    def wsgi(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         out = super().wsgi(environ, start_response)
         if environ.get("walletsvc.drop"):
             return _dropped(b"".join(out))
@@ -2787,10 +2799,11 @@ class WalletApp(bottle.Bottle):
             route, url_args = self._match(environ)
         except (UnicodeError, bottle.HTTPError):  # not ours to answer differently: bottle's way
             environ["PATH_INFO"] = raw
-            return super().wsgi(environ, start_response)
+            return self.wsgi(environ, start_response)
         environ["bottle.raw_path"], environ["bottle.app"] = raw, self
         try:
-            body, status, headers = http.answer_directly(environ, route, url_args)
+            environ["walletsvc.body"] = http.body(environ)  # as the before_request hook does
+            body, status, headers = http.answer(environ, route, route.callback, url_args)
         except Exception as exc:  # noqa: BLE001 - as bottle's catch-all: logged, S500 in the envelope
             body, status, headers = http.error_response(environ, exc, http.locale(environ))
         headers["Content-Length"] = str(len(body))
