@@ -773,22 +773,22 @@ class Database:
 
     def one(self, sql: str, params: Sequence = ()) -> sqlite3.Row | None:
         """The first row of one read statement, or None."""
-        held = self.connection()
-        if held.lock is None:  # a file: this thread's own connection
-            return held.conn.execute(sql, params).fetchone()
-        with held.lock:
-            return held.conn.execute(sql, params).fetchone()
+        local = self._local
+        if getattr(local, "pid", None) == _Process.pid:  # a file, and this thread's connection is open
+            return local.held.conn.execute(sql, params).fetchone()
+        with self.connection() as conn:
+            return conn.execute(sql, params).fetchone()
 
     def write(self, sql: str, params: Sequence = ()) -> int:
         """One write statement in its own (implicit) transaction; the rows it changed."""
-        held = self.connection()
         if not self._write_lock.acquire(timeout=self.busy_timeout):
             raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
         try:
-            if held.lock is None:
-                return held.conn.execute(sql, params).rowcount
-            with held.lock:
-                return held.conn.execute(sql, params).rowcount
+            local = self._local
+            if getattr(local, "pid", None) == _Process.pid:  # as in one()
+                return local.held.conn.execute(sql, params).rowcount
+            with self.connection() as conn:
+                return conn.execute(sql, params).rowcount
         finally:
             self._write_lock.release()
 
