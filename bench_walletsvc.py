@@ -108,35 +108,46 @@ def bare_app(get_body: bytes, post_body: bytes) -> bottle.Bottle:
 
 
 class Floor:
-    """Straight-line sqlite3 + hmac on the service's own database file and schema."""
+    """Straight-line sqlite3 + hmac on the service's own database file and schema,
+    served as a WSGI app like the other two: the headers come from the environ and
+    the answer goes through start_response."""
 
     def __init__(self, path: str) -> None:
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.conn.execute("PRAGMA busy_timeout = 5000")
         self.conn.execute(f"PRAGMA synchronous = {SETTINGS['synchronous']}")
 
-    def authenticate(self, method: str, path: str, body: bytes, headers: dict) -> tuple:
+    def __call__(self, environ: dict, start_response) -> list:
+        if environ["REQUEST_METHOD"] == "GET":
+            payload = self.get_wallet(environ["PATH_INFO"], environ)
+        else:
+            payload = self.transfer(environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"])), environ)
+        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
+        return [payload]
+
+    def authenticate(self, method: str, path: str, body: bytes, environ: dict) -> tuple:
+        api_key = environ["HTTP_X_API_KEY"]
         key = self.conn.execute("SELECT secret, workspace_id, enabled FROM api_keys WHERE id = ?",
-                                (headers["X-Api-Key"],)).fetchone()
+                                (api_key,)).fetchone()
         now = time.time()
-        timestamp, nonce = headers["X-Timestamp"], headers["X-Nonce"]
+        timestamp, nonce = environ["HTTP_X_TIMESTAMP"], environ["HTTP_X_NONCE"]
         if not key[2] or abs(now - int(timestamp)) > 60:
             raise RuntimeError("rejected")
         now_ms = int(now * 1000)
         if self.conn.execute("SELECT 1 FROM nonces WHERE api_key = ? AND nonce = ? AND expires_at > ?",
-                             (headers["X-Api-Key"], nonce, now_ms)).fetchone():
+                             (api_key, nonce, now_ms)).fetchone():
             raise RuntimeError("replay")
         message = b"\n".join((method.encode(), path.encode(), timestamp.encode(), nonce.encode(),
                               hashlib.sha256(body).hexdigest().encode()))
         expected = hmac.new(key[0].encode(), message, hashlib.sha256).digest()
-        if not hmac.compare_digest(expected, base64.b64decode(headers["X-Signature"])):
+        if not hmac.compare_digest(expected, base64.b64decode(environ["HTTP_X_SIGNATURE"])):
             raise RuntimeError("signature")
         self.conn.execute("INSERT INTO nonces (api_key, nonce, expires_at) VALUES (?, ?, ?)",
-                          (headers["X-Api-Key"], nonce, now_ms + 120_000))
+                          (api_key, nonce, now_ms + 120_000))
         return key[1], now_ms
 
-    def get_wallet(self, path: str, headers: dict) -> bytes:
-        workspace_id, now_ms = self.authenticate("GET", path, b"", headers)
+    def get_wallet(self, path: str, environ: dict) -> bytes:
+        workspace_id, now_ms = self.authenticate("GET", path, b"", environ)
         row = self.conn.execute("SELECT id, workspace_id, name, currency, status, balance, created_at,"
                                 " updated_at FROM wallets WHERE id = ? AND workspace_id = ?",
                                 (path.rsplit("/", 1)[1], workspace_id)).fetchone()
@@ -146,8 +157,8 @@ class Floor:
         return json.dumps({"version": "v1", "timestamp": now_ms, "success": True, "code": "2000",
                            "message": "SUCCESS", "data": data}).encode()
 
-    def transfer(self, body: bytes, headers: dict) -> bytes:
-        workspace_id, now_ms = self.authenticate("POST", TRANSFER, body, headers)
+    def transfer(self, body: bytes, environ: dict) -> bytes:
+        workspace_id, now_ms = self.authenticate("POST", TRANSFER, body, environ)
         request = json.loads(body)
         amount = int(request["amount"].replace(".", ""))
         conn = self.conn
@@ -208,7 +219,7 @@ def in_process(tmp: str, calls: int, rounds: int) -> list:
         call_wsgi(app, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"]))
 
     def floor_get():
-        floor.get_wallet(path, sign("GET", path, b"", key["apiKey"], key["secret"]))
+        call_wsgi(floor, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"]))
 
     def bare_get():
         call_wsgi(bare, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"]))
@@ -218,7 +229,8 @@ def in_process(tmp: str, calls: int, rounds: int) -> list:
                                                              key["secret"]))
 
     def floor_post():
-        floor.transfer(transfer_body, sign("POST", TRANSFER, transfer_body, key["apiKey"], key["secret"]))
+        call_wsgi(floor, "POST", TRANSFER, transfer_body, sign("POST", TRANSFER, transfer_body, key["apiKey"],
+                                                               key["secret"]))
 
     def bare_post():
         call_wsgi(bare, "POST", TRANSFER, transfer_body, sign("POST", TRANSFER, transfer_body, key["apiKey"],
