@@ -334,6 +334,16 @@ def test_signature_matches_spec_recipe_computed_by_hand(api: Api, world: dict) -
     data(api.request("GET", path, headers=headers))
 
 
+@pytest.mark.parametrize("secret", ["", "s", "é" * 31, "k" * 63, "k" * 64, "k" * 65, "ü" * 100])
+def test_sign_request_is_standard_hmac_sha256_for_any_secret(secret: str) -> None:
+    # the signer keeps each secret's HMAC pads; keys longer than the SHA-256 block are hashed first
+    for _ in range(2):  # the second time from the kept pads
+        headers = walletsvc.sign_request("POST", "/api/v1/x", b'{"a":1}', "ak", secret, timestamp=NOW, nonce="n")
+        message = walletsvc.canonical_message("POST", "/api/v1/x", str(NOW), "n", hashlib.sha256(b'{"a":1}').hexdigest())
+        expected = base64.b64encode(hmac.new(secret.encode(), message, hashlib.sha256).digest()).decode()
+        assert headers["X-Signature"] == expected
+
+
 @pytest.mark.parametrize("body_hash", [
     hashlib.sha256(b"{}").hexdigest(),  # any other value than the empty hash
     "",  # left out of the message
@@ -424,6 +434,30 @@ def test_hooks_and_plugins_added_to_the_app_see_api_requests(svc, world: dict, c
     assert ("hook", f"/api/v1/wallets/{world['a']}") in seen
     assert ("plugin", "/api/v1/wallets/<wallet_id>") in seen
     assert len(seen) == 6
+
+
+@pytest.mark.parametrize("path, code", [
+    ("/api/v1/transfer/query/orders/wallet/completed", "W1001"),  # orders of wallet "completed"
+    ("/api/v1/transfer/query/orders/wallet", "T1001"),  # the order whose bizId is "wallet"
+    ("/api/v1/transfer/query/orders/completed", "T1001"),
+    ("/api/v1/wallets/balance", "W1001"),  # the wallet whose id is "balance"
+])
+def test_ambiguous_paths_go_to_the_first_route_declared(svc, world: dict, clock: Clock, path: str,
+                                                        code: str) -> None:
+    """The direct path's route table answers as bottle's router does (bottle as the control)."""
+    plugged = walletsvc.create_app(svc)
+    plugged.add_hook("before_request", lambda: None)  # no direct path: bottle routes
+    for app in (walletsvc.create_app(svc), plugged):
+        error(Api(webtest.TestApp(app), world["key"], clock).get(path), code, 404)
+
+
+def test_a_route_added_after_create_app_takes_its_place_among_the_api_routes(svc, world: dict,
+                                                                             clock: Clock) -> None:
+    app = walletsvc.create_app(svc)
+    app.route("/api/v1/wallets/special", "GET", lambda: {"special": True})  # static: before <wallet_id>
+    api = Api(webtest.TestApp(app), world["key"], clock)
+    assert data(api.get("/api/v1/wallets/special")) == {"special": True}
+    assert data(api.get(f"/api/v1/wallets/{world['a']}"))["id"] == world["a"]
 
 
 @pytest.mark.parametrize("whitelist, remote, allowed", [

@@ -878,7 +878,7 @@ def canonical_message(method: str, path: str | bytes, timestamp: str, nonce: str
 
 
 def compute_signature(secret: str, message: bytes) -> str:
-    return base64.b64encode(hmac.digest(secret.encode("utf-8"), message, "sha256")).decode("ascii")
+    return base64.b64encode(_hmac_sha256(secret, message)).decode("ascii")
 
 
 def sign_request(method: str, path: str, body: bytes | str | None, api_key: str, secret: str, *,
@@ -995,7 +995,7 @@ def _hmac_pads(secret: str) -> tuple:
     return hashlib.sha256(key.translate(_IPAD)), hashlib.sha256(key.translate(_OPAD))
 
 
-def hmac_sha256(secret: str, message: bytes) -> bytes:
+def _hmac_sha256(secret: str, message: bytes) -> bytes:
     """HMAC-SHA256(secret, message): hmac.digest's result, without redoing the
     key schedule for every request of the same key."""
     inner, outer = _hmac_pads(secret)
@@ -1094,7 +1094,7 @@ class Authenticator:
             given = binascii.a2b_base64(provided.encode("ascii"), strict_mode=True)
         except (UnicodeEncodeError, binascii.Error, ValueError):
             return False
-        return hmac.compare_digest(hmac_sha256(secret, message), given)
+        return hmac.compare_digest(_hmac_sha256(secret, message), given)
 
     def _record_nonce(self, api_key: str, nonce: str, now_ms: int) -> bool:
         """Record the nonce; False when another request recorded it first (a replay).
