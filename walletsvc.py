@@ -3345,7 +3345,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = commands.add_parser("serve", parents=[common], help="serve the API on waitress")
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve_parser.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
-    serve_parser.add_argument("--threads", type=int, default=4, help="waitress worker threads")
+    serve_parser.add_argument("--threads", type=int, default=4,
+                              help="waitress worker threads (1: the most requests per second, one at a time)")
     serve_parser.add_argument("--demo", action="store_true",
                               help="seed a demo workspace once and print its credentials")
     serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN"),
