@@ -1708,7 +1708,8 @@ class WalletService:
                 if wallet["balance"] - wallet["pending"] < minor:
                     raise InsufficientBalance(wallet_id=wallet_id)
                 balance = self._debit(conn, wallet_id, minor, now)
-            row = self._write_flow(conn, wallet_id, flow_type, minor, balance, now)
+            flow_id = self._write_flow(conn, wallet_id, flow_type, minor, balance, now)
+            row = conn.execute("SELECT * FROM flows WHERE id = ?", (flow_id,)).fetchone()
             return flow_resource(row, wallet["currency"])
 
     def list_flows(self, wallet_id: str, query: Mapping[str, Any] | None = None, *,
@@ -2031,14 +2032,16 @@ class WalletService:
 
     def _write_flow(self, conn: sqlite3.Connection, wallet_id: str, flow_type: str, amount: int,
                     balance_after: int, now: int, transfer_id: str | None = None,
-                    biz_id: str | None = None, counterparty: str | None = None) -> sqlite3.Row:
+                    biz_id: str | None = None, counterparty: str | None = None) -> str:
+        """One flow; its id."""
+        flow_id = self.new_id("fl_", now)
         direction = "CREDIT" if flow_type in ("DEPOSIT", "TRANSFER_IN") else "DEBIT"
-        return conn.execute(
+        conn.execute(
             "INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after, transfer_id,"
-            " biz_id, counterparty_wallet_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
-            " RETURNING *",
-            (self.new_id("fl_", now), wallet_id, flow_type, direction, amount, balance_after,
-             transfer_id, biz_id, counterparty, now)).fetchall()[0]
+            " biz_id, counterparty_wallet_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
+            (flow_id, wallet_id, flow_type, direction, amount, balance_after, transfer_id, biz_id,
+             counterparty, now))
+        return flow_id
 
 
 ###############################################################################
