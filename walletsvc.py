@@ -1464,6 +1464,13 @@ def _biz_id(value: Any, field: str = "bizId") -> str:
     return value
 
 
+_INSERT_TRANSFER = (
+    "INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id, amount, currency,"
+    " status, description, created_at, updated_at, completed_at, settle_at)"
+    " VALUES (:id, :workspace_id, :biz_id, :source_wallet_id, :target_wallet_id, :amount, :currency,"
+    " :status, :description, :created_at, :updated_at, :completed_at, :settle_at)")
+
+
 class WalletService:
     """The service: admin API, wallets, ledger and transfers over one SQLite database.
 
@@ -1703,11 +1710,11 @@ class WalletService:
             if flow_type == "DEPOSIT":
                 if wallet["balance"] + minor > MAX_MINOR_UNITS:
                     raise invalid("amount", "too_large")
-                balance = self._credit(conn, wallet_id, minor, now)
+                balance = self._add_to_balance(conn, wallet_id, wallet["balance"], minor, now)
             else:
                 if wallet["balance"] - wallet["pending"] < minor:
                     raise InsufficientBalance(wallet_id=wallet_id)
-                balance = self._debit(conn, wallet_id, minor, now)
+                balance = self._add_to_balance(conn, wallet_id, wallet["balance"], -minor, now)
             flow_id = self._write_flow(conn, wallet_id, flow_type, minor, balance, now)
             row = conn.execute("SELECT * FROM flows WHERE id = ?", (flow_id,)).fetchone()
             return flow_resource(row, wallet["currency"])
@@ -1782,16 +1789,14 @@ class WalletService:
             transfer_id = self.new_id("tr_", now)
             mode = self.settings.settlement
             settle_at = now + int(self.settings.settlement_delay * 1000) if mode == "delayed" else None
-            row = conn.execute(
-                "INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id,"
-                " amount, currency, status, description, created_at, updated_at, completed_at,"
-                " settle_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *",
-                (transfer_id, workspace_id, request["biz_id"] or transfer_id, source["id"],
-                 target["id"], amount, request["currency"],
-                 "COMPLETED" if mode == "immediate" else "PENDING", request["description"], now,
-                 now, now if mode == "immediate" else None, settle_at)).fetchall()[0]
+            row = {"id": transfer_id, "workspace_id": workspace_id, "biz_id": request["biz_id"] or transfer_id,
+                   "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
+                   "currency": request["currency"], "status": "COMPLETED" if mode == "immediate" else "PENDING",
+                   "description": request["description"], "created_at": now, "updated_at": now,
+                   "completed_at": now if mode == "immediate" else None, "settle_at": settle_at}
+            conn.execute(_INSERT_TRANSFER, row)
             if mode == "immediate":
-                self._move(conn, row, now)
+                self._move(conn, row, now, source["balance"], target["balance"])
             else:
                 self._hold(conn, source["id"], amount, now)
         return transfer_resource(row), False
@@ -1839,16 +1844,20 @@ class WalletService:
         order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
         self._hold(conn, order["source_wallet_id"], -order["amount"], now)
         if status == "COMPLETED":
-            self._move(conn, order, now)
+            source, target = (conn.execute("SELECT balance FROM wallets WHERE id = ?", (wallet_id,)).fetchone()[0]
+                              for wallet_id in (order["source_wallet_id"], order["target_wallet_id"]))
+            self._move(conn, order, now, source, target)
         conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?, settle_at = NULL"
                      " WHERE id = ?", (status, now, now if status == "COMPLETED" else None, transfer_id))
         return conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
 
-    def _move(self, conn: sqlite3.Connection, order: sqlite3.Row, now: int) -> None:
-        """Move an order's money and write one flow per wallet."""
+    def _move(self, conn: sqlite3.Connection, order: Mapping[str, Any], now: int, source_balance: int,
+              target_balance: int) -> None:
+        """Move an order's money and write one flow per wallet; the balances are the
+        two wallets' as read in this transaction."""
         amount, source_id, target_id = order["amount"], order["source_wallet_id"], order["target_wallet_id"]
-        source_balance = self._debit(conn, source_id, amount, now)
-        target_balance = self._credit(conn, target_id, amount, now)
+        source_balance = self._add_to_balance(conn, source_id, source_balance, -amount, now)
+        target_balance = self._add_to_balance(conn, target_id, target_balance, amount, now)
         self._write_flow(conn, source_id, "TRANSFER_OUT", amount, source_balance, now,
                          order["id"], order["biz_id"], target_id)
         self._write_flow(conn, target_id, "TRANSFER_IN", amount, target_balance, now,
@@ -2021,14 +2030,12 @@ class WalletService:
                      (amount, now, wallet_id))
 
     @staticmethod
-    def _credit(conn: sqlite3.Connection, wallet_id: str, amount: int, now: int) -> int:
-        return conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?"
-                            " RETURNING balance", (amount, now, wallet_id)).fetchall()[0][0]
-
-    @staticmethod
-    def _debit(conn: sqlite3.Connection, wallet_id: str, amount: int, now: int) -> int:
-        return conn.execute("UPDATE wallets SET balance = balance - ?, updated_at = ? WHERE id = ?"
-                            " RETURNING balance", (amount, now, wallet_id)).fetchall()[0][0]
+    def _add_to_balance(conn: sqlite3.Connection, wallet_id: str, balance: int, delta: int, now: int) -> int:
+        """Add ``delta`` (negative: take) to a wallet whose ``balance`` was read in this
+        write transaction, so that the new balance is known without reading it back."""
+        conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?",
+                     (delta, now, wallet_id))
+        return balance + delta
 
     def _write_flow(self, conn: sqlite3.Connection, wallet_id: str, flow_type: str, amount: int,
                     balance_after: int, now: int, transfer_id: str | None = None,
