@@ -7,7 +7,18 @@ CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
 );
 INSERT INTO schema_version (version)
-    SELECT 1 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
+    SELECT 2 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
+
+-- The ledger's clock (DESIGN.md §7): the time of the last write transaction,
+-- so that times never go backwards within a database (a write waiting for the
+-- lock, a clock set back, another process), and the last id issued in one, so
+-- that ids increase in commit order. One row. (Added in schema version 2.)
+CREATE TABLE IF NOT EXISTS ledger_clock (
+    last_ms  INTEGER NOT NULL,
+    last_id  TEXT NOT NULL
+);
+INSERT INTO ledger_clock (last_ms, last_id)
+    SELECT 0, '' WHERE NOT EXISTS (SELECT 1 FROM ledger_clock);
 
 -- A deleted workspace keeps its row (deleted_at set) so that its keys answer
 -- GA2032 instead of GA2011 (SPEC.md pipeline step 3).

@@ -45,6 +45,7 @@ import io
 import ipaddress
 import json
 import logging
+import math
 import os
 import random
 import re
@@ -98,7 +99,7 @@ TRANSFER_STATUSES = ("PENDING", "COMPLETED", "FAILED")
 FLOW_TYPES = ("DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN")
 FLOW_DIRECTIONS = ("DEBIT", "CREDIT")
 LOCALES = ("en-US", "zh-CN")
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()
 
 _BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -145,11 +146,15 @@ def to_json(value: Any) -> bytes:
     return _JSON.encode(value).encode("utf-8")
 
 
+CLOCK_RANGE = (0.0, 253402300799.0)  # epoch seconds a datetime can hold: 1970-01-01 to 9999-12-31
+
+
 class Clock:
     """A controllable clock: real time plus an offset, or frozen.
 
     Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
-    nonce expiry and delayed settlement all read it.
+    nonce expiry and delayed settlement all read it. It only ever shows times
+    in CLOCK_RANGE: a change that would leave it is a ValueError.
     """
 
     def __init__(self, frozen_at: float | None = None) -> None:
@@ -168,22 +173,25 @@ class Clock:
     def freeze(self, at: float | None = None) -> None:
         """Stop the clock, at ``at`` (epoch seconds) or now."""
         with self._lock:
-            self._frozen_at = self() if at is None else float(at)
+            self._frozen_at = self() if at is None else _clock_time(at)
 
     def set(self, at: float) -> None:
         """Jump to ``at``; a running clock keeps running from there."""
+        at = _clock_time(at)
         with self._lock:
             if self._frozen_at is not None:
-                self._frozen_at = float(at)
+                self._frozen_at = at
             else:
-                self._offset = float(at) - time.time()
+                self._offset = at - time.time()
 
     def advance(self, seconds: float) -> None:
+        """Move ``seconds`` forward (negative: back)."""
         with self._lock:
+            moved = _clock_time(self() + float(seconds))
             if self._frozen_at is not None:
-                self._frozen_at += seconds
+                self._frozen_at = moved
             else:
-                self._offset += seconds
+                self._offset = moved - time.time()
 
     def unfreeze(self) -> None:
         """Run again from the frozen moment."""
@@ -195,6 +203,13 @@ class Clock:
         """Back to real time, running."""
         with self._lock:
             self._offset, self._frozen_at = 0.0, None
+
+
+def _clock_time(at: float) -> float:
+    at = float(at)
+    if not CLOCK_RANGE[0] <= at <= CLOCK_RANGE[1]:  # NaN fails both comparisons
+        raise ValueError(f"{at!r} is outside the clock's range (1970-01-01 to 9999-12-31)")
+    return at
 
 
 ###############################################################################
@@ -387,12 +402,17 @@ _REASONS = {
                  "{currency} 最多允许 {exponent} 位小数"),
     "too_large": ("is too large", "过大"),
     "time": ("must be ISO-8601 or epoch milliseconds", "必须是 ISO-8601 时间或毫秒时间戳"),
+    "clock_range": ("must keep the clock between 1970-01-01 and 9999-12-31",
+                    "必须使时钟保持在 1970-01-01 至 9999-12-31 之间"),
     "biz_id": ("must be 1-64 characters of A-Z a-z 0-9 . _ : -", "必须是 1-64 个 A-Z a-z 0-9 . _ : - 字符"),
     "max_length": ("must be at most {maximum} characters", "最多 {maximum} 个字符"),
     "length": ("must be 1-{maximum} characters", "必须是 1-{maximum} 个字符"),
     "json": ("is not a JSON object", "不是 JSON 对象"),
+    "nul": ("must not contain the NUL character", "不能包含 NUL 字符"),
     "duplicate": ("appears more than once", "重复出现"),
-    "conflict": ("differs from the Idempotency-Key header", "与 Idempotency-Key 请求头不一致"),
+    "unsigned_key": (("is not signed, so it is accepted only when equal to the body's bizId; send the key as"
+                     " bizId in the signed body"),
+                     "不在签名范围内，仅在与请求体的 bizId 相同时接受；请将该键作为 bizId 放入签名的请求体"),
     "ip": ("'{value}' is not an IP address or CIDR block", "'{value}' 不是 IP 地址或 CIDR 网段"),
     "scope": ("'{value}' is not a scope; scopes: {choices}", "'{value}' 不是权限范围；可选：{choices}"),
     "state": ("is {state}", "状态为 {state}"),
@@ -737,8 +757,9 @@ class Database:
             row = conn.execute("SELECT version FROM schema_version").fetchone()
         except sqlite3.OperationalError:
             row = None
-        if row is None:
-            conn.executescript("BEGIN IMMEDIATE;\n" + _schema_sql() + "\nCOMMIT;")
+        if row is None or row[0] < SCHEMA_VERSION:  # new, or older: the script is idempotent
+            conn.executescript(f"BEGIN IMMEDIATE;\n{_schema_sql()}\n"
+                               f"UPDATE schema_version SET version = {SCHEMA_VERSION};\nCOMMIT;")
             row = conn.execute("SELECT version FROM schema_version").fetchone()
         if row[0] != SCHEMA_VERSION:
             raise RuntimeError(f"{self.path} has schema version {row[0]}; "
@@ -995,7 +1016,8 @@ class Authenticator:
         timestamp = get("HTTP_X_TIMESTAMP", "")
         if not _TIMESTAMP.fullmatch(timestamp):
             raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
-        if abs(now - int(timestamp)) > self.settings.timestamp_tolerance:
+        tolerance = self.settings.timestamp_tolerance
+        if abs(math.floor(now) - int(timestamp)) > tolerance:  # whole seconds (DESIGN.md §5)
             raise expired(f"X-Timestamp is more than {self.settings.timestamp_tolerance} s from server time.",
                           f"X-Timestamp 与服务器时间相差超过 {self.settings.timestamp_tolerance} 秒。")
         # Step 5: nonce (checked here, recorded only once the signature passed).
@@ -1014,7 +1036,8 @@ class Authenticator:
                 shown = "Canonical message: " + message.decode("latin-1").replace("\n", "\\n")
             raise SignatureInvalid(extra=shown)
         call.verdict = "valid"
-        if not self._record_nonce(api_key, nonce, now_ms):
+        # The record outlives the last moment this timestamp passes step 4: no replay at the edge.
+        if not self._record_nonce(api_key, nonce, now_ms, (int(timestamp) + tolerance + 1) * 1000):
             raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
         # Step 7: IP whitelist, only when configured.
         if key["ip_whitelist"]:
@@ -1045,19 +1068,18 @@ class Authenticator:
             return False
         return hmac.compare_digest(hmac.digest(secret.encode("utf-8"), message, "sha256"), given)
 
-    def _record_nonce(self, api_key: str, nonce: str, now_ms: int) -> bool:
+    def _record_nonce(self, api_key: str, nonce: str, now_ms: int, expires_ms: int) -> bool:
         """Record the nonce; False when another request recorded it first (a replay).
 
         One statement, so two racing requests cannot both win; an expired
         record is taken over in place.
         """
-        window_ms = 2 * self.settings.timestamp_tolerance * 1000
         won = self.db.write(
             "INSERT INTO nonces (api_key, nonce, expires_at) VALUES (?, ?, ?)"
             " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at"
-            " WHERE nonces.expires_at <= ?", (api_key, nonce, now_ms + window_ms, now_ms)) == 1
+            " WHERE nonces.expires_at <= ?", (api_key, nonce, expires_ms, now_ms)) == 1
         if now_ms >= self._next_purge:
-            self._next_purge = now_ms + window_ms // 4
+            self._next_purge = now_ms + self.settings.timestamp_tolerance * 500  # every half window
             self.db.write("DELETE FROM nonces WHERE expires_at <= ?", (now_ms,))
         return won
 
@@ -1096,9 +1118,12 @@ def _page_integer(query: Query, name: str, default: int, minimum: int) -> int:
     text = first(query, name)
     if text is None:
         return default
-    if not re.fullmatch(r"-?[0-9]{1,18}", text):
+    if not re.fullmatch(r"-?[0-9]+", text):  # no upper bound (SPEC.md): any number of digits
         raise invalid(name, "integer")
-    value = int(text)
+    try:
+        value = int(text)
+    except ValueError:  # more digits than Python turns into an int (sys.get_int_max_str_digits)
+        raise invalid(name, "too_large") from None
     if value < minimum:
         raise invalid(name, "minimum", minimum=minimum)
     return value
@@ -1394,11 +1419,13 @@ def not_found(thing: str) -> NotFound:
     return NotFound(thing=thing, thing_zh=_THINGS_ZH[thing])
 
 
-def _text(value: Any, field: str, maximum: int) -> str:
+def _text(value: Any, field: str, maximum: int, minimum: int = 1) -> str:
     if not isinstance(value, str):
         raise invalid(field, "string")
-    if not 1 <= len(value) <= maximum:
-        raise invalid(field, "length", maximum=maximum)
+    if not minimum <= len(value) <= maximum:
+        raise invalid(field, "length" if minimum else "max_length", maximum=maximum)
+    if "\0" in value:  # SQLite's length() stops at a NUL: refused before it can trip a CHECK
+        raise invalid(field, "nul")
     return value
 
 
@@ -1415,6 +1442,67 @@ _INSERT_TRANSFER = (
     " status, description, created_at, updated_at, completed_at, settle_at)"
     " VALUES (:id, :workspace_id, :biz_id, :source_wallet_id, :target_wallet_id, :amount, :currency,"
     " :status, :description, :created_at, :updated_at, :completed_at, :settle_at)")
+
+
+# The ledger's invariants, each a query returning the rows that break it
+# (WalletService.audit): (check, detail template over the row, SQL).
+_SIGNED_FLOW = "CASE f.direction WHEN 'CREDIT' THEN f.amount ELSE -f.amount END"
+_AUDITS = (
+    ("conservation", "{currency}: deposits - withdrawals = {external}, balances sum to {balances}",
+     ("SELECT w.currency, sum(w.balance) AS balances,"
+     "       coalesce((SELECT sum(CASE f.type WHEN 'DEPOSIT' THEN f.amount ELSE -f.amount END)"
+     "                 FROM flows f JOIN wallets v ON v.id = f.wallet_id"
+     "                 WHERE v.currency = w.currency AND f.type IN ('DEPOSIT', 'WITHDRAWAL')), 0) AS external"
+     "  FROM wallets w GROUP BY w.currency HAVING balances <> external")),
+    ("negative", "wallet {id}: balance {balance}, pending {pending}",
+     "SELECT id, balance, pending FROM wallets WHERE balance < 0 OR pending < 0 OR balance - pending < 0"),
+    ("flows_sum", "wallet {id}: flows sum to {flows}, balance is {balance}",
+     (f"SELECT w.id, w.balance, coalesce(sum({_SIGNED_FLOW}), 0) AS flows"
+     "  FROM wallets w LEFT JOIN flows f ON f.wallet_id = w.id GROUP BY w.id HAVING flows <> w.balance")),
+    ("running_balance", "flow {id} of wallet {wallet_id}: {before} then {signed} gives {balance_after}",
+     (f"SELECT id, wallet_id, before, signed, balance_after FROM ("
+     f"  SELECT f.id, f.wallet_id, f.balance_after, {_SIGNED_FLOW} AS signed,"
+     "         coalesce(lag(f.balance_after) OVER (PARTITION BY f.wallet_id ORDER BY f.created_at, f.id), 0)"
+     "           AS before"
+     "    FROM flows f) WHERE before + signed <> balance_after")),
+    ("newest_flow", "wallet {id}: newest flow says {balance_after}, balance is {balance}",
+     ("SELECT w.id, w.balance, (SELECT f.balance_after FROM flows f WHERE f.wallet_id = w.id"
+     "                         ORDER BY f.created_at DESC, f.id DESC LIMIT 1) AS balance_after"
+     "  FROM wallets w WHERE balance_after IS NOT NULL AND balance_after <> w.balance")),
+    ("pending", "wallet {id}: pending {pending}, PENDING orders hold {held}",
+     ("SELECT w.id, w.pending, coalesce((SELECT sum(t.amount) FROM transfers t"
+     "                                  WHERE t.source_wallet_id = w.id AND t.status = 'PENDING'), 0) AS held"
+     "  FROM wallets w WHERE held <> w.pending")),
+    ("order_flows", "order {id} ({status}): {outs} TRANSFER_OUT and {ins} TRANSFER_IN flows",
+     ("SELECT t.id, t.status,"
+     "       (SELECT count(*) FROM flows f WHERE f.transfer_id = t.id AND f.type = 'TRANSFER_OUT'"
+     "          AND f.wallet_id = t.source_wallet_id AND f.amount = t.amount) AS outs,"
+     "       (SELECT count(*) FROM flows f WHERE f.transfer_id = t.id AND f.type = 'TRANSFER_IN'"
+     "          AND f.wallet_id = t.target_wallet_id AND f.amount = t.amount) AS ins,"
+     "       (SELECT count(*) FROM flows f WHERE f.transfer_id = t.id) AS flows"
+     "  FROM transfers t"
+     " WHERE (t.status = 'COMPLETED' AND (outs <> 1 OR ins <> 1 OR flows <> 2))"
+     "    OR (t.status <> 'COMPLETED' AND flows <> 0)")),
+    ("counters", "counter {owner_id} {name}: {n}, rows {actual}",
+     ("WITH actual (owner_id, name, n) AS ("
+     "  SELECT workspace_id, 'transfers', count(*) FROM transfers GROUP BY workspace_id"
+     "  UNION ALL SELECT workspace_id, 'transfers:' || status, count(*) FROM transfers GROUP BY 1, 2"
+     "  UNION ALL SELECT wallet, 'transfers', count(*) FROM (SELECT source_wallet_id AS wallet FROM transfers"
+     "            UNION ALL SELECT target_wallet_id FROM transfers) GROUP BY wallet"
+     "  UNION ALL SELECT wallet, 'transfers:' || status, count(*) FROM ("
+     "            SELECT source_wallet_id AS wallet, status FROM transfers"
+     "            UNION ALL SELECT target_wallet_id, status FROM transfers) GROUP BY 1, 2"
+     "  UNION ALL SELECT wallet_id, 'flows', count(*) FROM flows GROUP BY wallet_id"
+     "  UNION ALL SELECT wallet_id, 'flows:' || type, count(*) FROM flows GROUP BY 1, 2)"
+     " SELECT owner_id, name, n, actual FROM ("
+     "   SELECT c.owner_id, c.name, c.n, coalesce(a.n, 0) AS actual FROM counters c"
+     "     LEFT JOIN actual a ON a.owner_id = c.owner_id AND a.name = c.name"
+     "   UNION ALL SELECT a.owner_id, a.name, 0, a.n FROM actual a"
+     "     WHERE NOT EXISTS (SELECT 1 FROM counters c WHERE c.owner_id = a.owner_id AND c.name = a.name))"
+     " WHERE n <> actual")),
+    ("biz_id", "workspace {workspace_id}: bizId {biz_id} used {n} times",
+     "SELECT workspace_id, biz_id, count(*) AS n FROM transfers GROUP BY workspace_id, biz_id HAVING n > 1"),
+)
 
 
 class WalletService:
@@ -1445,8 +1533,9 @@ class WalletService:
         return int(self.clock() * 1000)
 
     def new_id(self, prefix: str, now_ms: int) -> str:
-        """A fresh id; ids made by one service only ever increase, so that the id
-        tie-break orders rows created in the same millisecond by creation."""
+        """A fresh id. Ids only ever increase, so that the id tie-break orders rows
+        created in the same millisecond by creation; made inside ``writing()``, they
+        increase in commit order across processes too."""
         with self._id_lock:
             if self._random is not None:  # seeded: a sequence, the same on every run
                 self._last_id = (self._last_id[0] + 1, self._random.getrandbits(80))
@@ -1455,6 +1544,26 @@ class WalletService:
             else:
                 self._last_id = (self._last_id[0], self._last_id[1] + 1)
             return new_id(prefix, *self._last_id)
+
+    @contextlib.contextmanager
+    def writing(self) -> Iterator[tuple[sqlite3.Connection, int]]:
+        """One write transaction (``db.atomic()``) and its time (DESIGN.md §7).
+
+        The time is the service clock read inside the transaction, never before
+        the last write's in this database (whatever the clock or the number of
+        processes says), so the ledger reads in commit order. The last write's
+        time and id live in the database's ``ledger_clock`` row.
+        """
+        with self.db.atomic() as conn:
+            last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
+            now = max(self.now_ms(), last_ms)
+            if self._random is None and last_id:  # ids continue after the last one committed
+                with self._id_lock:
+                    self._last_id = max(self._last_id, (int(last_id[-32:-20], 16), int(last_id[-20:], 16)))
+            yield conn, now
+            with self._id_lock:
+                last = new_id("", *self._last_id) if self._last_id[0] else ""
+            conn.execute("UPDATE ledger_clock SET last_ms = ?, last_id = ?", (now, last))
 
     def new_secret(self) -> str:
         with self._id_lock:
@@ -1472,6 +1581,7 @@ class WalletService:
             for table in ("flows", "transfers", "wallets", "nonces", "api_keys", "members",
                           "workspaces", "counters"):
                 conn.execute(f"DELETE FROM {table}")
+            conn.execute("UPDATE ledger_clock SET last_ms = 0, last_id = ''")
         self.journal.clear()
         self.faults.clear()
         with self._id_lock:
@@ -1482,9 +1592,8 @@ class WalletService:
     def create_workspace(self, name: str) -> dict:
         """A workspace with its default owner member (``ownerMemberId``)."""
         name = _text(name, "name", 200)
-        now = self.now_ms()
-        workspace_id, owner_id = self.new_id("ws_", now), self.new_id("mem_", now)
-        with self.db.atomic() as conn:
+        with self.writing() as (conn, now):
+            workspace_id, owner_id = self.new_id("ws_", now), self.new_id("mem_", now)
             conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
                          (workspace_id, name, now))
             conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
@@ -1503,16 +1612,14 @@ class WalletService:
 
     def delete_workspace(self, workspace_id: str) -> None:
         """From now on the workspace's keys answer GA2032; its ledger is kept."""
-        with self.db.atomic() as conn:
+        with self.writing() as (conn, now):
             self._workspace(conn, workspace_id)
-            conn.execute("UPDATE workspaces SET deleted_at = ? WHERE id = ?",
-                         (self.now_ms(), workspace_id))
+            conn.execute("UPDATE workspaces SET deleted_at = ? WHERE id = ?", (now, workspace_id))
 
     def add_member(self, workspace_id: str, name: str) -> dict:
         name = _text(name, "name", 200)
-        now = self.now_ms()
-        member_id = self.new_id("mem_", now)
-        with self.db.atomic() as conn:
+        with self.writing() as (conn, now):
+            member_id = self.new_id("mem_", now)
             self._workspace(conn, workspace_id)
             conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
                          " VALUES (?, ?, ?, 'MEMBER', ?)", (member_id, workspace_id, name, now))
@@ -1527,10 +1634,10 @@ class WalletService:
 
     def remove_member(self, workspace_id: str, member_id: str) -> None:
         """From now on the member's keys answer GA2034."""
-        with self.db.atomic() as conn:
+        with self.writing() as (conn, now):
             self._workspace(conn, workspace_id)
             self._member(conn, workspace_id, member_id)
-            conn.execute("UPDATE members SET removed_at = ? WHERE id = ?", (self.now_ms(), member_id))
+            conn.execute("UPDATE members SET removed_at = ? WHERE id = ?", (now, member_id))
 
     # API keys ################################################################
 
@@ -1552,9 +1659,9 @@ class WalletService:
                     whitelist.append(str(ipaddress.ip_network(str(entry).strip(), strict=False)))
                 except ValueError:
                     raise invalid("ipWhitelist", "ip", value=str(entry)[:60]) from None
-        now = self.now_ms()
-        key_id, secret = self.new_id("ak_", now), self.new_secret()
-        with self.db.atomic() as conn:
+        secret = self.new_secret()
+        with self.writing() as (conn, now):
+            key_id = self.new_id("ak_", now)
             self._workspace(conn, workspace_id)
             if member_id is None:
                 member_id = self._workspace(conn, workspace_id)["owner_member_id"]
@@ -1587,12 +1694,9 @@ class WalletService:
 
     def create_wallet(self, workspace_id: str, currency: str, *, name: str | None = None) -> dict:
         currency_exponent(currency)
-        name = f"{currency} wallet" if name is None else name
-        if not isinstance(name, str) or len(name) > 200:
-            raise invalid("name", "max_length", maximum=200)
-        now = self.now_ms()
-        wallet_id = self.new_id("wal_", now)
-        with self.db.atomic() as conn:
+        name = _text(f"{currency} wallet" if name is None else name, "name", 200, minimum=0)
+        with self.writing() as (conn, now):
+            wallet_id = self.new_id("wal_", now)
             self._workspace(conn, workspace_id)
             conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
                          " updated_at) VALUES (?, ?, ?, ?, 'ACTIVE', ?, ?)",
@@ -1603,10 +1707,9 @@ class WalletService:
         """ACTIVE, FROZEN or CLOSED; only ACTIVE wallets move money (else W1002)."""
         if status not in WALLET_STATUSES:
             raise invalid("status", "one_of", choices=", ".join(WALLET_STATUSES))
-        with self.db.atomic() as conn:
+        with self.writing() as (conn, now):
             self._wallet(conn, wallet_id)
-            conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
-                         (status, self.now_ms(), wallet_id))
+            conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?", (status, now, wallet_id))
             return wallet_resource(self._wallet(conn, wallet_id))
 
     def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
@@ -1649,8 +1752,7 @@ class WalletService:
     def _external_move(self, wallet_id: str, amount: str, flow_type: str,
                        workspace_id: str | None) -> dict:
         self.settle_due()
-        now = self.now_ms()
-        with self.db.atomic() as conn:
+        with self.writing() as (conn, now):
             wallet = self._active_wallet(conn, wallet_id, workspace_id)
             minor = parse_amount(amount, wallet["currency"])
             if flow_type == "DEPOSIT":
@@ -1711,8 +1813,7 @@ class WalletService:
         request = self._transfer_request(source_wallet_id, target_wallet_id, amount, currency, biz_id,
                                          description)
         self.settle_due()
-        now = self.now_ms()
-        with self.db.atomic() as conn:
+        with self.writing() as (conn, now):
             if request["biz_id"] is not None:
                 existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
                                         (workspace_id, request["biz_id"])).fetchone()
@@ -1812,7 +1913,7 @@ class WalletService:
         return self._decide(biz_id, workspace_id, "FAILED")
 
     def _decide(self, biz_id: str, workspace_id: str | None, status: str) -> dict:
-        with self.db.atomic() as conn:
+        with self.writing() as (conn, now):
             if workspace_id is not None:
                 order = self._transfer(conn, workspace_id, biz_id)
             else:  # bizIds are unique per workspace: accept a transferId, or a bizId used once
@@ -1825,7 +1926,7 @@ class WalletService:
                 order = rows[0]
             if order["status"] != "PENDING":
                 raise invalid("bizId", "state", state=order["status"])
-            return transfer_resource(self._finish(conn, order["id"], status, self.now_ms()))
+            return transfer_resource(self._finish(conn, order["id"], status, now))
 
     def settle_due(self) -> int:
         """Complete delayed-settlement orders whose time has come; returns how many.
@@ -1838,11 +1939,11 @@ class WalletService:
         with self.db.connection() as conn:
             if conn.execute("SELECT 1 FROM transfers WHERE settle_at <= ? LIMIT 1", (now,)).fetchone() is None:
                 return 0
-        with self.db.atomic() as conn:
+        with self.writing() as (conn, ledger_now):
             due = conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = 'PENDING'",
                                (now,)).fetchall()
             for row in due:
-                self._finish(conn, row["id"], "COMPLETED", now)
+                self._finish(conn, row["id"], "COMPLETED", ledger_now)
         return len(due)
 
     def get_transfer(self, workspace_id: str, biz_id: str) -> dict:
@@ -1900,6 +2001,39 @@ class WalletService:
                 total = conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
             rows = self._page_rows(conn, sql, params, page, total)
         return page_response([transfer_resource(row) for row in rows], page, total)
+
+    # The auditor ############################################################
+
+    def audit(self) -> list[dict]:
+        """Check every ledger invariant in one read transaction; the violations found.
+
+        Each violation is ``{"check": name, "detail": sentence, "rows": [...]}``
+        naming the rows involved; an empty list is a clean ledger. The checks:
+        money conserved (per currency, deposits - withdrawals = the sum of
+        balances); no negative balance or available; each wallet's flows sum to
+        its balance and, in commit order (createdAt, then id), form an unbroken
+        running balance ending at the balance; pending is the sum of the
+        wallet's PENDING outgoing orders; a COMPLETED order has its two flows, a
+        PENDING or FAILED one none; the counters equal the row counts; no bizId
+        twice in a workspace.
+        """
+        violations = []
+
+        def report(check: str, detail: str, rows: Iterable) -> None:
+            for row in rows:
+                violations.append({"check": check, "detail": detail.format(**dict(row)), "rows": dict(row)})
+
+        with self.db.snapshot() as conn:
+            for check, detail, sql in _AUDITS:
+                report(check, detail, conn.execute(sql).fetchall())
+        return violations
+
+    def assert_audit_clean(self) -> None:
+        """AssertionError listing the violations, unless ``audit()`` finds none."""
+        violations = self.audit()
+        if violations:
+            shown = "\n".join(f"  {v['check']}: {v['detail']}" for v in violations[:20])
+            raise AssertionError(f"walletsvc's ledger audit found {len(violations)} violation(s):\n{shown}")
 
     # Row access ##############################################################
 
@@ -2074,6 +2208,7 @@ SCHEMAS: Mapping[str, dict] = {
                       "times": {"type": ["integer", "null"]}, "fired": {"type": "integer"}}),
     "ClockBody": _object({"freeze": {"type": "boolean"}, "at": {"type": ["number", "string"]},
                           "advance": {"type": "number"}}, []),
+    "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {"type": "object"}}),
     "ClockState": _object({"now": _TIME, "epochMillis": {"type": "integer"}, "frozen": {"type": "boolean"},
                            "controllable": {"type": "boolean"}}),
     **{item + "Page": _object({"content": _array(item), "page": {"$ref": "#/components/schemas/PageInfo"}})
@@ -2520,12 +2655,8 @@ class WalletApi:
             raise UnsupportedMediaType()
         body = call.json()
         header_key = call.header("Idempotency-Key")
-        if header_key:
-            _biz_id(header_key, "Idempotency-Key")
-            if body.get("bizId") is None:
-                body["bizId"] = header_key
-            elif body["bizId"] != header_key:
-                raise invalid("bizId", "conflict")
+        if header_key and header_key != body.get("bizId"):  # unsigned: it cannot change the request
+            raise invalid("Idempotency-Key", "unsigned_key")
         order, replayed = self.svc.transfer(
             call.principal.workspace_id, body["sourceWalletId"], body["targetWalletId"], body["amount"],
             body["currency"], biz_id=body.get("bizId"), description=body.get("description"))
@@ -2660,6 +2791,11 @@ class AdminApi:
     def reset(self, call: Call) -> None:
         self.svc.reset()
 
+    @endpoint("GET", "/_admin/audit", "Audit the ledger: the violations of its invariants (none: clean)",
+              response=_array("Violation"))
+    def audit(self, call: Call) -> list:
+        return self.svc.audit()
+
     @endpoint("GET", "/_admin/journal", "The request journal, oldest first", response=_array({"type": "object"}),
               query=[{"name": name, "in": "query", "schema": _STRING} for name in ("method", "path")])
     def journal(self, call: Call) -> list:
@@ -2698,15 +2834,23 @@ class AdminApi:
         clock = self.svc.clock
         if not isinstance(clock, Clock):
             raise invalid("clock", "state", state="not controllable (start the service with a walletsvc.Clock)")
-        if body.get("freeze") is True:
-            clock.freeze()
-        if "at" in body:
-            at = parse_time(body["at"]) if isinstance(body["at"], str) else body["at"] * 1000
+        at = body.get("at")
+        if isinstance(at, str):
+            at = parse_time(at)
             if at is None:
                 raise invalid("at", "time")
-            clock.set(at / 1000)
-        if "advance" in body:
-            clock.advance(body["advance"])
+            at /= 1000
+        try:
+            if at is not None:
+                _clock_time(at)  # checked before anything changes
+            if body.get("freeze") is True:
+                clock.freeze()
+            if at is not None:
+                clock.set(at)
+            if "advance" in body:
+                clock.advance(body["advance"])
+        except ValueError:
+            raise invalid("advance" if "advance" in body else "at", "clock_range") from None
         if body.get("freeze") is False:
             clock.unfreeze()
         return self.get_clock(call)
@@ -3084,6 +3228,14 @@ class Sandbox:
     def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
         return self.service.journal.assert_called(method, path, times=times)
 
+    def audit(self) -> None:
+        """The fixtures call this after each test: a violation is a bug in walletsvc, not in the test."""
+        try:
+            self.service.assert_audit_clean()
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nThis is a bug in walletsvc, not in your test: please report it "
+                                 "with the test that found it.") from None
+
 
 class LiveServer:
     """An app on waitress, on a free port of 127.0.0.1, in a daemon thread."""
@@ -3119,8 +3271,9 @@ def _build_pytest_plugin() -> Any:
         return Sandbox.create()
 
     @pytest.fixture
-    def walletsvc_sandbox(walletsvc_session_sandbox: Sandbox) -> Sandbox:
-        return walletsvc_session_sandbox.reset()
+    def walletsvc_sandbox(walletsvc_session_sandbox: Sandbox) -> Iterator[Sandbox]:
+        yield walletsvc_session_sandbox.reset()
+        walletsvc_session_sandbox.audit()
 
     @pytest.fixture(scope="session")
     def walletsvc_session_live() -> Iterator[Sandbox]:
@@ -3131,8 +3284,9 @@ def _build_pytest_plugin() -> Any:
         server.stop()
 
     @pytest.fixture
-    def walletsvc_live(walletsvc_session_live: Sandbox) -> Sandbox:
-        return walletsvc_session_live.reset()
+    def walletsvc_live(walletsvc_session_live: Sandbox) -> Iterator[Sandbox]:
+        yield walletsvc_session_live.reset()
+        walletsvc_session_live.audit()
 
     plugin = types.ModuleType("walletsvc.pytest_plugin", _build_pytest_plugin.__doc__)
     for fixture in (walletsvc_session_sandbox, walletsvc_sandbox, walletsvc_session_live, walletsvc_live):
@@ -3296,6 +3450,19 @@ def _serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _audit_command(args: argparse.Namespace) -> int:
+    svc = WalletService(args.db)
+    try:
+        violations = svc.audit()
+    finally:
+        svc.close()
+    if args.table:
+        print(_table(violations) if violations else "clean: every invariant holds")
+    else:
+        print(json.dumps(violations, indent=2, ensure_ascii=False))
+    return 1 if violations else 0
+
+
 def _setting_pair(text: str) -> tuple[str, str]:
     name, equals, value = text.partition("=")
     if not equals or name.strip() not in Settings.names():
@@ -3418,6 +3585,10 @@ def build_parser() -> argparse.ArgumentParser:
                        lambda svc, a, verb=verb: getattr(svc, f"{verb}_transfer")(
                            a.biz_id, workspace_id=a.workspace), "biz_id")
         decide.add_argument("--workspace", help="workspace id, when the bizId is used in several")
+
+    audit = commands.add_parser("audit", parents=[common],
+                                help="check every ledger invariant; exit status 1 on a violation")
+    audit.set_defaults(run=_audit_command)
 
     reset = _leaf(commands, "reset", common, "erase every row of the database",
                   lambda svc, a: svc.reset() or {"reset": a.db})
