@@ -7,6 +7,7 @@ run on a frozen clock.
 from __future__ import annotations
 
 import base64
+import contextlib
 import hashlib
 import hmac
 import json
@@ -2181,6 +2182,12 @@ def test_serve_refuses_unwritable_storage_at_start(tmp_path, read_only: str) -> 
     assert f"walletsvc: cannot serve {target}:" in finished.stderr
     assert "must be writable" in finished.stderr and "Traceback" not in finished.stderr
     assert path.read_bytes() == before
+    assert not list(folder.glob("*.db-*"))  # nothing left behind (read-only -wal/-shm blocked the next start)
+    server = ServerProcess(str(target), tmp_path / "after.log")  # writable again: it starts
+    try:
+        server.start()
+    finally:
+        server.stop()
 
 
 ###############################################################################
@@ -2950,6 +2957,106 @@ def test_magic_values_when_enabled() -> None:
         with pytest.raises(walletsvc.WalletError) as raised:
             call()
         assert (raised.value.code, raised.value.status) == ("S503", 503)
+
+
+###############################################################################
+# walletsvc serve on a hostile network (DESIGN.md §10) #########################
+###############################################################################
+
+
+def _served(tmp_path) -> tuple:
+    path = str(tmp_path / "hostile.db")
+    key = _keyed_database(path)
+    server = ServerProcess(path, tmp_path / "server.log")
+    server.start()
+    return server, key
+
+
+def test_idle_and_slowloris_connections_do_not_keep_a_fresh_client_out(tmp_path) -> None:
+    import socket
+
+    server, key = _served(tmp_path)
+    sockets: list = []
+    stop = threading.Event()
+    try:
+        for _ in range(300):  # idle: connected, nothing sent
+            sockets.append(socket.create_connection(("127.0.0.1", server.port), timeout=5))
+        slow = [socket.create_connection(("127.0.0.1", server.port), timeout=5) for _ in range(100)]
+        sockets += slow
+        for sock in slow:
+            sock.sendall(b"GET /api/v1/wallets HTTP/1.1\r\nHost: x\r\n")
+
+        def drip() -> None:  # one more header line every second, never the end of the headers
+            while not stop.wait(1):
+                for number, sock in enumerate(slow):
+                    with contextlib.suppress(OSError):
+                        sock.sendall(f"X-Slow-{number}: {time.time()}\r\n".encode())
+
+        threading.Thread(target=drip, daemon=True).start()
+        time.sleep(1.5)
+        started = time.monotonic()
+        answer = _list_wallets(server, key)
+        assert answer.status_code == 200 and answer.json()["success"] is True
+        assert time.monotonic() - started < 2
+    finally:
+        stop.set()
+        for sock in sockets:
+            sock.close()
+        server.stop()
+
+
+def test_an_oversized_body_is_refused_without_being_read(tmp_path) -> None:
+    import socket
+
+    server, key = _served(tmp_path)
+    try:
+        headers = walletsvc.sign_request("POST", TRANSFER_PATH, b"x" * 100_000, key["apiKey"], key["secret"])
+        between = requests.post(server.url + TRANSFER_PATH, data=b"x" * 100_000, timeout=10,
+                                headers={**headers, "Content-Type": "application/json"})
+        assert (between.status_code, between.json()["code"]) == (413, "S413")  # over 64 KiB: the envelope
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(f"POST {TRANSFER_PATH} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         f"Content-Length: 200000000\r\n\r\n".encode() + b"{" * 65536)
+            started = time.monotonic()
+            reply = sock.recv(4096)  # answered after 64 KiB of a 200 MB body: nothing spooled
+            assert reply.startswith(b"HTTP/1.1 413") and time.monotonic() - started < 2
+    finally:
+        server.stop()
+
+
+def test_the_journal_is_bounded_whatever_the_requests_carry() -> None:
+    import tracemalloc
+
+    sandbox = walletsvc.Sandbox.create()
+    app = webtest.TestApp(sandbox.app)
+    long_path = "/api/v1/wallets/" + "x" * 250_000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(200):
+            headers = {**sandbox.headers("GET", long_path), "X-Signature": base64.b64encode(b"\0" * 32).decode()}
+            error(app.get(long_path, headers=headers, expect_errors=True), "GA2012", 401)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    entries = sandbox.journal.entries()
+    assert len(entries) == 200 and entries[0]["path"].endswith("more]")
+    assert len(entries[0]["path"]) < 2100 and len(entries[0]["canonicalMessage"]) < 2100
+    assert grown < 5 * 2**20, grown  # 200 x 2 x 250 KB would be 100 MB
+
+
+def test_a_busy_port_is_named_with_a_way_out(tmp_path) -> None:
+    import socket
+
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        finished = subprocess.run([sys.executable, "-m", "walletsvc", "serve", "--db", str(tmp_path / "p.db"),
+                                   "--port", str(port)], check=False, capture_output=True, text=True, timeout=60)
+    assert finished.returncode == 2
+    assert f"port {port} on 127.0.0.1 is already in use" in finished.stderr and "--port 0" in finished.stderr
+    assert "Traceback" not in finished.stderr
 
 
 ###############################################################################

@@ -1267,8 +1267,12 @@ class Journal:
 
     Each entry: at, method, path, query, apiKey, status, code, canonicalMessage
     (as the server computed it), signature (valid, invalid or unchecked) and
-    replayed (an idempotent replay).
+    replayed (an idempotent replay). Every field is capped at FIELD_BYTES (a
+    longer one keeps its start and says how much was cut), so the journal
+    holds at most about ``size`` x 4 x FIELD_BYTES bytes whatever arrives.
     """
+
+    FIELD_BYTES = 2048
 
     def __init__(self, size: int) -> None:
         self._entries: collections.deque = collections.deque(maxlen=size or None)
@@ -1282,6 +1286,7 @@ class Journal:
         """One entry: the values of FIELDS in order (epoch ms; path and canonical
         message as the raw bytes), turned into a dict only when read."""
         if self.enabled:
+            values = tuple(_capped(value, self.FIELD_BYTES) for value in values)
             with self._lock:
                 self._entries.append(values)
 
@@ -1318,6 +1323,14 @@ class Journal:
 
     def assert_not_called(self, method: str, path: str) -> None:
         self.assert_called(method, path, times=0)
+
+
+def _capped(value: Any, limit: int) -> Any:
+    """``value`` (bytes or str) cut to ``limit``, marked with how much was cut."""
+    if isinstance(value, (bytes, str)) and len(value) > limit:
+        marker = f"...[{len(value) - limit} more]"
+        return value[:limit] + (marker.encode() if isinstance(value, bytes) else marker)
+    return value
 
 
 FAULT_ACTIONS = ("error", "commit_then_fail", "commit_then_drop", "latency")
@@ -3357,17 +3370,53 @@ From Python:
 """
 
 
+# waitress's settings for `walletsvc serve` (DESIGN.md §10), each against one attack.
+WAITRESS_LIMITS = {
+    # Idle and slow-sending (slowloris) connections are read by waitress's event loop, not by
+    # worker threads: with room for a thousand of them, none keeps a fresh client out.
+    "connection_limit": 1000,
+    # An idle or stalled connection is closed after 30 s (checked every 5 s), not 120 s.
+    "channel_timeout": 30,
+    "cleanup_interval": 5,
+    # A request line and headers of at most 64 KiB (waitress's default: 256 KiB) bound what an
+    # unauthenticated client can make the server hold per connection.
+    "max_request_header_size": 65536,
+}
+BODY_BUFFER_BYTES = 1 << 20  # the largest body waitress buffers; larger ones get its 413 unread
+
+
+def _raise_file_limit(needed: int) -> None:
+    """Raise this process's soft limit on open files to ``needed`` (within the hard limit)."""
+    try:
+        import resource
+    except ImportError:  # not on this platform
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed if hard == resource.RLIM_INFINITY else min(needed, hard),
+                                                    hard))
+
+
 def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads: int = 4, *,
           on_ready: Callable[[str], None] | None = None, **settings: Any) -> None:
-    """Serve ``svc`` on waitress until interrupted (Ctrl-C or SIGTERM)."""
+    """Serve ``svc`` on waitress until interrupted (Ctrl-C or SIGTERM), with WAITRESS_LIMITS."""
+    import errno
     import signal
 
     import waitress
 
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
     app = create_app(svc, **settings)
-    server = waitress.create_server(app, host=host, port=port, threads=threads, ident="walletsvc",
-                                    clear_untrusted_proxy_headers=False)
+    _raise_file_limit(WAITRESS_LIMITS["connection_limit"] + 64)
+    try:
+        server = waitress.create_server(
+            app, host=host, port=port, threads=threads, ident="walletsvc", clear_untrusted_proxy_headers=False,
+            max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1), **WAITRESS_LIMITS)
+    except OSError as exc:
+        if exc.errno == errno.EADDRINUSE:
+            raise RuntimeError(f"port {port} on {host} is already in use: stop what holds it, or pass --port 0"
+                               " to pick a free one") from None
+        raise
     base_url = f"http://{host}:{server.effective_port}"
     if on_ready:
         on_ready(base_url)
@@ -3429,10 +3478,17 @@ def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any]) -
 def _serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     service_settings, settings = split_settings(dict(args.set or ()))
+    made = [path for path in (f"{args.db}-wal", f"{args.db}-shm") if not os.path.exists(path)]
+    svc = None
     try:  # every request records its nonce: refuse to start on storage that cannot be written
         svc = WalletService(args.db, **service_settings)
         svc.db.check_writable()
     except sqlite3.OperationalError as exc:
+        if svc is not None:
+            svc.close()
+        for path in made:  # SQLite made them with the file's read-only mode: they would block the next start
+            with contextlib.suppress(OSError):
+                os.remove(path)
         raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be "
                            "writable)") from exc
     if args.admin_token:
