@@ -410,7 +410,8 @@ def over_http(tmp: str, seconds: float, rounds: int) -> list:
 
 
 def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
-    """Bulk insert with SQL: transfers and their two flows each, counters recomputed after."""
+    """Bulk insert with SQL: transfers and their two flows each, a deposit that funds each wallet,
+    running balances, balances and counters computed after: a ledger the auditor finds clean."""
     svc, ws, key, ids = seeded(path, wallets=wallets)
     svc.close()
     started = time.perf_counter()
@@ -442,7 +443,17 @@ def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
                target_wallet_id, created_at FROM transfers WHERE status = 'COMPLETED'
         UNION ALL
         SELECT 'fl_i' || substr(id, 4), target_wallet_id, 'TRANSFER_IN', 'CREDIT', amount, 1, id, biz_id,
-               source_wallet_id, created_at FROM transfers WHERE status = 'COMPLETED'""")
+               source_wallet_id, created_at FROM transfers WHERE status = 'COMPLETED'
+        UNION ALL
+        SELECT 'fl_d' || substr(id, 5), id, 'DEPOSIT', 'CREDIT', 1000000000000, 1, NULL, NULL, NULL,
+               {base} - 1 FROM wallets""".format(base=base))
+    conn.execute("CREATE TEMP TABLE running (id TEXT PRIMARY KEY, wallet_id TEXT, balance INTEGER) WITHOUT ROWID")
+    conn.execute("INSERT INTO running SELECT id, wallet_id, sum(CASE direction WHEN 'CREDIT' THEN amount"
+                 " ELSE -amount END) OVER (PARTITION BY wallet_id ORDER BY created_at, id) FROM flows")
+    conn.execute("UPDATE flows SET balance_after = running.balance FROM running WHERE running.id = flows.id")
+    conn.execute("UPDATE wallets SET balance = last.balance FROM (SELECT wallet_id, sum(CASE direction"
+                 " WHEN 'CREDIT' THEN amount ELSE -amount END) AS balance FROM flows GROUP BY wallet_id) AS last"
+                 " WHERE last.wallet_id = wallets.id")
     conn.execute("DELETE FROM counters")
     for owner in ("workspace_id", "source_wallet_id", "target_wallet_id"):
         conn.execute(f"INSERT INTO counters SELECT {owner}, 'transfers', count(*) FROM transfers GROUP BY 1"
@@ -479,6 +490,17 @@ def list_timings(path: str, key: dict, wallet_id: str, calls: int, rounds: int) 
               "page 1000": timing("/api/v1/transfer/query/orders", "page=1000&size=20")}
     svc.close()
     return result
+
+
+def audit_row(path: str, label: str) -> tuple:
+    """The auditor over the whole dataset, in one read transaction: it must be clean."""
+    svc = walletsvc.WalletService(path, **SETTINGS)
+    started = time.perf_counter()
+    violations = svc.audit()
+    seconds = time.perf_counter() - started
+    svc.close()
+    assert violations == [], violations[:3]
+    return (f"svc.audit() of {label} transfers (clean)", f"{seconds:.1f} s", "", None, "report")
 
 
 def peak_rss_kib(path: str, key: dict, wallet_id: str) -> int:
@@ -520,6 +542,7 @@ def scale(tmp: str, transfers: int, calls: int, rounds: int) -> list:
                                 ("page 1000", "page 1000 of the transfer list", "report")):
         rows.append((f"{label} transfers: {shown}", f"{big_t[name]:.0f} us", f"1,000: {small_t[name]:.0f} us",
                      big_t[name] / small_t[name], target))
+    rows.append(audit_row(big, label))
     rss = peak_rss_kib(big, big_key, big_ids[3])
     rows.append((f"peak RSS of a server holding {label} transfers", f"{rss / 1024:.0f} MiB", "", None, "report"))
     return rows

@@ -1488,14 +1488,14 @@ _AUDITS = (
      "  FROM wallets w WHERE held <> w.pending")),
     ("order_flows", "order {id} ({status}): {outs} TRANSFER_OUT and {ins} TRANSFER_IN flows",
      ("SELECT t.id, t.status,"
-     "       (SELECT count(*) FROM flows f WHERE f.transfer_id = t.id AND f.type = 'TRANSFER_OUT'"
-     "          AND f.wallet_id = t.source_wallet_id AND f.amount = t.amount) AS outs,"
-     "       (SELECT count(*) FROM flows f WHERE f.transfer_id = t.id AND f.type = 'TRANSFER_IN'"
-     "          AND f.wallet_id = t.target_wallet_id AND f.amount = t.amount) AS ins,"
-     "       (SELECT count(*) FROM flows f WHERE f.transfer_id = t.id) AS flows"
-     "  FROM transfers t"
-     " WHERE (t.status = 'COMPLETED' AND (outs <> 1 OR ins <> 1 OR flows <> 2))"
-     "    OR (t.status <> 'COMPLETED' AND flows <> 0)")),
+      "       coalesce(sum(f.type = 'TRANSFER_OUT' AND f.wallet_id = t.source_wallet_id"
+      "                    AND f.amount = t.amount), 0) AS outs,"
+      "       coalesce(sum(f.type = 'TRANSFER_IN' AND f.wallet_id = t.target_wallet_id"
+      "                    AND f.amount = t.amount), 0) AS ins,"
+      "       count(f.id) AS flows"
+      "  FROM transfers t LEFT JOIN flows f ON f.transfer_id = t.id GROUP BY t.id"
+      " HAVING (t.status = 'COMPLETED' AND (outs <> 1 OR ins <> 1 OR flows <> 2))"
+      "    OR (t.status <> 'COMPLETED' AND flows <> 0)")),
     ("counters", "counter {owner_id} {name}: {n}, rows {actual}",
      ("WITH actual (owner_id, name, n) AS ("
      "  SELECT workspace_id, 'transfers', count(*) FROM transfers GROUP BY workspace_id"
