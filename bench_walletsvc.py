@@ -436,7 +436,7 @@ def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
                CASE WHEN i % 10 = 0 THEN 'FAILED' ELSE 'COMPLETED' END, {base} + i, {base} + i,
                CASE WHEN i % 10 = 0 THEN NULL ELSE {base} + i END
           FROM seq JOIN w s ON s.k = i % {wallets} JOIN w t ON t.k = (i + 1) % {wallets}""", (ws["id"],))
-    conn.execute("""
+    conn.execute(f"""
         INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after, transfer_id, biz_id,
                            counterparty_wallet_id, created_at)
         SELECT 'fl_o' || substr(id, 4), source_wallet_id, 'TRANSFER_OUT', 'DEBIT', amount, 1, id, biz_id,
@@ -446,7 +446,7 @@ def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
                source_wallet_id, created_at FROM transfers WHERE status = 'COMPLETED'
         UNION ALL
         SELECT 'fl_d' || substr(id, 5), id, 'DEPOSIT', 'CREDIT', 1000000000000, 1, NULL, NULL, NULL,
-               {base} - 1 FROM wallets""".format(base=base))
+               {base} - 1 FROM wallets""")
     conn.execute("CREATE TEMP TABLE running (id TEXT PRIMARY KEY, wallet_id TEXT, balance INTEGER) WITHOUT ROWID")
     conn.execute("INSERT INTO running SELECT id, wallet_id, sum(CASE direction WHEN 'CREDIT' THEN amount"
                  " ELSE -amount END) OVER (PARTITION BY wallet_id ORDER BY created_at, id) FROM flows")
