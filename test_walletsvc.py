@@ -2960,6 +2960,61 @@ def test_magic_values_when_enabled() -> None:
 
 
 ###############################################################################
+# Durability where money moves (DESIGN.md §10) #################################
+###############################################################################
+
+
+@pytest.fixture
+def traced(tmp_path, clock):
+    """A file-backed service at default durability, its app, and the SQL its thread runs."""
+    svc = walletsvc.WalletService(str(tmp_path / "durable.db"), clock=clock)
+    world_ = make_world(svc)
+    api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
+    statements: list[str] = []
+    with svc.db.connection() as conn:
+        conn.set_trace_callback(statements.append)
+    yield svc, api, world_, statements
+    svc.close()
+
+
+def test_a_read_records_its_nonce_without_waiting_for_a_disk_sync(traced) -> None:
+    _svc, api, world_, statements = traced
+    data(api.get(f"/api/v1/wallets/{world_['a']}"))
+    writes = [s for s in statements if not s.startswith("SELECT")]
+    assert writes[0] == "PRAGMA synchronous = NORMAL" and writes[1].startswith("INSERT INTO nonces")
+    assert writes[-1] == "PRAGMA synchronous = FULL"  # and back to the configured durability
+
+
+def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) -> None:
+    _svc, api, world_, statements = traced
+    data(api.transfer(transfer_body(world_)))
+    writes = [s for s in statements if not s.startswith("SELECT")]
+    assert writes[0] == "BEGIN IMMEDIATE" and writes[1].startswith("INSERT INTO nonces")
+    assert writes.count("COMMIT") == 1 and writes[-1] == "COMMIT"
+    assert not [s for s in writes if s.startswith("PRAGMA synchronous")]  # committed at FULL
+
+
+def test_a_refused_transfer_uses_its_nonce_and_applies_nothing(traced) -> None:
+    svc, api, world_, _statements = traced
+    body = json.dumps(transfer_body(world_, amount="500.00")).encode()
+    headers = {"Content-Type": "application/json", **api.headers("POST", TRANSFER_PATH, body)}
+    error(api.request("POST", TRANSFER_PATH, body, headers=headers), "T2001", 422)
+    svc.deposit(world_["a"], "1000.00")  # now it would pass, but the same request is a replay
+    error(api.request("POST", TRANSFER_PATH, body, headers=headers), "GA2013", 401)
+    assert balances(svc, world_["a"], world_["b"]) == ["1100.00", "0.00"]
+    assert svc.list_transfers(world_["ws"]["id"])["page"]["totalElements"] == 0
+
+
+def test_a_replayed_transfer_moves_money_once(traced) -> None:
+    svc, api, world_, _statements = traced
+    body = json.dumps(transfer_body(world_)).encode()
+    headers = {"Content-Type": "application/json", **api.headers("POST", TRANSFER_PATH, body)}
+    data(api.request("POST", TRANSFER_PATH, body, headers=headers))
+    error(api.request("POST", TRANSFER_PATH, body, headers=headers), "GA2013", 401)
+    assert balances(svc, world_["a"], world_["b"]) == ["74.50", "25.50"]
+
+
+###############################################################################
 # walletsvc serve on a hostile network (DESIGN.md §10) #########################
 ###############################################################################
 

@@ -808,13 +808,24 @@ class Database:
         with self.connection() as conn:
             return conn.execute(sql, params).fetchone()
 
-    def write(self, sql: str, params: Sequence = ()) -> int:
-        """One write statement in its own (implicit) transaction; the rows it changed."""
+    def write(self, sql: str, params: Sequence = (), *, durable: bool = True) -> int:
+        """One write statement in its own (implicit) transaction; the rows it changed.
+
+        ``durable=False`` commits without waiting for a disk sync (synchronous
+        NORMAL: in WAL mode, no fsync), for records whose loss in a power cut
+        costs no money (DESIGN.md §10); the next durable commit syncs it too.
+        """
         if not self._write_lock.acquire(timeout=self.busy_timeout):
             raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
         try:
             with self.connection() as conn:
-                return conn.execute(sql, params).rowcount
+                if durable or self.memory or self.synchronous == "NORMAL" or conn.in_transaction:
+                    return conn.execute(sql, params).rowcount
+                conn.execute("PRAGMA synchronous = NORMAL")
+                try:
+                    return conn.execute(sql, params).rowcount
+                finally:
+                    conn.execute(f"PRAGMA synchronous = {self.synchronous}")
         finally:
             self._write_lock.release()
 
@@ -988,9 +999,13 @@ class Authenticator:
         self.clock = clock
         self._next_purge = 0
 
-    def authenticate(self, call: Call) -> Principal:
+    def authenticate(self, call: Call, *, defer_nonce: bool = False) -> Principal:
         """The request's Principal, or the first failure of steps 1-7; the call
-        records the canonical message and the signature's verdict."""
+        records the canonical message and the signature's verdict.
+
+        With ``defer_nonce`` the nonce, checked at step 5, is left in
+        ``call.nonce`` for the caller to record (``record_nonce``) in the
+        transaction of the request's own write."""
         now = self.clock()
         environ = call.environ
         get = environ.get
@@ -1037,8 +1052,9 @@ class Authenticator:
             raise SignatureInvalid(extra=shown)
         call.verdict = "valid"
         # The record outlives the last moment this timestamp passes step 4: no replay at the edge.
-        if not self._record_nonce(api_key, nonce, now_ms, (int(timestamp) + tolerance + 1) * 1000):
-            raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
+        call.nonce = (api_key, nonce, now_ms, (int(timestamp) + tolerance + 1) * 1000)
+        if not defer_nonce:
+            self.record_nonce(call)
         # Step 7: IP whitelist, only when configured.
         if key["ip_whitelist"]:
             whitelist = json.loads(key["ip_whitelist"])
@@ -1068,20 +1084,33 @@ class Authenticator:
             return False
         return hmac.compare_digest(hmac.digest(secret.encode("utf-8"), message, "sha256"), given)
 
-    def _record_nonce(self, api_key: str, nonce: str, now_ms: int, expires_ms: int) -> bool:
-        """Record the nonce; False when another request recorded it first (a replay).
+    _RECORD = ("INSERT INTO nonces (api_key, nonce, expires_at) VALUES (?, ?, ?)"
+               " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at"
+               " WHERE nonces.expires_at <= ?")
+
+    def record_nonce(self, call: Call, conn: sqlite3.Connection | None = None) -> None:
+        """Record the call's nonce, in ``conn``'s transaction or on its own without
+        waiting for a disk sync; GA2013 when another request recorded it first.
 
         One statement, so two racing requests cannot both win; an expired
         record is taken over in place.
         """
-        won = self.db.write(
-            "INSERT INTO nonces (api_key, nonce, expires_at) VALUES (?, ?, ?)"
-            " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at"
-            " WHERE nonces.expires_at <= ?", (api_key, nonce, expires_ms, now_ms)) == 1
+        api_key, nonce, now_ms, expires_ms = call.nonce
+        call.nonce = None
+        params = (api_key, nonce, expires_ms, now_ms)
+        if conn is not None:
+            won = conn.execute(self._RECORD, params).rowcount == 1
+        else:
+            won = self.db.write(self._RECORD, params, durable=False) == 1
         if now_ms >= self._next_purge:
             self._next_purge = now_ms + self.settings.timestamp_tolerance * 500  # every half window
-            self.db.write("DELETE FROM nonces WHERE expires_at <= ?", (now_ms,))
-        return won
+            purge = ("DELETE FROM nonces WHERE expires_at <= ?", (now_ms,))
+            if conn is not None:
+                conn.execute(*purge)
+            else:
+                self.db.write(*purge, durable=False)
+        if not won:
+            raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
 
 
 ###############################################################################
@@ -2420,6 +2449,7 @@ class Call:
     principal: Principal | None = None
     canonical: bytes | None = None  # the canonical message the server computed
     verdict: str = "unchecked"  # of the signature: valid, invalid or unchecked
+    nonce: tuple | None = None  # (key, nonce, now, expiry) passed at step 5, not recorded yet
     headers: dict = dataclasses.field(default_factory=dict)  # extra response headers
     drop: bool = False  # a commit_then_drop fault: cut the connection mid-response
 
@@ -2547,27 +2577,52 @@ class HttpApi:
 
     def call_api(self, call: Call, route: bottle.Route, url_args: dict, handler: Callable) -> Any:
         """The pipeline, the scope, the fault rules, then the endpoint."""
-        call.principal = principal = self.auth.authenticate(call)
         method, scope = call.environ["REQUEST_METHOD"], call.endpoint.scope
-        if scope is None or method != call.endpoint.method:  # deny by default (SPEC.md Scopes)
-            raise ApiAccessDenied()
-        if scope not in principal.scopes:  # pipeline step 8
-            raise ScopeRequired(scope=scope)
-        path = call.environ.get("PATH_INFO", "")
-        prefix = route.app.config.get("_mount.prefix")  # mounted by merging routes: PATH_INFO has it
-        if prefix and path.startswith(prefix):
-            path = path[len(prefix) - 1:]
-        fault = self.svc.faults.take(method, path, principal.workspace_id)
+        writes = method == call.endpoint.method != "GET"  # its nonce goes into its own transaction
+        try:
+            call.principal = principal = self.auth.authenticate(call, defer_nonce=writes)
+            if scope is None or method != call.endpoint.method:  # deny by default (SPEC.md Scopes)
+                raise ApiAccessDenied()
+            if scope not in principal.scopes:  # pipeline step 8
+                raise ScopeRequired(scope=scope)
+            path = call.environ.get("PATH_INFO", "")
+            prefix = route.app.config.get("_mount.prefix")  # mounted by merging routes: PATH_INFO has it
+            if prefix and path.startswith(prefix):
+                path = path[len(prefix) - 1:]
+            fault = self.svc.faults.take(method, path, principal.workspace_id)
+            if fault is not None and fault["latency"]:
+                time.sleep(fault["latency"])  # outside any transaction: other requests go on
+            if fault is not None and fault["action"] == "error":
+                raise forced_error(fault)
+        except WalletError:
+            if call.nonce is not None:  # refused after its signature passed: its nonce is used all the same
+                self.auth.record_nonce(call)
+            raise
+        data = self.run(call, handler, url_args)
         if fault is None:
-            return handler(call, **url_args)
-        if fault["latency"]:
-            time.sleep(fault["latency"])
-        if fault["action"] == "error":
-            raise forced_error(fault)
-        data = handler(call, **url_args)
+            return data
         if fault["action"] == "commit_then_fail":
             raise InternalError(text=f"Forced by fault rule {fault['id']} after the request was applied.")
         call.drop = fault["action"] == "commit_then_drop"
+        return data
+
+    def run(self, call: Call, handler: Callable, url_args: dict) -> Any:
+        """The handler; for a write, in one transaction with the nonce record (one commit,
+        DESIGN.md §10). A handler that fails leaves the nonce recorded and nothing else."""
+        if call.nonce is None:
+            return handler(call, **url_args)
+        failure = None
+        with self.svc.db.atomic() as conn:
+            self.auth.record_nonce(call, conn)  # a replay: GA2013, rolled back, nothing applied
+            conn.execute("SAVEPOINT endpoint")
+            try:
+                data = handler(call, **url_args)
+            except Exception as exc:  # noqa: BLE001 - re-raised once the nonce is committed
+                conn.execute("ROLLBACK TO endpoint")
+                failure = exc
+            conn.execute("RELEASE endpoint")
+        if failure is not None:
+            raise failure
         return data
 
     def check_admin_token(self, environ: Mapping[str, Any]) -> None:
