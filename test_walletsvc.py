@@ -984,6 +984,18 @@ def test_create_app_takes_only_http_settings_and_the_service_only_its_own() -> N
             walletsvc.WalletService(":memory:", **{name: value})
 
 
+def test_readme_embedding_block_runs_as_printed(tmp_path, monkeypatch) -> None:
+    readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
+    block = readme.split("## Embedding", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+    monkeypatch.chdir(tmp_path)  # it opens wallet.db
+    scope: dict = {}
+    exec(compile(block, "README.md (Embedding)", "exec"), scope)  # noqa: S102 - the README is ours
+    manual, ws = scope["manual"], scope["ws"]
+    assert [manual.get_transfer(ws["id"], biz)["status"] for biz in ("invoice-1", "invoice-2")] == [
+        "COMPLETED", "FAILED"]
+    assert manual.audit() == []
+
+
 def test_readme_settings_table_lists_every_setting() -> None:
     readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
     section = readme.split("## Settings", 1)[1].split("\n## ", 1)[0]
