@@ -69,17 +69,24 @@ __all__ = [
     "CURRENCY_EXPONENTS",
     "ERRORS",
     "SCOPES",
+    "WAITRESS_LIMITS",
+    "AdminApi",
+    "Call",
     "Client",
     "Clock",
+    "Endpoint",
     "HmacAuth",
     "Principal",
     "Sandbox",
     "Settings",
+    "WalletApi",
+    "WalletApp",
     "WalletError",
     "WalletService",
     "body_hash",
     "canonical_message",
     "create_app",
+    "endpoint",
     "main",
     "sign_request",
 ]
@@ -1320,6 +1327,7 @@ class Journal:
                 self._entries.append(values)
 
     def clear(self) -> None:
+        """Forget every entry."""
         with self._lock:
             self._entries.clear()
 
@@ -1351,6 +1359,7 @@ class Journal:
         return calls
 
     def assert_not_called(self, method: str, path: str) -> None:
+        """Fail if ``method path`` was received."""
         self.assert_called(method, path, times=0)
 
 
@@ -1382,6 +1391,7 @@ class Faults:
     def add(self, *, action: str = "error", method: str = "*", path: str = "*",
             workspace_id: str | None = None, code: str | None = None, status: int | None = None,
             latency: float = 0.0, times: int | None = None) -> dict:
+        """Add a rule (see the class); the rule as stored, with its ``id``."""
         if action not in FAULT_ACTIONS:
             raise invalid("action", "one_of", choices=", ".join(FAULT_ACTIONS))
         if action == "error":
@@ -1408,10 +1418,12 @@ class Faults:
             return dict(rule)
 
     def rules(self) -> list[dict]:
+        """The rules in force, in the order they are tried."""
         with self._lock:
             return [dict(rule) for rule in self._rules]
 
     def clear(self) -> None:
+        """Remove every rule."""
         with self._lock:
             self._rules.clear()
 
@@ -1572,6 +1584,7 @@ class WalletService:
         self._last_id = (0, 0)
 
     def now_ms(self) -> int:
+        """The service clock, in epoch milliseconds."""
         return int(self.clock() * 1000)
 
     def new_id(self, prefix: str, now_ms: int) -> str:
@@ -1608,12 +1621,14 @@ class WalletService:
             conn.execute("UPDATE ledger_clock SET last_ms = ?, last_id = ?", (now, last))
 
     def new_secret(self) -> str:
+        """A fresh API secret (seeded with ``id_seed``)."""
         with self._id_lock:
             if self._random is not None:
                 return base64.urlsafe_b64encode(self._random.getrandbits(256).to_bytes(32, "big")).decode().rstrip("=")
         return secrets.token_urlsafe(32)
 
     def close(self) -> None:
+        """Close this thread's database connection."""
         self.db.close()
 
     def reset(self) -> None:
@@ -1643,10 +1658,12 @@ class WalletService:
         return self.get_workspace(workspace_id)
 
     def get_workspace(self, workspace_id: str) -> dict:
+        """The workspace; GA2032 once deleted."""
         with self.db.connection() as conn:
             return workspace_resource(self._workspace(conn, workspace_id))
 
     def list_workspaces(self) -> list[dict]:
+        """Every workspace not deleted, oldest first."""
         with self.db.connection() as conn:
             rows = conn.execute(_WORKSPACE_SELECT + " WHERE w.deleted_at IS NULL"
                                 " ORDER BY w.created_at, w.id").fetchall()
@@ -1659,6 +1676,7 @@ class WalletService:
             conn.execute("UPDATE workspaces SET deleted_at = ? WHERE id = ?", (now, workspace_id))
 
     def add_member(self, workspace_id: str, name: str) -> dict:
+        """A MEMBER of the workspace; keys can be issued to it (``create_api_key(member_id=...)``)."""
         name = _text(name, "name", 200)
         with self.writing() as (conn, now):
             member_id = self.new_id("mem_", now)
@@ -1668,6 +1686,7 @@ class WalletService:
             return member_resource(self._member(conn, workspace_id, member_id))
 
     def list_members(self, workspace_id: str) -> list[dict]:
+        """The workspace's members, oldest first (removed ones left out)."""
         with self.db.connection() as conn:
             self._workspace(conn, workspace_id)
             rows = conn.execute("SELECT * FROM members WHERE workspace_id = ? AND removed_at IS NULL"
@@ -1717,6 +1736,7 @@ class WalletService:
         return {**api_key_resource(row), "secret": secret}
 
     def list_api_keys(self, workspace_id: str) -> list[dict]:
+        """The workspace's keys, oldest first, without their secrets."""
         with self.db.connection() as conn:
             self._workspace(conn, workspace_id)
             rows = conn.execute("SELECT * FROM api_keys WHERE workspace_id = ?"
@@ -1735,6 +1755,7 @@ class WalletService:
     # Wallets and their ledger ################################################
 
     def create_wallet(self, workspace_id: str, currency: str, *, name: str | None = None) -> dict:
+        """An ACTIVE wallet in an ISO 4217 ``currency``, balance zero."""
         currency_exponent(currency)
         name = _text(f"{currency} wallet" if name is None else name, "name", 200, minimum=0)
         with self.writing() as (conn, now):
@@ -1755,10 +1776,12 @@ class WalletService:
             return wallet_resource(self._wallet(conn, wallet_id))
 
     def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
+        """The wallet; W1001 if missing or outside ``workspace_id`` (when given)."""
         self.settle_due()
         return wallet_resource(self._wallet(None, wallet_id, workspace_id))
 
     def get_balance(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
+        """``{walletId, currency, balance, available, pending, updatedAt}``; W1001 outside ``workspace_id``."""
         self.settle_due()
         return balance_resource(self._wallet(None, wallet_id, workspace_id))
 
@@ -1989,6 +2012,7 @@ class WalletService:
         return len(due)
 
     def get_transfer(self, workspace_id: str, biz_id: str) -> dict:
+        """The order with this bizId in the workspace; T1001 if none (another workspace's too)."""
         self.settle_due()
         with self.db.connection() as conn:
             return transfer_resource(self._transfer(conn, workspace_id, biz_id))
@@ -3294,6 +3318,7 @@ class Sandbox:
         return self.service.faults
 
     def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
+        """The journal's ``assert_called``."""
         return self.service.journal.assert_called(method, path, times=times)
 
     def audit(self) -> None:
