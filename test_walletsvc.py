@@ -1078,8 +1078,8 @@ def test_ledger_time_never_goes_back_with_the_clock_nor_across_processes(tmp_pat
     flows = first.list_flows(wallet, {"sort": "createdAt,asc"})["content"]
     assert [flow["balanceAfter"] for flow in flows] == ["5.00", "6.00", "4.00"]
     assert first.audit() == []
-    first.reset()  # reset restarts the ledger's clock too
-    assert first.create_workspace("again")["createdAt"] == "2027-01-15T07:00:00.000Z"  # NOW - 1 h
+    first.reset()  # reset restarts the ledger's clock, and the service clock where it started
+    assert first.create_workspace("again")["createdAt"] == "2027-01-15T08:00:10.000Z"  # NOW + 10 s
 
 
 def test_a_version_1_database_is_upgraded_in_place(tmp_path) -> None:
@@ -2832,11 +2832,87 @@ def test_fault_rules_fire_n_times_or_always(walletsvc_sandbox) -> None:
     codes = [c.code if isinstance(c, walletsvc.WalletError) else "2000" for c in
              (_attempt(sandbox.client.list_wallets) for _ in range(3))]
     assert codes == ["S503", "S503", "2000"]
+    assert [(rule["id"], rule["fired"]) for rule in sandbox.faults.rules()] == [("fault_1", 2)]  # spent, listed
     sandbox.faults.add(code="S503")
     assert all(_attempt(sandbox.client.list_wallets).code == "S503" for _ in range(5))
-    assert sandbox.faults.rules()[0]["fired"] == 5
+    assert [rule["fired"] for rule in sandbox.faults.rules()] == [2, 5]
     sandbox.faults.clear()
     assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
+
+
+def test_a_forced_status_is_the_same_on_the_wire_and_in_the_raised_error(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    sandbox.faults.add(code="T2001", status=400)
+    refused = _attempt(sandbox.client.list_wallets)
+    assert (refused.code, refused.status, isinstance(refused, walletsvc.WalletError)) == ("T2001", 400, True)
+
+
+def test_reset_restarts_fault_ids(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    sandbox.faults.add(code="S503")
+    sandbox.reset()
+    assert sandbox.faults.add(code="S503")["id"] == "fault_1"
+
+
+def test_sandbox_exposes_its_admin_token(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    answer = app.get("/_admin/clock", headers={"Authorization": f"Bearer {walletsvc_sandbox.admin_token}"})
+    assert answer.json["data"]["controllable"] is True
+
+
+def test_a_stale_timestamp_says_the_servers_time(api: Api) -> None:
+    detail = error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 300)}), "GA2013", 401)["detail"]
+    assert f"the server's time is {NOW} (2027-01-15T08:00:00.000Z)" in detail and "-300 s" in detail
+
+
+def _plain_signed(method: str, url: str, path: str, key: str, secret: str, body: bytes = b"",
+                  timestamp: int | None = None) -> requests.Response:
+    """A signed request written the way a suite in another language would: no walletsvc import."""
+    ts, nonce = str(timestamp if timestamp is not None else int(time.time())), str(uuid.uuid4())
+    message = "\n".join((method, path, ts, nonce, hashlib.sha256(body).hexdigest())).encode()
+    signature = base64.b64encode(hmac.new(secret.encode(), message, hashlib.sha256).digest()).decode()
+    headers = {"X-Api-Key": key, "X-Timestamp": ts, "X-Nonce": nonce, "X-Signature": signature}
+    if body:
+        headers["Content-Type"] = "application/json"
+    return requests.request(method, url + path, data=body or None, headers=headers, timeout=10)
+
+
+def test_a_suite_in_any_language_drives_the_served_demo_over_http(tmp_path) -> None:
+    """Clock, faults, journal and reset over plain HTTP against `walletsvc serve --demo`, one key throughout."""
+    server = ServerProcess(str(tmp_path / "demo.db"), tmp_path / "demo.log", "--demo")
+    server.start()
+    try:
+        printed = (tmp_path / "demo.log").read_text()
+        key, secret, token = (re.search(rf"{label}\s*: (\S+)", printed).group(1)
+                              for label in ("API key", "secret", "admin token"))
+        admin = {"Authorization": f"Bearer {token}"}
+        url = server.url
+        frozen = requests.post(url + "/_admin/clock", json={"freeze": True, "at": "2030-01-01T00:00:00Z"},
+                               headers=admin, timeout=10).json()["data"]
+        assert (frozen["epochMillis"], frozen["frozen"]) == (1893456000000, True)
+        assert _plain_signed("GET", url, "/api/v1/wallets", key, secret).json()["code"] == "GA2013"
+        wallets = _plain_signed("GET", url, "/api/v1/wallets", key, secret, timestamp=1893456000).json()
+        alice, bob = sorted(wallets["data"]["content"], key=lambda w: w["name"])[:2]
+        requests.post(url + "/_admin/faults", json={"code": "S503", "method": "POST", "times": 1},
+                      headers=admin, timeout=10)
+        body = json.dumps({"sourceWalletId": alice["id"], "targetWalletId": bob["id"], "amount": "1.00",
+                           "currency": "USD"}).encode()
+        assert _plain_signed("POST", url, TRANSFER_PATH, key, secret, body, 1893456000).status_code == 503
+        order = _plain_signed("POST", url, TRANSFER_PATH, key, secret, body, 1893456000).json()["data"]
+        assert order["createdAt"] == "2030-01-01T00:00:00.000Z"
+        requests.post(url + "/_admin/clock", json={"advance": 3600}, headers=admin, timeout=10)
+        assert _plain_signed("GET", url, "/api/v1/wallets", key, secret, timestamp=1893459600).status_code == 200
+        journal = requests.get(url + "/_admin/journal", params={"method": "POST"}, headers=admin,
+                               timeout=10).json()["data"]
+        assert [entry["status"] for entry in journal] == [503, 200]
+        assert requests.post(url + "/_admin/reset", headers=admin, timeout=10).json()["success"] is True
+        requests.post(url + "/_admin/clock", json={"freeze": False}, headers=admin, timeout=10)
+        again = _plain_signed("GET", url, "/api/v1/wallets", key, secret).json()  # the same key after reset
+        assert again["data"]["page"]["totalElements"] == 3
+        assert {w["balance"] for w in again["data"]["content"]} == {"1000.00", "250.00", "50000"}
+        assert requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"][-1]["status"] == 200
+    finally:
+        server.stop()
 
 
 def _attempt(call):
@@ -2901,7 +2977,7 @@ def test_admin_faults_and_journal(walletsvc_sandbox) -> None:
     assert rule["status"] == 422 and admin.get("/_admin/faults", headers=auth).json["data"] == [rule]
     with pytest.raises(walletsvc.WalletError):
         sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"], "1.00", "USD")
-    assert admin.get("/_admin/faults", headers=auth).json["data"] == []  # spent
+    assert admin.get("/_admin/faults", headers=auth).json["data"] == [{**rule, "fired": 1}]  # spent, listed
     journal = admin.get("/_admin/journal", params={"method": "POST"}, headers=auth).json["data"]
     assert [(e["path"], e["status"], e["code"]) for e in journal] == [(TRANSFER_PATH, 422, "T2001")]
     admin.delete("/_admin/journal", headers=auth)

@@ -167,7 +167,7 @@ class Clock:
     def __init__(self, frozen_at: float | None = None) -> None:
         self._lock = threading.Lock()
         self._offset = 0.0
-        self._frozen_at = frozen_at
+        self._frozen_at = self._start = frozen_at
 
     def __call__(self) -> float:
         frozen_at = self._frozen_at
@@ -207,9 +207,9 @@ class Clock:
                 self._offset, self._frozen_at = self._frozen_at - time.time(), None
 
     def reset(self) -> None:
-        """Back to real time, running."""
+        """Back to where it started: real time, running (or frozen where it was made frozen)."""
         with self._lock:
-            self._offset, self._frozen_at = 0.0, None
+            self._offset, self._frozen_at = 0.0, self._start
 
 
 def _clock_time(at: float) -> float:
@@ -1040,8 +1040,12 @@ class Authenticator:
             raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
         tolerance = self.settings.timestamp_tolerance
         if abs(math.floor(now) - int(timestamp)) > tolerance:  # whole seconds (DESIGN.md §5)
-            raise expired(f"X-Timestamp is more than {self.settings.timestamp_tolerance} s from server time.",
-                          f"X-Timestamp 与服务器时间相差超过 {self.settings.timestamp_tolerance} 秒。")
+            difference = int(timestamp) - math.floor(now)
+            raise expired(f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
+                          f" {math.floor(now)} ({iso_time(math.floor(now) * 1000)}), the request's is"
+                          f" {difference:+d} s from it.",
+                          f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {math.floor(now)}"
+                          f"（{iso_time(math.floor(now) * 1000)}），请求时间与其相差 {difference:+d} 秒。")
         # Step 5: nonce (checked here, recorded only once the signature passed).
         if not _NONCE.fullmatch(nonce):
             raise expired("X-Nonce must be 1-128 printable ASCII characters.",
@@ -1423,21 +1427,21 @@ class Faults:
             return [dict(rule) for rule in self._rules]
 
     def clear(self) -> None:
-        """Remove every rule."""
+        """Remove every rule; ids start again from fault_1."""
         with self._lock:
             self._rules.clear()
+            self._next = 0
 
     def take(self, method: str, path: str, workspace_id: str) -> dict | None:
-        """The first rule matching this request, counted as fired (and dropped when spent)."""
+        """The first rule matching this request that is not spent, counted as fired. A spent
+        rule (fired ``times`` times) stays listed with its count."""
         if not self._rules:
             return None
         with self._lock:
             for rule in self._rules:
-                if (rule["method"] in ("*", method) and fnmatch.fnmatchcase(path, rule["path"])
-                        and rule["workspaceId"] in (None, workspace_id)):
+                if ((rule["times"] is None or rule["fired"] < rule["times"]) and rule["method"] in ("*", method)
+                        and fnmatch.fnmatchcase(path, rule["path"]) and rule["workspaceId"] in (None, workspace_id)):
                     rule["fired"] += 1
-                    if rule["times"] is not None and rule["fired"] >= rule["times"]:
-                        self._rules.remove(rule)
                     return dict(rule)
         return None
 
@@ -1575,6 +1579,7 @@ class WalletService:
         self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
         self.journal = Journal(self.settings.journal_size)
         self.faults = Faults()
+        self.seed: Callable[[WalletService], Any] | None = None  # what reset() seeds again (serve --demo)
         self._id_lock = threading.Lock()
         self._reset_ids()
 
@@ -1632,8 +1637,12 @@ class WalletService:
         self.db.close()
 
     def reset(self) -> None:
-        """Erase every row (workspaces, keys, wallets, ledger, nonces), the journal
-        and the fault rules; restart seeded ids. The schema stays."""
+        """Back to the starting state: erase every row (workspaces, keys, wallets,
+        ledger, nonces), the journal and the fault rules; restart seeded ids and
+        a controllable clock; seed again what ``seed`` seeds (the demo of
+        ``walletsvc serve --demo``, with the same credentials). The schema stays."""
+        if isinstance(self.clock, Clock):
+            self.clock.reset()
         with self.db.atomic() as conn:
             for table in ("flows", "transfers", "wallets", "nonces", "api_keys", "members",
                           "workspaces", "counters"):
@@ -1643,6 +1652,8 @@ class WalletService:
         self.faults.clear()
         with self._id_lock:
             self._reset_ids()
+        if self.seed is not None:
+            self.seed(self)
 
     # Workspaces and members ##################################################
 
@@ -3102,6 +3113,8 @@ def error_for(code: str, detail: str = "", status: int | None = None) -> WalletE
     cls = next((error for error in ERRORS if error.code == code), None)
     if cls is None:
         cls = type("UnknownError", (WalletError,), {"code": code, "name": "UNKNOWN", "status": status or 500})
+    elif status is not None and status != cls.status:  # a fault rule forced another status: the wire's
+        cls = type(cls.__name__, (cls,), {"status": status})
     return cls(text=detail)
 
 
@@ -3275,6 +3288,7 @@ class Sandbox:
     wallets: dict = dataclasses.field(default_factory=dict)
     client: Client | None = None
     url: str | None = None
+    admin_token: str | None = None  # the bearer token of the sandbox's /_admin/ surface
 
     @classmethod
     def create(cls, database: str = ":memory:", **settings: Any) -> Sandbox:
@@ -3282,7 +3296,9 @@ class Sandbox:
         service_settings, http_settings = split_settings(settings)
         clock = Clock()
         service = WalletService(database, clock=clock, **service_settings)
-        return cls(service, create_app(service, **http_settings), clock).reset()
+        sandbox = cls(service, create_app(service, **http_settings), clock)
+        sandbox.admin_token = http_settings.get("admin_token")
+        return sandbox.reset()
 
     def reset(self) -> Sandbox:
         """Erase everything, restart the clock and the ids, seed again (a millisecond or two)."""
@@ -3401,10 +3417,12 @@ def __getattr__(name: str) -> Any:
 DEMO_WORKSPACE = "walletsvc demo"
 
 
-def seed_demo(svc: WalletService) -> dict:
+def seed_demo(svc: WalletService, credentials: Mapping[str, str] | None = None) -> dict:
     """Seed the demo once: a workspace, two funded USD wallets, a JPY wallet, a key.
 
     On a database that already holds the demo, returns the same credentials.
+    ``credentials`` (a previous result) makes the new key take that id and
+    secret: a reset demo keeps the credentials its users were given.
     """
     with svc.db.atomic() as conn:
         row = conn.execute("SELECT k.id, k.secret FROM api_keys k JOIN workspaces w"
@@ -3420,6 +3438,10 @@ def seed_demo(svc: WalletService) -> dict:
             svc.deposit(wallets[2]["id"], "50000")
             key = svc.create_api_key(workspace["id"], SCOPES)
             row = {"id": key["apiKey"], "secret": key["secret"]}
+            if credentials is not None:
+                row = {"id": credentials["apiKey"], "secret": credentials["secret"]}
+                conn.execute("UPDATE api_keys SET id = ?, secret = ? WHERE id = ?",
+                             (row["id"], row["secret"], key["apiKey"]))
         wallet_ids = [wallet["id"] for wallet in conn.execute(
             "SELECT w.id FROM wallets w JOIN api_keys k ON k.workspace_id = w.workspace_id"
             " WHERE k.id = ? ORDER BY w.created_at, w.id", (row["id"],))]
@@ -3561,7 +3583,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     made = [path for path in (f"{args.db}-wal", f"{args.db}-shm") if not os.path.exists(path)]
     svc = None
     try:  # every request records its nonce: refuse to start on storage that cannot be written
-        svc = WalletService(args.db, **service_settings)
+        svc = WalletService(args.db, clock=Clock(), **service_settings)  # controllable over /_admin/clock
         svc.db.check_writable()
     except sqlite3.OperationalError as exc:
         if svc is not None:
@@ -3575,6 +3597,7 @@ def _serve_command(args: argparse.Namespace) -> int:
         settings["admin_token"] = args.admin_token
     demo = seed_demo(svc) if args.demo else None
     if demo:
+        svc.seed = functools.partial(seed_demo, credentials=demo)  # /_admin/reset: the demo, same key
         settings.setdefault("debug_signatures", True)
         settings.setdefault("admin_token", demo_admin_token(demo["secret"]))
 
