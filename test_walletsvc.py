@@ -2915,6 +2915,30 @@ def test_a_suite_in_any_language_drives_the_served_demo_over_http(tmp_path) -> N
         server.stop()
 
 
+def test_readme_curl_walk_through_runs_as_printed(tmp_path) -> None:
+    import shutil
+
+    if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
+        pytest.skip("the walk-through needs bash, curl, openssl and sha256sum")
+    readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
+    script = readme.split("## Driving the sandbox from any language", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    server = ServerProcess(str(tmp_path / "walk.db"), tmp_path / "walk.log", "--demo")
+    server.start()
+    try:
+        printed = (tmp_path / "walk.log").read_text()
+        env = {**os.environ, **{name: re.search(rf"{label}\s*: (\S+)", printed).group(1)
+                                for name, label in (("KEY", "API key"), ("SECRET", "secret"),
+                                                    ("TOKEN", "admin token"))}}
+        script = script.replace("http://127.0.0.1:8080", server.url)
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
+                              timeout=60, check=False)
+    finally:
+        server.stop()
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert '"status":"COMPLETED"' in done.stdout
+    assert "transfer journaled" in done.stdout and "reset: same key, fresh demo" in done.stdout
+
+
 def _attempt(call):
     try:
         return call()
