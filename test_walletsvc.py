@@ -434,6 +434,76 @@ def test_signed_path_is_the_raw_path_the_client_sent(api: Api, world: dict) -> N
                       REQUEST_URI=raw + "?x=1"), "GA2012", 401)
 
 
+def _mistaken_signature(key: dict, mistake: str, method: str, path: str, timestamp: str, nonce: str,
+                        body: bytes, query: str, prefix: str) -> str:
+    """X-Signature as a client making ``mistake`` computes it (the test's own HMAC, not walletsvc's)."""
+    digest = hashlib.sha256(body).hexdigest()
+    signed_path, secret, tail = prefix + path, key["secret"], ""
+    if mistake == "query string signed":
+        signed_path += "?" + query
+    elif mistake == "mount prefix left out":
+        signed_path = path
+    elif mistake == "body re-serialised":
+        digest = hashlib.sha256(json.dumps(json.loads(body)).encode()).hexdigest()
+    elif mistake == "empty-body hash on a POST":
+        digest = hashlib.sha256(b"").hexdigest()
+    elif mistake == "trailing line feed":
+        tail = "\n"
+    elif mistake == "lowercase method":
+        method = method.lower()
+    elif mistake == "secret with surrounding whitespace":
+        secret = secret + "\n"
+    message = f"{method}\n{signed_path}\n{timestamp}\n{nonce}\n{digest}{tail}"
+    mac = hmac.new(secret.encode(), message.encode(), hashlib.sha256).digest()
+    return mac.hex() if mistake == "hex instead of Base64" else base64.b64encode(mac).decode()
+
+
+@pytest.mark.parametrize("mistake, named, named_zh", [
+    ("query string signed", "the query string was signed", "签名包含了查询字符串"),
+    ("mount prefix left out", "the mount prefix '/payments' was left out", "签名路径缺少挂载前缀"),
+    ("body re-serialised", "the body was re-serialised after hashing", "请求体被重新序列化"),
+    ("empty-body hash on a POST", "the empty-body hash was signed on a request with a body", "空请求体的哈希"),
+    ("trailing line feed", "the canonical message ended with a line feed", "末尾多了换行符"),
+    ("lowercase method", "the method was signed in lower case", "方法名以小写签名"),
+    ("hex instead of Base64", "the signature is hex, not Base64", "十六进制"),
+    ("secret with surrounding whitespace", "the secret was used with surrounding whitespace", "首尾空白"),
+])
+def test_a_signing_mistake_is_named_in_the_ga2012_detail(svc, world, clock, mistake, named, named_zh) -> None:
+    parent = bottle.Bottle()
+    parent.mount("/payments/", walletsvc.create_app(svc, debug_signatures=True))
+    app = webtest.TestApp(parent)
+    body = b'{"sourceWalletId":"%s","targetWalletId":"%s","amount":"1.00","currency":"USD"}' % (
+        world["a"].encode(), world["b"].encode())  # compact: json.dumps would re-serialise it with spaces
+    timestamp, nonce, query = str(NOW), str(uuid.uuid4()), "trace=1"
+    signature = _mistaken_signature(world["key"], mistake, "POST", TRANSFER_PATH, timestamp, nonce, body, query,
+                                    "/payments")
+    headers = {"X-Api-Key": world["key"]["apiKey"], "X-Timestamp": timestamp, "X-Nonce": nonce,
+               "X-Signature": signature, "Content-Type": "application/json"}
+    for locale, expected in (("en-US", named), ("zh-CN", named_zh)):
+        headers["X-Nonce"] = str(uuid.uuid4()) if locale == "zh-CN" else nonce
+        if locale == "zh-CN":
+            headers["X-Signature"] = _mistaken_signature(world["key"], mistake, "POST", TRANSFER_PATH, timestamp,
+                                                         headers["X-Nonce"], body, query, "/payments")
+        response = app.post(f"/payments{TRANSFER_PATH}?{query}", body, headers={**headers, "X-LOCALE": locale},
+                            expect_errors=True)
+        detail = error(response, "GA2012", 401)["detail"]
+        assert expected in detail, detail
+        assert world["key"]["secret"] not in detail
+    assert svc.get_balance(world["b"])["balance"] == "0.00"
+
+
+def test_a_right_signature_with_a_wrong_secret_names_no_mistake(api: Api, world) -> None:
+    detail = error(api.get("/api/v1/wallets", **{"X-Signature": base64.b64encode(b"\1" * 32).decode()}),
+                   "GA2012", 401)["detail"]
+    assert "Canonical message: GET\\n/api/v1/wallets\\n" in detail and "0 body bytes received" in detail
+    assert "common mistake" not in detail
+
+
+def test_a_timestamp_in_milliseconds_is_named(api: Api) -> None:
+    detail = error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW * 1000)}), "GA2013", 401)["detail"]
+    assert "looks like milliseconds" in detail
+
+
 def test_app_mounted_under_a_prefix_signs_the_full_path(svc, world: dict, clock: Clock) -> None:
     parent = bottle.Bottle()
     parent.mount("/payments/", walletsvc.create_app(svc))

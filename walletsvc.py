@@ -237,9 +237,11 @@ class WalletError(Exception):
     status = 500
     messages = ("An unexpected error occurred.", "服务器发生意外错误。")
 
-    def __init__(self, extra: str | None = None, *, text: str | None = None, **params: Any) -> None:
+    def __init__(self, extra: str | None = None, *, text: str | None = None, zh_extra: str | None = None,
+                 **params: Any) -> None:
         self.params = params
         self.extra = extra
+        self.zh_extra = zh_extra if zh_extra is not None else extra
         self.text = text  # a detail already rendered (by a server, for the client)
         super().__init__(self.detail("en-US"))
 
@@ -248,7 +250,8 @@ class WalletError(Exception):
             return self.text
         template = self.messages[1] if locale == "zh-CN" else self.messages[0]
         text = template.format(**self.params)
-        return f"{text} {self.extra}" if self.extra else text
+        extra = self.zh_extra if locale == "zh-CN" else self.extra
+        return f"{text} {extra}" if extra else text
 
 
 class ApiKeyMissing(WalletError):
@@ -993,6 +996,64 @@ def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
     return False
 
 
+def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
+                       provided: str) -> tuple[str, str] | None:
+    """The common signing mistake the client's signature matches, in English and Chinese, or None.
+
+    Each candidate is the canonical message (or the digest's encoding) as a
+    client who made that mistake computes it, signed with the key's secret and
+    compared with what the client sent. Runs only for a failed signature with
+    ``debug_signatures`` on.
+    """
+    environ, body = call.environ, call.body
+    method, path = environ["REQUEST_METHOD"], call.path
+
+    def message(path_: bytes = path, digest: str | None = None, tail: bytes = b"") -> bytes:
+        return canonical_message(method, path_, timestamp, nonce, digest or body_hash(body)) + tail
+
+    candidates: list[tuple[bytes, str, str, str]] = []  # (message, secret, mistake, mistake in Chinese)
+    query = environ.get("QUERY_STRING", "")
+    if query:
+        candidates.append((message(path_=path + b"?" + query.encode("latin-1", "replace")), secret,
+                           "the query string was signed (sign the path only)", "签名包含了查询字符串（只签名路径）"))
+    for cut in [index for index in range(1, len(path)) if path[index:index + 1] == b"/"]:
+        candidates.append((message(path_=path[cut:]), secret,
+                           f"the mount prefix {path[:cut].decode('latin-1')!r} was left out of the signed path",
+                           f"签名路径缺少挂载前缀 {path[:cut].decode('latin-1')!r}"))
+    if body:
+        candidates.append((message(digest=EMPTY_BODY_HASH), secret,
+                           "the empty-body hash was signed on a request with a body", "有请求体的请求签名了空请求体的哈希"))
+        with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
+            document = json.loads(body)
+            for dumped in {json.dumps(document), json.dumps(document, separators=(",", ":")),
+                           json.dumps(document, sort_keys=True), json.dumps(document, ensure_ascii=False)}:
+                if dumped.encode("utf-8") != body:
+                    candidates.append((message(digest=body_hash(dumped.encode("utf-8"))), secret,
+                                       "the body was re-serialised after hashing (sign the exact bytes sent)",
+                                       "哈希之后请求体被重新序列化（请对发送的原始字节签名）"))
+    candidates.append((message(tail=b"\n"), secret, "the canonical message ended with a line feed",
+                       "规范消息末尾多了换行符"))
+    candidates.append((method.lower().encode("latin-1") + message()[len(method):], secret,
+                       "the method was signed in lower case",
+                       "方法名以小写签名"))
+    for padded in (secret + "\n", secret + " ", " " + secret, secret.strip()):
+        if padded != secret:
+            candidates.append((message(), padded, "the secret was used with surrounding whitespace",
+                               "使用的密钥带有首尾空白"))
+    given = provided.strip()
+    correct = hmac.digest(secret.encode("utf-8"), message(), "sha256")
+    if hmac.compare_digest(given.lower().encode("latin-1", "replace"), correct.hex().encode()):
+        return "the signature is hex, not Base64", "签名是十六进制而不是 Base64"
+    try:
+        decoded = binascii.a2b_base64(given.encode("ascii"))
+    except (UnicodeEncodeError, binascii.Error, ValueError):
+        return None
+    for candidate, key, english, chinese in candidates:
+        if hmac.compare_digest(hmac.digest(key.encode("utf-8"), candidate, "sha256"), decoded):
+            return english, chinese
+    return None
+
+
 class Authenticator:
     """Steps 1-7 of SPEC.md's validation pipeline, in that order.
 
@@ -1037,6 +1098,9 @@ class Authenticator:
         # Step 4: timestamp.
         timestamp = get("HTTP_X_TIMESTAMP", "")
         if not _TIMESTAMP.fullmatch(timestamp):
+            if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
+                raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
+                              "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
             raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
         tolerance = self.settings.timestamp_tolerance
         if abs(math.floor(now) - int(timestamp)) > tolerance:  # whole seconds (DESIGN.md §5)
@@ -1057,10 +1121,17 @@ class Authenticator:
                                                      body_hash(call.body))
         call.verdict = "invalid"
         if not self._signature_matches(secret, message, get("HTTP_X_SIGNATURE", "")):
-            shown = None
-            if self.settings.debug_signatures:
-                shown = "Canonical message: " + message.decode("latin-1").replace("\n", "\\n")
-            raise SignatureInvalid(extra=shown)
+            if not self.settings.debug_signatures:
+                raise SignatureInvalid()
+            # A sandbox aid: the message and what matched, never the secret or the expected signature.
+            shown = message.decode("latin-1").replace("\n", "\\n")
+            english = f"Canonical message: {shown} ({len(call.body)} body bytes received)."
+            chinese = f"规范消息：{shown}（收到请求体 {len(call.body)} 字节）。"
+            call.diagnosis = diagnose_signature(secret, call, timestamp, nonce, get("HTTP_X_SIGNATURE", ""))
+            if call.diagnosis:
+                english += f" The signature matches a common mistake: {call.diagnosis[0]}."
+                chinese += f"签名符合一个常见错误：{call.diagnosis[1]}。"
+            raise SignatureInvalid(extra=english, zh_extra=chinese)
         call.verdict = "valid"
         # The record outlives the last moment this timestamp passes step 4: no replay at the edge.
         call.nonce = (api_key, nonce, now_ms, (int(timestamp) + tolerance + 1) * 1000)
@@ -2485,6 +2556,7 @@ class Call:
     canonical: bytes | None = None  # the canonical message the server computed
     verdict: str = "unchecked"  # of the signature: valid, invalid or unchecked
     nonce: tuple | None = None  # (key, nonce, now, expiry) passed at step 5, not recorded yet
+    diagnosis: tuple | None = None  # the signing mistake a GA2012 matched (debug_signatures)
     headers: dict = dataclasses.field(default_factory=dict)  # extra response headers
     drop: bool = False  # a commit_then_drop fault: cut the connection mid-response
 
