@@ -549,7 +549,8 @@ class Settings:
     max_body_bytes: int = _setting(
         "http", 65536, _non_negative_int, "largest request body accepted; larger answers S413")
     debug_signatures: bool = _setting(
-        "http", False, _boolean, "GA2012 details show the canonical message the server computed")
+        "http", False, _boolean,
+        "GA2012 details show the canonical message the server computed and name a common signing mistake")
     trusted_proxies: tuple = _setting(
         "http", (), _networks, "addresses/CIDRs whose X-Forwarded-For is believed")
     admin_token: str | None = _setting(
