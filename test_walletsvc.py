@@ -2813,15 +2813,15 @@ def test_readme_pytest_example_passes_as_written(tmp_path) -> None:
     import sys
 
     readme = (pathlib.Path(__file__).parent / "README.md").read_text()
-    section = readme.split("## Using walletsvc in your tests", 1)[1]
-    example = section.split("```python\n", 1)[1].split("```", 1)[0]
-    (tmp_path / "test_readme_example.py").write_text(example)
+    section = readme.split("## Using walletsvc in your tests", 1)[1].split("\n## ", 1)[0]
+    example = "\n\n".join(block.split("```", 1)[0] for block in section.split("```python\n")[1:])
+    (tmp_path / "test_readme_example.py").write_text(example)  # every Python block of the section
     for extra in ([], ["-n", "2"]):  # also under pytest-xdist: a sandbox and a port per worker
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra,
                                  str(tmp_path / "test_readme_example.py")], capture_output=True, text=True,
                                 timeout=120, cwd=tmp_path, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
-        assert "4 passed" in result.stdout
+        assert "5 passed" in result.stdout
 
 
 def test_clock_freeze_set_advance_unfreeze() -> None:
@@ -3737,3 +3737,45 @@ def test_fuzzed_requests_over_a_socket_always_get_the_envelope() -> None:
         server.stop()
     print("socket fuzz codes:", json.dumps(dict(sorted(seen.items()))))
     assert {"GA2001", "S404", "2000"} <= set(seen), seen
+
+
+###############################################################################
+# pytest plugin: settings per test, documented fixtures ########################
+###############################################################################
+
+
+@pytest.mark.walletsvc(settlement="manual", magic_values=True)
+def test_the_marker_gives_a_test_a_sandbox_with_those_settings(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           "10.00", "USD", biz_id="held")
+    assert order["status"] == "PENDING"
+    with pytest.raises(walletsvc.WalletError) as declined:
+        sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"], "666.66", "USD")
+    assert declined.value.code == "T2001"
+
+
+def test_an_unmarked_test_gets_the_defaults(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           "666.66", "USD")
+    assert order["status"] == "COMPLETED"
+
+
+@pytest.mark.walletsvc(settlement="manual")
+def test_the_marker_applies_to_the_live_sandbox_too(walletsvc_live) -> None:
+    sandbox = walletsvc_live
+    assert sandbox.url.startswith("http://127.0.0.1:")
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           "1.00", "USD")
+    assert order["status"] == "PENDING"
+
+
+def test_every_fixture_is_documented() -> None:
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider",
+                             str(pathlib.Path(__file__))], capture_output=True, text=True, timeout=120, check=False)
+    ours = re.findall(r"^(walletsvc_\w+)(?: \[session scope\])?.*\n((?:    .*\n)*)", listed.stdout, flags=re.MULTILINE)
+    assert {name for name, _ in ours} >= {"walletsvc_sandbox", "walletsvc_live", "walletsvc_session_sandbox",
+                                          "walletsvc_session_live"}
+    for name, doc in ours:
+        assert doc.strip() and "no docstring available" not in doc, name

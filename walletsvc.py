@@ -3362,6 +3362,7 @@ class Sandbox:
     client: Client | None = None
     url: str | None = None
     admin_token: str | None = None  # the bearer token of the sandbox's /_admin/ surface
+    server: Any = None  # the LiveServer of a live sandbox
 
     @classmethod
     def create(cls, database: str = ":memory:", **settings: Any) -> Sandbox:
@@ -3437,41 +3438,93 @@ class LiveServer:
 
 
 def _build_pytest_plugin() -> Any:
-    """The fixtures registered through the ``pytest11`` entry point.
+    """walletsvc's pytest plugin (entry point ``pytest11``): fake wallet backends for tests.
 
-    ``walletsvc_sandbox``: an in-process Sandbox, created once per session
-    (per xdist worker) and reset before each test. ``walletsvc_live``: the
-    same on a live waitress server on a random port, started once per
-    session and reset before each test.
+    ``walletsvc_sandbox`` (in process) and ``walletsvc_live`` (on a socket)
+    are made once per session and per xdist worker, reset before each test in
+    about a millisecond and audited after it. ``@pytest.mark.walletsvc(**settings)``
+    gives a test a sandbox with those settings (service or HTTP layer, e.g.
+    ``settlement="manual"``), made once per distinct settings.
     """
     import types
 
     import pytest
 
+    def pytest_configure(config: Any) -> None:
+        config.addinivalue_line("markers", "walletsvc(**settings): the walletsvc sandbox of this test gets these"
+                                           " settings (e.g. settlement='manual', magic_values=True)")
+
+    def marked(request: Any) -> dict:
+        marker = request.node.get_closest_marker("walletsvc")
+        return dict(marker.kwargs) if marker else {}
+
+    def made_for(cache: dict, settings: dict, make: Callable[[dict], Sandbox]) -> Sandbox:
+        key = repr(sorted(settings.items()))
+        if key not in cache:
+            cache[key] = make(settings)
+        return cache[key]
+
     @pytest.fixture(scope="session")
     def walletsvc_session_sandbox() -> Sandbox:
+        """The session's in-process Sandbox at default settings (one per xdist worker);
+        ``walletsvc_sandbox`` resets it before each test. Override it to change every test's."""
         return Sandbox.create()
 
+    @pytest.fixture(scope="session")
+    def walletsvc_session_sandboxes() -> dict:
+        """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct settings."""
+        return {}
+
     @pytest.fixture
-    def walletsvc_sandbox(walletsvc_session_sandbox: Sandbox) -> Iterator[Sandbox]:
-        yield walletsvc_session_sandbox.reset()
-        walletsvc_session_sandbox.audit()
+    def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
+                          walletsvc_session_sandboxes: dict) -> Iterator[Sandbox]:
+        """A walletsvc.Sandbox in process (no socket): ``.service``, ``.app``, ``.client``, ``.key``,
+        ``.wallets`` (alice, bob: USD 1000.00; yen: JPY 100000), ``.clock``, ``.journal``, ``.faults``,
+        ``.admin_token``. Reset before the test, audited after it; settings from
+        ``@pytest.mark.walletsvc(...)``."""
+        settings = marked(request)
+        sandbox = made_for(walletsvc_session_sandboxes, settings, lambda s: Sandbox.create(**s)) if settings \
+            else walletsvc_session_sandbox
+        yield sandbox.reset()
+        sandbox.audit()
 
     @pytest.fixture(scope="session")
     def walletsvc_session_live() -> Iterator[Sandbox]:
+        """The session's live Sandbox at default settings, on waitress on a random port of 127.0.0.1."""
         sandbox = Sandbox.create()
         server = LiveServer(sandbox.app)
         sandbox.url = server.url
         yield sandbox
         server.stop()
 
+    @pytest.fixture(scope="session")
+    def walletsvc_session_lives() -> Iterator[dict]:
+        """Live Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with the session."""
+        cache: dict = {}
+        yield cache
+        for sandbox in cache.values():
+            sandbox.server.stop()
+
+    def live(settings: dict) -> Sandbox:
+        sandbox = Sandbox.create(**settings)
+        sandbox.server = LiveServer(sandbox.app)
+        sandbox.url = sandbox.server.url
+        return sandbox
+
     @pytest.fixture
-    def walletsvc_live(walletsvc_session_live: Sandbox) -> Iterator[Sandbox]:
-        yield walletsvc_session_live.reset()
-        walletsvc_session_live.audit()
+    def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
+                       walletsvc_session_lives: dict) -> Iterator[Sandbox]:
+        """``walletsvc_sandbox`` served over HTTP (``.url``; ``.client`` talks HTTP), for code under test
+        that makes real requests. Reset before the test, audited after it; settings from the marker."""
+        settings = marked(request)
+        sandbox = made_for(walletsvc_session_lives, settings, live) if settings else walletsvc_session_live
+        yield sandbox.reset()
+        sandbox.audit()
 
     plugin = types.ModuleType("walletsvc.pytest_plugin", _build_pytest_plugin.__doc__)
-    for fixture in (walletsvc_session_sandbox, walletsvc_sandbox, walletsvc_session_live, walletsvc_live):
+    plugin.pytest_configure = pytest_configure
+    for fixture in (walletsvc_session_sandbox, walletsvc_session_sandboxes, walletsvc_sandbox,
+                    walletsvc_session_live, walletsvc_session_lives, walletsvc_live):
         setattr(plugin, fixture.__name__, fixture)
     return plugin
 
