@@ -3779,3 +3779,46 @@ def test_every_fixture_is_documented() -> None:
                                           "walletsvc_session_live"}
     for name, doc in ours:
         assert doc.strip() and "no docstring available" not in doc, name
+
+
+###############################################################################
+# Command line: as people type it ##############################################
+###############################################################################
+
+
+def test_global_options_go_before_or_after_the_subcommand(tmp_path, capsys) -> None:
+    path = str(tmp_path / "cli.db")
+    assert run_cli(capsys, "--db", path, "workspace", "create", "first")[0] == 0
+    assert run_cli(capsys, "workspace", "create", "second", "--db", path)[0] == 0
+    code, out, _ = run_cli(capsys, "--table", "workspace", "list", "--db", path)
+    assert code == 0 and "first" in out and "second" in out and not out.lstrip().startswith("[")
+
+
+def test_table_shows_lists_and_booleans_as_people_write_them(tmp_path, capsys) -> None:
+    path = str(tmp_path / "cli.db")
+    workspace = json.loads(run_cli(capsys, "workspace", "create", "w", "--db", path)[1])
+    run_cli(capsys, "key", "create", workspace["id"], "--scope", "wallet:read", "--scope", "transfer:read",
+            "--db", path)
+    code, out, _ = run_cli(capsys, "key", "list", workspace["id"], "--db", path, "--table")
+    assert code == 0 and "wallet:read, transfer:read" in out and "true" in out and "['" not in out and "True" not in out
+
+
+def test_cli_request_prints_the_http_status(live, world, capsys, monkeypatch, clock) -> None:
+    import time as real_time
+
+    clock.now = real_time.time()
+    monkeypatch.setenv("WALLETSVC_KEY", world["key"]["apiKey"])
+    monkeypatch.setenv("WALLETSVC_SECRET", world["key"]["secret"])
+    code, out, err = run_cli(capsys, "request", "GET", "/api/v1/wallets/wal_missing", "--url", live)
+    assert (code, err.strip(), json.loads(out)["code"]) == (1, "HTTP 404 Not Found", "W1001")
+
+
+def test_serve_without_demo_says_how_to_make_a_key(tmp_path) -> None:
+    server = ServerProcess(str(tmp_path / "plain.db"), tmp_path / "plain.log")
+    server.start()
+    try:
+        time.sleep(0.2)
+        printed = (tmp_path / "plain.log").read_text()
+    finally:
+        server.stop()
+    assert "walletsvc key create WORKSPACE_ID" in printed and "--demo" in printed

@@ -3675,6 +3675,17 @@ def demo_admin_token(secret: str) -> str:
     return hmac.new(secret.encode(), b"walletsvc demo admin token", hashlib.sha256).hexdigest()[:32]
 
 
+def _cell(value: Any) -> str:
+    """A value as people write it in a table: lists comma-separated, booleans in lower case."""
+    if value is None:
+        return ""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(_cell(item) for item in value)
+    return str(value)
+
+
 def _table(value: Any) -> str:
     """A human table of a resource, a list of them or a page."""
     if isinstance(value, dict) and "content" in value and "page" in value:
@@ -3688,7 +3699,7 @@ def _table(value: Any) -> str:
     if not value:
         return "(none)"
     columns = list(value[0])
-    rows = [[("" if row.get(c) is None else str(row.get(c))) for c in columns] for row in value]
+    rows = [[_cell(row.get(c)) for c in columns] for row in value]
     widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
     lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
     lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
@@ -3734,6 +3745,10 @@ def _serve_command(args: argparse.Namespace) -> int:
     def banner(base_url: str) -> None:
         if demo:
             print(demo_instructions(base_url, demo, settings["admin_token"]), flush=True)
+        else:
+            print(f"walletsvc serving {args.db} at {base_url}\nTo sign requests you need a key: "
+                  f"walletsvc workspace create NAME --db {args.db}, then walletsvc key create WORKSPACE_ID"
+                  f" --db {args.db} (it prints the secret once); or start with --demo.", flush=True)
 
     serve(svc, args.host, args.port, args.threads, on_ready=banner, **settings)
     return 0
@@ -3770,7 +3785,8 @@ def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     path, _, query = args.path.partition("?")
     client = Client(args.url, key, secret)
     body = args.data.encode("utf-8") if args.data is not None else None
-    _, _, answer = client.send(args.method.upper(), path, query=query, body=body)
+    status, _, answer = client.send(args.method.upper(), path, query=query, body=body)
+    print(f"HTTP {status} {_STATUS_LINES.get(status, '').partition(' ')[2]}".rstrip(), file=sys.stderr)
     print(json.dumps(answer, indent=2, ensure_ascii=False))
     return 0 if answer.get("success") else 1
 
@@ -3796,11 +3812,17 @@ def _leaf(commands: Any, name: str, common: argparse.ArgumentParser, help_text: 
 
 def build_parser() -> argparse.ArgumentParser:
     """The ``walletsvc`` command line: serve, one verb per admin action, request, sign."""
-    common = argparse.ArgumentParser(add_help=False)
-    common.add_argument("--db", default=os.environ.get("WALLETSVC_DB", "walletsvc.db"),
-                        help="SQLite database file (default $WALLETSVC_DB or walletsvc.db)")
-    common.add_argument("--table", action="store_true", help="print a table instead of JSON")
-    parser = argparse.ArgumentParser(prog="walletsvc", description=__doc__.splitlines()[0])
+    def global_options(parser: argparse.ArgumentParser, default: Any) -> argparse.ArgumentParser:
+        parser.add_argument("--db", default=default(os.environ.get("WALLETSVC_DB", "walletsvc.db")),
+                            help="SQLite database file (default $WALLETSVC_DB or walletsvc.db)")
+        parser.add_argument("--table", action="store_true", default=default(False),
+                            help="print a table instead of JSON")
+        return parser
+
+    # Before or after the subcommand: the subcommand's copy only overrides when given.
+    common = global_options(argparse.ArgumentParser(add_help=False), lambda value: argparse.SUPPRESS)
+    parser = global_options(argparse.ArgumentParser(prog="walletsvc", description=__doc__.splitlines()[0]),
+                            lambda value: value)
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve_parser = commands.add_parser("serve", parents=[common], help="serve the API on waitress")
