@@ -3093,9 +3093,13 @@ def test_journal_records_each_api_request(walletsvc_sandbox) -> None:
     app.get(path, headers={**headers, "X-Signature": "AAAA", "X-Nonce": "other"}, expect_errors=True)
     app.get(path, headers={"X-Api-Key": "ak_nope"}, expect_errors=True)
     ok, forged, unknown = sandbox.journal.entries()
+    answer = json.loads(ok["responseBody"])
     assert ok == {"at": T0, "method": "GET", "path": path, "query": "x=1", "apiKey": sandbox.key["apiKey"],
                   "status": 200, "code": "2000", "signature": "valid", "replayed": False,
-                  "canonicalMessage": f"GET\n{path}\n{NOW}\n{headers['X-Nonce']}\n{walletsvc.EMPTY_BODY_HASH}"}
+                  "canonicalMessage": f"GET\n{path}\n{NOW}\n{headers['X-Nonce']}\n{walletsvc.EMPTY_BODY_HASH}",
+                  "headers": {"Host": "localhost:80", **headers}, "body": "", "diagnosis": None,
+                  "responseBody": ok["responseBody"], "elapsedMs": ok["elapsedMs"]}
+    assert answer["data"]["id"] == sandbox.wallets["alice"]["id"] and 0 < ok["elapsedMs"] < 1000
     assert (forged["status"], forged["code"], forged["signature"]) == (401, "GA2012", "invalid")
     assert (unknown["code"], unknown["signature"], unknown["canonicalMessage"]) == ("GA2011", "unchecked", None)
     assert sandbox.assert_called("GET", "/api/v1/wallets/*", times=3) == [ok, forged, unknown]
@@ -3822,3 +3826,16 @@ def test_serve_without_demo_says_how_to_make_a_key(tmp_path) -> None:
     finally:
         server.stop()
     assert "walletsvc key create WORKSPACE_ID" in printed and "--demo" in printed
+
+
+def test_journal_keeps_the_request_body_and_the_diagnosed_mistake(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    body = json.dumps({"sourceWalletId": sandbox.wallets["alice"]["id"],
+                       "targetWalletId": sandbox.wallets["bob"]["id"], "amount": "1.00", "currency": "USD"})
+    headers = sandbox.headers("POST", TRANSFER_PATH, b"")  # the empty-body hash signed on a POST
+    webtest.TestApp(sandbox.app).post(TRANSFER_PATH, body, headers={**headers, "Content-Type": "application/json"},
+                                      expect_errors=True)
+    (entry,) = sandbox.journal.entries("POST")
+    assert (entry["code"], entry["body"], entry["headers"]["Content-Type"]) == ("GA2012", body, "application/json")
+    assert entry["diagnosis"] == "the empty-body hash was signed on a request with a body"
+    assert json.loads(entry["responseBody"])["code"] == "GA2012"

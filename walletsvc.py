@@ -1377,9 +1377,10 @@ def completion_resource(row: sqlite3.Row) -> dict:
 class Journal:
     """The last ``size`` requests the HTTP surfaces received, with assertion helpers.
 
-    Each entry: at, method, path, query, apiKey, status, code, canonicalMessage
-    (as the server computed it), signature (valid, invalid or unchecked) and
-    replayed (an idempotent replay). Every field is capped at FIELD_BYTES (a
+    Each entry: at, method, path (raw, as sent), query, apiKey, status, code,
+    canonicalMessage (as the server computed it), signature (valid, invalid or
+    unchecked), replayed (an idempotent replay), headers (as received), body,
+    responseBody, elapsedMs and diagnosis (the signing mistake a GA2012 matched). Every field is capped at FIELD_BYTES (a
     longer one keeps its start and says how much was cut), so the journal
     holds at most about ``size`` x 4 x FIELD_BYTES bytes whatever arrives.
     """
@@ -1392,8 +1393,8 @@ class Journal:
         self.enabled = size > 0
 
     FIELDS = ("at", "method", "path", "query", "apiKey", "status", "code", "canonicalMessage", "signature",
-              "replayed")
-    _CLIENT_TEXT = (1, 2, 3, 4, 7)  # method, path, query, apiKey, canonicalMessage
+              "replayed", "headers", "body", "responseBody", "elapsedMs", "diagnosis")
+    _CLIENT_TEXT = (1, 2, 3, 4, 7, 11, 12)  # method, path, query, apiKey, canonicalMessage, body, responseBody
 
     def record(self, *values: Any) -> None:
         """One entry: the values of FIELDS in order (epoch ms; path and canonical
@@ -1422,6 +1423,9 @@ class Journal:
             entry["path"] = entry["path"].decode("latin-1")
             if entry["canonicalMessage"] is not None:
                 entry["canonicalMessage"] = entry["canonicalMessage"].decode("latin-1")
+            entry["headers"] = dict(entry["headers"])
+            for name in ("body", "responseBody"):
+                entry[name] = entry[name].decode("utf-8", "replace")
             if (method is None or entry["method"] == method.upper()) and (
                     path is None or fnmatch.fnmatchcase(entry["path"], path)):
                 result.append(entry)
@@ -2656,10 +2660,16 @@ class HttpApi:
         code = error.code if error is not None else (None if call.endpoint.bare else SUCCESS_CODE)
         environ = call.environ
         if call.endpoint is not None and call.endpoint.surface == "api" and self.svc.journal.enabled:
+            limit = Journal.FIELD_BYTES
+            received = tuple((name[5:].replace("_", "-").title(), _capped(value, limit))
+                            for name, value in environ.items() if name.startswith("HTTP_"))[:50]
+            if environ.get("CONTENT_TYPE"):
+                received += (("Content-Type", _capped(environ["CONTENT_TYPE"], limit)),)
             self.svc.journal.record(
                 now, environ["REQUEST_METHOD"], call.path, environ.get("QUERY_STRING", ""),
                 environ.get("HTTP_X_API_KEY") or None, status, code, call.canonical, call.verdict,
-                "Idempotent-Replayed" in call.headers)
+                "Idempotent-Replayed" in call.headers, received, call.body, body,
+                round((time.perf_counter() - call.started) * 1000, 3), call.diagnosis and call.diagnosis[0])
         if self.access_log is not None:
             self.access_log.info("%s %s %s %s %.1fms", environ.get("REQUEST_METHOD"),
                                  call.path.decode("latin-1"), status, code or "-",
