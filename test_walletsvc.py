@@ -3104,7 +3104,7 @@ def test_journal_records_each_api_request(walletsvc_sandbox) -> None:
     assert (unknown["code"], unknown["signature"], unknown["canonicalMessage"]) == ("GA2011", "unchecked", None)
     assert sandbox.assert_called("GET", "/api/v1/wallets/*", times=3) == [ok, forged, unknown]
     sandbox.journal.assert_not_called("POST", TRANSFER_PATH)
-    with pytest.raises(AssertionError, match=r"expected POST /api/v1/transfer/command/create 1 time\(s\), got 0"):
+    with pytest.raises(AssertionError, match=r"path='/api/v1/transfer/command/create' 1 time\(s\), got 0"):
         sandbox.assert_called("POST", TRANSFER_PATH, times=1)
     with pytest.raises(AssertionError, match="GET /api/v1/wallets/"):
         sandbox.journal.assert_called("DELETE", "/api/*")
@@ -3839,3 +3839,59 @@ def test_journal_keeps_the_request_body_and_the_diagnosed_mistake(walletsvc_sand
     assert (entry["code"], entry["body"], entry["headers"]["Content-Type"]) == ("GA2012", body, "application/json")
     assert entry["diagnosis"] == "the empty-body hash was signed on a request with a body"
     assert json.loads(entry["responseBody"])["code"] == "GA2012"
+
+
+def _transfer_of(sandbox, amount: str, biz_id: str, **headers: str) -> None:
+    body = json.dumps({"sourceWalletId": sandbox.wallets["alice"]["id"], "targetWalletId": sandbox.wallets["bob"]["id"],
+                       "amount": amount, "currency": "USD", "bizId": biz_id}).encode()
+    webtest.TestApp(sandbox.app).post(TRANSFER_PATH + "?trace=on", body, expect_errors=True, headers={
+        **sandbox.headers("POST", TRANSFER_PATH, body), "Content-Type": "application/json", **headers})
+
+
+def test_journal_assertions_match_query_headers_body_and_code(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    _transfer_of(sandbox, "1.00", "small", **{"X-Trace": "abc"})
+    _transfer_of(sandbox, "5000.00", "large")
+    journal = sandbox.journal
+    (small,) = journal.assert_called("POST", TRANSFER_PATH, times=1, body={"amount": "1.00"},
+                                     headers={"x-trace": "abc"}, query={"trace": "on"})
+    assert small["code"] == "2000"
+    journal.assert_called(code="T2001", at_least=1, body={"bizId": "large"})
+    journal.assert_called("POST", at_least=2)
+    journal.assert_not_called(body={"amount": "2.00"})
+    with pytest.raises(AssertionError) as failed:
+        journal.assert_called("POST", TRANSFER_PATH, body={"amount": "1.50"})
+    assert "closest entries" in str(failed.value) and "body is" in str(failed.value)
+    assert "method is" not in str(failed.value).split("closest entries", 1)[1].splitlines()[1]
+    with pytest.raises(AssertionError, match="at least 3 time"):
+        journal.assert_called("POST", at_least=3)
+
+
+def test_fault_rules_match_on_body_fields_and_headers(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    sandbox.faults.add(code="S503", method="POST", body={"amount": "7.00"})
+    sandbox.faults.add(code="W1002", method="POST", headers={"X-Tenant": "blocked"})
+    _transfer_of(sandbox, "1.00", "passes")
+    _transfer_of(sandbox, "7.00", "fails")
+    _transfer_of(sandbox, "1.00", "tenant", **{"X-Tenant": "blocked"})
+    assert [entry["code"] for entry in sandbox.journal.entries("POST")] == ["2000", "S503", "W1002"]
+    assert [rule["fired"] for rule in sandbox.faults.rules()] == [1, 1]
+
+
+def test_journal_and_fault_matchers_over_http(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    admin = webtest.TestApp(sandbox.app)
+    auth = {"Authorization": f"Bearer {sandbox.admin_token}"}
+    admin.post_json("/_admin/faults", {"code": "T2001", "method": "POST", "body": {"bizId": "doomed"}}, headers=auth)
+    _transfer_of(sandbox, "1.00", "doomed")
+    _transfer_of(sandbox, "1.00", "fine")
+    found = admin.get("/_admin/journal", params={"method": "POST", "body": '{"bizId": "doomed"}'},
+                      headers=auth).json["data"]
+    assert [entry["code"] for entry in found] == ["T2001"]
+    assert len(admin.get("/_admin/journal", params={"query.trace": "on", "code": "2000"},
+                         headers=auth).json["data"]) == 1
+    verdict = admin.post_json("/_admin/journal/assert", {"method": "POST", "body": {"bizId": "fine"}, "times": 1},
+                              headers=auth).json["data"]
+    assert verdict == {"passed": True, "count": 1, "message": None}
+    missed = admin.post_json("/_admin/journal/assert", {"body": {"bizId": "nope"}}, headers=auth).json["data"]
+    assert missed["passed"] is False and "closest entries" in missed["message"]

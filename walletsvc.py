@@ -1412,8 +1412,9 @@ class Journal:
         with self._lock:
             self._entries.clear()
 
-    def entries(self, method: str | None = None, path: str | None = None) -> list[dict]:
-        """Entries, oldest first; ``path`` may be an fnmatch pattern (``/api/v1/wallets/*``)."""
+    def entries(self, method: str | None = None, path: str | None = None, **criteria: Any) -> list[dict]:
+        """Entries, oldest first, that match (``request_misses``): ``path`` may be a glob
+        (``/api/v1/wallets/*``); ``query``, ``headers``, ``body`` (a JSON subset), ``code``."""
         with self._lock:
             entries = list(self._entries)
         result = []
@@ -1426,25 +1427,81 @@ class Journal:
             entry["headers"] = dict(entry["headers"])
             for name in ("body", "responseBody"):
                 entry[name] = entry[name].decode("utf-8", "replace")
-            if (method is None or entry["method"] == method.upper()) and (
-                    path is None or fnmatch.fnmatchcase(entry["path"], path)):
-                result.append(entry)
-        return result
+            result.append(entry)
+        wanted = {"method": method, "path": path, **criteria}
+        return [entry for entry in result if not request_misses(entry, wanted)]
 
-    def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
-        """Fail unless ``method path`` was received (exactly ``times`` times, if given)."""
-        calls = self.entries(method, path)
-        if (times is None and not calls) or (times is not None and len(calls) != times):
-            seen = "\n".join(f"  {e['method']} {e['path']} -> {e['status']} {e['code']}"
-                              for e in self.entries()) or "  (nothing)"
-            wanted = "at least once" if times is None else f"{times} time(s)"
-            raise AssertionError(f"expected {method.upper()} {path} {wanted}, got {len(calls)}; "
-                                 f"the journal holds:\n{seen}")
+    def assert_called(self, method: str | None = None, path: str | None = None, *, times: int | None = None,
+                      at_least: int | None = None, never: bool = False, **criteria: Any) -> list[dict]:
+        """Fail unless matching requests were received: at least once, or exactly ``times``,
+        ``at_least`` so many, or ``never``. The failure lists the closest entries and what
+        differed, the way WireMock shows near misses."""
+        calls = self.entries(method, path, **criteria)
+        if never:
+            times = 0
+        if times is not None:
+            passed, wanted = len(calls) == times, f"{times} time(s)"
+        else:
+            at_least = 1 if at_least is None else at_least
+            passed, wanted = len(calls) >= at_least, f"at least {at_least} time(s)"
+        if not passed:
+            raise AssertionError(self.describe_miss(wanted, len(calls), {"method": method, "path": path, **criteria}))
         return calls
 
-    def assert_not_called(self, method: str, path: str) -> None:
-        """Fail if ``method path`` was received."""
-        self.assert_called(method, path, times=0)
+    def assert_not_called(self, method: str | None = None, path: str | None = None, **criteria: Any) -> None:
+        """Fail if a matching request was received."""
+        self.assert_called(method, path, never=True, **criteria)
+
+    def describe_miss(self, wanted: str, got: int, criteria: Mapping[str, Any]) -> str:
+        shown = " ".join(f"{name}={value!r}" for name, value in criteria.items() if value is not None)
+        near = sorted(((request_misses(entry, criteria), entry) for entry in self.entries()),
+                      key=lambda pair: len(pair[0]))[:3]
+        lines = [f"  {e['method']} {e['path']} -> {e['status']} {e['code']}: "
+                 f"{'; '.join(misses) or 'matches'}" for misses, e in near] or ["  (the journal is empty)"]
+        return f"expected a request with {shown} {wanted}, got {got}; the closest entries:\n" + "\n".join(lines)
+
+
+def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> list[str]:
+    """What of ``criteria`` a request (a journal entry's shape) does not match; empty: a match.
+
+    The matchers journal assertions and fault rules share: ``method``, ``path``
+    (a glob), ``query`` and ``headers`` (name: value; header names in any
+    case), ``body`` (a subset of the JSON body) and ``code`` (journal only).
+    """
+    misses = []
+    method, path = criteria.get("method"), criteria.get("path")
+    if method not in (None, "*") and request["method"] != method.upper():
+        misses.append(f"method is {request['method']}")
+    if path is not None and not fnmatch.fnmatchcase(request["path"], path):
+        misses.append(f"path is {request['path']}")
+    if criteria.get("query"):
+        received = parse_query_string(request.get("query") or "")
+        for name, value in criteria["query"].items():
+            got = (received.get(name) or [None])[0]
+            if got != str(value):
+                misses.append(f"query {name} is {got!r}")
+    if criteria.get("headers"):
+        received = {name.lower(): value for name, value in (request.get("headers") or {}).items()}
+        for name, value in criteria["headers"].items():
+            if received.get(name.lower()) != str(value):
+                misses.append(f"header {name} is {received.get(name.lower())!r}")
+    if criteria.get("body") is not None:
+        try:
+            document = json.loads(request.get("body") or "null")
+        except ValueError:
+            document = None
+        if not _json_subset(criteria["body"], document):
+            misses.append(f"body is {(request.get('body') or '')[:120]!r}")
+    if criteria.get("code") is not None and request.get("code") != str(criteria["code"]):
+        misses.append(f"code is {request.get('code')}")
+    return misses
+
+
+def _json_subset(expected: Any, actual: Any) -> bool:
+    if isinstance(expected, dict):
+        return isinstance(actual, dict) and all(
+            name in actual and _json_subset(value, actual[name]) for name, value in expected.items())
+    return expected == actual
 
 
 def _capped(value: Any, limit: int) -> Any:
@@ -1474,8 +1531,10 @@ class Faults:
 
     def add(self, *, action: str = "error", method: str = "*", path: str = "*",
             workspace_id: str | None = None, code: str | None = None, status: int | None = None,
-            latency: float = 0.0, times: int | None = None) -> dict:
-        """Add a rule (see the class); the rule as stored, with its ``id``."""
+            latency: float = 0.0, times: int | None = None, query: Mapping | None = None,
+            headers: Mapping | None = None, body: Mapping | None = None) -> dict:
+        """Add a rule (see the class); the rule as stored, with its ``id``. ``query``,
+        ``headers`` and ``body`` match as in ``request_misses``."""
         if action not in FAULT_ACTIONS:
             raise invalid("action", "one_of", choices=", ".join(FAULT_ACTIONS))
         if action == "error":
@@ -1493,11 +1552,15 @@ class Faults:
             raise invalid("latency", "one_of", choices="0-60 seconds")
         if times is not None and not (isinstance(times, int) and times >= 1):
             raise invalid("times", "minimum", minimum=1)
+        for name, value in (("query", query), ("headers", headers), ("body", body)):
+            if value is not None and not isinstance(value, dict):
+                raise invalid(name, "type", kinds="object")
         with self._lock:
             self._next += 1
             rule = {"id": f"fault_{self._next}", "action": action, "method": method.upper(), "path": path,
                     "workspaceId": workspace_id, "code": code, "status": status,
-                    "latency": float(latency), "times": times, "fired": 0}
+                    "latency": float(latency), "times": times, "query": query, "headers": headers,
+                    "body": body, "fired": 0}
             self._rules.append(rule)
             return dict(rule)
 
@@ -1512,17 +1575,22 @@ class Faults:
             self._rules.clear()
             self._next = 0
 
-    def take(self, method: str, path: str, workspace_id: str) -> dict | None:
+    def take(self, method: str, path: str, workspace_id: str,
+             request: Callable[[], Mapping[str, Any]] = dict) -> dict | None:
         """The first rule matching this request that is not spent, counted as fired. A spent
         rule (fired ``times`` times) stays listed with its count."""
         if not self._rules:
             return None
         with self._lock:
             for rule in self._rules:
-                if ((rule["times"] is None or rule["fired"] < rule["times"]) and rule["method"] in ("*", method)
+                if not ((rule["times"] is None or rule["fired"] < rule["times"]) and rule["method"] in ("*", method)
                         and fnmatch.fnmatchcase(path, rule["path"]) and rule["workspaceId"] in (None, workspace_id)):
-                    rule["fired"] += 1
-                    return dict(rule)
+                    continue
+                matchers = {"query": rule["query"], "headers": rule["headers"], "body": rule["body"]}
+                if any(value is not None for value in matchers.values()) and request_misses(request(), matchers):
+                    continue
+                rule["fired"] += 1
+                return dict(rule)
         return None
 
 
@@ -2358,11 +2426,20 @@ SCHEMAS: Mapping[str, dict] = {
     "DecisionBody": _object({"workspaceId": _STRING}, []),
     "FaultBody": _object({"action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
                           "workspaceId": _STRING, "code": _STRING, "status": {"type": "integer"},
-                          "latency": {"type": "number"}, "times": {"type": "integer"}}, []),
+                          "latency": {"type": "number"}, "times": {"type": "integer"},
+                          "query": {"type": "object"}, "headers": {"type": "object"}, "body": {"type": "object"}}, []),
+    "JournalAssertBody": _object({"method": _STRING, "path": _STRING, "query": {"type": "object"},
+                                  "headers": {"type": "object"}, "body": {"type": "object"}, "code": _STRING,
+                                  "times": {"type": "integer"}, "atLeast": {"type": "integer"},
+                                  "never": {"type": "boolean"}}, []),
+    "JournalVerdict": _object({"passed": {"type": "boolean"}, "count": {"type": "integer"},
+                               "message": {"type": ["string", "null"]}}),
     "Fault": _object({"id": _STRING, "action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
                       "workspaceId": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
                       "status": {"type": ["integer", "null"]}, "latency": {"type": "number"},
-                      "times": {"type": ["integer", "null"]}, "fired": {"type": "integer"}}),
+                      "times": {"type": ["integer", "null"]}, "query": {"type": ["object", "null"]},
+                      "headers": {"type": ["object", "null"]}, "body": {"type": ["object", "null"]},
+                      "fired": {"type": "integer"}}),
     "ClockBody": _object({"freeze": {"type": "boolean"}, "at": {"type": ["number", "string"]},
                           "advance": {"type": "number"}}, []),
     "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {"type": "object"}}),
@@ -2711,7 +2788,10 @@ class HttpApi:
             prefix = route.app.config.get("_mount.prefix")  # mounted by merging routes: PATH_INFO has it
             if prefix and path.startswith(prefix):
                 path = path[len(prefix) - 1:]
-            fault = self.svc.faults.take(method, path, principal.workspace_id)
+            fault = self.svc.faults.take(method, path, principal.workspace_id, lambda: {
+                "query": call.environ.get("QUERY_STRING", ""), "body": call.body.decode("utf-8", "replace"),
+                "headers": {name[5:].replace("_", "-"): value for name, value in call.environ.items()
+                            if name.startswith("HTTP_")} | {"Content-Type": call.environ.get("CONTENT_TYPE", "")}})
             if fault is not None and fault["latency"]:
                 time.sleep(fault["latency"])  # outside any transaction: other requests go on
             if fault is not None and fault["action"] == "error":
@@ -2987,9 +3067,28 @@ class AdminApi:
         return self.svc.audit()
 
     @endpoint("GET", "/_admin/journal", "The request journal, oldest first", response=_array({"type": "object"}),
-              query=[{"name": name, "in": "query", "schema": _STRING} for name in ("method", "path")])
+              query=[{"name": name, "in": "query", "schema": _STRING} for name in ("method", "path", "code", "body")])
     def journal(self, call: Call) -> list:
-        return self.svc.journal.entries(first(call.query, "method"), first(call.query, "path"))
+        """Query parameters ``method``, ``path``, ``code``, ``query.NAME``, ``header.NAME``, ``body`` (JSON)."""
+        criteria: dict[str, Any] = {name: first(call.query, name) for name in ("method", "path", "code")}
+        for kind, field in (("query.", "query"), ("header.", "headers")):
+            criteria[field] = {name[len(kind):]: values[0] for name, values in call.query.items()
+                               if name.startswith(kind)}
+        if first(call.query, "body") is not None:
+            criteria["body"] = json_object(first(call.query, "body").encode("utf-8"))
+        return self.svc.journal.entries(**criteria)
+
+    @endpoint("POST", "/_admin/journal/assert", "Assert on the journal: passed, the count, the near misses",
+              request="JournalAssertBody", response="JournalVerdict")
+    def assert_journal(self, call: Call) -> dict:
+        body = call.json()
+        counts = {"times": body.pop("times", None), "at_least": body.pop("atLeast", None),
+                  "never": body.pop("never", False)}
+        try:
+            calls = self.svc.journal.assert_called(**counts, **body)
+        except AssertionError as failed:
+            return {"passed": False, "count": len(self.svc.journal.entries(**body)), "message": str(failed)}
+        return {"passed": True, "count": len(calls), "message": None}
 
     @endpoint("DELETE", "/_admin/journal", "Empty the request journal", response=None)
     def clear_journal(self, call: Call) -> None:
