@@ -3895,3 +3895,20 @@ def test_journal_and_fault_matchers_over_http(walletsvc_sandbox) -> None:
     assert verdict == {"passed": True, "count": 1, "message": None}
     missed = admin.post_json("/_admin/journal/assert", {"body": {"bizId": "nope"}}, headers=auth).json["data"]
     assert missed["passed"] is False and "closest entries" in missed["message"]
+
+
+def test_ids_can_be_seeded_over_http() -> None:
+    made = []
+    for _ in range(2):
+        svc = walletsvc.WalletService(":memory:")
+        admin = webtest.TestApp(walletsvc.create_app(svc, admin_token="t"))
+        auth = {"Authorization": "Bearer t"}
+        admin.post_json("/_admin/ids", {"seed": 42}, headers=auth)
+        workspace = admin.post_json("/_admin/workspaces", {"name": "seeded"}, headers=auth).json["data"]
+        key = admin.post_json(f"/_admin/workspaces/{workspace['id']}/keys", {}, headers=auth).json["data"]
+        made.append((workspace["id"], key["apiKey"], key["secret"]))
+        refused = admin.post_json("/_admin/ids", {"seed": "x"}, headers=auth, expect_errors=True)
+        assert refused.json["code"] == "S012"
+    assert made[0] == made[1]  # the same sequence in two services
+    fresh = walletsvc.WalletService(":memory:").create_workspace("random")["id"]
+    assert fresh != made[0][0]

@@ -1736,6 +1736,15 @@ class WalletService:
         self._random = random.Random(seed) if seed is not None else None
         self._last_id = (0, 0)
 
+    def seed_ids(self, seed: int | None) -> None:
+        """Make the ids and secrets that follow a deterministic sequence of ``seed`` (None:
+        random again), as the ``id_seed`` setting does from the start. Tests only."""
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise invalid("seed", "integer")
+        with self._id_lock:
+            self._random = random.Random(seed) if seed is not None else None
+            self._last_id = (0, 0)
+
     def now_ms(self) -> int:
         """The service clock, in epoch milliseconds."""
         return int(self.clock() * 1000)
@@ -2440,6 +2449,7 @@ SCHEMAS: Mapping[str, dict] = {
                       "times": {"type": ["integer", "null"]}, "query": {"type": ["object", "null"]},
                       "headers": {"type": ["object", "null"]}, "body": {"type": ["object", "null"]},
                       "fired": {"type": "integer"}}),
+    "SeedBody": _object({"seed": {"type": ["integer", "null"]}}),
     "ClockBody": _object({"freeze": {"type": "boolean"}, "at": {"type": ["number", "string"]},
                           "advance": {"type": "number"}}, []),
     "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {"type": "object"}}),
@@ -3108,6 +3118,11 @@ class AdminApi:
     @endpoint("DELETE", "/_admin/faults", "Remove every fault rule", response=None)
     def clear_faults(self, call: Call) -> None:
         self.svc.faults.clear()
+
+    @endpoint("POST", "/_admin/ids", "Seed the ids and secrets that follow (null: random again)",
+              request="SeedBody", response=None)
+    def seed_ids(self, call: Call) -> None:
+        self.svc.seed_ids(call.json().get("seed"))
 
     @endpoint("GET", "/_admin/clock", "The service clock", response="ClockState")
     def get_clock(self, call: Call) -> dict:
