@@ -1028,22 +1028,6 @@ def test_an_incomplete_declaration_fails_when_the_app_is_created(svc, monkeypatc
             walletsvc.create_app(svc)
 
 
-def test_a_declared_endpoint_is_routed_scoped_and_documented(svc, world, clock, monkeypatch) -> None:
-    """README, "Adding an endpoint": the declared handler is all the HTTP layer needs."""
-    @walletsvc.endpoint("GET", "/api/v1/wallets/<wallet_id>/name", "A wallet's name", scope="wallet:read",
-                        response={"type": "string"})
-    def wallet_name(self, call, wallet_id):
-        return self.svc.get_wallet(wallet_id, workspace_id=call.principal.workspace_id)["name"]
-
-    monkeypatch.setattr(walletsvc.WalletApi, "wallet_name", wallet_name, raising=False)
-    app = webtest.TestApp(walletsvc.create_app(svc))
-    assert data(Api(app, world["key"], clock).get(f"/api/v1/wallets/{world['a']}/name")) == "a"
-    reader = Api(app, svc.create_api_key(world["ws"]["id"], ["transfer:read"]), clock)
-    error(reader.get(f"/api/v1/wallets/{world['a']}/name"), "GA2024", 403)
-    operation = app.get("/openapi.json").json["paths"]["/api/v1/wallets/{wallet_id}/name"]["get"]
-    assert operation["summary"] == "A wallet's name"
-
-
 def test_create_app_takes_only_http_settings_and_the_service_only_its_own() -> None:
     svc = walletsvc.WalletService(":memory:")
     for name, value in [("settlement", "manual"), ("magic_values", True), ("journal_size", 5)]:
@@ -2985,25 +2969,86 @@ def test_a_suite_in_any_language_drives_the_served_demo_over_http(tmp_path) -> N
         server.stop()
 
 
-def test_readme_curl_walk_through_runs_as_printed(tmp_path) -> None:
+README = pathlib.Path(__file__).parent / "README.md"
+
+
+def readme_blocks(section: str, language: str) -> list[str]:
+    """The ```language blocks of one README section, as printed."""
+    text = README.read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return [block.split("```", 1)[0] for block in text.split(f"```{language}\n")[1:]]
+
+
+def test_every_readme_python_block_runs_in_the_suite() -> None:
+    """A new Python block in README needs a test that runs it; these are the tested sections."""
+    sections = re.findall(r"^## (.+)$", README.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    with_python = {section for section in sections if readme_blocks(section, "python")}
+    assert with_python == {"A signed request", "Embedding", "Clients", "Using walletsvc in your tests",
+                           "Adding an endpoint"}
+
+
+@pytest.fixture
+def demo_server(tmp_path):
+    """``walletsvc serve --demo`` and the environment a user has after reading its banner."""
+    server = ServerProcess(str(tmp_path / "demo.db"), tmp_path / "demo.log", "--demo")
+    server.start()
+    printed = (tmp_path / "demo.log").read_text()
+    env = {**os.environ, **{name: re.search(rf"{label}\s*: (\S+)", printed).group(1)
+                            for name, label in (("KEY", "API key"), ("SECRET", "secret"), ("TOKEN", "admin token"))}}
+    yield server, env
+    server.stop()
+
+
+@pytest.mark.parametrize("section", ["A signed request", "Clients"])
+def test_readme_python_blocks_run_as_printed_against_the_demo(demo_server, section, tmp_path) -> None:
+    server, env = demo_server
+    for block in readme_blocks(section, "python"):
+        done = subprocess.run([sys.executable, "-c", block.replace("http://127.0.0.1:8080", server.url)],
+                              env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+    if section == "A signed request":
+        assert done.stdout == "3 wallets\n"
+    else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 250.00
+        reply = walletsvc.Client(server.url, env["KEY"], env["SECRET"]).list_wallets(sort=["name,asc"])
+        assert [wallet["balance"] for wallet in reply["content"]] == ["989.00", "261.00", "50000"]
+
+
+def test_readme_adding_an_endpoint_block_serves_an_endpoint(svc, world, clock, monkeypatch) -> None:
+    """README, "Adding an endpoint": the three pieces, as printed, are all the HTTP layer needs."""
+    import textwrap
+
+    (block,) = readme_blocks("Adding an endpoint", "python")
+    handler, service, resource = (textwrap.dedent(piece.split("\n", 1)[1])
+                                  for piece in re.split(r"^# \d\. ", block, flags=re.MULTILINE)[1:])
+    resource, schema = resource.split("\n\n")
+    pieces, scope = {}, dict(vars(walletsvc))  # as if written in walletsvc.py
+    for name, piece in (("handler", handler), ("service", service), ("resource", resource)):
+        exec(compile(piece, f"README.md (Adding an endpoint: {name})", "exec"), scope)  # noqa: S102 - ours
+        pieces[name] = scope["limits_resource" if name == "resource" else "get_limits"]
+    monkeypatch.setattr(walletsvc.WalletApi, "get_limits", pieces["handler"], raising=False)
+    monkeypatch.setattr(walletsvc.WalletService, "get_limits", pieces["service"], raising=False)
+    monkeypatch.setattr(walletsvc, "limits_resource", pieces["resource"], raising=False)
+    monkeypatch.setattr(walletsvc, "SCHEMAS", {**walletsvc.SCHEMAS, **eval("{" + schema + "}", vars(walletsvc))})  # noqa: S307
+
+    app = webtest.TestApp(walletsvc.create_app(svc))
+    assert data(Api(app, world["key"], clock).get(f"/api/v1/wallets/{world['a']}/limits")) == {
+        "walletId": world["a"], "largestTransfer": "100.00"}
+    reader = Api(app, svc.create_api_key(world["ws"]["id"], ["transfer:read"]), clock)
+    error(reader.get(f"/api/v1/wallets/{world['a']}/limits"), "GA2024", 403)
+    operation = app.get("/openapi.json").json["paths"]["/api/v1/wallets/{wallet_id}/limits"]["get"]
+    assert operation["summary"] == "Get a wallet's limits"
+    assert "largestTransfer" in json.dumps([operation, app.get("/openapi.json").json["components"]])
+
+
+def test_readme_curl_walk_through_runs_as_printed(demo_server) -> None:
     import shutil
 
     if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
         pytest.skip("the walk-through needs bash, curl, openssl and sha256sum")
-    readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
-    script = readme.split("## Driving the sandbox from any language", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
-    server = ServerProcess(str(tmp_path / "walk.db"), tmp_path / "walk.log", "--demo")
-    server.start()
-    try:
-        printed = (tmp_path / "walk.log").read_text()
-        env = {**os.environ, **{name: re.search(rf"{label}\s*: (\S+)", printed).group(1)
-                                for name, label in (("KEY", "API key"), ("SECRET", "secret"),
-                                                    ("TOKEN", "admin token"))}}
-        script = script.replace("http://127.0.0.1:8080", server.url)
-        done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
-                              timeout=60, check=False)
-    finally:
-        server.stop()
+    server, env = demo_server
+    (script,) = readme_blocks("Driving the sandbox from any language", "sh")
+    script = script.replace("http://127.0.0.1:8080", server.url)
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert '"status":"COMPLETED"' in done.stdout
     assert "transfer journaled" in done.stdout and "reset: same key, fresh demo" in done.stdout
