@@ -3027,7 +3027,7 @@ def test_readme_adding_an_endpoint_block_serves_an_endpoint(svc, world, clock, m
     monkeypatch.setattr(walletsvc.WalletApi, "get_limits", pieces["handler"], raising=False)
     monkeypatch.setattr(walletsvc.WalletService, "get_limits", pieces["service"], raising=False)
     monkeypatch.setattr(walletsvc, "limits_resource", pieces["resource"], raising=False)
-    monkeypatch.setattr(walletsvc, "SCHEMAS", {**walletsvc.SCHEMAS, **eval("{" + schema + "}", vars(walletsvc))})  # noqa: S307
+    monkeypatch.setattr(walletsvc, "SCHEMAS", {**walletsvc.SCHEMAS, **eval("{" + schema + "}", vars(walletsvc))})
 
     app = webtest.TestApp(walletsvc.create_app(svc))
     assert data(Api(app, world["key"], clock).get(f"/api/v1/wallets/{world['a']}/limits")) == {
