@@ -39,6 +39,7 @@ import fnmatch
 import functools
 import hashlib
 import hmac
+import html
 import importlib.metadata
 import inspect
 import io
@@ -320,6 +321,12 @@ class Unauthorized(WalletError):
                 "管理接口需要 Authorization: Bearer <管理令牌>。")
 
 
+class CrossSiteRefused(WalletError):
+    code, name, status = "S403", "FORBIDDEN", 403
+    messages = ("A console session authorizes only the console page's own requests (X-Console-Csrf).",
+                "控制台会话只授权控制台页面本身的请求（X-Console-Csrf）。")
+
+
 class MethodNotAllowed(WalletError):
     code, name, status = "S405", "METHOD_NOT_ALLOWED", 405
     messages = ("This method is not allowed on this path.", "该路径不支持此请求方法。")
@@ -385,7 +392,7 @@ class IdempotencyConflict(WalletError):
 ERRORS = (
     ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember,
     RequestExpired, SignatureInvalid, IpNotWhitelisted, ScopeRequired, ApiAccessDenied,
-    InvalidParameter, Unauthorized, NotFound, MethodNotAllowed, PayloadTooLarge, UnsupportedMediaType,
+    InvalidParameter, Unauthorized, CrossSiteRefused, NotFound, MethodNotAllowed, PayloadTooLarge, UnsupportedMediaType,
     InternalError, ServiceBusy, WalletNotFound, WalletNotActive, TransferNotFound,
     InsufficientBalance, CurrencyMismatch, SameWallet, IdempotencyConflict,
 )
@@ -1569,6 +1576,14 @@ class Faults:
         with self._lock:
             return [dict(rule) for rule in self._rules]
 
+    def remove(self, fault_id: str) -> None:
+        """Remove one rule; S404 if there is none with that id."""
+        with self._lock:
+            kept = [rule for rule in self._rules if rule["id"] != fault_id]
+            if len(kept) == len(self._rules):
+                raise not_found("fault rule")
+            self._rules[:] = kept
+
     def clear(self) -> None:
         """Remove every rule; ids start again from fault_1."""
         with self._lock:
@@ -1618,7 +1633,7 @@ MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
 _WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
                      " AND m.role = 'OWNER' ORDER BY created_at LIMIT 1) AS owner_member_id"
                      " FROM workspaces w")
-_THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径"}
+_THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径", "fault rule": "故障规则"}
 
 
 def not_found(thing: str) -> NotFound:
@@ -2473,6 +2488,7 @@ def _filters(*names: str) -> tuple:
 
 
 _TRANSFER_FILTERS = _filters("status", "createdFrom", "createdTo", "bizIdPrefix")
+_FLOW_FILTERS = _filters("type", "direction", "createdFrom", "createdTo")
 
 # A JSON value's type, as a schema names it (bool is not a number in JSON).
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
@@ -2519,6 +2535,9 @@ def _check_type(name: str, value: Any, schema: Mapping[str, Any]) -> None:
 ###############################################################################
 
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"
+HTML_CONTENT_TYPE = "text/html; charset=utf-8"
+CONSOLE_PATH = "/_admin/console"  # the sandbox console's page (Console)
+CONSOLE_COOKIE = "walletsvc_console"
 _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in HTTPStatus}
 
 
@@ -2537,14 +2556,16 @@ class Endpoint:
     scope: str | None = None  # /api/ only: the scope a key needs (SPEC.md Scopes)
     request: str | None = None  # the JSON body's schema, a name in SCHEMAS
     query: tuple = ()  # query parameters, as OpenAPI parameter objects
-    bare: bool = False  # answered as is, without the envelope (/openapi.json)
+    media: str | None = None  # answered as is in this media type, without the envelope (/openapi.json, the console)
     name: str = ""  # the handler's name: the operation and the Client method
 
     @property
     def surface(self) -> str:
-        """api (signed), admin (bearer token) or public."""
+        """api (signed), admin (bearer token or console session), console (its login) or public."""
         if re.match(r"/api(/|<|$)", self.path):
             return "api"
+        if self.path == CONSOLE_PATH:
+            return "console"
         return "admin" if self.path.startswith("/_admin/") else "public"
 
     @property
@@ -2553,10 +2574,10 @@ class Endpoint:
 
 
 def endpoint(method: str, path: str, summary: str, *, response: str | dict | None, scope: str | None = None,
-             request: str | None = None, query: Iterable[dict] = (), bare: bool = False) -> Callable:
+             request: str | None = None, query: Iterable[dict] = (), media: str | None = None) -> Callable:
     """Declare the decorated handler as ``method path`` (see Endpoint)."""
     def declare(handler: Callable) -> Callable:
-        handler.endpoint = Endpoint(method, path, summary, response, scope, request, tuple(query), bare,
+        handler.endpoint = Endpoint(method, path, summary, response, scope, request, tuple(query), media,
                                     handler.__name__)
         return handler
     return declare
@@ -2654,6 +2675,7 @@ class Call:
     nonce: tuple | None = None  # (key, nonce, now, expiry) passed at step 5, not recorded yet
     diagnosis: tuple | None = None  # the signing mistake a GA2012 matched (debug_signatures)
     headers: dict = dataclasses.field(default_factory=dict)  # extra response headers
+    status: int = 200  # of a success (the console's login answers 303 or 401)
     drop: bool = False  # a commit_then_drop fault: cut the connection mid-response
 
     @functools.cached_property
@@ -2690,6 +2712,7 @@ class HttpApi:
         self.svc = svc
         self.settings = settings
         self.auth = Authenticator(svc.db, settings, svc.clock)
+        self.console = Console(settings.admin_token or "")
         self.endpoints: list[Endpoint] = []  # every declared endpoint the app serves
         self.access_log: logging.Logger | None = None  # one line per request when set (walletsvc serve)
 
@@ -2716,7 +2739,7 @@ class HttpApi:
                 data = self.call_api(call, route, url_args, handler)
             else:
                 if declaration.surface == "admin":
-                    self.check_admin_token(environ)
+                    self.check_admin(call)
                 data = handler(call, **url_args)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the envelope
             return self.finish(call, None, self.as_wallet_error(exc))
@@ -2737,14 +2760,15 @@ class HttpApi:
         """The one renderer: the envelope (or a bare document), its status and headers;
         the journal entry and the access log line."""
         now = self.svc.now_ms()
+        media = call.endpoint.media if error is None else None
         if error is None:
-            status, payload = 200, data if call.endpoint.bare else envelope(data, now)
+            status, payload = call.status, data if media else envelope(data, now)
         else:
             status, payload = error.status, error_envelope(error, call.locale, now)
-        body = to_json(payload)
-        headers = [("Content-Type", JSON_CONTENT_TYPE), ("Content-Language", call.locale),
+        body = payload.encode("utf-8") if isinstance(payload, str) else to_json(payload)
+        headers = [("Content-Type", media or JSON_CONTENT_TYPE), ("Content-Language", call.locale),
                    ("Cache-Control", "no-store"), ("Content-Length", str(len(body))), *call.headers.items()]
-        code = error.code if error is not None else (None if call.endpoint.bare else SUCCESS_CODE)
+        code = error.code if error is not None else (None if media else SUCCESS_CODE)
         environ = call.environ
         if call.endpoint is not None and call.endpoint.surface == "api" and self.svc.journal.enabled:
             limit = Journal.FIELD_BYTES
@@ -2837,6 +2861,17 @@ class HttpApi:
             raise failure
         return data
 
+    def check_admin(self, call: Call) -> None:
+        """The bearer token; or the console's session cookie, which authorizes only with
+        the page's CSRF header and from the same origin (S403 otherwise)."""
+        session = self.console.session(call.environ)
+        if session is None or "HTTP_AUTHORIZATION" in call.environ:
+            self.check_admin_token(call.environ)
+        elif not session:
+            raise Unauthorized()
+        elif not self.console.same_origin(call.environ, session):
+            raise CrossSiteRefused()
+
     def check_admin_token(self, environ: Mapping[str, Any]) -> None:
         scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
         expected = (self.settings.admin_token or "").encode("utf-8")
@@ -2902,7 +2937,7 @@ class WalletApi:
         return self.svc.get_balance(wallet_id, workspace_id=call.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/flows", "List a wallet's flows", scope="wallet:read",
-              response="FlowPage", query=_filters("type", "direction", "createdFrom", "createdTo"))
+              response="FlowPage", query=_FLOW_FILTERS)
     def list_flows(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_flows(wallet_id, call.query, workspace_id=call.principal.workspace_id)
 
@@ -2949,7 +2984,7 @@ class WalletApi:
         return {"status": "ok", "version": __version__}
 
     @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)", response={"type": "object"},
-              bare=True)
+              media=JSON_CONTENT_TYPE)
     def openapi(self, call: Call) -> dict:
         environ = call.environ
         host = environ.get("HTTP_HOST") or f"{environ.get('SERVER_NAME', 'localhost')}:{environ.get('SERVER_PORT', '80')}"
@@ -2973,8 +3008,24 @@ class AdminApi:
     Served only when an admin token is configured: otherwise the whole surface is 404.
     """
 
-    def __init__(self, svc: WalletService) -> None:
+    def __init__(self, svc: WalletService, console: Console) -> None:
         self.svc = svc
+        self.console = console
+
+    @endpoint("GET", CONSOLE_PATH, "The sandbox console (HTML): its login form, or the console once logged in",
+              response={"type": "string"}, media=HTML_CONTENT_TYPE)
+    def console_page(self, call: Call) -> str:
+        session = self.console.session(call.environ)
+        return self.console.page(call, session) if session else self.console.login_form(call)
+
+    @endpoint("POST", CONSOLE_PATH, "Log in to the console: the form field token, the admin token",
+              response={"type": "string"}, media=HTML_CONTENT_TYPE)
+    def console_login(self, call: Call) -> str:
+        return self.console.log_in(call)
+
+    @endpoint("POST", CONSOLE_PATH + "/logout", "Log out of the console (ends the session cookie)", response=None)
+    def console_logout(self, call: Call) -> None:
+        call.headers["Set-Cookie"] = self.console.cookie(call, "", max_age=0)
 
     @endpoint("GET", "/_admin/workspaces", "List workspaces", response=_array("Workspace"))
     def list_workspaces(self, call: Call) -> list:
@@ -3042,6 +3093,21 @@ class AdminApi:
     def get_wallet(self, call: Call, wallet_id: str) -> dict:
         return self.svc.get_wallet(wallet_id)
 
+    @endpoint("GET", "/_admin/wallets/<wallet_id>/balance", "Get a wallet's balance", response="Balance")
+    def get_balance(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.get_balance(wallet_id)
+
+    @endpoint("GET", "/_admin/wallets/<wallet_id>/flows", "List a wallet's flows", response="FlowPage",
+              query=_FLOW_FILTERS)
+    def list_flows(self, call: Call, wallet_id: str) -> dict:
+        return self.svc.list_flows(wallet_id, call.query)
+
+    @endpoint("GET", "/_admin/workspaces/<workspace_id>/transfers", "List a workspace's transfer orders",
+              response="TransferOrderPage", query=_TRANSFER_FILTERS)
+    def list_transfers(self, call: Call, workspace_id: str) -> dict:
+        self.svc.get_workspace(workspace_id)
+        return self.svc.list_transfers(workspace_id, call.query)
+
     @endpoint("POST", "/_admin/wallets/<wallet_id>/status", "Freeze, unfreeze or close a wallet",
               request="StatusBody", response="Wallet")
     def set_wallet_status(self, call: Call, wallet_id: str) -> dict:
@@ -3077,16 +3143,22 @@ class AdminApi:
         return self.svc.audit()
 
     @endpoint("GET", "/_admin/journal", "The request journal, oldest first", response=_array({"type": "object"}),
-              query=[{"name": name, "in": "query", "schema": _STRING} for name in ("method", "path", "code", "body")])
+              query=[*({"name": name, "in": "query", "schema": _STRING} for name in ("method", "path", "code", "body")),
+                     {"name": "last", "in": "query", "schema": {"type": "integer", "minimum": 0}}])
     def journal(self, call: Call) -> list:
-        """Query parameters ``method``, ``path``, ``code``, ``query.NAME``, ``header.NAME``, ``body`` (JSON)."""
+        """Query parameters ``method``, ``path``, ``code``, ``query.NAME``, ``header.NAME``, ``body``
+        (JSON); ``last``: only the newest so many of the matching entries."""
+        last = first(call.query, "last")
+        if last is not None and not (last.isdigit() and len(last) <= 9):
+            raise invalid("last", "integer")
         criteria: dict[str, Any] = {name: first(call.query, name) for name in ("method", "path", "code")}
         for kind, field in (("query.", "query"), ("header.", "headers")):
             criteria[field] = {name[len(kind):]: values[0] for name, values in call.query.items()
                                if name.startswith(kind)}
         if first(call.query, "body") is not None:
             criteria["body"] = json_object(first(call.query, "body").encode("utf-8"))
-        return self.svc.journal.entries(**criteria)
+        entries = self.svc.journal.entries(**criteria)
+        return entries if last is None else entries[len(entries) - min(int(last), len(entries)):]
 
     @endpoint("POST", "/_admin/journal/assert", "Assert on the journal: passed, the count, the near misses",
               request="JournalAssertBody", response="JournalVerdict")
@@ -3118,6 +3190,10 @@ class AdminApi:
     @endpoint("DELETE", "/_admin/faults", "Remove every fault rule", response=None)
     def clear_faults(self, call: Call) -> None:
         self.svc.faults.clear()
+
+    @endpoint("DELETE", "/_admin/faults/<fault_id>", "Remove one fault rule", response=None)
+    def remove_fault(self, call: Call, fault_id: str) -> None:
+        self.svc.faults.remove(fault_id)
 
     @endpoint("POST", "/_admin/ids", "Seed the ids and secrets that follow (null: random again)",
               request="SeedBody", response=None)
@@ -3161,6 +3237,398 @@ class AdminApi:
 
 
 ###############################################################################
+# Sandbox console ##############################################################
+###############################################################################
+
+
+class Console:
+    """The sandbox console at /_admin/console (DESIGN.md §9): one HTML page and its session.
+
+    Logging in with the admin token sets an HttpOnly, SameSite=Strict cookie
+    (a random nonce and its HMAC under the admin token: no server state, and
+    a new admin token ends every session). The cookie alone authorizes
+    nothing: a request must also carry the page's CSRF token (another HMAC of
+    the nonce, readable only by a page of the same origin) and must not come
+    from another site (``Sec-Fetch-Site``, ``Origin``).
+    """
+
+    def __init__(self, admin_token: str) -> None:
+        self.key = admin_token.encode("utf-8")
+
+    def mac(self, purpose: str, nonce: str) -> str:
+        digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+
+    def session(self, environ: Mapping[str, Any]) -> str | None:
+        """The session's nonce; None without the cookie, "" for a cookie that is not a session."""
+        value = next((part.strip()[len(CONSOLE_COOKIE) + 1:] for part in environ.get("HTTP_COOKIE", "").split(";")
+                      if part.strip().startswith(CONSOLE_COOKIE + "=")), None)
+        if value is None:
+            return None
+        nonce, _, mac = value.partition(".")
+        valid = self.key and nonce and hmac.compare_digest(mac.encode("latin-1", "replace"),
+                                                           self.mac("session", nonce).encode())
+        return nonce if valid else ""
+
+    def same_origin(self, environ: Mapping[str, Any], nonce: str) -> bool:
+        """The page's CSRF header is right and the browser does not say another site sent it."""
+        token = environ.get("HTTP_X_CONSOLE_CSRF", "").encode("latin-1", "replace")
+        origin = environ.get("HTTP_ORIGIN")
+        return (hmac.compare_digest(token, self.mac("csrf", nonce).encode())
+                and environ.get("HTTP_SEC_FETCH_SITE", "same-origin") in ("same-origin", "none")
+                and (origin is None or urllib.parse.urlsplit(origin).netloc == environ.get("HTTP_HOST")))
+
+    def cookie(self, call: Call, value: str, max_age: int | None = None) -> str:
+        """A Set-Cookie value scoped to the admin surface under whatever prefix the app is mounted."""
+        head, found, _ = call.path.decode("latin-1").rpartition("/_admin/")
+        attributes = [f"{CONSOLE_COOKIE}={value}", f"Path={head + found if found else '/'}", "HttpOnly",
+                      "SameSite=Strict"]
+        if max_age is not None:
+            attributes.append(f"Max-Age={max_age}")
+        if call.environ.get("wsgi.url_scheme") == "https":
+            attributes.append("Secure")
+        return "; ".join(attributes)
+
+    def log_in(self, call: Call) -> str:
+        """The login form's POST: a session cookie and a redirect to the console, or the form again."""
+        try:
+            form = urllib.parse.parse_qs(call.body.decode("utf-8", "replace"), max_num_fields=20)
+        except ValueError:
+            form = {}
+        token = (form.get("token") or [""])[0].strip().encode("utf-8")
+        if not self.key or not hmac.compare_digest(token, self.key):
+            call.status = 401
+            return self.login_form(call, "That is not the admin token.")
+        nonce = secrets.token_urlsafe(18)
+        call.status = 303
+        call.headers.update({"Location": "console", "Set-Cookie": self.cookie(call, f"{nonce}.{self.mac('session', nonce)}")})
+        return ""
+
+    def login_form(self, call: Call, message: str = "") -> str:
+        call.headers.update(_PAGE_HEADERS)
+        return _CONSOLE_LOGIN.replace("__MESSAGE__", html.escape(message))
+
+    def page(self, call: Call, nonce: str) -> str:
+        call.headers.update(_PAGE_HEADERS)
+        return _CONSOLE_PAGE.replace("__CSRF__", self.mac("csrf", nonce))
+
+
+_CONSOLE_STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d2329; background: #f6f7f9; }
+header { display: flex; gap: 1.2em; align-items: center; padding: .6em 1.2em; background: #1d2329; color: #fff; }
+header nav { display: flex; gap: .9em; flex: 1; }
+header a { color: #b9c6d3; text-decoration: none; } header a.here { color: #fff; border-bottom: 2px solid #5fb3ff; }
+main { padding: 0 1.2em 2em; } h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
+table { border-collapse: collapse; background: #fff; margin: .4em 0; }
+th, td { border-bottom: 1px solid #e3e6ea; padding: .3em .7em; text-align: left; vertical-align: top; }
+th { background: #eceff3; font-weight: 600; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.pick { cursor: pointer; } tr.pick:hover, tr.picked { background: #eaf4ff; }
+tr.invalid td { color: #a4161a; } .PENDING { color: #9a6700; } .FAILED { color: #a4161a; } .COMPLETED { color: #1a7f37; }
+pre { background: #fff; border: 1px solid #e3e6ea; padding: .6em; white-space: pre-wrap; word-break: break-all; }
+code { font: 12px ui-monospace, monospace; } .hint { color: #57606a; }
+#message { margin: .5em 1.2em; min-height: 1.4em; } .bad { color: #a4161a; } .diagnosis { font-weight: 600; color: #a4161a; }
+form { background: #fff; padding: .8em; border: 1px solid #e3e6ea; display: inline-block; margin: .3em 0; }
+form label { display: inline-block; margin: .2em .8em .2em 0; } textarea { width: 16em; height: 2.4em; }
+button { cursor: pointer; } button.danger { color: #a4161a; }
+"""
+
+_CONSOLE_SCRIPT = """
+"use strict";
+const csrf = document.querySelector('meta[name="csrf"]').content;
+const FAULT_ACTIONS = __FAULT_ACTIONS__;
+const views = {wallets: showWallets, transfers: showTransfers, journal: showJournal, clock: showClock,
+               faults: showFaults};
+const id = encodeURIComponent;
+let selectedWallet = null, openEntry = null, refreshing = false;
+
+function el(tag, attributes, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes || {})) {
+    if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else if (value !== null && value !== undefined && value !== false) node.setAttribute(name, value);
+  }
+  for (const child of children.flat()) node.append(child instanceof Node ? child : String(child ?? ""));
+  return node;  // text goes in as text: nothing a request carried can become markup
+}
+const cell = (value, kind) => el("td", kind ? {class: kind} : {}, value);
+const code = (value) => value ? el("code", {}, value) : "-";
+const table = (headings, rows) => el("table", {}, el("thead", {}, el("tr", {}, headings.map(h => el("th", {}, h)))),
+                                     el("tbody", {}, rows));
+const fill = (selector, ...nodes) => document.querySelector(selector).replaceChildren(...nodes.flat());
+
+function say(text, bad) {
+  const message = document.getElementById("message");
+  message.textContent = text;
+  message.className = bad ? "bad" : "";
+}
+
+async function api(method, path, body) {
+  const init = {method, headers: {"X-Console-Csrf": csrf}, credentials: "same-origin", cache: "no-store"};
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const reply = await fetch(path, init);
+  if (reply.status === 401) location.reload();  // the session ended: the login form
+  const answer = await reply.json();
+  if (!answer.success) throw new Error(`${answer.code} ${answer.message}: ${answer.detail}`);
+  return answer.data;
+}
+
+async function act(method, path, body, done) {
+  try {
+    await api(method, path, body);
+    say(done);
+  } catch (error) {
+    say(error.message, true);
+  }
+  await refresh();
+}
+
+async function showWallets() {
+  const parts = [];
+  for (const workspace of await api("GET", "workspaces")) {
+    const page = await api("GET", `workspaces/${id(workspace.id)}/wallets?size=100&sort=createdAt,asc`);
+    const balances = await Promise.all(page.content.map(w => api("GET", `wallets/${id(w.id)}/balance`)));
+    parts.push(el("h2", {}, workspace.name, " ", code(workspace.id)), table(
+      ["Id", "Name", "Currency", "Status", "Balance", "Available", "Pending"],
+      page.content.map((w, i) => el("tr", {class: w.id === selectedWallet ? "pick picked" : "pick", "data-wallet": w.id,
+                                           onclick: () => { selectedWallet = w.id; refresh(); }},
+        cell(code(w.id)), cell(w.name), cell(w.currency), cell(w.status, w.status), cell(balances[i].balance, "num"),
+        cell(balances[i].available, "num"), cell(balances[i].pending, "num")))));
+    if (page.page.totalElements > page.content.length) {
+      parts.push(el("p", {class: "hint"}, `The first ${page.content.length} of ${page.page.totalElements} wallets.`));
+    }
+  }
+  fill("#wallets .data", parts.length ? parts : el("p", {}, "No workspaces yet."));
+  if (!selectedWallet) return fill("#flows");
+  const flows = await api("GET", `wallets/${id(selectedWallet)}/flows?size=100`);
+  fill("#flows", el("h2", {}, "Flows of ", code(selectedWallet), ", newest first"), table(
+    ["At", "Type", "Direction", "Amount", "Balance after", "Counterparty", "bizId"],
+    flows.content.map(f => el("tr", {}, cell(f.createdAt), cell(f.type), cell(f.direction), cell(f.amount, "num"),
+                                     cell(f.balanceAfter, "num"), cell(code(f.counterpartyWalletId)), cell(f.bizId || "-")))));
+}
+
+async function showTransfers() {
+  const orders = [];
+  for (const workspace of await api("GET", "workspaces")) {
+    const page = await api("GET", `workspaces/${id(workspace.id)}/transfers?size=100`);
+    orders.push(...page.content.map(order => ({...order, workspaceId: workspace.id})));
+  }
+  orders.sort((a, b) => b.createdAt.localeCompare(a.createdAt) || b.transferId.localeCompare(a.transferId));
+  const decide = (order, verb) => el("button", {onclick: () => act(
+    "POST", `transfers/${id(order.bizId)}/${verb.toLowerCase()}`, {workspaceId: order.workspaceId},
+    `${order.bizId}: ${verb.toLowerCase()}ed.`)}, verb);
+  fill("#transfers .data", orders.length ? table(
+    ["Created", "bizId", "From", "To", "Amount", "Status", ""],
+    orders.map(o => el("tr", {"data-biz": o.bizId}, cell(o.createdAt), cell(o.bizId), cell(code(o.sourceWalletId)),
+                              cell(code(o.targetWalletId)), cell(`${o.amount} ${o.currency}`, "num"),
+                              cell(o.status, o.status),
+                              cell(o.status === "PENDING" ? [decide(o, "Complete"), " ", decide(o, "Fail")] : ""))))
+    : el("p", {}, "No transfer orders yet."));
+}
+
+async function showJournal() {
+  const entries = (await api("GET", "journal?last=200")).reverse();
+  fill("#journal .data", entries.length ? table(
+    ["At", "Method", "Path", "Status", "Code", "Verdict", "Elapsed ms"],
+    entries.map(e => el("tr", {class: `pick ${e.signature}`, onclick: () => { openEntry = e; showEntry(); }},
+      cell(e.at), cell(e.method), cell(code(e.path + (e.query ? "?" + e.query : ""))), cell(e.status),
+      cell(e.code || "-"), cell(e.signature), cell(e.elapsedMs, "num"))))
+    : el("p", {}, "No requests yet: every request to /api/ appears here."));
+}
+
+function showEntry() {
+  const e = openEntry;
+  if (!e) return fill("#entry");
+  fill("#entry", el("h2", {}, `${e.method} ${e.path}: ${e.status} ${e.code || ""}`),
+    e.diagnosis ? el("p", {class: "diagnosis"}, "Diagnosis: ", e.diagnosis) : "",
+    el("h3", {}, "Canonical message the server computed"),
+    el("pre", {class: "canonical"}, e.canonicalMessage ?? "(none: the request did not reach the signature check)"),
+    el("h3", {}, "Request headers"),
+    table(["Header", "Value"], Object.entries(e.headers).map(([name, value]) => el("tr", {}, cell(name), cell(code(value))))),
+    el("h3", {}, "Request body"), el("pre", {}, e.body || "(empty)"),
+    el("h3", {}, "Response body"), el("pre", {}, e.responseBody));
+}
+
+async function showClock() {
+  const clock = await api("GET", "clock");
+  fill("#clock .data", el("p", {}, "Service time: ", el("strong", {id: "clock-now"}, clock.now),
+                         clock.frozen ? " (frozen)" : " (running)"),
+       clock.controllable ? "" : el("p", {class: "bad"}, "This service's clock is not controllable."));
+}
+
+async function showFaults() {
+  const rules = await api("GET", "faults");
+  const matchers = r => ["query", "headers", "body"].filter(n => r[n]).map(n => `${n} ${JSON.stringify(r[n])}`).join("; ");
+  fill("#faults .data", rules.length ? table(
+    ["Id", "Action", "Method", "Path", "Code", "Status", "Latency s", "Times", "Fired", "Matchers", ""],
+    rules.map(r => el("tr", {"data-fault": r.id}, cell(r.id), cell(r.action), cell(r.method), cell(code(r.path)),
+      cell(r.code || "-"), cell(r.status ?? "-"), cell(r.latency, "num"), cell(r.times ?? "always"),
+      cell(r.fired, "num"), cell(matchers(r) || "-"),
+      cell(el("button", {onclick: () => act("DELETE", `faults/${id(r.id)}`, undefined, `${r.id} removed.`)}, "Remove")))))
+    : el("p", {}, "No fault rules."));
+}
+
+function faultBody(form) {
+  const values = Object.fromEntries(new FormData(form));
+  const body = {action: values.action, method: values.method || "*", path: values.path || "*"};
+  if (values.code) body.code = values.code;
+  for (const name of ["status", "times"]) if (values[name]) body[name] = parseInt(values[name], 10);
+  if (values.latency) body.latency = parseFloat(values.latency);
+  for (const name of ["query", "headers", "body"]) {
+    if (!values[name]) continue;
+    try { body[name] = JSON.parse(values[name]); }
+    catch (error) { throw new Error(`${name} must be a JSON object: ${error.message}`); }
+  }
+  return body;
+}
+
+async function refresh() {
+  const view = views[location.hash.slice(1)] ? location.hash.slice(1) : "wallets";
+  for (const name of Object.keys(views)) document.getElementById(name).hidden = name !== view;
+  for (const link of document.querySelectorAll("nav a")) link.classList.toggle("here", link.hash === "#" + view);
+  try {
+    const clock = await api("GET", "clock");
+    document.getElementById("now").textContent = `service time ${clock.now}${clock.frozen ? " (frozen)" : ""}`;
+    await views[view]();
+  } catch (error) {
+    say(error.message, true);
+  }
+}
+
+for (const action of FAULT_ACTIONS) document.querySelector('#fault-form select[name="action"]').append(el("option", {}, action));
+document.getElementById("fault-form").addEventListener("submit", event => {
+  event.preventDefault();
+  try { act("POST", "faults", faultBody(event.target), "Fault rule added."); } catch (error) { say(error.message, true); }
+});
+document.getElementById("clock-freeze").addEventListener("click", () => act("POST", "clock", {freeze: true}, "Clock frozen."));
+document.getElementById("clock-unfreeze").addEventListener("click", () => act("POST", "clock", {freeze: false}, "Clock running."));
+document.getElementById("clock-advance").addEventListener("submit", event => {
+  event.preventDefault();
+  const seconds = parseFloat(new FormData(event.target).get("advance"));
+  act("POST", "clock", {advance: seconds}, `Clock advanced by ${seconds} s.`);
+});
+document.getElementById("clock-set").addEventListener("submit", event => {
+  event.preventDefault();
+  const at = new FormData(event.target).get("at").trim();
+  act("POST", "clock", {at: /^[0-9.]+$/.test(at) ? parseFloat(at) : at}, `Clock set to ${at}.`);
+});
+document.getElementById("reset").addEventListener("click", () => {
+  if (!confirm("Reset erases every workspace, wallet, transfer, the journal and the fault rules, "
+               + "and returns the sandbox to its starting state. Reset?")) return;
+  selectedWallet = openEntry = null;
+  showEntry();
+  act("POST", "reset", undefined, "Reset: the sandbox is back to its starting state.");
+});
+document.getElementById("logout").addEventListener("click", async () => {
+  await api("POST", "console/logout");
+  location.reload();
+});
+window.addEventListener("hashchange", refresh);
+setInterval(async () => {  // every view is live: the journal within a second of a request
+  if (refreshing) return;
+  refreshing = true;
+  try { await refresh(); } finally { refreshing = false; }
+}, 1000);
+refresh();
+""".replace("__FAULT_ACTIONS__", json.dumps(FAULT_ACTIONS))
+
+_CONSOLE_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="csrf" content="__CSRF__">
+<link rel="icon" href="data:,">
+<title>walletsvc console</title>
+<style>""" + _CONSOLE_STYLE + """</style>
+</head>
+<body>
+<header>
+  <strong>walletsvc console</strong>
+  <nav><a href="#wallets">Wallets</a> <a href="#transfers">Transfers</a> <a href="#journal">Journal</a>
+    <a href="#clock">Clock</a> <a href="#faults">Faults</a></nav>
+  <span id="now"></span>
+  <button id="reset" class="danger">Reset</button>
+  <button id="logout">Log out</button>
+</header>
+<p id="message" role="status"></p>
+<main>
+<section id="wallets" hidden><h1>Wallets</h1><p class="hint">Every workspace's wallets. Click one for its flows.</p>
+  <div class="data"></div><div id="flows"></div></section>
+<section id="transfers" hidden><h1>Transfers</h1><p class="hint">Transfer orders, newest first.</p>
+  <div class="data"></div></section>
+<section id="journal" hidden><h1>Journal</h1>
+  <p class="hint">Requests to /api/, newest first, live. Click one for its headers, body and signature check.</p>
+  <div class="data"></div><div id="entry"></div></section>
+<section id="clock" hidden><h1>Clock</h1><div class="data"></div>
+  <p><button id="clock-freeze">Freeze</button> <button id="clock-unfreeze">Unfreeze</button></p>
+  <form id="clock-advance"><label>Advance by <input name="advance" type="number" step="any" value="3600"> seconds</label>
+    <button>Advance</button></form>
+  <form id="clock-set"><label>Set to <input name="at" placeholder="2030-01-01T00:00:00Z" required></label>
+    <button>Set</button></form></section>
+<section id="faults" hidden><h1>Faults</h1><div class="data"></div>
+  <h2>Add a rule</h2>
+  <form id="fault-form">
+    <label>Action <select name="action"></select></label>
+    <label>Method <input name="method" value="*" size="6"></label>
+    <label>Path glob <input name="path" value="/api/v1/*"></label>
+    <label>Code <input name="code" size="8" placeholder="T2001"></label>
+    <label>Status <input name="status" type="number" size="4"></label>
+    <label>Latency s <input name="latency" type="number" step="any" size="4"></label>
+    <label>Times <input name="times" type="number" min="1" size="4" placeholder="always"></label><br>
+    <label>Query <textarea name="query" placeholder='{"size": "5"}'></textarea></label>
+    <label>Headers <textarea name="headers" placeholder='{"X-Locale": "zh-CN"}'></textarea></label>
+    <label>Body fields <textarea name="body" placeholder='{"amount": "13.00"}'></textarea></label>
+    <button>Add rule</button>
+  </form></section>
+</main>
+<script>""" + _CONSOLE_SCRIPT + """</script>
+</body>
+</html>
+"""
+
+_CONSOLE_LOGIN = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>walletsvc console: log in</title>
+<style>""" + _CONSOLE_STYLE + """</style>
+</head>
+<body>
+<header><strong>walletsvc console</strong></header>
+<main>
+<h1>Log in</h1>
+<form method="post" action="console">
+  <label>Admin token <input name="token" type="password" autocomplete="current-password" required autofocus></label>
+  <button>Log in</button>
+</form>
+<p class="bad">__MESSAGE__</p>
+<p class="hint">The admin token is the one <code>walletsvc serve</code> printed, or the one you gave it
+(<code>--admin-token</code>).</p>
+</main>
+</body>
+</html>
+"""
+
+
+def _csp_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") + "'"
+
+
+# Only this page's own script and style run, it talks only to its own origin, and no
+# other site may frame it (a Reset button under someone else's page).
+_PAGE_HEADERS = {
+    "Content-Security-Policy": f"default-src 'none'; script-src {_csp_source(_CONSOLE_SCRIPT)}; "
+                               f"style-src {_csp_source(_CONSOLE_STYLE)}; connect-src 'self'; img-src data:; "
+                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
+
+
+###############################################################################
 # OpenAPI document #############################################################
 ###############################################################################
 
@@ -3181,12 +3649,12 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
         "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
         for status, errors in sorted(statuses.items())}
     security = {"api": [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
-                "admin": [{"AdminToken": []}], "public": []}
+                "admin": [{"AdminToken": []}, {"ConsoleSession": []}], "console": [], "public": []}
     paths: dict[str, dict] = {}
     for declared_endpoint in endpoints:
         surface = declared_endpoint.surface
         data_schema = _schema_ref(declared_endpoint.response)
-        success = data_schema if declared_endpoint.bare else {
+        success = data_schema if declared_endpoint.media else {
             "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
             "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
                            "success": {"const": True}, "code": {"const": SUCCESS_CODE},
@@ -3196,7 +3664,8 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
             "summary": declared_endpoint.summary, "tags": [surface],
             "parameters": [{"name": name, "in": "path", "required": True, "schema": _STRING}
                            for name in declared_endpoint.path_names] + list(declared_endpoint.query),
-            "responses": {"200": {"description": "SUCCESS", "content": {"application/json": {"schema": success}}},
+            "responses": {"200": {"description": "SUCCESS", "content": {
+                              (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": success}}},
                           **{str(status): {"$ref": f"#/components/responses/E{status}"} for status in statuses}},
             "security": security[surface]}
         if declared_endpoint.request:
@@ -3222,6 +3691,8 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
                 "Signature": {**header, "name": "X-Signature",
                               "description": "Base64 HMAC-SHA256 of the canonical message"},
                 "AdminToken": {"type": "http", "scheme": "bearer"},
+                "ConsoleSession": {"type": "apiKey", "in": "cookie", "name": CONSOLE_COOKIE,
+                                   "description": "the console's session, with its X-Console-Csrf header"},
             },
         },
     }
@@ -3291,7 +3762,7 @@ def create_app(svc: WalletService, **settings: Any) -> WalletApp:
     """
     http = HttpApi(svc, svc.settings.replace("http", **settings))
     app = WalletApp(http)
-    handler_sets = [WalletApi(svc, http)] + ([AdminApi(svc)] if http.settings.admin_token else [])
+    handler_sets = [WalletApi(svc, http)] + ([AdminApi(svc, http.console)] if http.settings.admin_token else [])
     for handlers in handler_sets:
         for declaration, handler in declared(handlers):
             check_declaration(declaration, handler)
@@ -3710,6 +4181,7 @@ def demo_instructions(base_url: str, demo: dict, admin_token: str | None = None)
   secret      : {secret}
   admin token : {admin_token or "(admin surface off)"}
   wallets     : {", ".join(demo["walletIds"])}
+  console     : {f"{base_url}{CONSOLE_PATH} (log in with the admin token)" if admin_token else "(needs an admin token)"}
 
 Signed request from a shell (openssl + curl):
   KEY={key} SECRET={secret}
@@ -3873,6 +4345,8 @@ def _serve_command(args: argparse.Namespace) -> int:
             print(f"walletsvc serving {args.db} at {base_url}\nTo sign requests you need a key: "
                   f"walletsvc workspace create NAME --db {args.db}, then walletsvc key create WORKSPACE_ID"
                   f" --db {args.db} (it prints the secret once); or start with --demo.", flush=True)
+            if settings.get("admin_token"):
+                print(f"Sandbox console: {base_url}{CONSOLE_PATH} (log in with the admin token)", flush=True)
 
     serve(svc, args.host, args.port, args.threads, on_ready=banner, **settings)
     return 0
