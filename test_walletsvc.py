@@ -90,7 +90,7 @@ class Api:
         return self.request("POST", TRANSFER_PATH, raw, headers=headers)
 
 
-# DESIGN.md §4's error catalog, copied literally (code: name, HTTP status), plus the two
+# DESIGN.md §4's error catalog, copied literally (code: name, HTTP status), plus the
 # codes of the admin surface that README documents. Tests take expected names and
 # statuses from here, never from walletsvc: a typo in the module must fail them.
 CATALOG = {
@@ -118,7 +118,7 @@ CATALOG = {
     "T2003": ("SAME_WALLET", 422),
     "T2004": ("IDEMPOTENCY_CONFLICT", 409),
 }
-ADMIN_CATALOG = {"S401": ("UNAUTHORIZED", 401), "S405": ("METHOD_NOT_ALLOWED", 405)}
+ADMIN_CATALOG = {"S401": ("UNAUTHORIZED", 401), "S403": ("FORBIDDEN", 403), "S405": ("METHOD_NOT_ALLOWED", 405)}
 ENVELOPE_HEADERS = {"Content-Type": "application/json; charset=utf-8", "Cache-Control": "no-store"}
 
 
@@ -2647,6 +2647,11 @@ def test_admin_surface_mirrors_the_python_api(svc, clock) -> None:
                         currency="USD", biz_id="t-2")
     assert call("POST", "/_admin/transfers/t-1/complete")["status"] == "COMPLETED"
     assert call("POST", "/_admin/transfers/t-2/fail", {"workspaceId": ws["id"]})["status"] == "FAILED"
+    assert call("GET", f"/_admin/wallets/{a['id']}/balance")["available"] == "7.00"  # 9 - 1 - t-1
+    flows = call("GET", f"/_admin/wallets/{a['id']}/flows?size=2")
+    assert flows["page"]["totalElements"] == 3 and flows["content"][0]["balanceAfter"] == "7.00"
+    assert [order["bizId"] for order in call("GET", f"/_admin/workspaces/{ws['id']}/transfers?status=FAILED")[
+        "content"]] == ["t-2"]
     assert call("DELETE", f"/_admin/workspaces/{ws['id']}/members/{member['id']}") is None
     assert call("DELETE", f"/_admin/workspaces/{ws['id']}") is None
     assert call("GET", "/_admin/workspaces") == []
@@ -3128,6 +3133,101 @@ def test_admin_faults_and_journal(walletsvc_sandbox) -> None:
     assert admin.get("/_admin/faults", headers=auth).json["data"] == []
     bad = admin.post_json("/_admin/faults", {"action": "nope"}, headers=auth, expect_errors=True)
     assert bad.json["code"] == "S012"
+
+
+def test_admin_removes_one_fault_rule_and_reads_the_newest_journal_entries(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    admin = webtest.TestApp(sandbox.app)
+    auth = {"Authorization": "Bearer walletsvc-test-admin"}
+    first, second = (admin.post_json("/_admin/faults", {"code": "S503", "path": path}, headers=auth).json["data"]
+                     for path in ("/nowhere", "/elsewhere"))
+    assert admin.delete(f"/_admin/faults/{first['id']}", headers=auth).json["data"] is None
+    assert [rule["id"] for rule in admin.get("/_admin/faults", headers=auth).json["data"]] == [second["id"]]
+    error(admin.delete(f"/_admin/faults/{first['id']}", headers=auth, expect_errors=True), "S404", 404)
+    for size in (1, 2, 3):
+        sandbox.client.list_wallets(size=size)
+    newest = admin.get("/_admin/journal", params={"last": "2"}, headers=auth).json["data"]
+    assert [entry["query"] for entry in newest] == ["size=2", "size=3"]  # still oldest first
+    assert len(admin.get("/_admin/journal", params={"last": "99"}, headers=auth).json["data"]) == 3
+    assert admin.get("/_admin/journal", params={"last": "0"}, headers=auth).json["data"] == []
+    for bad in ("-1", "x", "1.5", "9" * 12):
+        error(admin.get("/_admin/journal", params={"last": bad}, headers=auth, expect_errors=True), "S012", 400)
+
+
+###############################################################################
+# Sandbox console (DESIGN.md §9; the browser test is below) ####################
+###############################################################################
+
+
+def console_session(app: webtest.TestApp, prefix: str = "") -> str:
+    """Log in with the form, as a browser does; webtest keeps the cookie. The page's CSRF token."""
+    form = app.get(prefix + "/_admin/console")
+    assert form.status_int == 200 and form.content_type == "text/html"
+    assert re.search(r'<input name="token" type="password"', form.text)
+    login = app.post(prefix + "/_admin/console", {"token": "s3cret"}, status=303)
+    assert urllib.parse.urljoin(prefix + "/_admin/console", login.headers["Location"]) == prefix + "/_admin/console"
+    page = app.get(prefix + "/_admin/console")
+    return re.search(r'<meta name="csrf" content="([\w-]+)">', page.text).group(1)
+
+
+def test_console_login_sets_a_strict_http_only_session_cookie(svc) -> None:
+    app = admin_app(svc)
+    wrong = app.post("/_admin/console", {"token": "s3cret-not"}, status=401)
+    assert "That is not the admin token." in wrong.text and "Set-Cookie" not in wrong.headers
+    assert 'name="token"' in wrong.text  # the form again
+    login = app.post("/_admin/console", {"token": "s3cret"}, status=303)
+    assert re.fullmatch(r"walletsvc_console=[\w-]{20,}\.[\w-]{40,}; Path=/_admin/; HttpOnly; SameSite=Strict",
+                        login.headers["Set-Cookie"])
+    page = app.get("/_admin/console")
+    for name in ("Wallets", "Transfers", "Journal", "Clock", "Faults"):
+        assert f'">{name}</a>' in page.text
+    assert "s3cret" not in page.text + login.headers["Set-Cookie"]  # the token is never echoed
+    policy = page.headers["Content-Security-Policy"]
+    assert "default-src 'none'" in policy and "connect-src 'self'" in policy and "frame-ancestors 'none'" in policy
+    assert "unsafe-inline" not in policy and page.headers["X-Frame-Options"] == "DENY"
+    assert "http" not in re.sub(r"https?://(www\.)?w3\.org\S*", "", page.text)  # nothing fetched from elsewhere
+
+
+def test_the_console_cookie_alone_authorizes_nothing(svc) -> None:
+    app = admin_app(svc)
+    csrf = console_session(app)
+    svc.create_workspace("kept")
+    same = {"X-Console-Csrf": csrf}
+    assert [ws["name"] for ws in data(app.get("/_admin/workspaces", headers=same))] == ["kept"]
+    assert data(app.get("/_admin/workspaces", headers={**same, "Origin": "http://localhost:80",
+                                                          "Sec-Fetch-Site": "same-origin"}))
+    for refused in ({}, {"X-Console-Csrf": csrf[:-1] + ("A" if csrf[-1] != "A" else "B")},
+                    {**same, "Origin": "http://evil.example"}, {**same, "Origin": "null"},
+                    {**same, "Sec-Fetch-Site": "cross-site"}, {**same, "Sec-Fetch-Site": "same-site"}):
+        error(app.post("/_admin/reset", headers=refused, expect_errors=True), "S403", 403)
+    assert [ws["name"] for ws in svc.list_workspaces()] == ["kept"]  # nothing was reset
+    other = admin_app(svc, "another-token")  # a session of another admin token is no session here
+    other.set_cookie("walletsvc_console", app.cookies["walletsvc_console"])
+    error(other.get("/_admin/workspaces", headers=same, expect_errors=True), "S401", 401)
+    assert 'name="token"' in other.get("/_admin/console").text
+    nonce = app.cookies["walletsvc_console"].split(".")[0]
+    app.reset()  # the jar empty: only the forged cookie goes
+    app.set_cookie("walletsvc_console", nonce + ".forged")
+    error(app.get("/_admin/workspaces", headers=same, expect_errors=True), "S401", 401)
+
+
+def test_console_logout_ends_the_session(svc) -> None:
+    app = admin_app(svc)
+    csrf = console_session(app)
+    error(app.post("/_admin/console/logout", expect_errors=True), "S403", 403)  # cross-site logout: refused
+    out = app.post("/_admin/console/logout", headers={"X-Console-Csrf": csrf})
+    assert "Max-Age=0" in out.headers["Set-Cookie"]
+    assert 'name="token"' in app.get("/_admin/console").text
+    error(app.get("/_admin/workspaces", headers={"X-Console-Csrf": csrf}, expect_errors=True), "S401", 401)
+
+
+def test_console_under_a_mount_prefix_scopes_its_cookie_to_it(svc) -> None:
+    parent = bottle.Bottle()
+    parent.mount("/payments/", walletsvc.create_app(svc, admin_token="s3cret"))
+    app = webtest.TestApp(parent)
+    csrf = console_session(app, "/payments")
+    assert [(cookie.name, cookie.path) for cookie in app.cookiejar] == [("walletsvc_console", "/payments/_admin/")]
+    assert data(app.get("/payments/_admin/clock", headers={"X-Console-Csrf": csrf}))["controllable"] is False
 
 
 def test_journal_records_each_api_request(walletsvc_sandbox) -> None:
