@@ -22,6 +22,8 @@ import threading
 import time
 import urllib.parse
 import uuid
+from collections.abc import Callable
+from typing import Any
 
 import bottle
 import hypothesis
@@ -4059,3 +4061,259 @@ def test_ids_can_be_seeded_over_http() -> None:
     assert made[0] == made[1]  # the same sequence in two services
     fresh = walletsvc.WalletService(":memory:").create_workspace("random")["id"]
     assert fresh != made[0][0]
+
+
+###############################################################################
+# The sandbox console in a real browser (DESIGN.md §9) #########################
+###############################################################################
+
+SCREENSHOTS = ("console-wallets.png", "console-journal.png")  # in docs/, shown in README
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """Headless Chromium from Debian's chromium and chromium-driver packages, driven by selenium,
+    with a fresh profile and none of its own network traffic. Without them the test is skipped,
+    unless WALLETSVC_BROWSER=required (as in .ci/run, which installs them)."""
+    import shutil
+
+    binary, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (binary and driver_path):
+        message = "the console's browser test needs Debian's chromium and chromium-driver"
+        if os.environ.get("WALLETSVC_BROWSER") == "required":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1280,800", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def console_log_in(browser, url: str, token: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(url + "/_admin/console")
+    browser.find_element(By.NAME, "token").send_keys(token)
+    browser.find_element(By.CSS_SELECTOR, "form button").click()
+    until(browser, lambda: browser.find_elements(By.LINK_TEXT, "Wallets"))
+
+
+def until(browser, condition: Callable, seconds: float = 5) -> Any:
+    """The condition's first true value, polled; AssertionError with the page after ``seconds``."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    deadline = time.monotonic() + seconds
+    while True:
+        with contextlib.suppress(StaleElementReferenceException):  # the page re-rendered under us
+            value = condition()
+            if value:
+                return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds} s; the page says:\n{browser.find_element('tag name', 'body').text}")
+        time.sleep(0.1)
+
+
+def table_rows(browser, selector: str) -> list[list[str]]:
+    return [[cell.text for cell in row.find_elements("tag name", "td")]
+            for row in browser.find_elements("css selector", selector + " tbody tr")]
+
+
+def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
+    from selenium.webdriver.common.by import By
+
+    server, env = demo_server
+    assert f"console     : {server.url}/_admin/console" in server.log_path.read_text()
+    auth = walletsvc.HmacAuth(env["KEY"], env["SECRET"])
+    admin = {"Authorization": f"Bearer {env['TOKEN']}"}
+    shots = pathlib.Path(os.environ.get("WALLETSVC_SCREENSHOTS") or tmp_path)
+
+    def wallets() -> dict:
+        return {row[1]: row[4:7] for row in table_rows(browser, "#wallets .data")}
+
+    def view(name: str) -> None:
+        browser.find_element(By.LINK_TEXT, name).click()
+
+    # Log in: a wrong token gives the form again with a message; the token, a strict HttpOnly cookie.
+    browser.get(server.url + "/_admin/console")
+    browser.find_element(By.NAME, "token").send_keys("not-the-token")
+    browser.find_element(By.CSS_SELECTOR, "form button").click()
+    until(browser, lambda: "That is not the admin token." in browser.page_source)
+    console_log_in(browser, server.url, env["TOKEN"])
+    cookie = browser.get_cookie("walletsvc_console")
+    assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
+    assert [link.text for link in browser.find_elements(By.CSS_SELECTOR, "nav a")] == [
+        "Wallets", "Transfers", "Journal", "Clock", "Faults"]
+    until(browser, lambda: wallets() == {"alice": ["1000.00", "1000.00", "0.00"], "bob": ["250.00", "250.00", "0.00"],
+                                         "yen": ["50000", "50000", "0"]})
+
+    # A signed transfer from outside: in the journal within 3 s, and the balances move.
+    ids = {wallet["name"]: wallet["id"] for wallet in
+           requests.get(server.url + "/api/v1/wallets", auth=auth, timeout=10).json()["data"]["content"]}
+    body = {"sourceWalletId": ids["alice"], "targetWalletId": ids["bob"], "amount": "10.00", "currency": "USD",
+            "bizId": "console-1"}
+    requests.post(server.url + TRANSFER_PATH, json=body, auth=auth, timeout=10).raise_for_status()
+    view("Journal")
+    until(browser, lambda: ["POST", TRANSFER_PATH, "200", "2000", "valid"] in
+          [row[1:6] for row in table_rows(browser, "#journal .data")], seconds=3)
+    view("Wallets")
+    until(browser, lambda: wallets()["alice"][0] == "990.00" and wallets()["bob"][0] == "260.00")
+    browser.find_element(By.CSS_SELECTOR, f'tr[data-wallet="{ids["alice"]}"]').click()
+    flows = until(browser, lambda: table_rows(browser, "#flows"))
+    assert flows[0][1:6] == ["TRANSFER_OUT", "DEBIT", "10.00", "990.00", ids["bob"]]
+    browser.save_screenshot(str(shots / SCREENSHOTS[0]))
+
+    # A bad signature (the query string signed): the journal row opens on the server's diagnosis.
+    timestamp, nonce = str(int(time.time())), str(uuid.uuid4())
+    wrong = f"GET\n/api/v1/wallets?size=5\n{timestamp}\n{nonce}\n{hashlib.sha256(b'').hexdigest()}"
+    signature = base64.b64encode(hmac.new(env["SECRET"].encode(), wrong.encode(), hashlib.sha256).digest()).decode()
+    refused = requests.get(server.url + "/api/v1/wallets?size=5", timeout=10, headers={
+        "X-Api-Key": env["KEY"], "X-Timestamp": timestamp, "X-Nonce": nonce, "X-Signature": signature})
+    assert refused.json()["code"] == "GA2012"
+    view("Journal")
+    row = until(browser, lambda: [row for row in browser.find_elements(By.CSS_SELECTOR, "#journal .data tbody tr")
+                                  if "GA2012" in row.text])
+    row[0].click()
+    diagnosis = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "#entry .diagnosis"))
+    assert "the query string was signed" in diagnosis[0].text
+    canonical = browser.find_element(By.CSS_SELECTOR, "#entry pre.canonical").text
+    assert canonical.startswith(f"GET\n/api/v1/wallets\n{timestamp}\n{nonce}\n")
+    assert env["SECRET"] not in browser.page_source
+    browser.save_screenshot(str(shots / SCREENSHOTS[1]))
+
+    # Faults: add one with the form (it fires on the next transfer), then remove it.
+    view("Faults")
+    form = browser.find_element(By.ID, "fault-form")
+    form.find_element(By.NAME, "code").send_keys("T2001")
+    form.find_element(By.NAME, "times").send_keys("1")
+    form.find_element(By.NAME, "body").send_keys('{"amount": "1.00"}')
+    form.find_element(By.CSS_SELECTOR, "button").click()
+    until(browser, lambda: table_rows(browser, "#faults .data"))
+    forced = requests.post(server.url + TRANSFER_PATH, auth=auth, timeout=10, json={**body, "amount": "1.00",
+                                                                                   "bizId": "console-2"})
+    assert (forced.status_code, forced.json()["code"]) == (422, "T2001")
+    until(browser, lambda: table_rows(browser, "#faults .data")[0][8] == "1")  # fired once
+    browser.find_element(By.CSS_SELECTOR, "#faults .data button").click()
+    until(browser, lambda: "No fault rules." in browser.find_element(By.ID, "faults").text)
+    assert requests.get(server.url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
+
+    # Nothing went over the network but to the sandbox (Chromium's log of every request it made;
+    # chrome:// and data: URLs are the browser's own, read from memory).
+    fetched = [json.loads(entry["message"])["message"]["params"]["request"]["url"]
+               for entry in browser.get_log("performance")
+               if json.loads(entry["message"])["message"]["method"] == "Network.requestWillBeSent"]
+    network = [url for url in fetched if not url.startswith(("chrome:", "chrome-untrusted:", "data:", "about:"))]
+    assert len(network) > 20 and all(url.startswith(server.url + "/") for url in network), network
+
+    # Another origin on the same site (127.0.0.1, another port) posts with the cookie: refused.
+    evil = ServedPage(f"""<form id="f" method="post" action="{server.url}/_admin/faults" enctype="text/plain">
+        <input name='{{"code": "S503", "x": "' value='"}}'></form>
+        <script>fetch("{server.url}/_admin/reset", {{method: "POST", mode: "no-cors", credentials: "include"}})
+          .finally(() => document.getElementById("f").submit());</script>""")
+    with evil:
+        browser.get(evil.url)
+        until(browser, lambda: '"S403"' in browser.page_source)  # the form's answer, shown by the browser
+    assert requests.get(server.url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
+    assert walletsvc.Client(server.url, env["KEY"], env["SECRET"]).get_balance(ids["alice"])["balance"] == "990.00"
+
+    browser.get(server.url + "/_admin/console")  # still logged in
+    until(browser, lambda: wallets())
+
+    # The clock: freeze, then advance an hour with the form.
+    view("Clock")
+    browser.find_element(By.ID, "clock-freeze").click()
+    clock = until(browser, lambda: requests.get(server.url + "/_admin/clock", headers=admin, timeout=10).json()[
+        "data"] if "(frozen)" in browser.find_element(By.ID, "now").text else None)
+    assert clock["frozen"] is True
+    browser.find_element(By.CSS_SELECTOR, "#clock-advance button").click()  # the form's default: 3600 s
+    advanced = until(browser, lambda: requests.get(server.url + "/_admin/clock", headers=admin, timeout=10).json()[
+        "data"] if browser.find_element(By.ID, "clock-now").text != clock["now"] else None)
+    assert advanced["epochMillis"] - clock["epochMillis"] == 3_600_000
+    browser.find_element(By.ID, "clock-unfreeze").click()
+    until(browser, lambda: "(running)" in browser.find_element(By.CSS_SELECTOR, "#clock .data").text)
+    view("Wallets")
+
+    # Reset asks first; dismissed, nothing happens; accepted, the demo is back (and the clock).
+    browser.find_element(By.ID, "reset").click()
+    browser.switch_to.alert.dismiss()
+    until(browser, lambda: wallets().get("alice", [""])[0] == "990.00")
+    browser.find_element(By.ID, "reset").click()
+    browser.switch_to.alert.accept()
+    until(browser, lambda: wallets().get("alice", [""])[0] == "1000.00")
+    back = requests.get(server.url + "/_admin/clock", headers=admin, timeout=10).json()["data"]
+    assert back["frozen"] is False and abs(back["epochMillis"] / 1000 - time.time()) < 60
+
+
+def test_console_completes_a_pending_transfer_in_a_real_browser(browser, tmp_path) -> None:
+    from selenium.webdriver.common.by import By
+
+    server = ServerProcess(str(tmp_path / "manual.db"), tmp_path / "manual.log", "--demo", "--set",
+                           "settlement=manual")
+    server.start()
+    try:
+        printed = server.log_path.read_text()
+        key, secret, token = (re.search(rf"{label}\s*: (\S+)", printed).group(1)
+                              for label in ("API key", "secret", "admin token"))
+        client = walletsvc.Client(server.url, key, secret)
+        ids = {wallet["name"]: wallet["id"] for wallet in client.list_wallets()["content"]}
+        assert client.create_transfer(ids["alice"], ids["bob"], "10.00", "USD", biz_id="hold-1")["status"] == "PENDING"
+        console_log_in(browser, server.url, token)
+        until(browser, lambda: {row[1]: row[4:7] for row in table_rows(browser, "#wallets .data")}.get("alice") == [
+            "1000.00", "990.00", "10.00"])  # held, not moved
+        browser.find_element(By.LINK_TEXT, "Transfers").click()
+        row = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-1"]'))
+        assert "PENDING" in row[0].text
+        row[0].find_element(By.XPATH, ".//button[text()='Complete']").click()
+        until(browser, lambda: "COMPLETED" in browser.find_element(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-1"]').text)
+        assert client.transfer_completed("hold-1")["completed"] is True
+        assert client.get_balance(ids["alice"])["balance"] == "990.00"
+    finally:
+        server.stop()
+
+
+class ServedPage:
+    """One HTML page served on 127.0.0.1 at a port of its own (another origin), in a thread."""
+
+    def __init__(self, html: str) -> None:
+        import http.server
+
+        page = html.encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+
+    def __enter__(self) -> ServedPage:  # noqa: PYI034 - Self needs no import for one class
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_readme_shows_the_console_screenshots() -> None:
+    """The two screenshots the browser test takes (WALLETSVC_SCREENSHOTS=docs) are in README."""
+    readme = README.read_text(encoding="utf-8")
+    for name in SCREENSHOTS:
+        assert f"(docs/{name})" in readme
+        assert (README.parent / "docs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
