@@ -4238,6 +4238,9 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     advanced = until(browser, lambda: requests.get(server.url + "/_admin/clock", headers=admin, timeout=10).json()[
         "data"] if browser.find_element(By.ID, "clock-now").text != clock["now"] else None)
     assert advanced["epochMillis"] - clock["epochMillis"] == 3_600_000
+    browser.find_element(By.CSS_SELECTOR, '#clock-set input[name="at"]').send_keys("2030-01-01T00:00:00Z")
+    browser.find_element(By.CSS_SELECTOR, "#clock-set button").click()
+    until(browser, lambda: browser.find_element(By.ID, "clock-now").text == "2030-01-01T00:00:00.000Z")
     browser.find_element(By.ID, "clock-unfreeze").click()
     until(browser, lambda: "(running)" in browser.find_element(By.CSS_SELECTOR, "#clock .data").text)
     view("Wallets")
