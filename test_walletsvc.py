@@ -3178,8 +3178,9 @@ def test_console_login_sets_a_strict_http_only_session_cookie(svc) -> None:
     assert "That is not the admin token." in wrong.text and "Set-Cookie" not in wrong.headers
     assert 'name="token"' in wrong.text  # the form again
     login = app.post("/_admin/console", {"token": "s3cret"}, status=303)
-    assert re.fullmatch(r"walletsvc_console=[\w-]{20,}\.[\w-]{40,}; Path=/_admin/; HttpOnly; SameSite=Strict",
-                        login.headers["Set-Cookie"])
+    cookie = re.fullmatch(r"walletsvc_console_80=[\w-]{20,}\.(\d+)\.[\w-]{40,}; Path=/_admin/; Max-Age=43200; "
+                          r"HttpOnly; SameSite=Strict", login.headers["Set-Cookie"])  # webtest's Host: localhost:80
+    assert abs(int(cookie.group(1)) - (time.time() + 12 * 3600)) < 60  # README: a session lasts 12 hours
     page = app.get("/_admin/console")
     for name in ("Wallets", "Transfers", "Journal", "Clock", "Faults"):
         assert f'">{name}</a>' in page.text
@@ -3204,23 +3205,57 @@ def test_the_console_cookie_alone_authorizes_nothing(svc) -> None:
         error(app.post("/_admin/reset", headers=refused, expect_errors=True), "S403", 403)
     assert [ws["name"] for ws in svc.list_workspaces()] == ["kept"]  # nothing was reset
     other = admin_app(svc, "another-token")  # a session of another admin token is no session here
-    other.set_cookie("walletsvc_console", app.cookies["walletsvc_console"])
+    other.set_cookie("walletsvc_console_80", app.cookies["walletsvc_console_80"])
     error(other.get("/_admin/workspaces", headers=same, expect_errors=True), "S401", 401)
     assert 'name="token"' in other.get("/_admin/console").text
-    nonce = app.cookies["walletsvc_console"].split(".")[0]
-    app.reset()  # the jar empty: only the forged cookie goes
-    app.set_cookie("walletsvc_console", nonce + ".forged")
-    error(app.get("/_admin/workspaces", headers=same, expect_errors=True), "S401", 401)
+    session = app.cookies["walletsvc_console_80"]
+    error(app.get("/_admin/workspaces", headers={**same, "Origin": "http://a]"}, expect_errors=True), "S403", 403)
+    port = {"HTTP_HOST": "localhost:9090"}  # another sandbox's port: browsers send it the cookie too
+    error(app.get("/_admin/workspaces", headers=same, extra_environ=port, expect_errors=True), "S401", 401)
+    app.reset()  # the jar empty: only the forged cookies go
+    for forged in (session.rsplit(".", 1)[0] + ".forged", session.replace(".1", ".2", 1), "x", "a.b.c.d", ""):
+        app.set_cookie("walletsvc_console_80", forged)
+        error(app.get("/_admin/workspaces", headers=same, expect_errors=True), "S401", 401)
 
 
 def test_console_logout_ends_the_session(svc) -> None:
     app = admin_app(svc)
     csrf = console_session(app)
     error(app.post("/_admin/console/logout", expect_errors=True), "S403", 403)  # cross-site logout: refused
+    session = app.cookies["walletsvc_console_80"]
     out = app.post("/_admin/console/logout", headers={"X-Console-Csrf": csrf})
     assert "Max-Age=0" in out.headers["Set-Cookie"]
     assert 'name="token"' in app.get("/_admin/console").text
     error(app.get("/_admin/workspaces", headers={"X-Console-Csrf": csrf}, expect_errors=True), "S401", 401)
+    app.set_cookie("walletsvc_console_80", session)  # a copy of the cookie: logged out all the same
+    error(app.get("/_admin/workspaces", headers={"X-Console-Csrf": csrf}, expect_errors=True), "S401", 401)
+
+
+def test_console_sessions_expire(svc, monkeypatch) -> None:
+    monkeypatch.setattr(walletsvc.Console, "SESSION_SECONDS", -1)
+    app = admin_app(svc)
+    app.post("/_admin/console", {"token": "s3cret"}, status=303)
+    app.set_cookie("walletsvc_console_80", app.cookies.get("walletsvc_console_80") or "")
+    assert 'name="token"' in app.get("/_admin/console").text  # the login form: the session is over
+
+
+def test_console_cookie_path_never_widens_and_polling_stays_out_of_the_access_log(svc, caplog) -> None:
+    import logging
+
+    app = admin_app(svc)
+    odd = app.post("/%5Fadmin/console", {"token": "s3cret"}, extra_environ={"REQUEST_URI": "/%5Fadmin/console"},
+                   status=303)
+    assert "; Path=/_admin/;" in odd.headers["Set-Cookie"]
+    app.reset()
+    csrf = console_session(app)
+    logger = logging.getLogger("walletsvc.test.access")
+    app.app.http.access_log = logger
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        app.get("/_admin/journal", headers={"X-Console-Csrf": csrf})  # the page's polling
+        app.post("/_admin/reset", headers={"X-Console-Csrf": csrf})  # an action
+        app.get("/_admin/journal", headers={"Authorization": "Bearer s3cret"})  # another client
+    assert [record.getMessage().split(" ")[:3] for record in caplog.records] == [
+        ["POST", "/_admin/reset", "200"], ["GET", "/_admin/journal", "200"]]
 
 
 def test_console_under_a_mount_prefix_scopes_its_cookie_to_it(svc) -> None:
@@ -3228,7 +3263,7 @@ def test_console_under_a_mount_prefix_scopes_its_cookie_to_it(svc) -> None:
     parent.mount("/payments/", walletsvc.create_app(svc, admin_token="s3cret"))
     app = webtest.TestApp(parent)
     csrf = console_session(app, "/payments")
-    assert [(cookie.name, cookie.path) for cookie in app.cookiejar] == [("walletsvc_console", "/payments/_admin/")]
+    assert [(cookie.name, cookie.path) for cookie in app.cookiejar] == [("walletsvc_console_80", "/payments/_admin/")]
     assert data(app.get("/payments/_admin/clock", headers={"X-Console-Csrf": csrf}))["controllable"] is False
 
 
@@ -4149,7 +4184,7 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     browser.find_element(By.CSS_SELECTOR, "form button").click()
     until(browser, lambda: "That is not the admin token." in browser.page_source)
     console_log_in(browser, server.url, env["TOKEN"])
-    cookie = browser.get_cookie("walletsvc_console")
+    cookie = browser.get_cookie(f"walletsvc_console_{server.port}")
     assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
     assert [link.text for link in browser.find_elements(By.CSS_SELECTOR, "nav a")] == [
         "Wallets", "Transfers", "Journal", "Clock", "Faults"]
@@ -4279,6 +4314,15 @@ def test_console_completes_a_pending_transfer_in_a_real_browser(browser, tmp_pat
         until(browser, lambda: "COMPLETED" in browser.find_element(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-1"]').text)
         assert client.transfer_completed("hold-1")["completed"] is True
         assert client.get_balance(ids["alice"])["balance"] == "990.00"
+        client.create_transfer(ids["alice"], ids["bob"], "5.00", "USD", biz_id="hold-2")
+        row = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-2"]'))
+        row[0].find_element(By.XPATH, ".//button[text()='Fail']").click()
+        until(browser, lambda: "FAILED" in browser.find_element(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-2"]').text)
+        assert browser.find_element(By.ID, "message").text == "hold-2: failed."
+        assert client.get_balance(ids["alice"])["available"] == "990.00"  # the hold released
+        client.create_transfer(ids["alice"], ids["bob"], "5.00", "USD", biz_id="..")  # valid, but a path step
+        row = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, '#transfers tr[data-biz=".."]'))
+        assert not row[0].find_element(By.XPATH, ".//button[text()='Complete']").is_enabled()
     finally:
         server.stop()
 

@@ -2676,6 +2676,7 @@ class Call:
     diagnosis: tuple | None = None  # the signing mistake a GA2012 matched (debug_signatures)
     headers: dict = dataclasses.field(default_factory=dict)  # extra response headers
     status: int = 200  # of a success (the console's login answers 303 or 401)
+    quiet: bool = False  # left out of the access log (the console's polling)
     drop: bool = False  # a commit_then_drop fault: cut the connection mid-response
 
     @functools.cached_property
@@ -2781,7 +2782,7 @@ class HttpApi:
                 environ.get("HTTP_X_API_KEY") or None, status, code, call.canonical, call.verdict,
                 "Idempotent-Replayed" in call.headers, received, call.body, body,
                 round((time.perf_counter() - call.started) * 1000, 3), call.diagnosis and call.diagnosis[0])
-        if self.access_log is not None:
+        if self.access_log is not None and not call.quiet:
             self.access_log.info("%s %s %s %s %.1fms", environ.get("REQUEST_METHOD"),
                                  call.path.decode("latin-1"), status, code or "-",
                                  (time.perf_counter() - call.started) * 1000)
@@ -2871,6 +2872,8 @@ class HttpApi:
             raise Unauthorized()
         elif not self.console.same_origin(call.environ, session):
             raise CrossSiteRefused()
+        else:  # the console's own polling stays out of the access log; its actions do not
+            call.quiet = call.environ["REQUEST_METHOD"] == "GET"
 
     def check_admin_token(self, environ: Mapping[str, Any]) -> None:
         scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
@@ -3025,7 +3028,7 @@ class AdminApi:
 
     @endpoint("POST", CONSOLE_PATH + "/logout", "Log out of the console (ends the session cookie)", response=None)
     def console_logout(self, call: Call) -> None:
-        call.headers["Set-Cookie"] = self.console.cookie(call, "", max_age=0)
+        self.console.log_out(call)
 
     @endpoint("GET", "/_admin/workspaces", "List workspaces", response=_array("Workspace"))
     def list_workspaces(self, call: Call) -> list:
@@ -3244,47 +3247,76 @@ class AdminApi:
 class Console:
     """The sandbox console at /_admin/console (DESIGN.md §9): one HTML page and its session.
 
-    Logging in with the admin token sets an HttpOnly, SameSite=Strict cookie
-    (a random nonce and its HMAC under the admin token: no server state, and
-    a new admin token ends every session). The cookie alone authorizes
-    nothing: a request must also carry the page's CSRF token (another HMAC of
-    the nonce, readable only by a page of the same origin) and must not come
-    from another site (``Sec-Fetch-Site``, ``Origin``).
+    Logging in with the admin token sets an HttpOnly, SameSite=Strict cookie:
+    a random nonce, its expiry and their HMAC under the admin token (a new
+    admin token ends every session; logging out ends one in this process).
+    The cookie alone authorizes nothing: a request must also carry the page's
+    CSRF token (another HMAC of the nonce, readable only by a page of the same
+    origin) and must not come from another site (``Sec-Fetch-Site``, ``Origin``).
+    Its name carries the port: browsers share a host's cookies across its ports,
+    and two sandboxes on 127.0.0.1 must not log each other out.
     """
+
+    SESSION_SECONDS = 12 * 3600
 
     def __init__(self, admin_token: str) -> None:
         self.key = admin_token.encode("utf-8")
+        self._ended: dict[str, float] = {}  # nonce -> when its cookie expires anyway: logged out
+        self._lock = threading.Lock()
 
     def mac(self, purpose: str, nonce: str) -> str:
         digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
+    @staticmethod
+    def cookie_name(environ: Mapping[str, Any]) -> str:
+        port = (environ.get("HTTP_HOST") or "").rpartition(":")[2]
+        if not port.isdigit():
+            port = "443" if environ.get("wsgi.url_scheme") == "https" else "80"
+        return f"{CONSOLE_COOKIE}_{port}"
+
     def session(self, environ: Mapping[str, Any]) -> str | None:
-        """The session's nonce; None without the cookie, "" for a cookie that is not a session."""
-        value = next((part.strip()[len(CONSOLE_COOKIE) + 1:] for part in environ.get("HTTP_COOKIE", "").split(";")
-                      if part.strip().startswith(CONSOLE_COOKIE + "=")), None)
+        """The session's nonce; None without the cookie, "" for one that is not (or no longer) a session."""
+        name = self.cookie_name(environ) + "="
+        value = next((part.strip()[len(name):] for part in environ.get("HTTP_COOKIE", "").split(";")
+                      if part.strip().startswith(name)), None)
         if value is None:
             return None
-        nonce, _, mac = value.partition(".")
-        valid = self.key and nonce and hmac.compare_digest(mac.encode("latin-1", "replace"),
-                                                           self.mac("session", nonce).encode())
+        nonce, _, expires = value.rpartition(".")[0].partition(".")
+        valid = (self.key and nonce and expires.isdigit() and int(expires) > time.time()
+                 and hmac.compare_digest(value.encode("latin-1", "replace"), self.session_value(nonce, expires).encode())
+                 and nonce not in self._ended)
         return nonce if valid else ""
+
+    def session_value(self, nonce: str, expires: str) -> str:
+        return f"{nonce}.{expires}.{self.mac('session', f'{nonce}.{expires}')}"
+
+    def end(self, nonce: str) -> None:
+        """Log a session out in this process (its cookie, copied, no longer works here)."""
+        now = time.time()
+        with self._lock:
+            self._ended = {ended: until for ended, until in self._ended.items() if until > now}
+            self._ended[nonce] = now + self.SESSION_SECONDS
 
     def same_origin(self, environ: Mapping[str, Any], nonce: str) -> bool:
         """The page's CSRF header is right and the browser does not say another site sent it."""
         token = environ.get("HTTP_X_CONSOLE_CSRF", "").encode("latin-1", "replace")
-        origin = environ.get("HTTP_ORIGIN")
+        try:
+            origin = environ.get("HTTP_ORIGIN")
+            origin_host = None if origin is None else urllib.parse.urlsplit(origin).netloc
+        except ValueError:  # not a URL (http://a]): not this origin
+            return False
         return (hmac.compare_digest(token, self.mac("csrf", nonce).encode())
                 and environ.get("HTTP_SEC_FETCH_SITE", "same-origin") in ("same-origin", "none")
-                and (origin is None or urllib.parse.urlsplit(origin).netloc == environ.get("HTTP_HOST")))
+                and origin_host in (None, environ.get("HTTP_HOST")))
 
-    def cookie(self, call: Call, value: str, max_age: int | None = None) -> str:
-        """A Set-Cookie value scoped to the admin surface under whatever prefix the app is mounted."""
+    def cookie(self, call: Call, value: str, max_age: int) -> str:
+        """A Set-Cookie value scoped to the admin surface under whatever prefix the app is mounted
+        (/_admin/ itself when the path as sent does not say it plainly)."""
         head, found, _ = call.path.decode("latin-1").rpartition("/_admin/")
-        attributes = [f"{CONSOLE_COOKIE}={value}", f"Path={head + found if found else '/'}", "HttpOnly",
+        path = head + found if found and re.fullmatch(r"[\w./~-]*", head) else "/_admin/"
+        attributes = [f"{self.cookie_name(call.environ)}={value}", f"Path={path}", f"Max-Age={max_age}", "HttpOnly",
                       "SameSite=Strict"]
-        if max_age is not None:
-            attributes.append(f"Max-Age={max_age}")
         if call.environ.get("wsgi.url_scheme") == "https":
             attributes.append("Secure")
         return "; ".join(attributes)
@@ -3299,10 +3331,17 @@ class Console:
         if not self.key or not hmac.compare_digest(token, self.key):
             call.status = 401
             return self.login_form(call, "That is not the admin token.")
-        nonce = secrets.token_urlsafe(18)
+        nonce, expires = secrets.token_urlsafe(18), str(int(time.time()) + self.SESSION_SECONDS)
         call.status = 303
-        call.headers.update({"Location": "console", "Set-Cookie": self.cookie(call, f"{nonce}.{self.mac('session', nonce)}")})
+        call.headers.update({"Location": "console",
+                             "Set-Cookie": self.cookie(call, self.session_value(nonce, expires), self.SESSION_SECONDS)})
         return ""
+
+    def log_out(self, call: Call) -> None:
+        nonce = self.session(call.environ)
+        if nonce:
+            self.end(nonce)
+        call.headers["Set-Cookie"] = self.cookie(call, "", 0)
 
     def login_form(self, call: Call, message: str = "") -> str:
         call.headers.update(_PAGE_HEADERS)
@@ -3332,14 +3371,15 @@ form label { display: inline-block; margin: .2em .8em .2em 0; } textarea { width
 button { cursor: pointer; } button.danger { color: #a4161a; }
 """
 
-_CONSOLE_SCRIPT = """
+_CONSOLE_SCRIPT = r"""
 "use strict";
 const csrf = document.querySelector('meta[name="csrf"]').content;
 const FAULT_ACTIONS = __FAULT_ACTIONS__;
 const views = {wallets: showWallets, transfers: showTransfers, journal: showJournal, clock: showClock,
                faults: showFaults};
 const id = encodeURIComponent;
-let selectedWallet = null, openEntry = null, refreshing = false;
+const shown = {};
+let selectedWallet = null, openEntry = null, refreshing = false, failing = false;
 
 function el(tag, attributes, ...children) {
   const node = document.createElement(tag);
@@ -3354,7 +3394,13 @@ const cell = (value, kind) => el("td", kind ? {class: kind} : {}, value);
 const code = (value) => value ? el("code", {}, value) : "-";
 const table = (headings, rows) => el("table", {}, el("thead", {}, el("tr", {}, headings.map(h => el("th", {}, h)))),
                                      el("tbody", {}, rows));
-const fill = (selector, ...nodes) => document.querySelector(selector).replaceChildren(...nodes.flat());
+const fill = (selector, ...nodes) => document.querySelector(selector).replaceChildren(...nodes.flat(Infinity));
+
+function show(selector, data, build) {  // rebuilt only when its data changed: clicks and selections survive
+  const key = JSON.stringify(data);
+  if (shown[selector] !== key) fill(selector, build());
+  shown[selector] = key;
+}
 
 function say(text, bad) {
   const message = document.getElementById("message");
@@ -3386,27 +3432,26 @@ async function act(method, path, body, done) {
 }
 
 async function showWallets() {
-  const parts = [];
-  for (const workspace of await api("GET", "workspaces")) {
-    const page = await api("GET", `workspaces/${id(workspace.id)}/wallets?size=100&sort=createdAt,asc`);
-    const balances = await Promise.all(page.content.map(w => api("GET", `wallets/${id(w.id)}/balance`)));
-    parts.push(el("h2", {}, workspace.name, " ", code(workspace.id)), table(
+  const workspaces = await api("GET", "workspaces");
+  const pages = await Promise.all(workspaces.map(
+    workspace => api("GET", `workspaces/${id(workspace.id)}/wallets?size=100&sort=createdAt,asc`)));
+  const balances = await Promise.all(pages.map(
+    page => Promise.all(page.content.map(w => api("GET", `wallets/${id(w.id)}/balance`)))));
+  show("#wallets .data", [workspaces, pages, balances, selectedWallet], () => workspaces.length ? workspaces.map(
+    (workspace, n) => [el("h2", {}, workspace.name, " ", code(workspace.id)), table(
       ["Id", "Name", "Currency", "Status", "Balance", "Available", "Pending"],
-      page.content.map((w, i) => el("tr", {class: w.id === selectedWallet ? "pick picked" : "pick", "data-wallet": w.id,
-                                           onclick: () => { selectedWallet = w.id; refresh(); }},
-        cell(code(w.id)), cell(w.name), cell(w.currency), cell(w.status, w.status), cell(balances[i].balance, "num"),
-        cell(balances[i].available, "num"), cell(balances[i].pending, "num")))));
-    if (page.page.totalElements > page.content.length) {
-      parts.push(el("p", {class: "hint"}, `The first ${page.content.length} of ${page.page.totalElements} wallets.`));
-    }
-  }
-  fill("#wallets .data", parts.length ? parts : el("p", {}, "No workspaces yet."));
-  if (!selectedWallet) return fill("#flows");
-  const flows = await api("GET", `wallets/${id(selectedWallet)}/flows?size=100`);
-  fill("#flows", el("h2", {}, "Flows of ", code(selectedWallet), ", newest first"), table(
+      pages[n].content.map((w, i) => el("tr", {class: w.id === selectedWallet ? "pick picked" : "pick", "data-wallet": w.id,
+                                               onclick: () => { selectedWallet = w.id; refresh(); }},
+        cell(code(w.id)), cell(w.name), cell(w.currency), cell(w.status, w.status), cell(balances[n][i].balance, "num"),
+        cell(balances[n][i].available, "num"), cell(balances[n][i].pending, "num")))),
+      pages[n].page.totalElements > pages[n].content.length
+        ? el("p", {class: "hint"}, `The first ${pages[n].content.length} of ${pages[n].page.totalElements} wallets.`) : ""])
+    : el("p", {}, "No workspaces yet."));
+  const flows = selectedWallet && await api("GET", `wallets/${id(selectedWallet)}/flows?size=100`);
+  show("#flows", [selectedWallet, flows], () => flows ? [el("h2", {}, "Flows of ", code(selectedWallet), ", newest first"), table(
     ["At", "Type", "Direction", "Amount", "Balance after", "Counterparty", "bizId"],
     flows.content.map(f => el("tr", {}, cell(f.createdAt), cell(f.type), cell(f.direction), cell(f.amount, "num"),
-                                     cell(f.balanceAfter, "num"), cell(code(f.counterpartyWalletId)), cell(f.bizId || "-")))));
+                                     cell(f.balanceAfter, "num"), cell(code(f.counterpartyWalletId)), cell(f.bizId || "-"))))] : []);
 }
 
 async function showTransfers() {
@@ -3416,21 +3461,23 @@ async function showTransfers() {
     orders.push(...page.content.map(order => ({...order, workspaceId: workspace.id})));
   }
   orders.sort((a, b) => b.createdAt.localeCompare(a.createdAt) || b.transferId.localeCompare(a.transferId));
-  const decide = (order, verb) => el("button", {onclick: () => act(
-    "POST", `transfers/${id(order.bizId)}/${verb.toLowerCase()}`, {workspaceId: order.workspaceId},
-    `${order.bizId}: ${verb.toLowerCase()}ed.`)}, verb);
-  fill("#transfers .data", orders.length ? table(
+  const decide = (order, verb, done) => /^\.\.?$/.test(order.bizId)  // browsers resolve it away in a URL
+    ? el("button", {disabled: true, title: `A browser cannot put the bizId "${order.bizId}" in a path: use the `
+                                           + "Python API or a client that sends the path as is"}, verb)
+    : el("button", {onclick: () => act("POST", `transfers/${id(order.bizId)}/${verb.toLowerCase()}`,
+                                       {workspaceId: order.workspaceId}, `${order.bizId}: ${done}.`)}, verb);
+  show("#transfers .data", orders, () => orders.length ? table(
     ["Created", "bizId", "From", "To", "Amount", "Status", ""],
     orders.map(o => el("tr", {"data-biz": o.bizId}, cell(o.createdAt), cell(o.bizId), cell(code(o.sourceWalletId)),
                               cell(code(o.targetWalletId)), cell(`${o.amount} ${o.currency}`, "num"),
-                              cell(o.status, o.status),
-                              cell(o.status === "PENDING" ? [decide(o, "Complete"), " ", decide(o, "Fail")] : ""))))
+                              cell(o.status, o.status), cell(o.status === "PENDING"
+                                ? [decide(o, "Complete", "completed"), " ", decide(o, "Fail", "failed")] : ""))))
     : el("p", {}, "No transfer orders yet."));
 }
 
 async function showJournal() {
-  const entries = (await api("GET", "journal?last=200")).reverse();
-  fill("#journal .data", entries.length ? table(
+  const entries = (await api("GET", "journal?last=50")).reverse();
+  show("#journal .data", entries, () => entries.length ? table(
     ["At", "Method", "Path", "Status", "Code", "Verdict", "Elapsed ms"],
     entries.map(e => el("tr", {class: `pick ${e.signature}`, onclick: () => { openEntry = e; showEntry(); }},
       cell(e.at), cell(e.method), cell(code(e.path + (e.query ? "?" + e.query : ""))), cell(e.status),
@@ -3453,15 +3500,15 @@ function showEntry() {
 
 async function showClock() {
   const clock = await api("GET", "clock");
-  fill("#clock .data", el("p", {}, "Service time: ", el("strong", {id: "clock-now"}, clock.now),
-                         clock.frozen ? " (frozen)" : " (running)"),
-       clock.controllable ? "" : el("p", {class: "bad"}, "This service's clock is not controllable."));
+  show("#clock .data", clock, () => [
+    el("p", {}, "Service time: ", el("strong", {id: "clock-now"}, clock.now), clock.frozen ? " (frozen)" : " (running)"),
+    clock.controllable ? "" : el("p", {class: "bad"}, "This service's clock is not controllable.")]);
 }
 
 async function showFaults() {
   const rules = await api("GET", "faults");
   const matchers = r => ["query", "headers", "body"].filter(n => r[n]).map(n => `${n} ${JSON.stringify(r[n])}`).join("; ");
-  fill("#faults .data", rules.length ? table(
+  show("#faults .data", rules, () => rules.length ? table(
     ["Id", "Action", "Method", "Path", "Code", "Status", "Latency s", "Times", "Fired", "Matchers", ""],
     rules.map(r => el("tr", {"data-fault": r.id}, cell(r.id), cell(r.action), cell(r.method), cell(code(r.path)),
       cell(r.code || "-"), cell(r.status ?? "-"), cell(r.latency, "num"), cell(r.times ?? "always"),
@@ -3492,8 +3539,11 @@ async function refresh() {
     const clock = await api("GET", "clock");
     document.getElementById("now").textContent = `service time ${clock.now}${clock.frozen ? " (frozen)" : ""}`;
     await views[view]();
+    if (failing) say("");  // the server answers again
+    failing = false;
   } catch (error) {
     say(error.message, true);
+    failing = true;
   }
 }
 
@@ -3512,7 +3562,7 @@ document.getElementById("clock-advance").addEventListener("submit", event => {
 document.getElementById("clock-set").addEventListener("submit", event => {
   event.preventDefault();
   const at = new FormData(event.target).get("at").trim();
-  act("POST", "clock", {at: /^[0-9.]+$/.test(at) ? parseFloat(at) : at}, `Clock set to ${at}.`);
+  act("POST", "clock", {at}, `Clock set to ${at}.`);
 });
 document.getElementById("reset").addEventListener("click", () => {
   if (!confirm("Reset erases every workspace, wallet, transfer, the journal and the fault rules, "
@@ -3522,8 +3572,12 @@ document.getElementById("reset").addEventListener("click", () => {
   act("POST", "reset", undefined, "Reset: the sandbox is back to its starting state.");
 });
 document.getElementById("logout").addEventListener("click", async () => {
-  await api("POST", "console/logout");
-  location.reload();
+  try {
+    await api("POST", "console/logout");
+    location.reload();
+  } catch (error) {
+    say(error.message, true);
+  }
 });
 window.addEventListener("hashchange", refresh);
 setInterval(async () => {  // every view is live: the journal within a second of a request
@@ -3567,6 +3621,7 @@ _CONSOLE_PAGE = """<!doctype html>
   <form id="clock-advance"><label>Advance by <input name="advance" type="number" step="any" value="3600"> seconds</label>
     <button>Advance</button></form>
   <form id="clock-set"><label>Set to <input name="at" placeholder="2030-01-01T00:00:00Z" required></label>
+    (ISO-8601 or epoch milliseconds)
     <button>Set</button></form></section>
 <section id="faults" hidden><h1>Faults</h1><div class="data"></div>
   <h2>Add a rule</h2>
@@ -3691,8 +3746,9 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
                 "Signature": {**header, "name": "X-Signature",
                               "description": "Base64 HMAC-SHA256 of the canonical message"},
                 "AdminToken": {"type": "http", "scheme": "bearer"},
-                "ConsoleSession": {"type": "apiKey", "in": "cookie", "name": CONSOLE_COOKIE,
-                                   "description": "the console's session, with its X-Console-Csrf header"},
+                "ConsoleSession": {"type": "apiKey", "in": "cookie", "name": CONSOLE_COOKIE + "_PORT",
+                                   "description": "the console's session (PORT: the server's), with the page's "
+                                                  "X-Console-Csrf header"},
             },
         },
     }
