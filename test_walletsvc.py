@@ -2650,6 +2650,10 @@ def test_admin_surface_mirrors_the_python_api(svc, clock) -> None:
     assert call("POST", "/_admin/transfers/t-1/complete")["status"] == "COMPLETED"
     assert call("POST", "/_admin/transfers/t-2/fail", {"workspaceId": ws["id"]})["status"] == "FAILED"
     assert call("GET", f"/_admin/wallets/{a['id']}/balance")["available"] == "7.00"  # 9 - 1 - t-1
+    balances = call("GET", f"/_admin/workspaces/{ws['id']}/balances?sort=createdAt,asc&size=1")
+    assert (balances["content"], balances["page"]["totalElements"]) == (
+        [{"walletId": a["id"], "currency": "USD", "balance": "7.00", "available": "7.00", "pending": "0.00",
+          "updatedAt": balances["content"][0]["updatedAt"]}], 2)
     flows = call("GET", f"/_admin/wallets/{a['id']}/flows?size=2")
     assert flows["page"]["totalElements"] == 3 and flows["content"][0]["balanceAfter"] == "7.00"
     assert [order["bizId"] for order in call("GET", f"/_admin/workspaces/{ws['id']}/transfers?status=FAILED")[

@@ -1968,8 +1968,10 @@ class WalletService:
         self.settle_due()
         return balance_resource(self._wallet(None, wallet_id, workspace_id))
 
-    def list_wallets(self, workspace_id: str, query: Mapping[str, Any] | None = None) -> dict:
-        """One page of the workspace's wallets; filters ``currency``, ``status``."""
+    def list_wallets(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
+                     balances: bool = False) -> dict:
+        """One page of the workspace's wallets; filters ``currency``, ``status``. ``balances``:
+        the same page as balances (available and pending too)."""
         self.settle_due()
         query = normalize_query(query)
         page = parse_page_request(query, WALLET_SORTS)
@@ -1987,7 +1989,8 @@ class WalletService:
         with self.db.snapshot() as conn:
             total = conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
             rows = self._page_rows(conn, sql, params, page, total)
-        return page_response([wallet_resource(row) for row in rows], page, total)
+        resource = balance_resource if balances else wallet_resource
+        return page_response([resource(row) for row in rows], page, total)
 
     def deposit(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
         """Money enters from outside; returns the DEPOSIT flow."""
@@ -2471,7 +2474,7 @@ SCHEMAS: Mapping[str, dict] = {
     "ClockState": _object({"now": _TIME, "epochMillis": {"type": "integer"}, "frozen": {"type": "boolean"},
                            "controllable": {"type": "boolean"}}),
     **{item + "Page": _object({"content": _array(item), "page": {"$ref": "#/components/schemas/PageInfo"}})
-       for item in ("Wallet", "Flow", "TransferOrder")},
+       for item in ("Wallet", "Balance", "Flow", "TransferOrder")},
 }
 
 _PAGE_PARAMETERS = (
@@ -2489,6 +2492,7 @@ def _filters(*names: str) -> tuple:
 
 _TRANSFER_FILTERS = _filters("status", "createdFrom", "createdTo", "bizIdPrefix")
 _FLOW_FILTERS = _filters("type", "direction", "createdFrom", "createdTo")
+_WALLET_FILTERS = _filters("currency", "status")
 
 # A JSON value's type, as a schema names it (bool is not a number in JSON).
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
@@ -2926,7 +2930,7 @@ class WalletApi:
         self.svc, self.http = svc, http
 
     @endpoint("GET", "/api/v1/wallets", "List wallets", scope="wallet:read", response="WalletPage",
-              query=_filters("currency", "status"))
+              query=_WALLET_FILTERS)
     def list_wallets(self, call: Call) -> dict:
         return self.svc.list_wallets(call.principal.workspace_id, call.query)
 
@@ -3081,7 +3085,7 @@ class AdminApi:
         return self.svc.set_api_key_enabled(api_key, False)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/wallets", "List a workspace's wallets",
-              response="WalletPage", query=_filters("currency", "status"))
+              response="WalletPage", query=_WALLET_FILTERS)
     def list_wallets(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_wallets(workspace_id, call.query)
@@ -3104,6 +3108,13 @@ class AdminApi:
               query=_FLOW_FILTERS)
     def list_flows(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_flows(wallet_id, call.query)
+
+    @endpoint("GET", "/_admin/workspaces/<workspace_id>/balances",
+              "List a workspace's wallets as balances (the same pages, filters and sorts as its wallets)",
+              response="BalancePage", query=_WALLET_FILTERS)
+    def list_balances(self, call: Call, workspace_id: str) -> dict:
+        self.svc.get_workspace(workspace_id)
+        return self.svc.list_wallets(workspace_id, call.query, balances=True)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/transfers", "List a workspace's transfer orders",
               response="TransferOrderPage", query=_TRANSFER_FILTERS)
@@ -3433,17 +3444,17 @@ async function act(method, path, body, done) {
 
 async function showWallets() {
   const workspaces = await api("GET", "workspaces");
-  const pages = await Promise.all(workspaces.map(
-    workspace => api("GET", `workspaces/${id(workspace.id)}/wallets?size=100&sort=createdAt,asc`)));
-  const balances = await Promise.all(pages.map(
-    page => Promise.all(page.content.map(w => api("GET", `wallets/${id(w.id)}/balance`)))));
+  const list = (workspace, what) => api("GET", `workspaces/${id(workspace.id)}/${what}?size=100&sort=createdAt,asc`);
+  const pages = await Promise.all(workspaces.map(workspace => list(workspace, "wallets")));
+  const balances = await Promise.all(workspaces.map(async workspace => Object.fromEntries(
+    (await list(workspace, "balances")).content.map(balance => [balance.walletId, balance]))));
   show("#wallets .data", [workspaces, pages, balances, selectedWallet], () => workspaces.length ? workspaces.map(
     (workspace, n) => [el("h2", {}, workspace.name, " ", code(workspace.id)), table(
       ["Id", "Name", "Currency", "Status", "Balance", "Available", "Pending"],
-      pages[n].content.map((w, i) => el("tr", {class: w.id === selectedWallet ? "pick picked" : "pick", "data-wallet": w.id,
+      pages[n].content.map(w => el("tr", {class: w.id === selectedWallet ? "pick picked" : "pick", "data-wallet": w.id,
                                                onclick: () => { selectedWallet = w.id; refresh(); }},
-        cell(code(w.id)), cell(w.name), cell(w.currency), cell(w.status, w.status), cell(balances[n][i].balance, "num"),
-        cell(balances[n][i].available, "num"), cell(balances[n][i].pending, "num")))),
+        cell(code(w.id)), cell(w.name), cell(w.currency), cell(w.status, w.status), ...["balance", "available", "pending"].map(
+          field => cell(balances[n][w.id] ? balances[n][w.id][field] : "-", "num"))))),
       pages[n].page.totalElements > pages[n].content.length
         ? el("p", {class: "hint"}, `The first ${pages[n].content.length} of ${pages[n].page.totalElements} wallets.`) : ""])
     : el("p", {}, "No workspaces yet."));
