@@ -3165,6 +3165,11 @@ def test_admin_removes_one_fault_rule_and_reads_the_newest_journal_entries(walle
 ###############################################################################
 
 
+def console_cookie(value: str) -> dict:
+    """A Cookie header with the console session of webtest's Host (localhost:80)."""
+    return {"Cookie": f"walletsvc_console_80={value}"}
+
+
 def console_session(app: webtest.TestApp, prefix: str = "") -> str:
     """Log in with the form, as a browser does; webtest keeps the cookie. The page's CSRF token."""
     form = app.get(prefix + "/_admin/console")
@@ -3208,39 +3213,47 @@ def test_the_console_cookie_alone_authorizes_nothing(svc) -> None:
                     {**same, "Sec-Fetch-Site": "cross-site"}, {**same, "Sec-Fetch-Site": "same-site"}):
         error(app.post("/_admin/reset", headers=refused, expect_errors=True), "S403", 403)
     assert [ws["name"] for ws in svc.list_workspaces()] == ["kept"]  # nothing was reset
-    other = admin_app(svc, "another-token")  # a session of another admin token is no session here
-    other.set_cookie("walletsvc_console_80", app.cookies["walletsvc_console_80"])
-    error(other.get("/_admin/workspaces", headers=same, expect_errors=True), "S401", 401)
-    assert 'name="token"' in other.get("/_admin/console").text
-    session = app.cookies["walletsvc_console_80"]
     error(app.get("/_admin/workspaces", headers={**same, "Origin": "http://a]"}, expect_errors=True), "S403", 403)
+    session = app.cookies["walletsvc_console_80"].strip('"')
+    bare = webtest.TestApp(app.app)  # the same app, no cookie jar: only the Cookie header given
+    assert data(bare.get("/_admin/workspaces", headers={**same, **console_cookie(session)}))  # the control
+    other = admin_app(svc, "another-token")  # a session of another admin token is no session here
+    error(other.get("/_admin/workspaces", headers={**same, **console_cookie(session)}, expect_errors=True),
+          "S401", 401)
+    assert 'name="token"' in other.get("/_admin/console", headers=console_cookie(session)).text
     port = {"HTTP_HOST": "localhost:9090"}  # another sandbox's port: browsers send it the cookie too
-    error(app.get("/_admin/workspaces", headers=same, extra_environ=port, expect_errors=True), "S401", 401)
-    app.reset()  # the jar empty: only the forged cookies go
-    for forged in (session.rsplit(".", 1)[0] + ".forged", session.replace(".1", ".2", 1), "x", "a.b.c.d", ""):
-        app.set_cookie("walletsvc_console_80", forged)
-        error(app.get("/_admin/workspaces", headers=same, expect_errors=True), "S401", 401)
+    error(bare.get("/_admin/workspaces", headers={**same, **console_cookie(session)}, extra_environ=port,
+                   expect_errors=True), "S401", 401)
+    nonce, expires, mac = session.split(".")
+    for forged in (f"{nonce}.{expires}.forged", f"{nonce}.{int(expires) + 1}.{mac}", f"x{nonce}.{expires}.{mac}",
+                   "x", "a.b.c.d", ""):
+        error(bare.get("/_admin/workspaces", headers={**same, **console_cookie(forged)}, expect_errors=True),
+              "S401", 401)
 
 
 def test_console_logout_ends_the_session(svc) -> None:
     app = admin_app(svc)
     csrf = console_session(app)
     error(app.post("/_admin/console/logout", expect_errors=True), "S403", 403)  # cross-site logout: refused
-    session = app.cookies["walletsvc_console_80"]
+    session = app.cookies["walletsvc_console_80"].strip('"')
+    bare = webtest.TestApp(app.app)  # the same app, no cookie jar: only the Cookie header given
+    assert data(bare.get("/_admin/workspaces", headers={"X-Console-Csrf": csrf, **console_cookie(session)})) == []
     out = app.post("/_admin/console/logout", headers={"X-Console-Csrf": csrf})
     assert "Max-Age=0" in out.headers["Set-Cookie"]
     assert 'name="token"' in app.get("/_admin/console").text
     error(app.get("/_admin/workspaces", headers={"X-Console-Csrf": csrf}, expect_errors=True), "S401", 401)
-    app.set_cookie("walletsvc_console_80", session)  # a copy of the cookie: logged out all the same
-    error(app.get("/_admin/workspaces", headers={"X-Console-Csrf": csrf}, expect_errors=True), "S401", 401)
+    copy = {"X-Console-Csrf": csrf, **console_cookie(session)}  # a copy of the cookie: logged out all the same
+    error(bare.get("/_admin/workspaces", headers=copy, expect_errors=True), "S401", 401)
 
 
 def test_console_sessions_expire(svc, monkeypatch) -> None:
     monkeypatch.setattr(walletsvc.Console, "SESSION_SECONDS", -1)
     app = admin_app(svc)
-    app.post("/_admin/console", {"token": "s3cret"}, status=303)
-    app.set_cookie("walletsvc_console_80", app.cookies.get("walletsvc_console_80") or "")
-    assert 'name="token"' in app.get("/_admin/console").text  # the login form: the session is over
+    login = app.post("/_admin/console", {"token": "s3cret"}, status=303)
+    value = re.match(r"walletsvc_console_80=([^;]+)", login.headers["Set-Cookie"]).group(1)
+    kept = console_cookie(value)  # kept past its Max-Age, as a copy would be
+    assert 'name="token"' in app.get("/_admin/console", headers=kept).text  # the login form: the session is over
+    error(app.get("/_admin/workspaces", headers=kept, expect_errors=True), "S401", 401)
 
 
 def test_console_cookie_path_never_widens_and_polling_stays_out_of_the_access_log(svc, caplog) -> None:
