@@ -4018,8 +4018,9 @@ def test_cli_request_prints_the_http_status(live, world, capsys, monkeypatch, cl
     assert (code, err.strip(), json.loads(out)["code"]) == (1, "HTTP 404 Not Found", "W1001")
 
 
-def test_serve_without_demo_says_how_to_make_a_key(tmp_path) -> None:
-    server = ServerProcess(str(tmp_path / "plain.db"), tmp_path / "plain.log")
+@pytest.mark.parametrize("token", [None, "t0ken"])
+def test_serve_without_demo_says_how_to_make_a_key(tmp_path, token) -> None:
+    server = ServerProcess(str(tmp_path / "plain.db"), tmp_path / "plain.log", *(["--admin-token", token] if token else []))
     server.start()
     try:
         time.sleep(0.2)
@@ -4027,6 +4028,8 @@ def test_serve_without_demo_says_how_to_make_a_key(tmp_path) -> None:
     finally:
         server.stop()
     assert "walletsvc key create WORKSPACE_ID" in printed and "--demo" in printed
+    console = f"Sandbox console: {server.url}/_admin/console"  # only where there is one
+    assert (console in printed) is (token is not None)
 
 
 def test_journal_keeps_the_request_body_and_the_diagnosed_mistake(walletsvc_sandbox) -> None:
