@@ -7,7 +7,7 @@ CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
 );
 INSERT INTO schema_version (version)
-    SELECT 2 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
+    SELECT 3 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
 
 -- The ledger's clock (DESIGN.md §7): the time of the last write transaction,
 -- so that times never go backwards within a database (a write waiting for the
@@ -56,7 +56,7 @@ CREATE TABLE IF NOT EXISTS api_keys (
 CREATE INDEX IF NOT EXISTS api_keys_by_workspace ON api_keys (workspace_id, created_at);
 
 -- Nonces are unique per key and recorded only after the signature passed;
--- rows expire after twice the timestamp window and are purged.
+-- a row outlives every timestamp that could carry its nonce, then is purged.
 CREATE TABLE IF NOT EXISTS nonces (
     api_key     TEXT NOT NULL,
     nonce       TEXT NOT NULL,
@@ -64,6 +64,70 @@ CREATE TABLE IF NOT EXISTS nonces (
     PRIMARY KEY (api_key, nonce)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS nonces_by_expiry ON nonces (expires_at);
+
+-- Spans of expiry times (epoch ms) whose nonce records were purged (DESIGN.md
+-- §10): a request whose record would expire inside one is refused, since it may
+-- be a replay of a forgotten request. Few rows: neighbouring spans are merged.
+-- (Added in schema version 3.)
+CREATE TABLE IF NOT EXISTS nonce_spans (
+    lo  INTEGER NOT NULL,
+    hi  INTEGER NOT NULL,
+    CHECK (lo <= hi)
+);
+
+-- A record taken over by a new request with the same nonce (the old one had
+-- expired) leaves its expiry behind as a span, like a purged one.
+CREATE TRIGGER IF NOT EXISTS nonce_taken_over AFTER UPDATE OF expires_at ON nonces BEGIN
+    INSERT INTO nonce_spans (lo, hi) VALUES (OLD.expires_at, OLD.expires_at);
+END;
+
+-- What controls the sandbox (DESIGN.md §9), shared by every process on this
+-- file: the clock (frozen at an epoch second, or real time plus an offset),
+-- the id sequence (a seed and how many ids and secrets were drawn from it) and
+-- the fault rules' count and version (bumped on every change, so that a
+-- process knows when its copy of the rules is stale). One row. (Version 3.)
+CREATE TABLE IF NOT EXISTS sandbox (
+    clock_frozen_at  REAL,
+    clock_offset     REAL NOT NULL,
+    id_seed          INTEGER,
+    id_drawn         INTEGER NOT NULL,
+    fault_rules      INTEGER NOT NULL,
+    fault_version    INTEGER NOT NULL,
+    fault_next       INTEGER NOT NULL,
+    has_start        INTEGER NOT NULL
+);
+INSERT INTO sandbox (clock_frozen_at, clock_offset, id_seed, id_drawn, fault_rules, fault_version,
+                     fault_next, has_start)
+    SELECT NULL, 0, NULL, 0, 0, 0, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM sandbox);
+
+-- Fault rules in force, in the order they are tried; rule is the rule as JSON.
+CREATE TABLE IF NOT EXISTS fault_rules (
+    id     INTEGER PRIMARY KEY,
+    rule   TEXT NOT NULL,
+    times  INTEGER,
+    fired  INTEGER NOT NULL DEFAULT 0
+);
+
+-- The request journal: one row per request to /api/, oldest first by seq.
+-- Each field a client controls is capped when written, so a row is bounded.
+CREATE TABLE IF NOT EXISTS journal (
+    seq            INTEGER PRIMARY KEY AUTOINCREMENT,
+    at             INTEGER NOT NULL,
+    method         TEXT NOT NULL,
+    path           BLOB NOT NULL,
+    query          TEXT NOT NULL,
+    api_key        TEXT,
+    status         INTEGER NOT NULL,
+    code           TEXT,
+    canonical      BLOB,
+    signature      TEXT NOT NULL,
+    replayed       INTEGER NOT NULL,
+    headers        TEXT NOT NULL,
+    body           BLOB NOT NULL,
+    response_body  BLOB NOT NULL,
+    elapsed_ms     REAL NOT NULL,
+    diagnosis      TEXT
+);
 
 -- pending is the money held by PENDING outgoing transfers; the last line of
 -- defence against an overdraft is here: available = balance - pending >= 0.
@@ -175,3 +239,16 @@ CREATE TRIGGER IF NOT EXISTS flows_counted AFTER INSERT ON flows BEGIN
     INSERT INTO counters VALUES (NEW.wallet_id, 'flows:' || NEW.type, 1)
         ON CONFLICT DO UPDATE SET n = n + 1;
 END;
+
+-- The starting state that reset returns to (DESIGN.md §9): a copy of every row
+-- of the sandbox's world, taken by WalletService.save_start(). (Version 3.)
+CREATE TABLE IF NOT EXISTS start_workspaces AS SELECT * FROM workspaces WHERE 0;
+CREATE TABLE IF NOT EXISTS start_members AS SELECT * FROM members WHERE 0;
+CREATE TABLE IF NOT EXISTS start_api_keys AS SELECT * FROM api_keys WHERE 0;
+CREATE TABLE IF NOT EXISTS start_wallets AS SELECT * FROM wallets WHERE 0;
+CREATE TABLE IF NOT EXISTS start_transfers AS SELECT * FROM transfers WHERE 0;
+CREATE TABLE IF NOT EXISTS start_flows AS SELECT * FROM flows WHERE 0;
+CREATE TABLE IF NOT EXISTS start_counters AS SELECT * FROM counters WHERE 0;
+CREATE TABLE IF NOT EXISTS start_ledger_clock AS SELECT * FROM ledger_clock WHERE 0;
+CREATE TABLE IF NOT EXISTS start_sandbox AS
+    SELECT clock_frozen_at, clock_offset, id_seed, id_drawn FROM sandbox WHERE 0;

@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
-import collections
 import contextlib
 import dataclasses
 import datetime
@@ -48,7 +47,6 @@ import json
 import logging
 import math
 import os
-import random
 import re
 import secrets
 import sqlite3
@@ -61,7 +59,7 @@ import urllib.request
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http import HTTPStatus
-from typing import Any
+from typing import Any, NamedTuple
 
 import bottle
 
@@ -107,7 +105,7 @@ TRANSFER_STATUSES = ("PENDING", "COMPLETED", "FAILED")
 FLOW_TYPES = ("DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN")
 FLOW_DIRECTIONS = ("DEBIT", "CREDIT")
 LOCALES = ("en-US", "zh-CN")
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()
 
 _BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -161,56 +159,88 @@ class Clock:
     """A controllable clock: real time plus an offset, or frozen.
 
     Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
-    nonce expiry and delayed settlement all read it. It only ever shows times
-    in CLOCK_RANGE: a change that would leave it is a ValueError.
+    nonce expiry and delayed settlement all read it, and its state moves into
+    the service's database (DESIGN.md §9), so that every process serving that
+    file reads and moves the same clock. A database that already has a clock
+    state keeps it (a restarted server keeps a frozen clock frozen). Unbound,
+    the clock keeps its state in memory. It only ever shows times in
+    CLOCK_RANGE: a change that would leave it is a ValueError.
     """
 
     def __init__(self, frozen_at: float | None = None) -> None:
         self._lock = threading.Lock()
-        self._offset = 0.0
-        self._frozen_at = self._start = frozen_at
+        self._state = self._start = (None if frozen_at is None else _clock_time(frozen_at), 0.0)
+        self._db: Database | None = None
+
+    def bind(self, db: Database) -> None:
+        """Keep the state in ``db`` from now on: its state if it has one, else this clock's."""
+        if self._state != (None, 0.0):  # (a running clock needs no write: a locked database still starts)
+            with db.atomic(durable=False) as conn:
+                conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ? WHERE clock_frozen_at IS NULL"
+                             " AND clock_offset = 0 AND NOT has_start", self._state)
+        self._db = db
+
+    @staticmethod
+    def reading(frozen_at: float | None, offset: float) -> float:
+        """The time a clock in this state shows now."""
+        return frozen_at if frozen_at is not None else time.time() + offset
+
+    def state(self) -> tuple[float | None, float]:
+        """(frozen_at or None, offset): where the clock stands."""
+        if self._db is None:
+            return self._state
+        return tuple(self._db.one("SELECT clock_frozen_at, clock_offset FROM sandbox"))
 
     def __call__(self) -> float:
-        frozen_at = self._frozen_at
-        return frozen_at if frozen_at is not None else time.time() + self._offset
+        return self.reading(*self.state())
 
     @property
     def frozen(self) -> bool:
-        return self._frozen_at is not None
+        return self.state()[0] is not None
+
+    def _change(self, move: Callable[[float | None, float], tuple[float | None, float]]) -> None:
+        """Apply ``move`` to the state, atomically (in the database when bound)."""
+        if self._db is None:
+            with self._lock:
+                self._state = move(*self._state)
+            return
+        with self._db.atomic(durable=False) as conn:
+            state = conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone()
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", move(*state))
 
     def freeze(self, at: float | None = None) -> None:
         """Stop the clock, at ``at`` (epoch seconds) or now."""
-        with self._lock:
-            self._frozen_at = self() if at is None else _clock_time(at)
+        at = None if at is None else _clock_time(at)
+        self._change(lambda frozen_at, offset: (self.reading(frozen_at, offset) if at is None else at, offset))
 
     def set(self, at: float) -> None:
         """Jump to ``at``; a running clock keeps running from there."""
         at = _clock_time(at)
-        with self._lock:
-            if self._frozen_at is not None:
-                self._frozen_at = at
-            else:
-                self._offset = at - time.time()
+        self._change(lambda frozen_at, offset: (at, offset) if frozen_at is not None else (None, at - time.time()))
 
     def advance(self, seconds: float) -> None:
         """Move ``seconds`` forward (negative: back)."""
-        with self._lock:
-            moved = _clock_time(self() + float(seconds))
-            if self._frozen_at is not None:
-                self._frozen_at = moved
-            else:
-                self._offset = moved - time.time()
+        seconds = float(seconds)
+
+        def move(frozen_at: float | None, offset: float) -> tuple[float | None, float]:
+            moved = _clock_time(self.reading(frozen_at, offset) + seconds)
+            return (moved, offset) if frozen_at is not None else (None, moved - time.time())
+        self._change(move)
 
     def unfreeze(self) -> None:
         """Run again from the frozen moment."""
-        with self._lock:
-            if self._frozen_at is not None:
-                self._offset, self._frozen_at = self._frozen_at - time.time(), None
+        self._change(lambda frozen_at, offset: (None, frozen_at - time.time()) if frozen_at is not None
+                     else (None, offset))
 
     def reset(self) -> None:
-        """Back to where it started: real time, running (or frozen where it was made frozen)."""
-        with self._lock:
-            self._offset, self._frozen_at = 0.0, self._start
+        """Back to where it started: the sandbox's starting clock when bound (see
+        ``WalletService.save_start``), else real time, running (or frozen where it was made frozen)."""
+        if self._db is None:
+            self._change(lambda frozen_at, offset: self._start)
+            return
+        with self._db.atomic(durable=False) as conn:
+            start = conn.execute("SELECT clock_frozen_at, clock_offset FROM start_sandbox").fetchone()
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", start or self._start)
 
 
 def _clock_time(at: float) -> float:
@@ -433,6 +463,7 @@ _REASONS = {
     "ip": ("'{value}' is not an IP address or CIDR block", "'{value}' 不是 IP 地址或 CIDR 网段"),
     "scope": ("'{value}' is not a scope; scopes: {choices}", "'{value}' 不是权限范围；可选：{choices}"),
     "state": ("is {state}", "状态为 {state}"),
+    "too_many": ("has reached its limit of {maximum}; remove some first", "已达上限 {maximum}，请先删除一些"),
 }
 
 
@@ -717,6 +748,22 @@ def _schema_image() -> bytes:
         conn.close()
 
 
+# Run when a database is made or upgraded: the ledger clock (schema version 2) starts at
+# the newest time and id already in the data, so that the first new write sorts after
+# every row an older walletsvc wrote (its clock may have been ahead of today's).
+_LEDGER_CLOCK_FROM_DATA = """
+UPDATE ledger_clock SET
+    last_ms = max(last_ms, coalesce((SELECT max(t) FROM (
+        SELECT max(created_at) AS t FROM workspaces UNION ALL SELECT max(created_at) FROM members
+        UNION ALL SELECT max(created_at) FROM api_keys UNION ALL SELECT max(updated_at) FROM wallets
+        UNION ALL SELECT max(updated_at) FROM transfers UNION ALL SELECT max(created_at) FROM flows)), 0)),
+    last_id = max(last_id, coalesce((SELECT max(tail) FROM (
+        SELECT max(substr(id, -32)) AS tail FROM workspaces UNION ALL SELECT max(substr(id, -32)) FROM members
+        UNION ALL SELECT max(substr(id, -32)) FROM api_keys UNION ALL SELECT max(substr(id, -32)) FROM wallets
+        UNION ALL SELECT max(substr(id, -32)) FROM transfers UNION ALL SELECT max(substr(id, -32)) FROM flows)),
+        ''));
+"""
+
 # SQLite results that mean "the storage cannot take this now" (S503), extended codes included.
 _UNAVAILABLE = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR",
                 "SQLITE_FULL")
@@ -751,8 +798,35 @@ class Database:
         # meet the busy timeout.
         self._write_lock = threading.RLock()
         self._shared: _Held | None = None
-        with self.connection() as conn:
-            self._apply_schema(conn)
+        self._file: tuple[int, int] | None = None  # (device, inode) of the file this database opened
+        deadline = time.monotonic() + busy_timeout
+        while True:  # two servers starting on one new file: the loser waits its turn (DESIGN.md §10)
+            try:
+                with self.connection() as conn:
+                    self._apply_schema(conn)
+                break
+            except sqlite3.OperationalError as exc:
+                self.close()
+                if not _is_busy(exc) or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.01)
+        if not self.memory:
+            self._file = self._identity()
+
+    def _identity(self) -> tuple[int, int] | None:
+        try:
+            status = os.stat(self.path)
+        except OSError:
+            return None
+        return status.st_dev, status.st_ino
+
+    def check_file(self) -> None:
+        """ServiceBusy unless the file this database opened is still at its path (DESIGN.md §10):
+        a write into a deleted or replaced file would be acknowledged and then lost."""
+        if self._file is not None and self._identity() != self._file:
+            raise ServiceBusy(f"The database file {self.path} was deleted or replaced while the server ran;"
+                              " nothing more is written to it. Restart the server.",
+                              zh_extra=f"服务器运行期间数据库文件 {self.path} 被删除或替换；不再向其写入。请重启服务器。")
 
     def _connect(self) -> sqlite3.Connection:
         conn = sqlite3.connect(self.path, timeout=self.busy_timeout, isolation_level=None,
@@ -776,7 +850,7 @@ class Database:
         except sqlite3.OperationalError:
             row = None
         if row is None or row[0] < SCHEMA_VERSION:  # new, or older: the script is idempotent
-            conn.executescript(f"BEGIN IMMEDIATE;\n{_schema_sql()}\n"
+            conn.executescript(f"BEGIN IMMEDIATE;\n{_schema_sql()}\n{_LEDGER_CLOCK_FROM_DATA}\n"
                                f"UPDATE schema_version SET version = {SCHEMA_VERSION};\nCOMMIT;")
             row = conn.execute("SELECT version FROM schema_version").fetchone()
         if row[0] != SCHEMA_VERSION:
@@ -798,18 +872,23 @@ class Database:
         return local.held
 
     @contextlib.contextmanager
-    def atomic(self) -> Iterator[sqlite3.Connection]:
+    def atomic(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
         """One write transaction (BEGIN IMMEDIATE); rolls back on any exception.
 
-        Nested use joins the outer transaction.
+        Nested use joins the outer transaction. ``durable=False`` commits
+        without waiting for a disk sync (see ``write``).
         """
         with self.connection() as conn:
             if conn.in_transaction:
                 yield conn
                 return
+            self.check_file()
             if not self._write_lock.acquire(timeout=self.busy_timeout):
                 raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
+            relaxed = not durable and not self.memory and self.synchronous != "NORMAL"
             try:
+                if relaxed:
+                    conn.execute("PRAGMA synchronous = NORMAL")
                 conn.execute("BEGIN IMMEDIATE")
                 try:
                     yield conn
@@ -819,6 +898,8 @@ class Database:
                     raise
                 conn.execute("COMMIT")
             finally:
+                if relaxed:
+                    conn.execute(f"PRAGMA synchronous = {self.synchronous}")
                 self._write_lock.release()
 
     def one(self, sql: str, params: Sequence = ()) -> sqlite3.Row | None:
@@ -833,6 +914,7 @@ class Database:
         NORMAL: in WAL mode, no fsync), for records whose loss in a power cut
         costs no money (DESIGN.md §10); the next durable commit syncs it too.
         """
+        self.check_file()
         if not self._write_lock.acquire(timeout=self.busy_timeout):
             raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
         try:
@@ -1062,6 +1144,15 @@ def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
     return None
 
 
+class PendingNonce(NamedTuple):
+    """A nonce that passed step 5 and the signature, not recorded yet."""
+
+    api_key: str
+    nonce: str
+    now_ms: int
+    expires_ms: int  # when the record may go: after the last moment its timestamp passes step 4
+
+
 class Authenticator:
     """Steps 1-7 of SPEC.md's validation pipeline, in that order.
 
@@ -1069,32 +1160,35 @@ class Authenticator:
     first failure raises and ends processing.
     """
 
-    def __init__(self, db: Database, settings: Settings, clock: Callable[[], float]) -> None:
-        self.db = db
+    def __init__(self, svc: WalletService, settings: Settings) -> None:
+        self.svc = svc
+        self.db = svc.db
         self.settings = settings
-        self.clock = clock
-        self._next_purge = 0
+        self._next_purge = 0  # this process purges nonce records every half window of the clock
+        self._last_purge = 0
 
-    def authenticate(self, call: Call, *, defer_nonce: bool = False) -> Principal:
+    def authenticate(self, call: Call) -> Principal:
         """The request's Principal, or the first failure of steps 1-7; the call
-        records the canonical message and the signature's verdict.
+        records the canonical message, the signature's verdict, the service
+        clock's reading and how many fault rules are in force.
 
-        With ``defer_nonce`` the nonce, checked at step 5, is left in
-        ``call.nonce`` for the caller to record (``record_nonce``) in the
-        transaction of the request's own write."""
-        now = self.clock()
+        The nonce, checked at step 5, is left in ``call.nonce`` for the HTTP
+        layer to record (``record_nonce``) in the transaction that ends the
+        request: its write's, or the one that journals it."""
         environ = call.environ
         get = environ.get
         # Step 1: API key lookup.
         api_key = get("HTTP_X_API_KEY", "")
         if not api_key:
             raise ApiKeyMissing()
-        now_ms = int(now * 1000)
-        nonce = get("HTTP_X_NONCE", "")
-        key = self._key(api_key, nonce, now_ms)  # also answers step 5's question, asked there
+        nonce, timestamp = get("HTTP_X_NONCE", ""), get("HTTP_X_TIMESTAMP", "")
+        tolerance = self.settings.timestamp_tolerance
+        expires_ms = (int(timestamp) + tolerance + 1) * 1000 if _TIMESTAMP.fullmatch(timestamp) else -1
+        key = self._key(api_key, nonce, expires_ms)  # also answers step 5's questions, asked there
         if key is None:
             raise ApiKeyNotFound()
-        secret, workspace_id, member_id, scopes = key["secret"], key["workspace_id"], key["member_id"], key["scopes"]
+        now = call.now = self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"])
+        call.fault_rules = key["fault_rules"]
         # Step 2: key status.
         if not key["enabled"]:
             raise ApiKeyDisabled()
@@ -1104,13 +1198,11 @@ class Authenticator:
         if key["member_removed"]:
             raise NotWorkspaceMember()
         # Step 4: timestamp.
-        timestamp = get("HTTP_X_TIMESTAMP", "")
-        if not _TIMESTAMP.fullmatch(timestamp):
+        if expires_ms < 0:
             if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
                 raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
                               "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
             raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
-        tolerance = self.settings.timestamp_tolerance
         if abs(math.floor(now) - int(timestamp)) > tolerance:  # whole seconds (DESIGN.md §5)
             difference = int(timestamp) - math.floor(now)
             raise expired(f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
@@ -1122,49 +1214,51 @@ class Authenticator:
         if not _NONCE.fullmatch(nonce):
             raise expired("X-Nonce must be 1-128 printable ASCII characters.",
                           "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
-        if key["nonce_used"]:
-            raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
+        now_ms = int(now * 1000)
+        if key["nonce_expires"] is not None and key["nonce_expires"] > now_ms:
+            raise _nonce_used()
+        if key["forgotten"]:
+            raise _nonce_forgotten()
         # Step 6: signature.
         call.canonical = message = canonical_message(environ["REQUEST_METHOD"], call.path, timestamp, nonce,
                                                      body_hash(call.body))
         call.verdict = "invalid"
-        if not self._signature_matches(secret, message, get("HTTP_X_SIGNATURE", "")):
+        if not self._signature_matches(key["secret"], message, get("HTTP_X_SIGNATURE", "")):
             if not self.settings.debug_signatures:
                 raise SignatureInvalid()
             # A sandbox aid: the message and what matched, never the secret or the expected signature.
             shown = message.decode("latin-1").replace("\n", "\\n")
             english = f"Canonical message: {shown} ({len(call.body)} body bytes received)."
             chinese = f"规范消息：{shown}（收到请求体 {len(call.body)} 字节）。"
-            call.diagnosis = diagnose_signature(secret, call, timestamp, nonce, get("HTTP_X_SIGNATURE", ""))
+            call.diagnosis = diagnose_signature(key["secret"], call, timestamp, nonce, get("HTTP_X_SIGNATURE", ""))
             if call.diagnosis:
                 english += f" The signature matches a common mistake: {call.diagnosis[0]}."
                 chinese += f"签名符合一个常见错误：{call.diagnosis[1]}。"
             raise SignatureInvalid(extra=english, zh_extra=chinese)
         call.verdict = "valid"
-        # The record outlives the last moment this timestamp passes step 4: no replay at the edge.
-        call.nonce = (api_key, nonce, now_ms, (int(timestamp) + tolerance + 1) * 1000)
-        if not defer_nonce:
-            self.record_nonce(call)
+        call.nonce = PendingNonce(api_key, nonce, now_ms, expires_ms)
         # Step 7: IP whitelist, only when configured.
         if key["ip_whitelist"]:
             whitelist = json.loads(key["ip_whitelist"])
             if whitelist and not ip_allowed(client_ip(environ, self.settings.trusted_proxies), whitelist):
                 raise IpNotWhitelisted()
-        return Principal(api_key, workspace_id, member_id, frozenset(scopes.split()))
+        return Principal(api_key, key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
 
-    def _key(self, api_key: str, nonce: str, now_ms: int) -> sqlite3.Row | None:
-        """The key with its workspace and member state, and whether the nonce is taken."""
+    def _key(self, api_key: str, nonce: str, expires_ms: int) -> sqlite3.Row | None:
+        """The key with its workspace and member state, the nonce's record, whether a record
+        this timestamp would make was forgotten (DESIGN.md §10), and the sandbox's clock."""
         if len(api_key) > 128:
             return None
         return self.db.one(
             "SELECT k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
             "       w.deleted_at IS NOT NULL AS workspace_deleted,"
             "       m.removed_at IS NOT NULL AS member_removed,"
-            "       EXISTS (SELECT 1 FROM nonces n WHERE n.api_key = k.id AND n.nonce = ?"
-            "               AND n.expires_at > ?) AS nonce_used"
+            "       (SELECT n.expires_at FROM nonces n WHERE n.api_key = k.id AND n.nonce = ?) AS nonce_expires,"
+            "       EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi) AS forgotten,"
+            "       s.clock_frozen_at, s.clock_offset, s.fault_rules"
             "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
-            "                  JOIN members m ON m.id = k.member_id"
-            " WHERE k.id = ?", (nonce, now_ms, api_key))
+            "                  JOIN members m ON m.id = k.member_id, sandbox s"
+            " WHERE k.id = ?", (nonce, expires_ms, api_key))
 
     @staticmethod
     def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
@@ -1174,33 +1268,72 @@ class Authenticator:
             return False
         return hmac.compare_digest(hmac.digest(secret.encode("utf-8"), message, "sha256"), given)
 
-    _RECORD = ("INSERT INTO nonces (api_key, nonce, expires_at) VALUES (?, ?, ?)"
+    # One statement, so two racing requests cannot both win; refused inside a forgotten
+    # span; an expired record is taken over in place (the trigger nonce_taken_over keeps
+    # its expiry as a span, so the request it recorded cannot come back either).
+    _RECORD = ("INSERT INTO nonces (api_key, nonce, expires_at) SELECT ?, ?, ?"
+               " WHERE NOT EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi)"
                " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at"
                " WHERE nonces.expires_at <= ?")
 
-    def record_nonce(self, call: Call, conn: sqlite3.Connection | None = None) -> None:
-        """Record the call's nonce, in ``conn``'s transaction or on its own without
-        waiting for a disk sync; GA2013 when another request recorded it first.
-
-        One statement, so two racing requests cannot both win; an expired
-        record is taken over in place.
-        """
-        api_key, nonce, now_ms, expires_ms = call.nonce
-        call.nonce = None
-        params = (api_key, nonce, expires_ms, now_ms)
-        if conn is not None:
-            won = conn.execute(self._RECORD, params).rowcount == 1
-        else:
-            won = self.db.write(self._RECORD, params, durable=False) == 1
-        if now_ms >= self._next_purge:
-            self._next_purge = now_ms + self.settings.timestamp_tolerance * 500  # every half window
-            purge = ("DELETE FROM nonces WHERE expires_at <= ?", (now_ms,))
-            if conn is not None:
-                conn.execute(*purge)
-            else:
-                self.db.write(*purge, durable=False)
+    def record_nonce(self, call: Call, conn: sqlite3.Connection) -> None:
+        """Record the call's nonce in ``conn``'s transaction; GA2013 when another request
+        recorded it first, or when its timestamp falls in a forgotten span."""
+        pending, call.nonce = call.nonce, None
+        won = conn.execute(self._RECORD, (pending.api_key, pending.nonce, pending.expires_ms, pending.expires_ms,
+                                          pending.now_ms)).rowcount == 1
+        now_ms = pending.now_ms
+        if now_ms >= self._next_purge or now_ms < self._last_purge:  # every half window, or the clock went back
+            self._next_purge, self._last_purge = now_ms + self.settings.timestamp_tolerance * 500, now_ms
+            self.purge(conn, now_ms)
         if not won:
-            raise expired("X-Nonce was already used.", "X-Nonce 已被使用。")
+            raise _nonce_used()
+
+    def purge(self, conn: sqlite3.Connection, now_ms: int) -> None:
+        """Forget the nonce records no timestamp in the window around ``now_ms`` can carry,
+        keeping each forgotten run of expiry times as a span (DESIGN.md §10): records of the
+        past, and records a clock that was ahead made. The table stays bounded by the window."""
+        reach = (2 * self.settings.timestamp_tolerance + 2) * 1000  # farthest expiry a fresh request makes
+        for where, params in (("expires_at <= ?", (now_ms,)), ("expires_at > ?", (now_ms + reach,))):
+            lo, hi = conn.execute(f"SELECT min(expires_at), max(expires_at) FROM nonces WHERE {where}",
+                                  params).fetchone()
+            if lo is not None:
+                conn.execute(f"DELETE FROM nonces WHERE {where}", params)
+                conn.execute("INSERT INTO nonce_spans (lo, hi) VALUES (?, ?)", (lo, hi))
+        self._merge_spans(conn, now_ms, reach)
+
+    @staticmethod
+    def _merge_spans(conn: sqlite3.Connection, now_ms: int, reach: int) -> None:
+        """Merge spans less than a window apart, and the closest ones beyond MAX_SPANS; never
+        across the window around now, where requests are being recorded."""
+        spans = conn.execute("SELECT rowid, lo, hi FROM nonce_spans ORDER BY lo").fetchall()
+        merged: list[list[int]] = []
+        for _, lo, hi in spans:
+            if merged and lo - merged[-1][1] <= reach and not merged[-1][1] < now_ms < lo:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        while len(merged) > MAX_SPANS:
+            gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)
+                    if not merged[i][1] < now_ms < merged[i + 1][0]]
+            _, i = min(gaps)
+            merged[i:i + 2] = [[merged[i][0], max(merged[i][1], merged[i + 1][1])]]
+        if len(merged) != len(spans):
+            conn.execute("DELETE FROM nonce_spans")
+            conn.executemany("INSERT INTO nonce_spans (lo, hi) VALUES (?, ?)", merged)
+
+
+MAX_SPANS = 32  # forgotten spans of nonce expiry kept; beyond, the closest merge
+def _nonce_used() -> RequestExpired:
+    return expired("X-Nonce was already used.", "X-Nonce 已被使用。")
+
+
+def _nonce_forgotten() -> RequestExpired:
+    return expired(
+        "The nonce records of this X-Timestamp were forgotten after the sandbox clock moved past it; a request"
+        " signed at this time may be a replay and is refused. Sign at another time (or reset the sandbox).",
+        "沙箱时钟越过该 X-Timestamp 后，其 nonce 记录已被清除；以此时间签名的请求可能是重放，因此被拒绝。"
+        "请以其他时间签名（或重置沙箱）。")
 
 
 ###############################################################################
@@ -1381,62 +1514,92 @@ def completion_resource(row: sqlite3.Row) -> dict:
 ###############################################################################
 
 
-class Journal:
-    """The last ``size`` requests the HTTP surfaces received, with assertion helpers.
+class JournalEntry(NamedTuple):
+    """One request as the journal keeps it (before capping): epoch ms, the path and canonical
+    message as raw bytes, the headers as (name, value) pairs."""
 
-    Each entry: at, method, path (raw, as sent), query, apiKey, status, code,
-    canonicalMessage (as the server computed it), signature (valid, invalid or
-    unchecked), replayed (an idempotent replay), headers (as received), body,
-    responseBody, elapsedMs and diagnosis (the signing mistake a GA2012 matched). Every field is capped at FIELD_BYTES (a
-    longer one keeps its start and says how much was cut), so the journal
-    holds at most about ``size`` x 4 x FIELD_BYTES bytes whatever arrives.
+    at: int
+    method: str
+    path: bytes
+    query: str
+    api_key: str | None
+    status: int
+    code: str | None
+    canonical: bytes | None  # the canonical message the server computed
+    signature: str  # valid, invalid or unchecked
+    replayed: bool  # an idempotent replay
+    headers: tuple
+    body: bytes
+    response_body: bytes
+    elapsed_ms: float
+    diagnosis: str | None  # the signing mistake a GA2012 matched
+
+
+class Journal:
+    """The last ``size`` requests the API surface received, in the database (DESIGN.md §9),
+    with assertion helpers: every process serving the file writes and reads the same journal.
+
+    Each entry as read: seq (increasing), at, method, path (raw, as sent),
+    query, apiKey, status, code, canonicalMessage (as the server computed it),
+    signature (valid, invalid or unchecked), replayed (an idempotent replay),
+    headers (as received), body, responseBody, elapsedMs and diagnosis. Each
+    field a client controls is cut at FIELD_BYTES, the headers together too
+    (a cut one says how much was cut), so an entry holds at most ENTRY_BYTES
+    and the journal at most ``size`` x ENTRY_BYTES, whatever arrives.
     """
 
     FIELD_BYTES = 2048
-
-    def __init__(self, size: int) -> None:
-        self._entries: collections.deque = collections.deque(maxlen=size or None)
-        self._lock = threading.Lock()
-        self.enabled = size > 0
-
+    ENTRY_BYTES = 9 * FIELD_BYTES  # seven capped fields, the headers, and the short fixed ones
     FIELDS = ("at", "method", "path", "query", "apiKey", "status", "code", "canonicalMessage", "signature",
               "replayed", "headers", "body", "responseBody", "elapsedMs", "diagnosis")
-    _CLIENT_TEXT = (1, 2, 3, 4, 7, 11, 12)  # method, path, query, apiKey, canonicalMessage, body, responseBody
+    _INSERT = ("INSERT INTO journal (at, method, path, query, api_key, status, code, canonical, signature,"
+               " replayed, headers, body, response_body, elapsed_ms, diagnosis)"
+               " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
 
-    def record(self, *values: Any) -> None:
-        """One entry: the values of FIELDS in order (epoch ms; path and canonical
-        message as the raw bytes), turned into a dict only when read."""
-        if self.enabled:
-            for index in self._CLIENT_TEXT:  # the fields a client can make long (measured: 12 us a
-                value = values[index]        # request to cap all ten in a generator, 2 us these)
-                if value is not None and len(value) > self.FIELD_BYTES:
-                    values = (*values[:index], _capped(value, self.FIELD_BYTES), *values[index + 1:])
-            with self._lock:
-                self._entries.append(values)
+    def __init__(self, db: Database, size: int) -> None:
+        self.db = db
+        self.size = size
+        self.enabled = size > 0
+
+    def record(self, entry: JournalEntry, conn: sqlite3.Connection | None = None) -> None:
+        """Keep ``entry`` (in ``conn``'s transaction, or in one of its own without a disk sync)
+        and forget the oldest beyond ``size``."""
+        if not self.enabled:
+            return
+        cap = self.FIELD_BYTES
+        values = (entry.at, _capped(entry.method, cap), _capped(entry.path, cap), _capped(entry.query, cap),
+                  _capped(entry.api_key, cap), entry.status, entry.code, _capped(entry.canonical, cap),
+                  entry.signature, int(entry.replayed), _capped_headers(entry.headers, cap),
+                  _capped(entry.body, cap), _capped(entry.response_body, cap), entry.elapsed_ms, entry.diagnosis)
+        if conn is not None:
+            self._insert(conn, values)
+            return
+        with self.db.atomic(durable=False) as own:
+            self._insert(own, values)
+
+    def _insert(self, conn: sqlite3.Connection, values: tuple) -> None:
+        seq = conn.execute(self._INSERT, values).lastrowid
+        if seq > self.size:
+            conn.execute("DELETE FROM journal WHERE seq <= ?", (seq - self.size,))
 
     def clear(self) -> None:
         """Forget every entry."""
-        with self._lock:
-            self._entries.clear()
+        with self.db.atomic(durable=False) as conn:
+            conn.execute("DELETE FROM journal")
 
-    def entries(self, method: str | None = None, path: str | None = None, **criteria: Any) -> list[dict]:
+    def entries(self, method: str | None = None, path: str | None = None, *, after: int | None = None,
+                **criteria: Any) -> list[dict]:
         """Entries, oldest first, that match (``request_misses``): ``path`` may be a glob
-        (``/api/v1/wallets/*``); ``query``, ``headers``, ``body`` (a JSON subset), ``code``."""
-        with self._lock:
-            entries = list(self._entries)
-        result = []
-        for values in entries:
-            entry = dict(zip(self.FIELDS, values))
-            entry["at"] = iso_time(entry["at"])
-            entry["path"] = entry["path"].decode("latin-1")
-            if entry["canonicalMessage"] is not None:
-                entry["canonicalMessage"] = entry["canonicalMessage"].decode("latin-1")
-            entry["headers"] = dict(entry["headers"])
-            for name in ("body", "responseBody"):
-                entry[name] = entry[name].decode("utf-8", "replace")
-            result.append(entry)
+        (``/api/v1/wallets/*``); ``query``, ``headers``, ``body`` (a JSON subset), ``code``;
+        ``after``: only entries whose seq is greater."""
+        sql, params = "SELECT * FROM journal WHERE seq > ?", [min(after or 0, 1 << 62)]
+        if method not in (None, "*"):
+            sql += " AND method = ?"
+            params.append(method.upper())
+        with self.db.connection() as conn:
+            rows = conn.execute(sql + " ORDER BY seq", params).fetchall()
         wanted = {"method": method, "path": path, **criteria}
-        return [entry for entry in result if not request_misses(entry, wanted)]
+        return [entry for entry in map(_journal_entry, rows) if not request_misses(entry, wanted)]
 
     def assert_called(self, method: str | None = None, path: str | None = None, *, times: int | None = None,
                       at_least: int | None = None, never: bool = False, **criteria: Any) -> list[dict]:
@@ -1468,6 +1631,34 @@ class Journal:
         return f"expected a request with {shown} {wanted}, got {got}; the closest entries:\n" + "\n".join(lines)
 
 
+def _journal_entry(row: sqlite3.Row) -> dict:
+    """A journal row as the Python API and /_admin/journal show it."""
+    return {"seq": row["seq"], "at": iso_time(row["at"]), "method": row["method"],
+            "path": bytes(row["path"]).decode("latin-1"), "query": row["query"], "apiKey": row["api_key"],
+            "status": row["status"], "code": row["code"],
+            "canonicalMessage": None if row["canonical"] is None else bytes(row["canonical"]).decode("latin-1"),
+            "signature": row["signature"], "replayed": bool(row["replayed"]),
+            "headers": dict(json.loads(row["headers"])),
+            "body": bytes(row["body"]).decode("utf-8", "replace"),
+            "responseBody": bytes(row["response_body"]).decode("utf-8", "replace"),
+            "elapsedMs": row["elapsed_ms"], "diagnosis": row["diagnosis"]}
+
+
+def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
+    """The headers as a JSON list of pairs, names and values together cut at ``limit`` characters."""
+    kept, left, dropped = [], limit, 0
+    for name, value in headers:
+        if left <= 0:
+            dropped += 1
+            continue
+        name, value = name[:left], _capped(value, max(left - len(name), 0))
+        kept.append((name, value))
+        left -= len(name) + len(value)
+    if dropped:
+        kept.append(("X-Walletsvc-Cut", f"{dropped} more header(s)"))
+    return json.dumps(kept, ensure_ascii=False)
+
+
 def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> list[str]:
     """What of ``criteria`` a request (a journal entry's shape) does not match; empty: a match.
 
@@ -1495,9 +1686,10 @@ def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> l
     if criteria.get("body") is not None:
         try:
             document = json.loads(request.get("body") or "null")
-        except ValueError:
-            document = None
-        if not _json_subset(criteria["body"], document):
+            matched = _json_subset(criteria["body"], document)
+        except (ValueError, RecursionError):  # however deep, a body that cannot be read does not match
+            matched = False
+        if not matched:
             misses.append(f"body is {(request.get('body') or '')[:120]!r}")
     if criteria.get("code") is not None and request.get("code") != str(criteria["code"]):
         misses.append(f"code is {request.get('code')}")
@@ -1523,18 +1715,23 @@ FAULT_ACTIONS = ("error", "commit_then_fail", "commit_then_drop", "latency")
 
 
 class Faults:
-    """Fault rules applied to authenticated /api/ requests that match them.
+    """Fault rules applied to authenticated /api/ requests that match them, kept in the
+    database (DESIGN.md §9): every process serving the file applies the same rules, and a
+    rule with ``times`` fires that many times across all of them.
 
     ``error`` answers a forced code; ``commit_then_fail`` runs the request (a
     transfer commits) and answers S500; ``commit_then_drop`` runs it and drops
     the connection mid-response; ``latency`` only delays. Any rule may add
     ``latency`` seconds. ``times`` fires a rule that many times (None: always).
+    At most MAX_RULES rules are in force at once.
     """
 
-    def __init__(self) -> None:
-        self._rules: list[dict] = []
-        self._lock = threading.Lock()
-        self._next = 0
+    MAX_RULES = 100
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        self._cache: tuple[int, list[dict]] = (-1, [])  # (fault_version, the rules) as this process last read them
+        self._spent: set[int] = set()  # rules seen spent under the cached version: spent stays spent
 
     def add(self, *, action: str = "error", method: str = "*", path: str = "*",
             workspace_id: str | None = None, code: str | None = None, status: int | None = None,
@@ -1557,56 +1754,76 @@ class Faults:
             raise invalid("status", "one_of", choices="400-599")
         if not isinstance(latency, (int, float)) or not 0 <= latency <= 60:
             raise invalid("latency", "one_of", choices="0-60 seconds")
-        if times is not None and not (isinstance(times, int) and times >= 1):
+        if times is not None and not (isinstance(times, int) and not isinstance(times, bool) and times >= 1):
             raise invalid("times", "minimum", minimum=1)
         for name, value in (("query", query), ("headers", headers), ("body", body)):
             if value is not None and not isinstance(value, dict):
                 raise invalid(name, "type", kinds="object")
-        with self._lock:
-            self._next += 1
-            rule = {"id": f"fault_{self._next}", "action": action, "method": method.upper(), "path": path,
-                    "workspaceId": workspace_id, "code": code, "status": status,
-                    "latency": float(latency), "times": times, "query": query, "headers": headers,
-                    "body": body, "fired": 0}
-            self._rules.append(rule)
-            return dict(rule)
+        rule = {"action": action, "method": method.upper(), "path": path, "workspaceId": workspace_id,
+                "code": code, "status": status, "latency": float(latency), "times": times, "query": query,
+                "headers": headers, "body": body}
+        with self.db.atomic(durable=False) as conn:
+            count, number = conn.execute("SELECT fault_rules, fault_next + 1 FROM sandbox").fetchone()
+            if count >= self.MAX_RULES:
+                raise invalid("faults", "too_many", maximum=self.MAX_RULES)
+            conn.execute("INSERT INTO fault_rules (id, rule, times) VALUES (?, ?, ?)",
+                         (number, json.dumps(rule), times))
+            conn.execute("UPDATE sandbox SET fault_rules = fault_rules + 1, fault_next = ?,"
+                         " fault_version = fault_version + 1", (number,))
+        return {"id": f"fault_{number}", **rule, "fired": 0}
 
     def rules(self) -> list[dict]:
-        """The rules in force, in the order they are tried."""
-        with self._lock:
-            return [dict(rule) for rule in self._rules]
+        """The rules in force, in the order they are tried, each with how often it ``fired``."""
+        with self.db.connection() as conn:
+            rows = conn.execute("SELECT id, rule, fired FROM fault_rules ORDER BY id").fetchall()
+        return [{"id": f"fault_{number}", **json.loads(rule), "fired": fired} for number, rule, fired in rows]
 
     def remove(self, fault_id: str) -> None:
         """Remove one rule; S404 if there is none with that id."""
-        with self._lock:
-            kept = [rule for rule in self._rules if rule["id"] != fault_id]
-            if len(kept) == len(self._rules):
+        number = fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_") else ""
+        with self.db.atomic(durable=False) as conn:
+            if not number.isdigit() or not conn.execute("DELETE FROM fault_rules WHERE id = ?",
+                                                        (int(number[:18]),)).rowcount:
                 raise not_found("fault rule")
-            self._rules[:] = kept
+            conn.execute("UPDATE sandbox SET fault_rules = fault_rules - 1, fault_version = fault_version + 1")
 
     def clear(self) -> None:
         """Remove every rule; ids start again from fault_1."""
-        with self._lock:
-            self._rules.clear()
-            self._next = 0
+        with self.db.atomic(durable=False) as conn:
+            conn.execute("DELETE FROM fault_rules")
+            conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0, fault_version = fault_version + 1")
 
     def take(self, method: str, path: str, workspace_id: str,
              request: Callable[[], Mapping[str, Any]] = dict) -> dict | None:
-        """The first rule matching this request that is not spent, counted as fired. A spent
-        rule (fired ``times`` times) stays listed with its count."""
-        if not self._rules:
-            return None
-        with self._lock:
-            for rule in self._rules:
-                if not ((rule["times"] is None or rule["fired"] < rule["times"]) and rule["method"] in ("*", method)
-                        and fnmatch.fnmatchcase(path, rule["path"]) and rule["workspaceId"] in (None, workspace_id)):
-                    continue
-                matchers = {"query": rule["query"], "headers": rule["headers"], "body": rule["body"]}
-                if any(value is not None for value in matchers.values()) and request_misses(request(), matchers):
-                    continue
-                rule["fired"] += 1
-                return dict(rule)
+        """The first rule matching this request that is not spent, counted as fired (once,
+        across processes: the count is taken in the database). A spent rule (fired ``times``
+        times) stays listed with its count."""
+        version, rules = self._rules()
+        for rule in rules:
+            if rule["number"] in self._spent or not (
+                    rule["method"] in ("*", method) and fnmatch.fnmatchcase(path, rule["path"])
+                    and rule["workspaceId"] in (None, workspace_id)):
+                continue
+            matchers = {"query": rule["query"], "headers": rule["headers"], "body": rule["body"]}
+            if any(value is not None for value in matchers.values()) and request_misses(request(), matchers):
+                continue
+            fired = self.db.write("UPDATE fault_rules SET fired = fired + 1 WHERE id = ?"
+                                  " AND (times IS NULL OR fired < times)", (rule["number"],), durable=False)
+            if fired:
+                return rule
+            if self._cache[0] == version:
+                self._spent.add(rule["number"])
         return None
+
+    def _rules(self) -> tuple[int, list[dict]]:
+        """The rules in force, read again only when another change made them stale."""
+        with self.db.snapshot() as conn:
+            version = conn.execute("SELECT fault_version FROM sandbox").fetchone()[0]
+            if version != self._cache[0]:
+                rows = conn.execute("SELECT id, rule FROM fault_rules ORDER BY id").fetchall()
+                rules = [{**json.loads(rule), "id": f"fault_{number}", "number": number} for number, rule in rows]
+                self._cache, self._spent = (version, rules), set()
+        return self._cache
 
 
 def forced_error(rule: dict) -> WalletError:
@@ -1726,6 +1943,56 @@ _AUDITS = (
 )
 
 
+# The tables of the sandbox's world, parents first: what save_start copies and reset restores.
+_STARTING_STATE = ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "ledger_clock", "counters")
+
+
+def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
+    """The ``drawn``-th number of ``bits`` bits of the sequence of ``seed``: the same on every run and process."""
+    digest = hashlib.blake2b(f"{seed}:{drawn}".encode(), digest_size=bits // 8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class IdSequence:
+    """The ids and secrets one write transaction issues (DESIGN.md §9).
+
+    An id is 48 bits of time (or sequence) and 80 bits of randomness, and sorts
+    after the last id committed in the database (``last_id``): random ids take
+    the transaction's millisecond, or count on from the last id within it;
+    seeded ids count on from the last id, with bits drawn from the seed's
+    sequence, so the same starting state and seed give the same ids.
+    """
+
+    __slots__ = ("drawn", "high", "low", "now", "seed")
+
+    def __init__(self, last_id: str, seed: int | None, drawn: int, now: int) -> None:
+        self.high, self.low = (int(last_id[-32:-20], 16), int(last_id[-20:], 16)) if last_id else (0, 0)
+        self.seed, self.drawn, self.now = seed, drawn, now
+
+    def next(self, prefix: str, now_ms: int) -> str:
+        if self.seed is not None:
+            self.high, self.low = self.high + 1, _seeded_bits(self.seed, self.drawn, 80)
+            self.drawn += 1
+        elif now_ms > self.high:
+            self.high, self.low = now_ms, secrets.randbits(79)
+        elif self.low + 1 < 1 << 80:
+            self.low += 1
+        else:
+            self.high, self.low = self.high + 1, 0
+        return new_id(prefix, self.high, self.low)
+
+    def secret(self) -> str:
+        if self.seed is None:
+            return secrets.token_urlsafe(32)
+        self.drawn += 1
+        return base64.urlsafe_b64encode(_seeded_bits(self.seed, self.drawn - 1, 256).to_bytes(32, "big")
+                                        ).decode().rstrip("=")
+
+    @property
+    def last(self) -> str:
+        return new_id("", self.high, self.low) if self.high else ""
+
+
 class WalletService:
     """The service: admin API, wallets, ledger and transfers over one SQLite database.
 
@@ -1740,42 +2007,45 @@ class WalletService:
         self.settings = settings.replace("service", **setting_values) if setting_values else settings
         self.clock = clock or time.time
         self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
-        self.journal = Journal(self.settings.journal_size)
-        self.faults = Faults()
-        self.seed: Callable[[WalletService], Any] | None = None  # what reset() seeds again (serve --demo)
-        self._id_lock = threading.Lock()
-        self._reset_ids()
-
-    def _reset_ids(self) -> None:
+        if isinstance(self.clock, Clock):  # the sandbox's clock lives in the database (DESIGN.md §9)
+            self.clock.bind(self.db)
+        self.journal = Journal(self.db, self.settings.journal_size)
+        self.faults = Faults(self.db)
+        self._tx = threading.local()  # the id sequence of this thread's write transaction
         seed = self.settings.id_seed
-        self._random = random.Random(seed) if seed is not None else None
-        self._last_id = (0, 0)
+        if seed is not None and self.db.one("SELECT id_seed FROM sandbox")[0] != seed:  # a restart keeps its place
+            with self.db.atomic(durable=False) as conn:
+                conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0 WHERE id_seed IS NOT ?",
+                             (self.settings.id_seed, self.settings.id_seed))
 
     def seed_ids(self, seed: int | None) -> None:
-        """Make the ids and secrets that follow a deterministic sequence of ``seed`` (None:
-        random again), as the ``id_seed`` setting does from the start. Tests only."""
+        """Make the ids and secrets that follow a repeatable sequence of ``seed`` (None:
+        random again), as the ``id_seed`` setting does from the start. Seeded or not, an id
+        sorts after every id already issued in this database. Tests only."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise invalid("seed", "integer")
-        with self._id_lock:
-            self._random = random.Random(seed) if seed is not None else None
-            self._last_id = (0, 0)
+        if seed is not None and not -2**63 <= seed < 2**63:
+            raise invalid("seed", "too_large")
+        with self.db.atomic(durable=False) as conn:
+            conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0", (seed,))
 
     def now_ms(self) -> int:
         """The service clock, in epoch milliseconds."""
         return int(self.clock() * 1000)
 
+    def clock_at(self, frozen_at: float | None, offset: float) -> float:
+        """The service clock, given the sandbox's clock state as read from the database
+        (in a query that needed reading anyway): a bound Clock's reading, else the clock's."""
+        return Clock.reading(frozen_at, offset) if isinstance(self.clock, Clock) else self.clock()
+
     def new_id(self, prefix: str, now_ms: int) -> str:
-        """A fresh id. Ids only ever increase, so that the id tie-break orders rows
-        created in the same millisecond by creation; made inside ``writing()``, they
-        increase in commit order across processes too."""
-        with self._id_lock:
-            if self._random is not None:  # seeded: a sequence, the same on every run
-                self._last_id = (self._last_id[0] + 1, self._random.getrandbits(80))
-            elif now_ms > self._last_id[0]:
-                self._last_id = (now_ms, secrets.randbits(79))
-            else:
-                self._last_id = (self._last_id[0], self._last_id[1] + 1)
-            return new_id(prefix, *self._last_id)
+        """A fresh id, made inside ``writing()``: it sorts after every id committed before
+        (DESIGN.md §9), so that the id tie-break orders rows by commit."""
+        return self._tx.ids.next(prefix, now_ms)
+
+    def new_secret(self) -> str:
+        """A fresh API secret, made inside ``writing()`` (from the seeded sequence when seeded)."""
+        return self._tx.ids.secret()
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[tuple[sqlite3.Connection, int]]:
@@ -1784,48 +2054,68 @@ class WalletService:
         The time is the service clock read inside the transaction, never before
         the last write's in this database (whatever the clock or the number of
         processes says), so the ledger reads in commit order. The last write's
-        time and id live in the database's ``ledger_clock`` row.
+        time and id live in the database's ``ledger_clock`` row, the id seed and
+        how far it was drawn in ``sandbox``. Nested use joins the outer one.
         """
         with self.db.atomic() as conn:
-            last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
-            now = max(self.now_ms(), last_ms)
-            if self._random is None and last_id:  # ids continue after the last one committed
-                with self._id_lock:
-                    self._last_id = max(self._last_id, (int(last_id[-32:-20], 16), int(last_id[-20:], 16)))
-            yield conn, now
-            with self._id_lock:
-                last = new_id("", *self._last_id) if self._last_id[0] else ""
-            conn.execute("UPDATE ledger_clock SET last_ms = ?, last_id = ?", (now, last))
-
-    def new_secret(self) -> str:
-        """A fresh API secret (seeded with ``id_seed``)."""
-        with self._id_lock:
-            if self._random is not None:
-                return base64.urlsafe_b64encode(self._random.getrandbits(256).to_bytes(32, "big")).decode().rstrip("=")
-        return secrets.token_urlsafe(32)
+            ids = getattr(self._tx, "ids", None)
+            if ids is not None:
+                yield conn, ids.now
+                return
+            last_ms, last_id, frozen_at, offset, seed, drawn = conn.execute(
+                "SELECT l.last_ms, l.last_id, s.clock_frozen_at, s.clock_offset, s.id_seed, s.id_drawn"
+                "  FROM ledger_clock l, sandbox s").fetchone()
+            self._tx.ids = ids = IdSequence(last_id, seed, drawn, max(int(self.clock_at(frozen_at, offset) * 1000),
+                                                                      last_ms))
+            try:
+                yield conn, ids.now
+            finally:
+                self._tx.ids = None
+            conn.execute("UPDATE ledger_clock SET last_ms = ?, last_id = ?", (ids.now, ids.last))
+            if ids.drawn != drawn:
+                conn.execute("UPDATE sandbox SET id_drawn = ?", (ids.drawn,))
 
     def close(self) -> None:
         """Close this thread's database connection."""
         self.db.close()
 
-    def reset(self) -> None:
-        """Back to the starting state: erase every row (workspaces, keys, wallets,
-        ledger, nonces), the journal and the fault rules; restart seeded ids and
-        a controllable clock; seed again what ``seed`` seeds (the demo of
-        ``walletsvc serve --demo``, with the same credentials). The schema stays."""
-        if isinstance(self.clock, Clock):
-            self.clock.reset()
+    # The starting state ######################################################
+
+    def save_start(self) -> None:
+        """Make the state as it is now the starting state that ``reset`` returns to
+        (DESIGN.md §9): every workspace, member, key, wallet, order and flow, the
+        clock and the id sequence. ``walletsvc serve --demo`` and the pytest
+        sandbox call it once their world is seeded."""
         with self.db.atomic() as conn:
-            for table in ("flows", "transfers", "wallets", "nonces", "api_keys", "members",
-                          "workspaces", "counters"):
+            for table in _STARTING_STATE:
+                conn.execute(f"DELETE FROM start_{table}")
+                conn.execute(f"INSERT INTO start_{table} SELECT * FROM {table}")
+            conn.execute("DELETE FROM start_sandbox")
+            conn.execute("INSERT INTO start_sandbox SELECT clock_frozen_at, clock_offset, id_seed, id_drawn"
+                         " FROM sandbox")
+            conn.execute("UPDATE sandbox SET has_start = 1")
+
+    def reset(self) -> None:
+        """Back to the starting state (``save_start``; without one, an empty database), in
+        one transaction: the same workspaces, keys, secrets, wallets and balances, the
+        clock and the id sequence as they started; no journal, no fault rules, no nonce
+        records. A busy database or a crash leaves it as it was or reset, never between."""
+        with self.db.atomic() as conn:
+            for table in (*reversed(_STARTING_STATE), "nonces", "nonce_spans", "journal", "fault_rules"):
                 conn.execute(f"DELETE FROM {table}")
-            conn.execute("UPDATE ledger_clock SET last_ms = 0, last_id = ''")
-        self.journal.clear()
-        self.faults.clear()
-        with self._id_lock:
-            self._reset_ids()
-        if self.seed is not None:
-            self.seed(self)
+            for table in _STARTING_STATE:
+                if table == "counters":  # the triggers counted the rows in again: the saved counts instead
+                    conn.execute("DELETE FROM counters")
+                conn.execute(f"INSERT INTO {table} SELECT * FROM start_{table}")
+            if conn.execute("SELECT 1 FROM ledger_clock").fetchone() is None:
+                conn.execute("INSERT INTO ledger_clock (last_ms, last_id) VALUES (0, '')")
+            start = conn.execute("SELECT clock_frozen_at, clock_offset, id_seed, id_drawn FROM start_sandbox"
+                                 " WHERE (SELECT has_start FROM sandbox)").fetchone()
+            if start is None:
+                clock_start = self.clock._start if isinstance(self.clock, Clock) else (None, 0.0)
+                start = (*clock_start, self.settings.id_seed, 0)
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?, id_seed = ?, id_drawn = ?,"
+                         " fault_rules = 0, fault_version = fault_version + 1, fault_next = 0", tuple(start))
 
     # Workspaces and members ##################################################
 
@@ -1903,9 +2193,8 @@ class WalletService:
                     whitelist.append(str(ipaddress.ip_network(str(entry).strip(), strict=False)))
                 except ValueError:
                     raise invalid("ipWhitelist", "ip", value=str(entry)[:60]) from None
-        secret = self.new_secret()
         with self.writing() as (conn, now):
-            key_id = self.new_id("ak_", now)
+            key_id, secret = self.new_id("ak_", now), self.new_secret()
             self._workspace(conn, workspace_id)
             if member_id is None:
                 member_id = self._workspace(conn, workspace_id)["owner_member_id"]
@@ -2087,7 +2376,9 @@ class WalletService:
                 raise invalid("amount", "too_large")
             transfer_id = self.new_id("tr_", now)
             mode = self.settings.settlement
-            settle_at = now + int(self.settings.settlement_delay * 1000) if mode == "delayed" else None
+            # Due on the service clock, from its own reading now (DESIGN.md §7): not from the ledger's
+            # time, which a clock moved back and forth before may have left ahead.
+            settle_at = self.now_ms() + int(self.settings.settlement_delay * 1000) if mode == "delayed" else None
             row = {"id": transfer_id, "workspace_id": workspace_id, "biz_id": request["biz_id"] or transfer_id,
                    "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
                    "currency": request["currency"], "status": "COMPLETED" if mode == "immediate" else "PENDING",
@@ -2467,14 +2758,20 @@ SCHEMAS: Mapping[str, dict] = {
                       "times": {"type": ["integer", "null"]}, "query": {"type": ["object", "null"]},
                       "headers": {"type": ["object", "null"]}, "body": {"type": ["object", "null"]},
                       "fired": {"type": "integer"}}),
-    "SeedBody": _object({"seed": {"type": ["integer", "null"]}}),
+    "SeedBody": _object({"seed": {"type": ["integer", "null"]}}, []),
     "ClockBody": _object({"freeze": {"type": "boolean"}, "at": {"type": ["number", "string"]},
                           "advance": {"type": "number"}}, []),
     "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {"type": "object"}}),
     "ClockState": _object({"now": _TIME, "epochMillis": {"type": "integer"}, "frozen": {"type": "boolean"},
                            "controllable": {"type": "boolean"}}),
+    "JournalEntry": _object({"seq": {"type": "integer"}, "at": _TIME, "method": _STRING, "path": _STRING,
+                             "query": _STRING, "apiKey": {"type": ["string", "null"]}, "status": {"type": "integer"},
+                             "code": {"type": ["string", "null"]}, "canonicalMessage": {"type": ["string", "null"]},
+                             "signature": _enum(("valid", "invalid", "unchecked")), "replayed": {"type": "boolean"},
+                             "headers": {"type": "object"}, "body": _STRING, "responseBody": _STRING,
+                             "elapsedMs": {"type": "number"}, "diagnosis": {"type": ["string", "null"]}}),
     **{item + "Page": _object({"content": _array(item), "page": {"$ref": "#/components/schemas/PageInfo"}})
-       for item in ("Wallet", "Balance", "Flow", "TransferOrder")},
+       for item in ("Wallet", "Balance", "Flow", "TransferOrder", "JournalEntry")},
 }
 
 _PAGE_PARAMETERS = (
@@ -2663,6 +2960,16 @@ def raw_request_path(environ: Mapping[str, Any]) -> bytes:
     return raw.encode("latin-1", "replace")
 
 
+class Answer(NamedTuple):
+    """A rendered response, and what the journal and the access log say of it."""
+
+    status: int
+    headers: list
+    body: bytes
+    code: str | None
+    now: int  # the envelope's timestamp
+
+
 @dataclasses.dataclass(eq=False)
 class Call:
     """One request on its way through the app: what each step learns, in one record."""
@@ -2676,7 +2983,9 @@ class Call:
     principal: Principal | None = None
     canonical: bytes | None = None  # the canonical message the server computed
     verdict: str = "unchecked"  # of the signature: valid, invalid or unchecked
-    nonce: tuple | None = None  # (key, nonce, now, expiry) passed at step 5, not recorded yet
+    nonce: PendingNonce | None = None  # passed step 5 and the signature, not recorded yet
+    now: float | None = None  # the service clock as authentication read it
+    fault_rules: int = 0  # fault rules in force when it authenticated
     diagnosis: tuple | None = None  # the signing mistake a GA2012 matched (debug_signatures)
     headers: dict = dataclasses.field(default_factory=dict)  # extra response headers
     status: int = 200  # of a success (the console's login answers 303 or 401)
@@ -2716,7 +3025,7 @@ class HttpApi:
     def __init__(self, svc: WalletService, settings: Settings) -> None:
         self.svc = svc
         self.settings = settings
-        self.auth = Authenticator(svc.db, settings, svc.clock)
+        self.auth = Authenticator(svc, settings)
         self.console = Console(settings.admin_token or "")
         self.endpoints: list[Endpoint] = []  # every declared endpoint the app serves
         self.access_log: logging.Logger | None = None  # one line per request when set (walletsvc serve)
@@ -2762,9 +3071,35 @@ class HttpApi:
         return Call(environ, declaration, self.locale(environ), time.perf_counter(), raw_request_path(environ))
 
     def finish(self, call: Call, data: Any, error: WalletError | None) -> tuple[int, list, Iterable[bytes]]:
-        """The one renderer: the envelope (or a bare document), its status and headers;
-        the journal entry and the access log line."""
-        now = self.svc.now_ms()
+        """End a request: record its nonce if it is still pending (a replay becomes GA2013),
+        render the answer and journal it, in one transaction without a disk sync; then the
+        access log line."""
+        journal = call.endpoint is not None and call.endpoint.surface == "api" and self.svc.journal.enabled
+        if call.nonce is None and not journal:
+            answer = self.render(call, data, error)
+        else:
+            try:
+                with self.svc.db.atomic(durable=False) as conn:
+                    if call.nonce is not None:
+                        try:
+                            self.auth.record_nonce(call, conn)
+                        except WalletError as lost:
+                            data, error = None, lost
+                    answer = self.render(call, data, error)
+                    if journal:
+                        self.svc.journal.record(self.journal_entry(call, answer), conn)
+            except (sqlite3.Error, WalletError) as exc:  # the storage refused: a pending nonce cannot be trusted
+                if call.nonce is not None or not isinstance(exc, sqlite3.Error) or not _is_busy(exc):
+                    answer = self.render(call, None, self.as_wallet_error(exc))
+                else:
+                    log.warning("request not journaled: %s", exc)
+                    answer = self.render(call, data, error)
+        self.log(call, answer)
+        return answer.status, answer.headers, _dropped(answer.body) if call.drop else [answer.body]
+
+    def render(self, call: Call, data: Any, error: WalletError | None) -> Answer:
+        """The one renderer: the envelope (or a bare document), its status and headers."""
+        now = int((call.now if call.now is not None else self.svc.clock()) * 1000)
         media = call.endpoint.media if error is None else None
         if error is None:
             status, payload = call.status, data if media else envelope(data, now)
@@ -2774,23 +3109,27 @@ class HttpApi:
         headers = [("Content-Type", media or JSON_CONTENT_TYPE), ("Content-Language", call.locale),
                    ("Cache-Control", "no-store"), ("Content-Length", str(len(body))), *call.headers.items()]
         code = error.code if error is not None else (None if media else SUCCESS_CODE)
+        return Answer(status, headers, body, code, now)
+
+    @staticmethod
+    def journal_entry(call: Call, answer: Answer) -> JournalEntry:
         environ = call.environ
-        if call.endpoint is not None and call.endpoint.surface == "api" and self.svc.journal.enabled:
-            limit = Journal.FIELD_BYTES
-            received = tuple((name[5:].replace("_", "-").title(), _capped(value, limit))
-                            for name, value in environ.items() if name.startswith("HTTP_"))[:50]
-            if environ.get("CONTENT_TYPE"):
-                received += (("Content-Type", _capped(environ["CONTENT_TYPE"], limit)),)
-            self.svc.journal.record(
-                now, environ["REQUEST_METHOD"], call.path, environ.get("QUERY_STRING", ""),
-                environ.get("HTTP_X_API_KEY") or None, status, code, call.canonical, call.verdict,
-                "Idempotent-Replayed" in call.headers, received, call.body, body,
-                round((time.perf_counter() - call.started) * 1000, 3), call.diagnosis and call.diagnosis[0])
+        received = tuple((name[5:].replace("_", "-").title(), value)
+                         for name, value in environ.items() if name.startswith("HTTP_"))
+        if environ.get("CONTENT_TYPE"):
+            received += (("Content-Type", environ["CONTENT_TYPE"]),)
+        return JournalEntry(
+            answer.now, environ["REQUEST_METHOD"], call.path, environ.get("QUERY_STRING", ""),
+            environ.get("HTTP_X_API_KEY") or None, answer.status, answer.code, call.canonical, call.verdict,
+            "Idempotent-Replayed" in call.headers, received, call.body, answer.body,
+            round((time.perf_counter() - call.started) * 1000, 3), call.diagnosis and call.diagnosis[0])
+
+    def log(self, call: Call, answer: Answer) -> None:
+        """The access log line (``walletsvc serve``), unless the call is quiet."""
         if self.access_log is not None and not call.quiet:
-            self.access_log.info("%s %s %s %s %.1fms", environ.get("REQUEST_METHOD"),
-                                 call.path.decode("latin-1"), status, code or "-",
+            self.access_log.info("%s %s %s %s %.1fms", call.environ.get("REQUEST_METHOD"),
+                                 call.path.decode("latin-1"), answer.status, answer.code or "-",
                                  (time.perf_counter() - call.started) * 1000)
-        return status, headers, _dropped(body) if call.drop else [body]
 
     def read_body(self, environ: Mapping[str, Any]) -> bytes:
         """The request body, read once, exactly, within the size limit, which is
@@ -2816,29 +3155,16 @@ class HttpApi:
     def call_api(self, call: Call, route: bottle.Route, url_args: dict, handler: Callable) -> Any:
         """The pipeline, the scope, the fault rules, then the endpoint."""
         method, scope = call.environ["REQUEST_METHOD"], call.endpoint.scope
-        writes = method == call.endpoint.method != "GET"  # its nonce goes into its own transaction
-        try:
-            call.principal = principal = self.auth.authenticate(call, defer_nonce=writes)
-            if scope is None or method != call.endpoint.method:  # deny by default (SPEC.md Scopes)
-                raise ApiAccessDenied()
-            if scope not in principal.scopes:  # pipeline step 8
-                raise ScopeRequired(scope=scope)
-            path = call.environ.get("PATH_INFO", "")
-            prefix = route.app.config.get("_mount.prefix")  # mounted by merging routes: PATH_INFO has it
-            if prefix and path.startswith(prefix):
-                path = path[len(prefix) - 1:]
-            fault = self.svc.faults.take(method, path, principal.workspace_id, lambda: {
-                "query": call.environ.get("QUERY_STRING", ""), "body": call.body.decode("utf-8", "replace"),
-                "headers": {name[5:].replace("_", "-"): value for name, value in call.environ.items()
-                            if name.startswith("HTTP_")} | {"Content-Type": call.environ.get("CONTENT_TYPE", "")}})
-            if fault is not None and fault["latency"]:
-                time.sleep(fault["latency"])  # outside any transaction: other requests go on
-            if fault is not None and fault["action"] == "error":
-                raise forced_error(fault)
-        except WalletError:
-            if call.nonce is not None:  # refused after its signature passed: its nonce is used all the same
-                self.auth.record_nonce(call)
-            raise
+        call.principal = principal = self.auth.authenticate(call)
+        if scope is None or method != call.endpoint.method:  # deny by default (SPEC.md Scopes)
+            raise ApiAccessDenied()
+        if scope not in principal.scopes:  # pipeline step 8
+            raise ScopeRequired(scope=scope)
+        fault = self.take_fault(call, route) if call.fault_rules else None
+        if fault is not None and fault["latency"]:
+            time.sleep(fault["latency"])  # outside any transaction: other requests go on
+        if fault is not None and fault["action"] == "error":
+            raise forced_error(fault)
         data = self.run(call, handler, url_args)
         if fault is None:
             return data
@@ -2847,10 +3173,23 @@ class HttpApi:
         call.drop = fault["action"] == "commit_then_drop"
         return data
 
+    def take_fault(self, call: Call, route: bottle.Route) -> dict | None:
+        """The fault rule this authenticated request fires, if any."""
+        environ = call.environ
+        path = environ.get("PATH_INFO", "")
+        prefix = route.app.config.get("_mount.prefix")  # mounted by merging routes: PATH_INFO has it
+        if prefix and path.startswith(prefix):
+            path = path[len(prefix) - 1:]
+        return self.svc.faults.take(environ["REQUEST_METHOD"], path, call.principal.workspace_id, lambda: {
+            "query": environ.get("QUERY_STRING", ""), "body": call.body.decode("utf-8", "replace"),
+            "headers": {name[5:].replace("_", "-"): value for name, value in environ.items()
+                        if name.startswith("HTTP_")} | {"Content-Type": environ.get("CONTENT_TYPE", "")}})
+
     def run(self, call: Call, handler: Callable, url_args: dict) -> Any:
-        """The handler; for a write, in one transaction with the nonce record (one commit,
-        DESIGN.md §10). A handler that fails leaves the nonce recorded and nothing else."""
-        if call.nonce is None:
+        """The handler; a write runs in one transaction with its nonce record (one commit,
+        DESIGN.md §10): a handler that fails leaves the nonce recorded and nothing else. A
+        read's nonce is recorded when the request ends (``finish``)."""
+        if call.environ["REQUEST_METHOD"] == "GET":
             return handler(call, **url_args)
         failure = None
         with self.svc.db.atomic() as conn:
@@ -2986,8 +3325,10 @@ class WalletApi:
             call.headers["Idempotent-Replayed"] = "true"
         return order
 
-    @endpoint("GET", "/healthz", "Health check", response="Health")
+    @endpoint("GET", "/healthz", "Health check: S503 once the database file is gone or replaced",
+              response="Health")
     def healthz(self, call: Call) -> dict:
+        self.svc.db.check_file()
         return {"status": "ok", "version": __version__}
 
     @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)", response={"type": "object"},
@@ -3147,7 +3488,8 @@ class AdminApi:
     def fail_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.fail_transfer(biz_id, workspace_id=call.json().get("workspaceId"))
 
-    @endpoint("POST", "/_admin/reset", "Erase all data, the journal and the fault rules", response=None)
+    @endpoint("POST", "/_admin/reset", "Back to the starting state (one transaction): its data and clock,"
+              " no journal, no fault rules", response=None)
     def reset(self, call: Call) -> None:
         self.svc.reset()
 
@@ -3156,23 +3498,31 @@ class AdminApi:
     def audit(self, call: Call) -> list:
         return self.svc.audit()
 
-    @endpoint("GET", "/_admin/journal", "The request journal, oldest first", response=_array({"type": "object"}),
-              query=[*({"name": name, "in": "query", "schema": _STRING} for name in ("method", "path", "code", "body")),
-                     {"name": "last", "in": "query", "schema": {"type": "integer", "minimum": 0}}])
-    def journal(self, call: Call) -> list:
+    @endpoint("GET", "/_admin/journal", "The request journal, oldest first, a page at a time",
+              response="JournalEntryPage",
+              query=[*_PAGE_PARAMETERS[:2],
+                     *({"name": name, "in": "query", "schema": _STRING} for name in ("method", "path", "code", "body")),
+                     *({"name": name, "in": "query", "schema": {"type": "integer", "minimum": 0}}
+                       for name in ("after", "last"))])
+    def journal(self, call: Call) -> dict:
         """Query parameters ``method``, ``path``, ``code``, ``query.NAME``, ``header.NAME``, ``body``
-        (JSON); ``last``: only the newest so many of the matching entries."""
-        last = first(call.query, "last")
-        if last is not None and not (last.isdigit() and len(last) <= 9):
-            raise invalid("last", "integer")
+        (JSON); ``after``: only entries whose seq is greater (what is new since a poll);
+        ``last``: only the newest so many of the matching entries; ``page`` and ``size`` as
+        the API's lists (size 20 by default, at most 100)."""
+        after, last = (_page_integer(call.query, name, -1, 0) for name in ("after", "last"))
+        number = _page_integer(call.query, "page", 0, 0)
+        size = min(_page_integer(call.query, "size", DEFAULT_PAGE_SIZE, 1), MAX_PAGE_SIZE)
         criteria: dict[str, Any] = {name: first(call.query, name) for name in ("method", "path", "code")}
         for kind, field in (("query.", "query"), ("header.", "headers")):
             criteria[field] = {name[len(kind):]: values[0] for name, values in call.query.items()
                                if name.startswith(kind)}
         if first(call.query, "body") is not None:
             criteria["body"] = json_object(first(call.query, "body").encode("utf-8"))
-        entries = self.svc.journal.entries(**criteria)
-        return entries if last is None else entries[len(entries) - min(int(last), len(entries)):]
+        entries = self.svc.journal.entries(after=max(after, 0), **criteria)
+        if last >= 0:
+            entries = entries[len(entries) - min(last, len(entries)):]
+        request = PageRequest(number, size, ())
+        return page_response(entries[request.offset:request.offset + size], request, len(entries))
 
     @endpoint("POST", "/_admin/journal/assert", "Assert on the journal: passed, the count, the near misses",
               request="JournalAssertBody", response="JournalVerdict")
@@ -3212,7 +3562,10 @@ class AdminApi:
     @endpoint("POST", "/_admin/ids", "Seed the ids and secrets that follow (null: random again)",
               request="SeedBody", response=None)
     def seed_ids(self, call: Call) -> None:
-        self.svc.seed_ids(call.json().get("seed"))
+        body = call.json()
+        if "seed" not in body:
+            raise invalid("seed", "required")
+        self.svc.seed_ids(body["seed"])
 
     @endpoint("GET", "/_admin/clock", "The service clock", response="ClockState")
     def get_clock(self, call: Call) -> dict:
@@ -4038,22 +4391,21 @@ class Sandbox:
         service = WalletService(database, clock=clock, **service_settings)
         sandbox = cls(service, create_app(service, **http_settings), clock)
         sandbox.admin_token = http_settings.get("admin_token")
-        return sandbox.reset()
+        with service.db.atomic():
+            sandbox.workspace = service.create_workspace("test")
+            sandbox.key = service.create_api_key(sandbox.workspace["id"], SCOPES)
+            wallets = {name: service.create_wallet(sandbox.workspace["id"], currency, name=name)
+                       for name, currency in (("alice", "USD"), ("bob", "USD"), ("yen", "JPY"))}
+            for name, amount in (("alice", "1000.00"), ("bob", "1000.00"), ("yen", "100000")):
+                service.deposit(wallets[name]["id"], amount)
+            sandbox.wallets = {name: service.get_wallet(wallet["id"]) for name, wallet in wallets.items()}
+        service.save_start()
+        sandbox.client = sandbox.client_for(sandbox.key)
+        return sandbox
 
     def reset(self) -> Sandbox:
-        """Erase everything, restart the clock and the ids, seed again (a millisecond or two)."""
-        svc = self.service
-        svc.reset()
-        self.clock.reset()
-        with svc.db.atomic():
-            self.workspace = svc.create_workspace("test")
-            self.key = svc.create_api_key(self.workspace["id"], SCOPES)
-            self.wallets = {name: svc.create_wallet(self.workspace["id"], currency, name=name)
-                            for name, currency in (("alice", "USD"), ("bob", "USD"), ("yen", "JPY"))}
-            for name, amount in (("alice", "1000.00"), ("bob", "1000.00"), ("yen", "100000")):
-                svc.deposit(self.wallets[name]["id"], amount)
-                self.wallets[name] = svc.get_wallet(self.wallets[name]["id"])
-        self.client = self.client_for(self.key)
+        """Back to the world as it was made: the same ids, balances and clock (one transaction)."""
+        self.service.reset()
         return self
 
     def client_for(self, key: dict) -> Client:
@@ -4209,12 +4561,11 @@ def __getattr__(name: str) -> Any:
 DEMO_WORKSPACE = "walletsvc demo"
 
 
-def seed_demo(svc: WalletService, credentials: Mapping[str, str] | None = None) -> dict:
-    """Seed the demo once: a workspace, two funded USD wallets, a JPY wallet, a key.
+def seed_demo(svc: WalletService) -> dict:
+    """Seed the demo once: a workspace, two funded USD wallets, a JPY wallet, a key; the
+    state it leaves is the starting state that reset returns to (``save_start``).
 
     On a database that already holds the demo, returns the same credentials.
-    ``credentials`` (a previous result) makes the new key take that id and
-    secret: a reset demo keeps the credentials its users were given.
     """
     with svc.db.atomic() as conn:
         row = conn.execute("SELECT k.id, k.secret FROM api_keys k JOIN workspaces w"
@@ -4230,10 +4581,8 @@ def seed_demo(svc: WalletService, credentials: Mapping[str, str] | None = None) 
             svc.deposit(wallets[2]["id"], "50000")
             key = svc.create_api_key(workspace["id"], SCOPES)
             row = {"id": key["apiKey"], "secret": key["secret"]}
-            if credentials is not None:
-                row = {"id": credentials["apiKey"], "secret": credentials["secret"]}
-                conn.execute("UPDATE api_keys SET id = ?, secret = ? WHERE id = ?",
-                             (row["id"], row["secret"], key["apiKey"]))
+        if not conn.execute("SELECT has_start FROM sandbox").fetchone()[0]:
+            svc.save_start()  # (a demo an older walletsvc made starts from where it is)
         wallet_ids = [wallet["id"] for wallet in conn.execute(
             "SELECT w.id FROM wallets w JOIN api_keys k ON k.workspace_id = w.workspace_id"
             " WHERE k.id = ? ORDER BY w.created_at, w.id", (row["id"],))]
@@ -4401,7 +4750,6 @@ def _serve_command(args: argparse.Namespace) -> int:
         settings["admin_token"] = args.admin_token
     demo = seed_demo(svc) if args.demo else None
     if demo:
-        svc.seed = functools.partial(seed_demo, credentials=demo)  # /_admin/reset: the demo, same key
         settings.setdefault("debug_signatures", True)
         settings.setdefault("admin_token", demo_admin_token(demo["secret"]))
 
