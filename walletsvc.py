@@ -34,6 +34,7 @@ import contextlib
 import dataclasses
 import datetime
 import decimal
+import errno
 import fnmatch
 import functools
 import hashlib
@@ -3839,8 +3840,13 @@ async function showTransfers() {
     : el("p", {}, "No transfer orders yet."));
 }
 
+let journal = [], journalPolls = 0;  // the newest 50 entries, newest first; polled for what is new only
 async function showJournal() {
-  const entries = (await api("GET", "journal?last=50")).reverse();
+  const full = journalPolls++ % 10 === 0;  // now and then all 50 again: a reset or a DELETE removed some
+  const since = full || !journal.length ? 0 : journal[0].seq;
+  const fresh = (await api("GET", `journal?after=${since}&last=50&size=50`)).content.reverse();
+  journal = full ? fresh : fresh.concat(journal).slice(0, 50);
+  const entries = journal;
   show("#journal .data", entries, () => entries.length ? table(
     ["At", "Method", "Path", "Status", "Code", "Verdict", "Elapsed ms"],
     entries.map(e => el("tr", {class: `pick ${e.signature}`, onclick: () => { openEntry = e; showEntry(); }},
@@ -3932,6 +3938,8 @@ document.getElementById("reset").addEventListener("click", () => {
   if (!confirm("Reset erases every workspace, wallet, transfer, the journal and the fault rules, "
                + "and returns the sandbox to its starting state. Reset?")) return;
   selectedWallet = openEntry = null;
+  journal = [];
+  journalPolls = 0;
   showEntry();
   act("POST", "reset", undefined, "Reset: the sandbox is back to its starting state.");
 });
@@ -4641,45 +4649,147 @@ def _raise_file_limit(needed: int) -> None:
                                                     hard))
 
 
+CONTROL_THREADS = 2  # waitress threads of their own for /healthz, /_admin/** and the console
+
+
+def _control_dispatcher(threads: int) -> Any:
+    """waitress's task dispatcher, with CONTROL_THREADS threads kept for /healthz and /_admin/**
+    (DESIGN.md §10): requests that a latency fault rule or a held lock keep waiting occupy the
+    ``threads`` workers, never these. waitress hands its dispatcher a channel per request."""
+    from waitress.task import ThreadedTaskDispatcher
+
+    class Dispatcher(ThreadedTaskDispatcher):
+        def __init__(self) -> None:
+            super().__init__()
+            self.control = ThreadedTaskDispatcher()
+
+        def add_task(self, task: Any) -> None:
+            requests = getattr(task, "requests", None)
+            path = getattr(requests[0], "path", "") if requests else ""
+            if "/_admin/" in path or path.endswith("/healthz"):
+                self.control.add_task(task)
+            else:
+                super().add_task(task)
+
+        def shutdown(self, cancel_pending: bool = True, timeout: float = 5) -> bool:
+            self.control.shutdown(cancel_pending, timeout)
+            return super().shutdown(cancel_pending, timeout)
+
+    dispatcher = Dispatcher()
+    dispatcher.set_thread_count(threads)
+    dispatcher.control.set_thread_count(CONTROL_THREADS)
+    return dispatcher
+
+
 def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads: int = 4, *,
-          on_ready: Callable[[str], None] | None = None, **settings: Any) -> None:
-    """Serve ``svc`` on waitress until interrupted (Ctrl-C or SIGTERM), with WAITRESS_LIMITS."""
-    import errno
+          workers: int = 1, on_ready: Callable[[str], None] | None = None, **settings: Any) -> None:
+    """Serve ``svc`` on waitress until interrupted (Ctrl-C or SIGTERM), with WAITRESS_LIMITS.
+
+    ``workers`` > 1 forks that many processes serving one listening socket and one database
+    (DESIGN.md §10): one sandbox, since everything it is lives in the database."""
     import signal
+    import socket
 
-    import waitress
-
-    logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
+    if threads < 1 or workers < 1:
+        raise ValueError("--threads and --workers must be at least 1")
+    if workers > 1 and svc.db.memory:
+        raise ValueError("--workers needs a database file: processes share nothing else")
+    if not 0 <= port <= 65535:
+        raise ValueError(f"port {port} is not a TCP port (0-65535; 0 picks a free one)")
     app = create_app(svc, **settings)
     _raise_file_limit(WAITRESS_LIMITS["connection_limit"] + 64)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        server = waitress.create_server(
-            app, host=host, port=port, threads=threads, ident="walletsvc", clear_untrusted_proxy_headers=False,
-            max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1), **WAITRESS_LIMITS)
+        listener.bind((host, port))
     except OSError as exc:
+        listener.close()
         if exc.errno == errno.EADDRINUSE:
             raise RuntimeError(f"port {port} on {host} is already in use: stop what holds it, or pass --port 0"
                                " to pick a free one") from None
         raise
-    base_url = f"http://{host}:{server.effective_port}"
-    if on_ready:
-        on_ready(base_url)
-
-    def stop(signum: int, frame: Any) -> None:
-        raise KeyboardInterrupt
-
+    listener.listen(1024)
+    bound = listener.getsockname()[1]
+    base_url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{bound}"
     app.http.access_log = logging.getLogger("walletsvc.access")
     main_thread = threading.current_thread() is threading.main_thread()
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: a second signal must not cut the cleanup short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
     previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
     try:
-        log.info("serving on %s", base_url)
-        server.run()
+        if workers == 1:
+            server = _waitress_server(app, listener, threads)
+            if on_ready:
+                on_ready(base_url)
+            log.info("serving on %s", base_url)
+            try:
+                server.run()
+            finally:
+                server.close()
+        else:
+            _run_workers(app, listener, threads, workers, lambda: on_ready and on_ready(base_url))
     except KeyboardInterrupt:
         log.info("stopped")
     finally:
         if main_thread:
             signal.signal(signal.SIGTERM, previous)
-        server.close()
+        listener.close()
+
+
+def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
+    import waitress
+
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
+    return waitress.create_server(
+        app, sockets=[listener], _dispatcher=_control_dispatcher(threads), ident="walletsvc",
+        clear_untrusted_proxy_headers=False,
+        max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1), **WAITRESS_LIMITS)
+
+
+def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, ready: Callable[[], Any]) -> None:
+    """Fork ``workers`` processes serving ``listener``; start another when one dies; on
+    Ctrl-C or SIGTERM, stop them all. Each child opens its own database connections."""
+    import signal
+
+    def start() -> int:
+        pid = os.fork()
+        if pid == 0:  # the child: serve until told to stop, then leave without running the parent's cleanup
+            code = 0
+            try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                server = _waitress_server(app, listener, threads)
+                log.info("worker %d serving", os.getpid())
+                server.run()
+            except BaseException:  # reported, and the parent starts another
+                log.exception("worker %d stopped", os.getpid())
+                code = 1
+            finally:
+                os._exit(code)
+        return pid
+
+    children = {start() for _ in range(workers)}
+    ready()
+    log.info("serving with %d workers", workers)
+    try:
+        while True:
+            pid, _status = os.wait()
+            if pid in children:
+                children.discard(pid)
+                time.sleep(0.2)  # a worker that cannot start does not make the parent spin
+                children.add(start())
+    finally:
+        for pid in children:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+        for pid in children:
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
 
 
 def demo_admin_token(secret: str) -> str:
@@ -4763,7 +4873,7 @@ def _serve_command(args: argparse.Namespace) -> int:
             if settings.get("admin_token"):
                 print(f"Sandbox console: {base_url}{CONSOLE_PATH} (log in with the admin token)", flush=True)
 
-    serve(svc, args.host, args.port, args.threads, on_ready=banner, **settings)
+    serve(svc, args.host, args.port, args.threads, workers=args.workers, on_ready=banner, **settings)
     return 0
 
 
@@ -4841,6 +4951,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser = commands.add_parser("serve", parents=[common], help="serve the API on waitress")
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
     serve_parser.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
+    serve_parser.add_argument("--workers", type=int, default=1,
+                              help="processes serving one socket and one database: one sandbox (default 1)")
     serve_parser.add_argument("--threads", type=int, default=4,
                               help="waitress worker threads (1: the most requests per second, one at a time)")
     serve_parser.add_argument("--demo", action="store_true",
