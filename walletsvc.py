@@ -4720,7 +4720,7 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         raise KeyboardInterrupt
 
-    previous = signal.signal(signal.SIGTERM, stop) if main_thread else None
+    previous = (signal.signal(signal.SIGTERM, stop), signal.getsignal(signal.SIGINT)) if main_thread else None
     try:
         if workers == 1:
             server = _waitress_server(app, listener, threads)
@@ -4736,8 +4736,9 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
     except KeyboardInterrupt:
         log.info("stopped")
     finally:
-        if main_thread:
-            signal.signal(signal.SIGTERM, previous)
+        if previous:
+            signal.signal(signal.SIGTERM, previous[0])
+            signal.signal(signal.SIGINT, previous[1])
         listener.close()
 
 
