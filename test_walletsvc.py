@@ -3000,7 +3000,7 @@ def test_every_readme_python_block_runs_in_the_suite() -> None:
     sections = re.findall(r"^## (.+)$", README.read_text(encoding="utf-8"), flags=re.MULTILINE)
     with_python = {section for section in sections if readme_blocks(section, "python")}
     assert with_python == {"A signed request", "Embedding", "Clients", "Using walletsvc in your tests",
-                           "Adding an endpoint"}
+                           "Adding an endpoint", "One sandbox, however many processes"}
 
 
 @pytest.fixture
@@ -4125,6 +4125,41 @@ def test_every_process_on_one_file_is_one_sandbox(tmp_path, layout: str) -> None
     finally:
         for server in servers:
             server.stop()
+
+
+def test_readme_gunicorn_recipe_with_two_workers_is_one_sandbox(tmp_path) -> None:
+    import socket
+    import textwrap
+
+    (block,) = readme_blocks("One sandbox, however many processes", "python")
+    (tmp_path / "sandbox_wsgi.py").write_text(textwrap.dedent(block))
+    svc = walletsvc.WalletService(str(tmp_path / "sandbox.db"))
+    workspace = svc.create_workspace("gunicorn")["id"]
+    key = svc.create_api_key(workspace)
+    svc.close()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "gunicorn", "-w", "2", "-b", f"127.0.0.1:{port}", "--chdir",
+                                str(tmp_path), "sandbox_wsgi:app"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url, admin = f"http://127.0.0.1:{port}", {"Authorization": "Bearer change-me"}
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(requests.ConnectionError):
+                requests.get(url + "/healthz", timeout=1)
+                break
+            time.sleep(0.1)
+        _clock(url, admin, freeze=True, at=NOW)
+        requests.post(url + "/_admin/faults", json={"code": "S503", "times": 1}, headers=admin, timeout=10)
+        codes = [requests.get(url + "/api/v1/wallets", timeout=10, headers=_signed(
+            "GET", "/api/v1/wallets", key["apiKey"], key["secret"], timestamp=NOW)).json()["code"] for _ in range(8)]
+        assert sorted(codes) == ["2000"] * 7 + ["S503"]  # the clock and the rule of one sandbox, whichever worker
+        assert requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"]["page"][
+            "totalElements"] == 8
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
 
 
 def test_workers_share_the_load_of_one_socket(tmp_path) -> None:
