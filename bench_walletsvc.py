@@ -2,6 +2,7 @@
 
     python bench_walletsvc.py            # every figure (about eight minutes on 2 cores)
     python bench_walletsvc.py --quick    # smaller counts, for a smoke run
+    python bench_walletsvc.py --only previous --previous REV   # in process, against walletsvc.py at a git REV
 
 Baselines built here: **bare** (a bottle route answering a same-sized envelope: no auth, no SQL)
 and **floor** (the least work a correct signed request must do, written straight-line with
@@ -17,6 +18,7 @@ import contextlib
 import hashlib
 import hmac
 import http.client
+import importlib.util
 import io
 import json
 import logging
@@ -697,17 +699,148 @@ def startup(rounds: int) -> list:
 
 
 ###############################################################################
+# Against a previous version, in the same run ####################################
+###############################################################################
+
+
+def previous_module(rev: str, tmp: str):
+    """walletsvc.py and schema.sql as they were at git revision ``rev``, imported under another name."""
+    folder = os.path.join(tmp, "previous")
+    os.makedirs(folder, exist_ok=True)
+    here = pathlib.Path(__file__).parent
+    for name in ("walletsvc.py", "schema.sql"):
+        text = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=here, capture_output=True, text=True,
+                              check=True).stdout
+        pathlib.Path(folder, name).write_text(text)
+    spec = importlib.util.spec_from_file_location("walletsvc_previous", os.path.join(folder, "walletsvc.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+sign = walletsvc.sign_request
+
+
+def against_previous(tmp: str, rev: str, calls: int, rounds: int) -> list:
+    """The in-process signed GET and create transfer of this walletsvc and of the one at ``rev``,
+    on file databases at the defaults, rounds interleaved so that noise hits both alike."""
+    runs: dict = {}
+    for label, module in (("now", walletsvc), ("previous", previous_module(rev, tmp))):
+        svc = module.WalletService(os.path.join(tmp, f"{label}.db"), **SETTINGS)
+        ws = svc.create_workspace("bench")
+        key = svc.create_api_key(ws["id"])
+        wallets = [svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2)]
+        svc.deposit(wallets[0], "1000000000.00")
+        app = module.create_app(svc)
+        path = f"/api/v1/wallets/{wallets[0]}"
+        body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "0.01",
+                           "currency": "USD"}).encode()
+        runs[label] = {
+            "GET /api/v1/wallets/{id}": lambda app=app, path=path, key=key: call_wsgi(
+                app, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"])),
+            "POST create transfer": lambda app=app, body=body, key=key: call_wsgi(
+                app, "POST", TRANSFER, body, sign("POST", TRANSFER, body, key["apiKey"], key["secret"]))}
+    rows = []
+    for name in runs["now"]:
+        measured: dict = {"now": [], "previous": []}
+        for _ in range(rounds):
+            for label in ("now", "previous"):
+                measured[label].append(median_of_rounds(runs[label][name], calls, 1))
+        now, before = (statistics.median(measured[label]) for label in ("now", "previous"))
+        rows.append((f"in-process {name} vs {rev}", f"{now:.0f} us", f"{rev} {before:.0f} us", now / before,
+                     "<= 1.10x"))
+    return rows
+
+
+###############################################################################
+# Workers: --workers 1 against --workers 2 over HTTP ##############################
+###############################################################################
+
+
+def serve_workers(db: str, workers: int, ready) -> None:
+    """Child process: `walletsvc serve --workers N` at its defaults; reports the port."""
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+    walletsvc.serve(walletsvc.WalletService(db, **SETTINGS), port=0, threads=SERVER_THREADS, workers=workers,
+                    on_ready=lambda url: ready.put(int(url.rsplit(":", 1)[1])))
+
+
+def cpu_seconds(root: int) -> float:
+    """User + system CPU seconds of process ``root`` and every descendant (from /proc)."""
+    ticks, parents = {}, {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                fields = pathlib.Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(entry)], ticks[int(entry)] = int(fields[1]), int(fields[11]) + int(fields[12])
+    family, grew = {root}, True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if parent in family and pid not in family:
+                family.add(pid)
+                grew = True
+    return sum(ticks.get(pid, 0) for pid in family) / os.sysconf("SC_CLK_TCK")
+
+
+def workers_over_http(tmp: str, seconds: float, rounds: int) -> list:
+    """Throughput, p99 and CPU seconds per request of --workers 1 and --workers 2 (one database):
+    the CPU per request says whether N workers would scale with N cores on a bigger machine than
+    this 2-core one, where the load generator takes a core."""
+    db = os.path.join(tmp, "workers.db")
+    svc, _, key, wallets = seeded(db)
+    svc.close()
+    context = multiprocessing.get_context("spawn")
+    servers, ports = {}, {}
+    for workers in (1, 2):
+        ready = context.Queue()
+        servers[workers] = context.Process(target=serve_workers, args=(db, workers, ready), daemon=True)
+        servers[workers].start()
+        ports[workers] = ready.get(timeout=30)
+    rows = []
+    try:
+        time.sleep(0.5)  # the forked workers are up
+        for method in ("GET", "POST"):
+            plan = {"method": method, "wallets": wallets, "key": key["apiKey"], "secret": key["secret"]}
+            measured: dict = {1: [], 2: []}
+            for _ in range(rounds):
+                for workers in (1, 2):
+                    before = cpu_seconds(servers[workers].pid)
+                    rate, p99 = requests_per_second(ports[workers], plan, seconds)
+                    cpu = (cpu_seconds(servers[workers].pid) - before) / max(rate * seconds, 1)
+                    measured[workers].append((rate, p99, cpu))
+            (one, two) = ([statistics.median(values) if None not in values else None
+                           for values in zip(*measured[workers])] for workers in (1, 2))
+            name = "GET /api/v1/wallets/{id}" if method == "GET" else "POST create transfer"
+            rows.append((f"HTTP {name}, --workers 2 vs 1", f"{two[0]:.0f} req/s", f"1 worker {one[0]:.0f} req/s",
+                         two[0] / one[0], "report"))
+            if one[1] is not None:
+                rows.append((f"HTTP {name} p99, --workers 2 vs 1", f"{two[1]:.1f} ms", f"1 worker {one[1]:.1f} ms",
+                             two[1] / one[1], "report"))
+            rows.append((f"HTTP {name} CPU per request, --workers 2 vs 1", f"{two[2] * 1e6:.0f} us",
+                         f"1 worker {one[2] * 1e6:.0f} us", two[2] / one[2], "~1x: scales with cores"))
+    finally:
+        for server in servers.values():
+            server.terminate()
+            server.join(timeout=10)
+    return rows
+
+
+###############################################################################
 # Main #########################################################################
 ###############################################################################
 
 
-SECTIONS = ("startup", "in_process", "http", "nonce", "scale")
+SECTIONS = ("startup", "in_process", "previous", "http", "workers", "nonce", "scale")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="smaller counts for a smoke run")
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section; repeatable")
+    parser.add_argument("--previous", metavar="REV", default="HEAD",
+                        help="the git revision the 'previous' section measures against (default HEAD)")
     args = parser.parse_args()
     quick = args.quick
     rounds = 3 if quick else 7
@@ -715,6 +848,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         sections = {"startup": lambda: startup(rounds),
                     "in_process": lambda: in_process(tmp, 200 if quick else 1000, rounds),
+                    "previous": lambda: against_previous(tmp, args.previous, 200 if quick else 1000, rounds),
+                    "workers": lambda: workers_over_http(tmp, 1.0 if quick else 3.0, 3 if quick else 5),
                     "http": lambda: over_http(tmp, 1.0 if quick else 3.0, 3 if quick else 5),
                     "nonce": lambda: nonce_table(20_000 if quick else 200_000),
                     "scale": lambda: scale(tmp, 100_000 if quick else 1_000_000, 50 if quick else 200, rounds)}

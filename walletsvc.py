@@ -808,7 +808,8 @@ class Database:
                 break
             except sqlite3.OperationalError as exc:
                 self.close()
-                if not _is_busy(exc) or time.monotonic() > deadline:
+                locked = (getattr(exc, "sqlite_errorname", None) or "").startswith(("SQLITE_BUSY", "SQLITE_LOCKED"))
+                if not locked or time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
         if not self.memory:
