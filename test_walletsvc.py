@@ -3496,6 +3496,7 @@ def test_the_journal_is_bounded_whatever_the_requests_carry() -> None:
     assert len(entries) == 200 and entries[0]["path"].endswith("more]")
     assert len(entries[0]["path"]) < 2100 and len(entries[0]["canonicalMessage"]) < 2100
     assert grown < 5 * 2**20, grown  # 200 x 2 x 250 KB would be 100 MB
+    assert sum(len(json.dumps(entry)) for entry in entries) < 200 * 20 * 1024  # what the database keeps
 
 
 def test_a_busy_port_is_named_with_a_way_out(tmp_path) -> None:

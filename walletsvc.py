@@ -1111,7 +1111,8 @@ def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
     if query:
         candidates.append((message(path_=path + b"?" + query.encode("latin-1", "replace")), secret,
                            "the query string was signed (sign the path only)", "签名包含了查询字符串（只签名路径）"))
-    for cut in [index for index in range(1, len(path)) if path[index:index + 1] == b"/"]:
+    cuts = [match.start() for _, match in zip(range(8), re.finditer(rb"(?<!^)/", path))]  # prefixes are short
+    for cut in cuts:
         candidates.append((message(path_=path[cut:]), secret,
                            f"the mount prefix {path[:cut].decode('latin-1')!r} was left out of the signed path",
                            f"签名路径缺少挂载前缀 {path[:cut].decode('latin-1')!r}"))
