@@ -714,6 +714,7 @@ def previous_module(rev: str, tmp: str):
         pathlib.Path(folder, name).write_text(text)
     spec = importlib.util.spec_from_file_location("walletsvc_previous", os.path.join(folder, "walletsvc.py"))
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # (its dataclasses look themselves up there)
     spec.loader.exec_module(module)
     return module
 

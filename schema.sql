@@ -94,11 +94,12 @@ CREATE TABLE IF NOT EXISTS sandbox (
     fault_rules      INTEGER NOT NULL,
     fault_version    INTEGER NOT NULL,
     fault_next       INTEGER NOT NULL,
-    has_start        INTEGER NOT NULL
+    has_start        INTEGER NOT NULL,
+    journal_floor    INTEGER NOT NULL
 );
 INSERT INTO sandbox (clock_frozen_at, clock_offset, id_seed, id_drawn, fault_rules, fault_version,
-                     fault_next, has_start)
-    SELECT NULL, 0, NULL, 0, 0, 0, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM sandbox);
+                     fault_next, has_start, journal_floor)
+    SELECT NULL, 0, NULL, 0, 0, 0, 0, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM sandbox);
 
 -- Fault rules in force, in the order they are tried; rule is the rule as JSON.
 CREATE TABLE IF NOT EXISTS fault_rules (
@@ -110,8 +111,9 @@ CREATE TABLE IF NOT EXISTS fault_rules (
 
 -- The request journal: one row per request to /api/, oldest first by seq.
 -- Each field a client controls is capped when written, so a row is bounded.
+-- seq only grows: emptied, the journal goes on from sandbox.journal_floor.
 CREATE TABLE IF NOT EXISTS journal (
-    seq            INTEGER PRIMARY KEY AUTOINCREMENT,
+    seq            INTEGER PRIMARY KEY,
     at             INTEGER NOT NULL,
     method         TEXT NOT NULL,
     path           BLOB NOT NULL,

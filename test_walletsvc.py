@@ -3374,22 +3374,39 @@ def test_a_read_records_its_nonce_without_waiting_for_a_disk_sync(traced) -> Non
     _svc, api, world_, statements = traced
     data(api.get(f"/api/v1/wallets/{world_['a']}"))
     writes = [s for s in statements if not s.startswith("SELECT")]
-    assert writes[:3] == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE", writes[2]]
-    assert writes[2].startswith("INSERT INTO nonces")
-    assert [s.split(" (")[0] for s in writes[3:]] == ["INSERT INTO journal", "COMMIT", "PRAGMA synchronous = FULL"]
+    assert writes[0] == "PRAGMA synchronous = NORMAL" and writes[1].startswith("INSERT INTO nonces")
+    assert writes[-1] == "PRAGMA synchronous = FULL"  # and back to the configured durability
 
 
 def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) -> None:
     _svc, api, world_, statements = traced
     data(api.transfer(transfer_body(world_)))
     writes = [s for s in statements if not s.startswith("SELECT")]
-    money = writes[:writes.index("COMMIT") + 1]  # the transfer and its nonce: one commit at FULL
-    assert money[0] == "BEGIN IMMEDIATE" and money[1].startswith("INSERT INTO nonces")
-    assert any(s.startswith("INSERT INTO transfers") for s in money)
-    assert not [s for s in money if s.startswith("PRAGMA synchronous")]
-    journal = [s.split(" (")[0] for s in writes[len(money):]]  # then the journal entry, without a disk sync
-    assert journal == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE", "INSERT INTO journal", "COMMIT",
-                       "PRAGMA synchronous = FULL"]
+    assert writes[0] == "BEGIN IMMEDIATE" and writes[1].startswith("INSERT INTO nonces")
+    assert writes.count("COMMIT") == 1 and writes[-1] == "COMMIT"
+    assert not [s for s in writes if s.startswith("PRAGMA synchronous")]  # committed at FULL
+
+
+def test_with_a_journal_a_read_records_nonce_and_entry_in_one_commit_without_a_disk_sync(tmp_path, clock) -> None:
+    svc = walletsvc.WalletService(str(tmp_path / "journaled.db"), clock=clock, journal_size=10)
+    world_ = make_world(svc)
+    api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
+    statements: list[str] = []
+    with svc.db.connection() as conn:
+        conn.set_trace_callback(statements.append)
+    data(api.get(f"/api/v1/wallets/{world_['a']}"))
+    data(api.transfer(transfer_body(world_)))
+    writes = [s.split(" (")[0] for s in statements if not s.startswith("SELECT")]
+    read, transfer = writes[:writes.index("PRAGMA synchronous = FULL") + 1], writes[len(writes[:writes.index(
+        "PRAGMA synchronous = FULL") + 1]):]
+    assert read == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE", "INSERT INTO nonces", "INSERT INTO journal",
+                    "COMMIT", "PRAGMA synchronous = FULL"]
+    money = transfer[:transfer.index("COMMIT") + 1]  # the transfer and its nonce: one commit at FULL
+    assert money[:2] == ["BEGIN IMMEDIATE", "INSERT INTO nonces"] and "INSERT INTO transfers" in money
+    assert "PRAGMA synchronous = NORMAL" not in money
+    assert transfer[len(money):] == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE", "INSERT INTO journal",
+                                     "COMMIT", "PRAGMA synchronous = FULL"]  # then its entry, without a sync
+    svc.close()
 
 
 def test_a_refused_transfer_uses_its_nonce_and_applies_nothing(traced) -> None:
@@ -4253,16 +4270,18 @@ def test_two_servers_seeded_alike_issue_unique_ids(tmp_path) -> None:
 def test_a_seeded_demo_restarts_without_collisions(tmp_path) -> None:
     """Defect: `serve --demo --set id_seed=0`, stop, start again: the second transfer was S500."""
     server = ServerProcess(str(tmp_path / "d.db"), tmp_path / "d.log", "--demo", "--set", "id_seed=0")
-    key, secret = None, None
-    for _ in range(2):
-        server.start()
-        key, secret, _admin, wallets = _demo_of(tmp_path / "d.log")
-        body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
-                           "currency": "USD"}).encode()
-        for _ in range(3):
-            answer = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
-                                   headers=_signed("POST", TRANSFER_PATH, key, secret, body))
-            assert answer.status_code == 200, answer.text
+    try:
+        for _ in range(2):
+            server.start()
+            key, secret, _admin, wallets = _demo_of(tmp_path / "d.log")
+            body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
+                               "currency": "USD"}).encode()
+            for _ in range(3):
+                answer = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
+                                       headers=_signed("POST", TRANSFER_PATH, key, secret, body))
+                assert answer.status_code == 200, answer.text
+            server.stop()
+    finally:
         server.stop()
     assert walletsvc.WalletService(str(tmp_path / "d.db")).audit() == []
 
