@@ -4691,6 +4691,7 @@ def _raise_file_limit(needed: int) -> None:
 
 
 CONTROL_THREADS = 2  # waitress threads of their own for /healthz, /_admin/** and the console
+_CONTROL_PATH = re.compile(r"(/(?!api/)[^/]+)*/(_admin/.*|healthz)")  # below any mount prefix but /api/
 
 
 def _control_dispatcher(threads: int) -> Any:
@@ -4707,7 +4708,7 @@ def _control_dispatcher(threads: int) -> Any:
         def add_task(self, task: Any) -> None:
             requests = getattr(task, "requests", None)
             path = getattr(requests[0], "path", "") if requests else ""
-            if "/_admin/" in path or path.endswith("/healthz"):
+            if _CONTROL_PATH.fullmatch(path):
                 self.control.add_task(task)
             else:
                 super().add_task(task)
