@@ -4535,6 +4535,77 @@ def test_the_control_surface_answers_while_latency_holds_every_worker(tmp_path) 
 
 
 ###############################################################################
+# Defects found by outside tools (Schemathesis, a conformance suite, an attack run) #
+###############################################################################
+
+
+@pytest.mark.parametrize("method, path", [("POST", "/nowhere"), ("PUT", "/healthz"), ("POST", "/api/nowhere")])
+def test_an_oversized_body_is_s413_whatever_the_path(app: webtest.TestApp, method: str, path: str) -> None:
+    """DESIGN.md §4: the size limit is checked before anything else, a 404 or a 405 too."""
+    answer = app.request(path, method=method, body=b"x" * 70_000, headers={"Content-Type": "application/json"},
+                         expect_errors=True)
+    error(answer, "S413", 413)
+
+
+def test_a_signature_over_a_millisecond_timestamp_is_diagnosed(api: Api, world: dict) -> None:
+    """DESIGN.md §5: the header in seconds, the signed message in milliseconds."""
+    nonce = str(uuid.uuid4())
+    message = "\n".join(("GET", "/api/v1/wallets", f"{NOW}123", nonce, hashlib.sha256(b"").hexdigest())).encode()
+    detail = error(api.get("/api/v1/wallets", **{"X-Nonce": nonce, "X-Signature": _manual_signature(
+        world["key"], message)}), "GA2012", 401)["detail"]
+    assert "timestamp was signed in milliseconds" in detail
+
+
+@pytest.mark.parametrize("at, reason", [
+    (10**400, "clock"), (-(10**400), "clock"), (1893456000000, "looks like epoch milliseconds"),
+    ("1893456000", "string of digits"), ("1893456000000", "string of digits"), ("soon", "ISO-8601")])
+def test_clock_times_are_one_unit_everywhere(walletsvc_sandbox, at: Any, reason: str) -> None:
+    """DESIGN.md §9: a JSON number is epoch seconds, a string ISO-8601; milliseconds are refused, saying so."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    detail = error(app.post_json("/_admin/clock", {"at": at}, headers=ADMIN, expect_errors=True), "S012", 400)
+    assert reason in detail["detail"]
+    assert app.get("/_admin/clock", headers=ADMIN).json["data"]["frozen"] is False  # nothing changed
+
+
+def test_clock_takes_epoch_seconds_as_a_number_and_iso_as_a_string(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    for at in (1893456000, 1893456000.0, "2030-01-01T00:00:00Z", "2030-01-01T08:00:00+08:00"):
+        state = app.post_json("/_admin/clock", {"freeze": True, "at": at}, headers=ADMIN).json["data"]
+        assert (state["epochMillis"], state["frozen"]) == (1893456000000, True)
+
+
+def test_the_client_takes_a_decimal_amount(walletsvc_sandbox) -> None:
+    import decimal
+
+    sandbox = walletsvc_sandbox
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           decimal.Decimal("1.50"), "USD")
+    assert order["amount"] == "1.50"
+    assert sandbox.service.get_wallet(sandbox.wallets["bob"]["id"])["balance"] == "1001.50"
+
+
+def test_a_closed_wallet_stays_closed(tmp_path, walletsvc_sandbox) -> None:
+    """DESIGN.md §6: ACTIVE and FROZEN go back and forth; CLOSED is final."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    wallet = walletsvc_sandbox.wallets["yen"]["id"]
+    app.post_json(f"/_admin/wallets/{wallet}/status", {"status": "CLOSED"}, headers=ADMIN)
+    for status in ("ACTIVE", "FROZEN"):
+        refused = app.post_json(f"/_admin/wallets/{wallet}/status", {"status": status}, headers=ADMIN,
+                                expect_errors=True)
+        assert "CLOSED" in error(refused, "S012", 400)["detail"]
+    assert app.post_json(f"/_admin/wallets/{wallet}/status", {"status": "CLOSED"}, headers=ADMIN).json["success"]
+    path = str(tmp_path / "cli.db")
+    svc = walletsvc.WalletService(path)
+    closed = svc.create_wallet(svc.create_workspace("w")["id"], "USD")["id"]
+    svc.set_wallet_status(closed, "CLOSED")
+    svc.close()
+    done = subprocess.run([sys.executable, "-m", "walletsvc", "wallet", "unfreeze", closed, "--db", path],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1 and "CLOSED" in done.stderr and "Traceback" not in done.stderr
+    assert walletsvc.WalletService(path).get_wallet(closed)["status"] == "CLOSED"
+
+
+###############################################################################
 # pytest plugin: settings per test, documented fixtures ########################
 ###############################################################################
 

@@ -132,6 +132,26 @@ def _iso_second(seconds: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
 
 
+MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is taken for milliseconds
+
+
+def admin_time(value: Any, field: str) -> float | None:
+    """A time given to the admin surface (DESIGN.md §9), as epoch seconds: a JSON number is epoch
+    seconds, a string ISO-8601; a value that looks like milliseconds is refused, saying so."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        if re.fullmatch(r"[0-9]+", value):
+            raise invalid(field, "time_digits")
+        moment = parse_time(value)
+        if moment is None:
+            raise invalid(field, "time_iso")
+        return moment / 1000
+    if MILLISECONDS_FROM <= value <= CLOCK_RANGE[1] * 1000:
+        raise invalid(field, "time_ms")
+    return value
+
+
 def parse_time(text: str) -> int | None:
     """ISO-8601 (naive means UTC) or epoch milliseconds, as epoch ms; None if malformed."""
     if re.fullmatch(r"[0-9]{1,15}", text):
@@ -245,7 +265,10 @@ class Clock:
 
 
 def _clock_time(at: float) -> float:
-    at = float(at)
+    try:
+        at = float(at)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ValueError(f"{str(at)[:20]}... is outside the clock's range (1970-01-01 to 9999-12-31)") from None
     if not CLOCK_RANGE[0] <= at <= CLOCK_RANGE[1]:  # NaN fails both comparisons
         raise ValueError(f"{at!r} is outside the clock's range (1970-01-01 to 9999-12-31)")
     return at
@@ -450,6 +473,11 @@ _REASONS = {
                  "{currency} 最多允许 {exponent} 位小数"),
     "too_large": ("is too large", "过大"),
     "time": ("must be ISO-8601 or epoch milliseconds", "必须是 ISO-8601 时间或毫秒时间戳"),
+    "time_iso": ("must be ISO-8601 (or a JSON number of epoch seconds)", "必须是 ISO-8601 时间（或表示秒级时间戳的 JSON 数字）"),
+    "time_digits": ("is a string of digits: send epoch seconds as a JSON number, or ISO-8601 as a string",
+                    "是一串数字：秒级时间戳请以 JSON 数字发送，或以字符串发送 ISO-8601 时间"),
+    "time_ms": ("looks like epoch milliseconds; send epoch seconds (or ISO-8601)",
+                "看起来是毫秒时间戳；请发送秒级时间戳（或 ISO-8601 时间）"),
     "clock_range": ("must keep the clock between 1970-01-01 and 9999-12-31",
                     "必须使时钟保持在 1970-01-01 至 9999-12-31 之间"),
     "biz_id": ("must be 1-64 characters of A-Z a-z 0-9 . _ : -", "必须是 1-64 个 A-Z a-z 0-9 . _ : - 字符"),
@@ -464,6 +492,7 @@ _REASONS = {
     "ip": ("'{value}' is not an IP address or CIDR block", "'{value}' 不是 IP 地址或 CIDR 网段"),
     "scope": ("'{value}' is not a scope; scopes: {choices}", "'{value}' 不是权限范围；可选：{choices}"),
     "state": ("is {state}", "状态为 {state}"),
+    "closed": ("cannot change: the wallet is CLOSED, which is final", "无法更改：钱包已关闭（CLOSED 为最终状态）"),
     "too_many": ("has reached its limit of {maximum}; remove some first", "已达上限 {maximum}，请先删除一些"),
 }
 
@@ -1151,7 +1180,29 @@ def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
     for candidate, key, english, chinese in candidates:
         if hmac.compare_digest(hmac.digest(key.encode("utf-8"), candidate, "sha256"), decoded):
             return english, chinese
+    # The header in seconds, the signed message in milliseconds: any of the second's thousand, from
+    # the key's pads absorbed once (measured: 1.2 ms for the thousand, 4.5 ms with hmac.digest).
+    inner, outer = _hmac_pads(secret.encode("utf-8"))
+    head, tail = f"{method}\n".encode("latin-1") + path + b"\n", f"\n{nonce}\n{body_hash(body)}".encode("ascii")
+    for millis in range(int(timestamp) * 1000, int(timestamp) * 1000 + 1000):
+        message = head + str(millis).encode("ascii") + tail
+        if hmac.compare_digest(_hmac_finish(inner, outer, message), decoded):
+            return ("the timestamp was signed in milliseconds (sign X-Timestamp as sent: epoch seconds)",
+                    "签名使用了毫秒时间戳（请按发送的 X-Timestamp 签名：秒级时间戳）")
     return None
+
+
+def _hmac_pads(key: bytes) -> tuple[Any, Any]:
+    """HMAC-SHA256's inner and outer hashes with the key's pads absorbed (RFC 2104), to copy per message."""
+    key = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
+    return (hashlib.sha256(bytes(byte ^ 0x36 for byte in key)), hashlib.sha256(bytes(byte ^ 0x5C for byte in key)))
+
+
+def _hmac_finish(inner: Any, outer: Any, message: bytes) -> bytes:
+    inner, outer = inner.copy(), outer.copy()
+    inner.update(message)
+    outer.update(inner.digest())
+    return outer.digest()
 
 
 class PendingNonce(NamedTuple):
@@ -2270,7 +2321,8 @@ class WalletService:
         if status not in WALLET_STATUSES:
             raise invalid("status", "one_of", choices=", ".join(WALLET_STATUSES))
         with self.writing() as (conn, now):
-            self._wallet(conn, wallet_id)
+            if self._wallet(conn, wallet_id)["status"] == "CLOSED" and status != "CLOSED":
+                raise invalid("status", "closed")
             conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?", (status, now, wallet_id))
             return wallet_resource(self._wallet(conn, wallet_id))
 
@@ -3092,7 +3144,12 @@ class HttpApi:
         if isinstance(exc, bottle.HTTPError):
             error = {404: not_found("path"), 405: MethodNotAllowed()}.get(
                 exc.status_code, exc.exception or RuntimeError(exc.body))
-        return self.finish(self.begin(environ, None), None, self.as_wallet_error(error))
+        call = self.begin(environ, None)
+        try:
+            self.read_body(environ)  # the size limit comes before anything else (DESIGN.md §4), a 404 too
+        except WalletError as too_large:
+            error = too_large
+        return self.finish(call, None, self.as_wallet_error(error))
 
     def begin(self, environ: Mapping[str, Any], declaration: Endpoint | None) -> Call:
         return Call(environ, declaration, self.locale(environ), time.perf_counter(), raw_request_path(environ))
@@ -3622,22 +3679,17 @@ class AdminApi:
         clock = self.svc.clock
         if not isinstance(clock, Clock):
             raise invalid("clock", "state", state="not controllable (start the service with a walletsvc.Clock)")
-        at = body.get("at")
-        if isinstance(at, str):
-            at = parse_time(at)
-            if at is None:
-                raise invalid("at", "time")
-            at /= 1000
+        at = admin_time(body.get("at"), "at")
         try:
             if at is not None:
                 _clock_time(at)  # checked before anything changes
             if body.get("freeze") is True:
-                clock.freeze()
-            if at is not None:
+                clock.freeze(at)
+            elif at is not None:
                 clock.set(at)
             if "advance" in body:
                 clock.advance(body["advance"])
-        except ValueError:
+        except (ValueError, OverflowError):
             raise invalid("advance" if "advance" in body else "at", "clock_range") from None
         if body.get("freeze") is False:
             clock.unfreeze()
@@ -4307,6 +4359,9 @@ class Client:
     def request(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
                 body: Any = None) -> Any:
         """Sign and send one request; the envelope's data, or a typed error."""
+        if isinstance(body, dict):  # an amount may be given as the service takes it: str or Decimal
+            body = {name: format(value, "f") if isinstance(value, decimal.Decimal) else value
+                    for name, value in body.items()}
         raw = b"" if body is None else (body if isinstance(body, bytes) else to_json(body))
         status, self.last_headers, answer = self.send(method, path, query=query, body=raw)
         if not answer.get("success"):
