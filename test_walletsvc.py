@@ -16,6 +16,7 @@ import multiprocessing
 import os
 import pathlib
 import re
+import shlex
 import sqlite3
 import subprocess
 import sys
@@ -4603,6 +4604,123 @@ def test_a_closed_wallet_stays_closed(tmp_path, walletsvc_sandbox) -> None:
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1 and "CLOSED" in done.stderr and "Traceback" not in done.stderr
     assert walletsvc.WalletService(path).get_wallet(closed)["status"] == "CLOSED"
+
+
+###############################################################################
+# The command line as people type it (DESIGN.md §9) ############################
+###############################################################################
+
+
+def _cli(*argv: str, cwd: pathlib.Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "walletsvc", *argv], capture_output=True, text=True, timeout=60,
+                          check=False, cwd=cwd, env=env)
+
+
+@pytest.mark.parametrize("argv", [["audit"], ["workspace", "list"], ["member", "list", "ws_x"], ["key", "list", "ws_x"],
+                                  ["wallet", "list", "ws_x"], ["wallet", "get", "wal_x"]])
+def test_a_command_that_only_reads_never_makes_a_database(tmp_path, argv: list) -> None:
+    """Defect: `walletsvc --db typo.db audit` answered [], exit 0, and left a 160 KB database."""
+    done = _cli("--db", str(tmp_path / "typo.db"), *argv)
+    assert done.returncode == 2 and "no database at" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "typo.db").exists()
+
+
+@pytest.mark.parametrize("options, says", [(["--threads", "0"], "at least 1"), (["--workers", "0"], "at least 1"),
+                                           (["--port", "99999"], "not a TCP port"), (["--port", "-1"], "not a TCP port")])
+def test_serve_refuses_what_it_cannot_serve_in_one_line(tmp_path, options: list, says: str) -> None:
+    """Defects: `serve --threads 0` printed "serving" and never answered; `--port 99999` served on another port."""
+    done = _cli("serve", "--db", str(tmp_path / "s.db"), *options)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
+    assert "serving" not in done.stdout
+
+
+def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_server) -> None:
+    """Defect: for a POST it printed headers only, and the README's pattern then sent a GET (GA2012)."""
+    server, env = demo_server
+    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"], "WALLETSVC_URL": server.url}
+    listed = json.loads(subprocess.run(["bash", "-c", 'eval "$(walletsvc sign GET /api/v1/wallets --format curl)"'],
+                                       capture_output=True, text=True, env=env, timeout=60, check=True).stdout)
+    alice, bob = sorted(listed["data"]["content"], key=lambda wallet: wallet["name"])[:2]
+    body = json.dumps({"sourceWalletId": alice["id"], "targetWalletId": bob["id"], "amount": "1.00",
+                       "currency": "USD", "description": "it's paid"})  # a quote and spaces survive the shell
+    command = f"eval \"$(walletsvc sign POST /api/v1/transfer/command/create --data {shlex.quote(body)} --format curl)\""
+    posted = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=60, check=True)
+    assert json.loads(posted.stdout)["data"]["description"] == "it's paid"
+
+
+def test_request_takes_paths_queries_and_urls_as_people_type_them(demo_server) -> None:
+    """Defects: a path without / and a query with a space printed tracebacks; a URL without http:// failed."""
+    server, env = demo_server
+    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"]}
+    host = server.url.removeprefix("http://")
+    missing = _cli("request", "GET", "api/v1/wallets", "--url", host, env=env)
+    assert missing.returncode == 2 and "must start with /" in missing.stderr and "Traceback" not in missing.stderr
+    spaced = _cli("request", "GET", "/api/v1/wallets?sort=name, asc", "--url", host, env=env)
+    assert spaced.returncode == 0, spaced.stderr
+    assert [w["name"] for w in json.loads(spaced.stdout)["data"]["content"]] == ["alice", "bob", "yen"]
+
+
+def test_restarting_without_demo_names_the_keys_it_holds(tmp_path) -> None:
+    """Defect: restarting a demo database without --demo said "you need a key" though keys existed."""
+    path = str(tmp_path / "again.db")
+    for options in (["--demo"], []):
+        server = ServerProcess(path, tmp_path / f"again{len(options)}.log", *options)
+        server.start()
+        server.stop()
+    printed = (tmp_path / "again0.log").read_text()
+    assert "It holds 1 API key(s) in 1 workspace(s)" in printed and "you need a key" not in printed
+
+
+def test_every_environment_variable_the_cli_reads_is_documented() -> None:
+    source = (pathlib.Path(__file__).parent / "walletsvc.py").read_text(encoding="utf-8")
+    read = set(re.findall(r"os\.environ\.get\(\"(WALLETSVC_[A-Z_]+)\"", source))
+    assert read >= {"WALLETSVC_DB", "WALLETSVC_ADMIN_TOKEN", "WALLETSVC_URL", "WALLETSVC_KEY", "WALLETSVC_SECRET"}
+    section = README.read_text(encoding="utf-8").split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+    assert {name for name in read if f"`{name}`" not in section} == set()
+
+
+def test_version_is_printed() -> None:
+    import importlib.metadata
+
+    done = _cli("--version")
+    assert (done.returncode, done.stdout.strip()) == (0, f"walletsvc {importlib.metadata.version('walletsvc')}")
+
+
+def test_the_ready_file_says_everything_a_suite_needs(tmp_path) -> None:
+    ready = tmp_path / "ready.json"
+    process = subprocess.Popen([sys.executable, "-m", "walletsvc", "serve", "--demo", "--port", "0", "--db",
+                                str(tmp_path / "r.db"), "--ready-file", str(ready)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        facts = json.loads(ready.read_text())
+        assert facts["url"] == f"http://127.0.0.1:{facts['port']}"
+        (key,) = facts["keys"]
+        assert sorted(key["scopes"]) == ["transfer:create", "transfer:read", "wallet:read"]
+        assert [(w["name"], w["currency"]) for w in facts["wallets"]] == [("alice", "USD"), ("bob", "USD"),
+                                                                          ("yen", "JPY")]
+        answer = requests.get(facts["url"] + "/api/v1/wallets", timeout=10, headers=_signed(
+            "GET", "/api/v1/wallets", key["apiKey"], key["secret"])).json()
+        assert {w["id"] for w in answer["data"]["content"]} == {w["id"] for w in facts["wallets"]}
+        assert requests.get(facts["url"] + "/_admin/clock", timeout=10, headers={
+            "Authorization": f"Bearer {facts['adminToken']}"}).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+def test_a_live_server_stops_with_keep_alive_clients_connected() -> None:
+    """Defect: the live fixture's teardown always waited out a 5 s join while a client kept a connection."""
+    sandbox = walletsvc.Sandbox.create()
+    server = walletsvc.LiveServer(sandbox.app)
+    session = requests.Session()
+    assert session.get(server.url + "/healthz", timeout=5).status_code == 200
+    server.stop()
+    with pytest.raises(requests.ConnectionError):  # its connection was closed: nothing waited for it to leave
+        session.get(server.url + "/healthz", timeout=5)
 
 
 ###############################################################################

@@ -50,6 +50,7 @@ import math
 import os
 import re
 import secrets
+import shlex
 import sqlite3
 import sys
 import threading
@@ -4555,8 +4556,15 @@ class LiveServer:
         self._thread.start()
 
     def stop(self) -> None:
-        self._server.close()
-        self._thread.join(timeout=5)
+        """Close the listener and every open connection, in the server's own thread (so that its
+        loop ends at once, keep-alive clients or not), then its worker threads."""
+        from waitress import wasyncore
+
+        server = self._server
+        server.task_dispatcher.shutdown(timeout=1)  # the requests in hand are answered first
+        if self._thread.is_alive():
+            server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
+            self._thread.join(timeout=5)
 
 
 def _build_pytest_plugin() -> Any:
@@ -4926,9 +4934,17 @@ def _table(value: Any) -> str:
     return "\n".join(line.rstrip() for line in lines)
 
 
-def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any]) -> Callable:
+def _existing(path: str) -> str:
+    """``path``, when a database is there: a command that only reads never makes one (DESIGN.md §9)."""
+    if path != ":memory:" and not os.path.exists(path):
+        raise RuntimeError(f"no database at {path} (this command only reads, so it makes none): check --db or"
+                           " $WALLETSVC_DB")
+    return path
+
+
+def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], reads_only: bool) -> Callable:
     def run(args: argparse.Namespace) -> int:
-        svc = WalletService(args.db)
+        svc = WalletService(_existing(args.db) if reads_only else args.db)
         try:
             result = action(svc, args)
         finally:
@@ -4961,9 +4977,19 @@ def _serve_command(args: argparse.Namespace) -> int:
         settings.setdefault("debug_signatures", True)
         settings.setdefault("admin_token", demo_admin_token(demo["secret"]))
 
+    keys, workspaces = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
+                                  " WHERE deleted_at IS NULL)")
+
     def banner(base_url: str) -> None:
+        if args.ready_file:
+            _write_ready_file(args.ready_file, base_url, settings.get("admin_token"), svc, demo)
         if demo:
             print(demo_instructions(base_url, demo, settings["admin_token"]), flush=True)
+        elif keys:
+            print(f"walletsvc serving {args.db} at {base_url}\nIt holds {keys} API key(s) in {workspaces}"
+                  f" workspace(s): walletsvc workspace list --db {args.db}, walletsvc key list WORKSPACE_ID"
+                  f" --db {args.db} (a secret is printed once, when its key is made; a new one: walletsvc key"
+                  " create WORKSPACE_ID).", flush=True)
         else:
             print(f"walletsvc serving {args.db} at {base_url}\nTo sign requests you need a key: "
                   f"walletsvc workspace create NAME --db {args.db}, then walletsvc key create WORKSPACE_ID"
@@ -4975,8 +5001,26 @@ def _serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _write_ready_file(path: str, base_url: str, admin_token: str | None, svc: WalletService,
+                      demo: dict | None) -> None:
+    """``--ready-file``: what a suite in another language needs, as JSON, written whole (a rename) once
+    the socket listens: base URL, port, admin token, the demo's keys and wallets."""
+    keys, wallets = [], []
+    if demo:
+        row = svc.db.one("SELECT scopes FROM api_keys WHERE id = ?", (demo["apiKey"],))
+        keys = [{"apiKey": demo["apiKey"], "secret": demo["secret"], "scopes": row["scopes"].split()}]
+        wallets = [{"id": wallet["id"], "name": wallet["name"], "currency": wallet["currency"]}
+                   for wallet in map(svc.get_wallet, demo["walletIds"])]
+    ready = {"url": base_url, "port": int(base_url.rsplit(":", 1)[1]), "adminToken": admin_token,
+             "keys": keys, "wallets": wallets, "version": __version__}
+    temporary = f"{path}.{os.getpid()}.tmp"
+    with open(temporary, "w", encoding="utf-8") as handle:
+        json.dump(ready, handle, indent=2)
+    os.replace(temporary, path)
+
+
 def _audit_command(args: argparse.Namespace) -> int:
-    svc = WalletService(args.db)
+    svc = WalletService(_existing(args.db))
     try:
         violations = svc.audit()
     finally:
@@ -5001,10 +5045,23 @@ def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> t
     return args.key, args.secret
 
 
+def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
+    """(base URL, path, query) of ``request`` and ``sign``: the path starts with /, characters RFC 3986
+    does not allow in a URL are percent-encoded (what is sent is what is signed), a URL without a
+    scheme is http."""
+    if not args.path.startswith("/"):
+        parser.error(f"the path must start with / (e.g. /{args.path.lstrip('/')})")
+    path, _, query = args.path.partition("?")
+    url = args.url if "://" in args.url else f"http://{args.url}"
+    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
+        parser.error(f"--url {args.url}: only http and https URLs")
+    return url.rstrip("/"), _rfc3986(path, "/"), _rfc3986(query, "/?=&")
+
+
 def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     key, secret = _credentials(args, parser)
-    path, _, query = args.path.partition("?")
-    client = Client(args.url, key, secret)
+    url, path, query = _target(args, parser)
+    client = Client(url, key, secret)
     body = args.data.encode("utf-8") if args.data is not None else None
     status, _, answer = client.send(args.method.upper(), path, query=query, body=body)
     print(f"HTTP {status} {_STATUS_LINES.get(status, '').partition(' ')[2]}".rstrip(), file=sys.stderr)
@@ -5014,12 +5071,25 @@ def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 def _sign_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     key, secret = _credentials(args, parser)
-    headers = sign_request(args.method.upper(), args.path, (args.data or "").encode("utf-8"), key, secret)
-    if args.format == "curl":
-        print(" ".join(f"-H {name}:{value}" for name, value in headers.items()))
+    url, path, query = _target(args, parser)
+    prefix = urllib.parse.urlsplit(url).path  # signed too: it is part of the path sent
+    method, body = args.method.upper(), (args.data or "").encode("utf-8")
+    headers = sign_request(method, prefix + path, body, key, secret)
+    if args.format == "curl":  # a whole command, for every method: eval "$(walletsvc sign ... --format curl)"
+        words = ["curl", "-s", "-X", method, url + path + (f"?{query}" if query else "")]
+        for name, value in headers.items():
+            words += ["-H", f"{name}: {value}"]
+        if body:
+            words += ["-H", "Content-Type: application/json", "--data-binary", args.data]
+        print(" ".join(shlex.quote(word) for word in words))
     else:
         print("\n".join(f"{name}: {value}" for name, value in headers.items()))
     return 0
+
+
+def _rfc3986(text: str, safe: str) -> str:
+    """``text`` with what a URL cannot carry percent-encoded (existing escapes kept)."""
+    return urllib.parse.quote(text, safe=safe + "%:@!$&'()*+,;=-._~")
 
 
 def _leaf(commands: Any, name: str, common: argparse.ArgumentParser, help_text: str,
@@ -5027,7 +5097,7 @@ def _leaf(commands: Any, name: str, common: argparse.ArgumentParser, help_text: 
     parser = commands.add_parser(name, parents=[common], help=help_text)
     for argument in arguments:
         parser.add_argument(argument)
-    parser.set_defaults(run=_admin_command(action))
+    parser.set_defaults(run=_admin_command(action, reads_only=name in ("list", "get")))
     return parser
 
 
@@ -5044,6 +5114,7 @@ def build_parser() -> argparse.ArgumentParser:
     common = global_options(argparse.ArgumentParser(add_help=False), lambda value: argparse.SUPPRESS)
     parser = global_options(argparse.ArgumentParser(prog="walletsvc", description=__doc__.splitlines()[0]),
                             lambda value: value)
+    parser.add_argument("--version", action="version", version=f"walletsvc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve_parser = commands.add_parser("serve", parents=[common], help="serve the API on waitress")
@@ -5053,6 +5124,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="processes serving one socket and one database: one sandbox (default 1)")
     serve_parser.add_argument("--threads", type=int, default=4,
                               help="waitress worker threads (1: the most requests per second, one at a time)")
+    serve_parser.add_argument("--ready-file", metavar="PATH",
+                              help="once serving, write the URL, port, admin token and the demo's keys and"
+                                   " wallets to PATH as JSON")
     serve_parser.add_argument("--demo", action="store_true",
                               help="seed a demo workspace once and print its credentials")
     serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN"),
@@ -5139,7 +5213,10 @@ def build_parser() -> argparse.ArgumentParser:
         if name == "request":
             sub.add_argument("--url", default=os.environ.get("WALLETSVC_URL", "http://127.0.0.1:8080"))
         else:
-            sub.add_argument("--format", choices=("headers", "curl"), default="headers")
+            sub.add_argument("--format", choices=("headers", "curl"), default="headers",
+                             help="headers, or a whole curl command (with --url)")
+            sub.add_argument("--url", default=os.environ.get("WALLETSVC_URL", "http://127.0.0.1:8080"),
+                             help="the server (for --format curl; a path prefix in it is signed)")
         sub.set_defaults(run=lambda args, runner=runner, sub=sub: runner(args, sub))
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI 3.1 document (API and admin)")
