@@ -1184,10 +1184,10 @@ def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
     # The header in seconds, the signed message in milliseconds: any of the second's thousand, from
     # the key's pads absorbed once (measured: 1.2 ms for the thousand, 4.5 ms with hmac.digest).
     inner, outer = _hmac_pads(secret.encode("utf-8"))
-    head, tail = f"{method}\n".encode("latin-1") + path + b"\n", f"\n{nonce}\n{body_hash(body)}".encode("ascii")
+    inner.update(f"{method}\n".encode("latin-1") + path + b"\n")  # once, however long the path
+    tail = f"\n{nonce}\n{body_hash(body)}".encode("ascii")
     for millis in range(int(timestamp) * 1000, int(timestamp) * 1000 + 1000):
-        message = head + str(millis).encode("ascii") + tail
-        if hmac.compare_digest(_hmac_finish(inner, outer, message), decoded):
+        if hmac.compare_digest(_hmac_finish(inner, outer, str(millis).encode("ascii") + tail), decoded):
             return ("the timestamp was signed in milliseconds (sign X-Timestamp as sent: epoch seconds)",
                     "签名使用了毫秒时间戳（请按发送的 X-Timestamp 签名：秒级时间戳）")
     return None
