@@ -254,3 +254,11 @@ CREATE TABLE IF NOT EXISTS start_counters AS SELECT * FROM counters WHERE 0;
 CREATE TABLE IF NOT EXISTS start_ledger_clock AS SELECT * FROM ledger_clock WHERE 0;
 CREATE TABLE IF NOT EXISTS start_sandbox AS
     SELECT clock_frozen_at, clock_offset, id_seed, id_drawn FROM sandbox WHERE 0;
+
+-- Each workspace's rows as they were when its world began (a scenario
+-- instantiated, or the starting state saved), as JSON {table: [row, ...]}:
+-- WalletService.reset_workspace restores them. (Version 3.)
+CREATE TABLE IF NOT EXISTS world_starts (
+    workspace_id  TEXT PRIMARY KEY,
+    rows          TEXT NOT NULL
+);

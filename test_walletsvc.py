@@ -2980,7 +2980,7 @@ def test_a_suite_in_any_language_drives_the_served_demo_over_http(tmp_path) -> N
         requests.post(url + "/_admin/clock", json={"freeze": False}, headers=admin, timeout=10)
         again = _plain_signed("GET", url, "/api/v1/wallets", key, secret).json()  # the same key after reset
         assert again["data"]["page"]["totalElements"] == 3
-        assert {w["balance"] for w in again["data"]["content"]} == {"1000.00", "250.00", "50000"}
+        assert sorted(w["balance"] for w in again["data"]["content"]) == ["1000.00", "1000.00", "100000"]
         journal = requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"]
         assert [entry["status"] for entry in journal["content"]] == [200]  # reset emptied it
     finally:
@@ -3025,9 +3025,9 @@ def test_readme_python_blocks_run_as_printed_against_the_demo(demo_server, secti
         assert done.returncode == 0, done.stdout + done.stderr
     if section == "A signed request":
         assert done.stdout == "3 wallets\n"
-    else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 250.00
+    else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 1000.00
         reply = walletsvc.Client(server.url, env["KEY"], env["SECRET"]).list_wallets(sort=["name,asc"])
-        assert [wallet["balance"] for wallet in reply["content"]] == ["989.00", "261.00", "50000"]
+        assert [wallet["balance"] for wallet in reply["content"]] == ["989.00", "1011.00", "100000"]
 
 
 def test_readme_adding_an_endpoint_block_serves_an_endpoint(svc, world, clock, monkeypatch) -> None:
@@ -4987,8 +4987,8 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
     assert [link.text for link in browser.find_elements(By.CSS_SELECTOR, "nav a")] == [
         "Wallets", "Transfers", "Journal", "Clock", "Faults"]
-    until(browser, lambda: wallets() == {"alice": ["1000.00", "1000.00", "0.00"], "bob": ["250.00", "250.00", "0.00"],
-                                         "yen": ["50000", "50000", "0"]})
+    until(browser, lambda: wallets() == {"alice": ["1000.00", "1000.00", "0.00"], "bob": ["1000.00", "1000.00", "0.00"],
+                                         "yen": ["100000", "100000", "0"]})
 
     # A signed transfer from outside: in the journal within 3 s, and the balances move.
     ids = {wallet["name"]: wallet["id"] for wallet in
@@ -5000,7 +5000,7 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     until(browser, lambda: ["POST", TRANSFER_PATH, "200", "2000", "valid"] in
           [row[1:6] for row in table_rows(browser, "#journal .data")], seconds=3)
     view("Wallets")
-    until(browser, lambda: wallets()["alice"][0] == "990.00" and wallets()["bob"][0] == "260.00")
+    until(browser, lambda: wallets()["alice"][0] == "990.00" and wallets()["bob"][0] == "1010.00")
     browser.find_element(By.CSS_SELECTOR, f'tr[data-wallet="{ids["alice"]}"]').click()
     flows = until(browser, lambda: table_rows(browser, "#flows"))
     assert flows[0][1:6] == ["TRANSFER_OUT", "DEBIT", "10.00", "990.00", ids["bob"]]

@@ -55,6 +55,7 @@ import sqlite3
 import sys
 import threading
 import time
+import tomllib
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -494,6 +495,12 @@ _REASONS = {
     "scope": ("'{value}' is not a scope; scopes: {choices}", "'{value}' 不是权限范围；可选：{choices}"),
     "state": ("is {state}", "状态为 {state}"),
     "closed": ("cannot change: the wallet is CLOSED, which is final", "无法更改：钱包已关闭（CLOSED 为最终状态）"),
+    "taken": ("'{value}' is already taken", "'{value}' 已被占用"),
+    "scenario_id": ("must be an id starting {prefix} (1-64 of A-Z a-z 0-9 _ . : -)",
+                    "必须是以 {prefix} 开头的 id（1-64 个 A-Z a-z 0-9 _ . : - 字符）"),
+    "secret": ("must be 1-128 printable ASCII characters without spaces", "必须是 1-128 个不含空格的可打印 ASCII 字符"),
+    "scenario_amount": ("must be a string such as \"1000.00\" (a TOML or JSON number could be rounded)",
+                        "必须是字符串，例如 \"1000.00\"（TOML 或 JSON 数字可能被舍入）"),
     "too_many": ("has reached its limit of {maximum}; remove some first", "已达上限 {maximum}，请先删除一些"),
 }
 
@@ -1928,7 +1935,8 @@ MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
 _WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
                      " AND m.role = 'OWNER' ORDER BY created_at LIMIT 1) AS owner_member_id"
                      " FROM workspaces w")
-_THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径", "fault rule": "故障规则"}
+_THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径", "fault rule": "故障规则",
+              "world": "世界（场景实例）"}
 
 
 def not_found(thing: str) -> NotFound:
@@ -2071,6 +2079,102 @@ class IdSequence:
         return new_id("", self.high, self.low) if self.high else ""
 
 
+# Scenarios (DESIGN.md §9): a declared world, as a dict (from TOML, JSON or Python). Each
+# object's fields and what each holds; a field not listed is refused.
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_SCENARIO_OBJECTS: Mapping[str, Mapping[str, str]] = {
+    "scenario": {"workspaces": "list", "clock": "object", "settings": "object"},
+    "clock": {"at": "time", "frozen": "boolean"},
+    "workspaces": {"id": "ws_", "name": "name", "members": "list", "keys": "list", "wallets": "list"},
+    "members": {"id": "mem_", "name": "name"},
+    "keys": {"id": "ak_", "secret": "secret", "scopes": "scopes", "member": "string", "ipWhitelist": "networks"},
+    "wallets": {"id": "wal_", "name": "string", "currency": "currency", "balance": "amount", "status": "status"},
+}
+_SCENARIO_REQUIRED = {"scenario": ("workspaces",), "workspaces": ("name",), "members": ("name",),
+                      "wallets": ("name", "currency")}
+
+
+def check_scenario(scenario: Any, kind: str = "scenario", where: str = "") -> dict:
+    """The scenario, checked: S012 naming the first wrong field by its path
+    (``workspaces[0].wallets[2].currency``); a fixed id used twice is refused too."""
+    if not isinstance(scenario, Mapping):
+        raise invalid(where or "scenario", "type", kinds="object")
+    fields = _SCENARIO_OBJECTS[kind]
+    for name in scenario:
+        if name not in fields:
+            raise invalid(f"{where}{'.' if where else ''}{name}", "unknown_field")
+    for name in _SCENARIO_REQUIRED.get(kind, ()):
+        if scenario.get(name) is None:
+            raise invalid(f"{where}{'.' if where else ''}{name}", "required")
+    for name, value in scenario.items():
+        _check_scenario_value(value, fields[name], f"{where}{'.' if where else ''}{name}", name)
+    if kind == "wallets" and scenario.get("balance") is not None:
+        parse_amount(scenario["balance"], scenario["currency"], f"{where}.balance")
+    if kind == "members" and scenario["name"] == "owner":
+        raise invalid(f"{where}.name", "taken", value="owner")
+    if kind == "scenario":
+        ids = [item["id"] for workspace in scenario["workspaces"]
+               for item in [workspace, *(item for part in ("members", "keys", "wallets")
+                                         for item in workspace.get(part, ()))] if item.get("id")]
+        twice = next((item for item in ids if ids.count(item) > 1), None)
+        if twice:
+            raise invalid("id", "taken", value=twice)
+        if scenario.get("settings"):
+            Settings().replace(**scenario["settings"])  # a wrong one is a ValueError naming it
+    return dict(scenario)
+
+
+def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
+    if kind == "list":
+        if not isinstance(value, list):
+            raise invalid(field, "array")
+        for index, item in enumerate(value):
+            check_scenario(item, name, f"{field}[{index}]")
+    elif kind in ("object", "boolean", "string"):
+        if not _JSON_TYPES[kind](value):
+            raise invalid(field, kind if kind != "object" else "type", kinds="object")
+        if kind == "object" and name == "clock":
+            check_scenario(value, "clock", field)
+    elif kind.endswith("_"):  # an id with its type prefix
+        if not isinstance(value, str) or not value.startswith(kind) or not _ID.fullmatch(value):
+            raise invalid(field, "scenario_id", prefix=kind)
+    elif kind == "name":
+        _text(value, field, 200)
+    elif kind == "secret":
+        if not isinstance(value, str) or not _NONCE.fullmatch(value):  # printable ASCII, no whitespace
+            raise invalid(field, "secret")
+    elif kind == "scopes":
+        if not isinstance(value, list) or not value or any(scope not in SCOPES for scope in value):
+            raise invalid(field, "one_of", choices=", ".join(SCOPES))
+    elif kind == "networks":
+        if not isinstance(value, list):
+            raise invalid(field, "array")
+        for entry in value:
+            try:
+                ipaddress.ip_network(str(entry), strict=False)
+            except ValueError:
+                raise invalid(field, "ip", value=str(entry)[:60]) from None
+    elif kind == "currency":
+        currency_exponent(value, field)
+    elif kind == "amount":
+        if not isinstance(value, str):
+            raise invalid(field, "scenario_amount")
+    elif kind == "status":
+        if value not in WALLET_STATUSES:
+            raise invalid(field, "one_of", choices=", ".join(WALLET_STATUSES))
+    elif kind == "time":
+        admin_time(value, field)
+
+
+DEMO_WORKSPACE = "walletsvc demo"
+# The built-in scenario: `walletsvc serve --demo` and the pytest sandbox start from it.
+DEMO_SCENARIO: Mapping[str, Any] = {"workspaces": [{
+    "name": DEMO_WORKSPACE, "keys": [{"scopes": list(SCOPES)}],
+    "wallets": [{"name": "alice", "currency": "USD", "balance": "1000.00"},
+                {"name": "bob", "currency": "USD", "balance": "1000.00"},
+                {"name": "yen", "currency": "JPY", "balance": "100000"}]}]}
+
+
 class WalletService:
     """The service: admin API, wallets, ledger and transfers over one SQLite database.
 
@@ -2172,6 +2276,9 @@ class WalletService:
             conn.execute("INSERT INTO start_sandbox SELECT clock_frozen_at, clock_offset, id_seed, id_drawn"
                          " FROM sandbox")
             conn.execute("UPDATE sandbox SET has_start = 1")
+            conn.execute("DELETE FROM world_starts")  # every workspace is a world that can be reset alone
+            for (workspace_id,) in conn.execute("SELECT id FROM workspaces").fetchall():
+                self._save_world(conn, workspace_id)
 
     def reset(self) -> None:
         """Back to the starting state (``save_start``; without one, an empty database), in
@@ -2195,6 +2302,128 @@ class WalletService:
                 start = (*clock_start, self.settings.id_seed, 0)
             conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?, id_seed = ?, id_drawn = ?,"
                          " fault_rules = 0, fault_version = fault_version + 1, fault_next = 0", tuple(start))
+            conn.execute("DELETE FROM world_starts WHERE workspace_id NOT IN (SELECT id FROM workspaces)")
+
+    # Worlds: scenarios, instantiated side by side (DESIGN.md §9) ##############
+
+    def load_scenario(self, scenario: Mapping[str, Any], *, fresh_ids: bool = False) -> dict:
+        """Make a scenario's workspaces, members, keys and wallets (with their balances and
+        statuses) in one transaction; each workspace becomes a world ``reset_workspace``
+        returns to. With ``fresh_ids`` the ids and secrets the scenario fixes are ignored:
+        a second copy beside the first (``POST /_admin/scenarios``). Returns the world:
+        ``{"workspaces": [{..., "members", "keys" (with secrets), "wallets"}]}``."""
+        scenario = check_scenario(scenario)
+        made = []
+        with self.writing() as (conn, now):
+            for index, spec in enumerate(scenario["workspaces"]):
+                made.append(self._load_workspace(conn, now, spec, f"workspaces[{index}]", fresh_ids))
+            for workspace_id in made:
+                self._save_world(conn, workspace_id)
+        return {"workspaces": [self.describe_world(workspace_id) for workspace_id in made]}
+
+    def _load_workspace(self, conn: sqlite3.Connection, now: int, spec: Mapping[str, Any], where: str,
+                        fresh_ids: bool) -> str:
+        def fixed(item: Mapping[str, Any], prefix: str, field: str) -> str:
+            wanted = None if fresh_ids else item.get("id")
+            if wanted is None:
+                return self.new_id(prefix, now)
+            for table in ("workspaces", "members", "api_keys", "wallets"):
+                if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone():
+                    raise invalid(f"{field}.id", "taken", value=wanted)
+            return wanted
+
+        workspace_id = fixed(spec, "ws_", where)
+        conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)", (workspace_id, spec["name"], now))
+        members = {"owner": self.new_id("mem_", now)}
+        conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, 'owner', 'OWNER', ?)",
+                     (members["owner"], workspace_id, now))
+        for index, member in enumerate(spec.get("members", ())):
+            member_id = members[member["name"]] = fixed(member, "mem_", f"{where}.members[{index}]")
+            members.setdefault(member_id, member_id)
+            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, ?, 'MEMBER', ?)",
+                         (member_id, workspace_id, member["name"], now))
+        for index, key in enumerate(spec.get("keys", ())):
+            field = f"{where}.keys[{index}]"
+            member_id = members.get(key.get("member", "owner"))
+            if member_id is None:
+                raise invalid(f"{field}.member", "one_of", choices=", ".join(members))
+            secret = None if fresh_ids else key.get("secret")
+            conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist, created_at)"
+                         " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (fixed(key, "ak_", field), secret or self.new_secret(), workspace_id, member_id,
+                          " ".join(key.get("scopes", SCOPES)),
+                          json.dumps(key["ipWhitelist"]) if key.get("ipWhitelist") is not None else None, now))
+        for index, wallet in enumerate(spec.get("wallets", ())):
+            wallet_id = fixed(wallet, "wal_", f"{where}.wallets[{index}]")
+            conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at, updated_at)"
+                         " VALUES (?, ?, ?, ?, 'ACTIVE', ?, ?)",
+                         (wallet_id, workspace_id, wallet["name"], wallet["currency"], now, now))
+            if wallet.get("balance") is not None:
+                self.deposit(wallet_id, wallet["balance"])
+            if wallet.get("status", "ACTIVE") != "ACTIVE":
+                conn.execute("UPDATE wallets SET status = ? WHERE id = ?", (wallet["status"], wallet_id))
+        return workspace_id
+
+    def describe_world(self, workspace_id: str) -> dict:
+        """A workspace with its members, keys (secrets included: this is the sandbox's) and wallets."""
+        with self.db.snapshot() as conn:
+            workspace = workspace_resource(self._workspace(conn, workspace_id))
+            keys = conn.execute("SELECT * FROM api_keys WHERE workspace_id = ? ORDER BY created_at, id",
+                                (workspace_id,)).fetchall()
+            wallets = conn.execute("SELECT * FROM wallets WHERE workspace_id = ? ORDER BY created_at, id",
+                                   (workspace_id,)).fetchall()
+        return {**workspace, "members": self.list_members(workspace_id),
+                "keys": [{**api_key_resource(row), "secret": row["secret"]} for row in keys],
+                "wallets": [wallet_resource(row) for row in wallets]}
+
+    def reset_workspace(self, workspace_id: str) -> dict:
+        """Return one workspace to the state its world began in (``load_scenario``, or the
+        saved starting state), in one transaction: its members, keys, wallets, orders and
+        flows; its keys' journal entries and nonce records and its fault rules go. Other
+        workspaces, and the clock, are untouched. S404 for a workspace no world began with."""
+        with self.db.atomic() as conn:
+            saved = conn.execute("SELECT rows FROM world_starts WHERE workspace_id = ?", (workspace_id,)).fetchone()
+            if saved is None:
+                raise not_found("world")
+            saved, current = json.loads(saved[0]), self._world_rows(conn, workspace_id)
+            keys = sorted({row[0] for rows in (saved, current) for row in rows["api_keys"]})
+            wallets = sorted({row[0] for rows in (saved, current) for row in rows["wallets"]})
+            key_marks, wallet_marks = ", ".join("?" * len(keys)), ", ".join("?" * len(wallets))
+            for sql, params in ((f"DELETE FROM flows WHERE wallet_id IN ({wallet_marks})", wallets),
+                                ("DELETE FROM transfers WHERE workspace_id = ?", [workspace_id]),
+                                ("DELETE FROM wallets WHERE workspace_id = ?", [workspace_id]),
+                                (f"DELETE FROM nonces WHERE api_key IN ({key_marks})", keys),
+                                (f"DELETE FROM journal WHERE api_key IN ({key_marks})", keys),
+                                ("DELETE FROM api_keys WHERE workspace_id = ?", [workspace_id]),
+                                ("DELETE FROM members WHERE workspace_id = ?", [workspace_id]),
+                                ("DELETE FROM workspaces WHERE id = ?", [workspace_id]),
+                                ("DELETE FROM fault_rules WHERE json_extract(rule, '$.workspaceId') = ?",
+                                 [workspace_id])):
+                conn.execute(sql, params)
+            for table in ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "counters"):
+                if table == "counters":  # the triggers counted the rows in again: the saved counts instead
+                    conn.execute(f"DELETE FROM counters WHERE owner_id IN (?, {wallet_marks})", [workspace_id, *wallets])
+                for row in saved[table]:
+                    conn.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
+            conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
+                         " fault_version = fault_version + 1")
+        return self.describe_world(workspace_id)
+
+    @staticmethod
+    def _world_rows(conn: sqlite3.Connection, workspace_id: str) -> dict:
+        """Every row of one workspace's world, table by table, as lists of column values."""
+        wallets = [row[0] for row in conn.execute("SELECT id FROM wallets WHERE workspace_id = ?", (workspace_id,))]
+        marks = ", ".join("?" * len(wallets))
+        queries = {table: (f"SELECT * FROM {table} WHERE {column} = ?", [workspace_id]) for table, column in (
+            ("workspaces", "id"), ("members", "workspace_id"), ("api_keys", "workspace_id"),
+            ("wallets", "workspace_id"), ("transfers", "workspace_id"))}
+        queries["flows"] = (f"SELECT * FROM flows WHERE wallet_id IN ({marks})", wallets)
+        queries["counters"] = (f"SELECT * FROM counters WHERE owner_id IN (?, {marks})", [workspace_id, *wallets])
+        return {table: [list(row) for row in conn.execute(sql, params)] for table, (sql, params) in queries.items()}
+
+    def _save_world(self, conn: sqlite3.Connection, workspace_id: str) -> None:
+        conn.execute("INSERT OR REPLACE INTO world_starts (workspace_id, rows) VALUES (?, ?)",
+                     (workspace_id, json.dumps(self._world_rows(conn, workspace_id))))
 
     # Workspaces and members ##################################################
 
@@ -2839,6 +3068,11 @@ SCHEMAS: Mapping[str, dict] = {
                       "headers": {"type": ["object", "null"]}, "body": {"type": ["object", "null"]},
                       "fired": {"type": "integer"}}),
     "SeedBody": _object({"seed": {"type": ["integer", "null"]}}, []),
+    "ScenarioBody": _object({"scenario": _enum(("demo",)), "workspaces": {"type": "array", "items": {"type": "object"}}},
+                            []),
+    "WorldWorkspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME,
+                               "members": _array("Member"), "keys": _array("ApiKey"), "wallets": _array("Wallet")}),
+    "World": _object({"workspaces": _array("WorldWorkspace")}),
     "ClockBody": _object({"freeze": {"type": "boolean"}, "at": {"type": ["number", "string"]},
                           "advance": {"type": "number"}}, []),
     "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {"type": "object"}}),
@@ -3591,6 +3825,21 @@ class AdminApi:
               " no journal, no fault rules", response=None)
     def reset(self, call: Call) -> None:
         self.svc.reset()
+
+    @endpoint("POST", "/_admin/scenarios", "Make a world beside the others: a scenario (the built-in one"
+              " unless given) with fresh ids and keys", request="ScenarioBody", response="World")
+    def instantiate(self, call: Call) -> dict:
+        body = call.json()
+        if body.get("scenario", "demo") != "demo":
+            raise invalid("scenario", "one_of", choices="demo")
+        if "workspaces" in body and "scenario" in body:
+            raise invalid("scenario", "one_of", choices="a built-in name, or workspaces")
+        return self.svc.load_scenario(body if "workspaces" in body else DEMO_SCENARIO, fresh_ids=True)
+
+    @endpoint("POST", "/_admin/workspaces/<workspace_id>/reset", "Return one workspace to the state its world"
+              " began in (other workspaces and the clock untouched)", response="WorldWorkspace")
+    def reset_workspace(self, call: Call, workspace_id: str) -> dict:
+        return self.svc.reset_workspace(workspace_id)
 
     @endpoint("GET", "/_admin/audit", "Audit the ledger: the violations of its invariants (none: clean)",
               response=_array("Violation"))
@@ -4486,31 +4735,47 @@ class Sandbox:
     url: str | None = None
     admin_token: str | None = None  # the bearer token of the sandbox's /_admin/ surface
     server: Any = None  # the LiveServer of a live sandbox
+    world_id: str | None = None  # a world beside the sandbox's (``world()``): its workspace, reset alone
 
     @classmethod
-    def create(cls, database: str = ":memory:", **settings: Any) -> Sandbox:
+    def create(cls, database: str = ":memory:", *, scenario: str | os.PathLike | Mapping[str, Any] | None = None,
+               **settings: Any) -> Sandbox:
+        """A sandbox started from ``scenario`` (a TOML or JSON file, or a dict; by default the
+        built-in DEMO_SCENARIO); the scenario's settings under ``settings``."""
+        scenario = read_scenario(DEMO_SCENARIO if scenario is None else scenario)
         settings = {"id_seed": 0, "debug_signatures": True, "admin_token": "walletsvc-test-admin",
-                    "journal_size": SANDBOX_JOURNAL_SIZE, **settings}
+                    "journal_size": SANDBOX_JOURNAL_SIZE, **(scenario.get("settings") or {}), **settings}
         service_settings, http_settings = split_settings(settings)
         clock = Clock()
         service = WalletService(database, clock=clock, **service_settings)
         sandbox = cls(service, create_app(service, **http_settings), clock)
         sandbox.admin_token = http_settings.get("admin_token")
-        with service.db.atomic():
-            sandbox.workspace = service.create_workspace("test")
-            sandbox.key = service.create_api_key(sandbox.workspace["id"], SCOPES)
-            wallets = {name: service.create_wallet(sandbox.workspace["id"], currency, name=name)
-                       for name, currency in (("alice", "USD"), ("bob", "USD"), ("yen", "JPY"))}
-            for name, amount in (("alice", "1000.00"), ("bob", "1000.00"), ("yen", "100000")):
-                service.deposit(wallets[name]["id"], amount)
-            sandbox.wallets = {name: service.get_wallet(wallet["id"]) for name, wallet in wallets.items()}
-        service.save_start()
-        sandbox.client = sandbox.client_for(sandbox.key)
-        return sandbox
+        return sandbox._enter(start_world(service, scenario)[0])
+
+    def _enter(self, workspace: dict) -> Sandbox:
+        """This sandbox's workspace, key and wallets are ``workspace``'s (a world's description)."""
+        self.workspace = {name: workspace[name] for name in ("id", "name", "ownerMemberId", "createdAt")}
+        self.key = workspace["keys"][0] if workspace["keys"] else {}
+        self.wallets = {wallet["name"]: wallet for wallet in workspace["wallets"]}
+        self.client = self.client_for(self.key) if self.key else None
+        return self
+
+    def world(self, scenario: str | os.PathLike | Mapping[str, Any] | None = None) -> Sandbox:
+        """A world of its own beside this one (``POST /_admin/scenarios``): the scenario (by default
+        the sandbox's built-in one) made again with fresh ids and a fresh key, sharing the service,
+        the app, the clock and the server; its ``reset()`` resets only its workspace."""
+        made = self.service.load_scenario(read_scenario(DEMO_SCENARIO if scenario is None else scenario),
+                                          fresh_ids=True)
+        world = dataclasses.replace(self, world_id=made["workspaces"][0]["id"])
+        return world._enter(made["workspaces"][0])
 
     def reset(self) -> Sandbox:
-        """Back to the world as it was made: the same ids, balances and clock (one transaction)."""
-        self.service.reset()
+        """Back to the world as it was made, in one transaction: the same ids, balances and clock
+        (a ``world()``: only its workspace, the clock untouched)."""
+        if self.world_id is not None:
+            self.service.reset_workspace(self.world_id)
+        else:
+            self.service.reset()
         return self
 
     def client_for(self, key: dict) -> Client:
@@ -4670,35 +4935,98 @@ def __getattr__(name: str) -> Any:
 # Command line #################################################################
 ###############################################################################
 
-DEMO_WORKSPACE = "walletsvc demo"
+def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
+    """A scenario from a TOML or JSON file (``.json``: JSON, else TOML), or a dict as it is,
+    checked (``check_scenario``). A file that cannot be read or parsed, or a wrong field, is a
+    ValueError naming the file, the line and the field."""
+    if isinstance(source, Mapping):
+        return check_scenario(source)
+    path = os.fspath(source)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"scenario {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        scenario = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"scenario {path}: line {exc.lineno}: {exc.msg}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"scenario {path}: {exc}") from None
+    try:
+        return check_scenario(scenario)
+    except InvalidParameter as exc:
+        line = _line_of(text, scenario, exc.params["field"])
+        raise ValueError(f"scenario {path}: {f'line {line}: ' if line else ''}{exc.detail()}") from None
+
+
+def _line_of(text: str, scenario: Any, field: str) -> int | None:
+    """The line of ``field`` (``workspaces[0].wallets[2].currency``) in the file it was read from:
+    the n-th line that sets a key of its name, n counted in document order; for a missing
+    field, the line of its object's first key."""
+    steps = [int(index) if index else name for name, index in re.findall(r"([A-Za-z_]\w*)|\[(\d+)\]", field)]
+    key, parent = steps[-1], scenario
+    for step in steps[:-1]:
+        parent = parent[step] if isinstance(parent, (dict, list)) else None
+    if isinstance(parent, dict) and key not in parent:  # a required field missing: where its object starts
+        if not parent or not steps[:-1]:
+            return None
+        path = "".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in steps[:-1]).lstrip(".")
+        return _line_of(text, scenario, f"{path}.{next(iter(parent))}")
+    count, found = 0, False
+
+    def walk(node: Any) -> None:
+        nonlocal count, found
+        if found:
+            return
+        if isinstance(node, dict):
+            for name, value in node.items():
+                if name == key:
+                    if node is parent:
+                        found = True
+                        return
+                    count += 1
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+    walk(scenario)
+    lines = [number for number, line in enumerate(text.splitlines(), 1)
+             if re.match(rf"\s*\"?{re.escape(str(key))}\"?\s*[=:]", line)]
+    return lines[count] if found and count < len(lines) else None
+
+
+def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
+    """The sandbox's world at start: on a database without a saved starting state, load
+    ``scenario`` (unless its first workspace is there already), set the scenario's clock
+    and save the starting state; then the workspaces it started with, described."""
+    with svc.db.atomic() as conn:
+        if not conn.execute("SELECT has_start FROM sandbox").fetchone()[0]:
+            name = scenario["workspaces"][0]["name"] if scenario["workspaces"] else None
+            if conn.execute("SELECT 1 FROM workspaces WHERE name = ? AND deleted_at IS NULL",
+                            (name,)).fetchone() is None:
+                svc.load_scenario(scenario)
+                clock = scenario.get("clock")
+                if clock and clock.get("at") is not None and isinstance(svc.clock, Clock):
+                    at = admin_time(clock["at"], "clock.at")
+                    (svc.clock.freeze if clock.get("frozen", True) else svc.clock.set)(at)
+            svc.save_start()  # (a world an older walletsvc made starts from where it is)
+        started = [row[0] for row in conn.execute("SELECT id FROM start_workspaces WHERE deleted_at IS NULL"
+                                                  " ORDER BY created_at, id")]
+    return [svc.describe_world(workspace_id) for workspace_id in started]
 
 
 def seed_demo(svc: WalletService) -> dict:
-    """Seed the demo once: a workspace, two funded USD wallets, a JPY wallet, a key; the
-    state it leaves is the starting state that reset returns to (``save_start``).
+    """The demo (DEMO_SCENARIO, ``start_world``): its key, secret and wallet ids."""
+    return _first_key(start_world(svc, DEMO_SCENARIO))
 
-    On a database that already holds the demo, returns the same credentials.
-    """
-    with svc.db.atomic() as conn:
-        row = conn.execute("SELECT k.id, k.secret FROM api_keys k JOIN workspaces w"
-                           " ON w.id = k.workspace_id WHERE w.name = ? AND w.deleted_at IS NULL"
-                           " ORDER BY k.created_at LIMIT 1", (DEMO_WORKSPACE,)).fetchone()
-        if row is None:
-            workspace = svc.create_workspace(DEMO_WORKSPACE)
-            wallets = [svc.create_wallet(workspace["id"], "USD", name="alice"),
-                       svc.create_wallet(workspace["id"], "USD", name="bob"),
-                       svc.create_wallet(workspace["id"], "JPY", name="yen")]
-            svc.deposit(wallets[0]["id"], "1000.00")
-            svc.deposit(wallets[1]["id"], "250.00")
-            svc.deposit(wallets[2]["id"], "50000")
-            key = svc.create_api_key(workspace["id"], SCOPES)
-            row = {"id": key["apiKey"], "secret": key["secret"]}
-        if not conn.execute("SELECT has_start FROM sandbox").fetchone()[0]:
-            svc.save_start()  # (a demo an older walletsvc made starts from where it is)
-        wallet_ids = [wallet["id"] for wallet in conn.execute(
-            "SELECT w.id FROM wallets w JOIN api_keys k ON k.workspace_id = w.workspace_id"
-            " WHERE k.id = ? ORDER BY w.created_at, w.id", (row["id"],))]
-    return {"apiKey": row["id"], "secret": row["secret"], "walletIds": wallet_ids}
+
+def _first_key(world: list[dict]) -> dict:
+    """What the banner shows of a world: the first key with its secret, and the first workspace's wallets."""
+    workspace = world[0] if world else {"keys": [], "wallets": []}
+    key = workspace["keys"][0] if workspace["keys"] else {"apiKey": None, "secret": None}
+    return {"apiKey": key["apiKey"], "secret": key["secret"],
+            "walletIds": [wallet["id"] for wallet in workspace["wallets"]]}
 
 
 def demo_instructions(base_url: str, demo: dict, admin_token: str | None = None) -> str:
@@ -4956,7 +5284,9 @@ def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], r
 
 def _serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    service_settings, settings = split_settings({"journal_size": SANDBOX_JOURNAL_SIZE, **dict(args.set or ())})
+    scenario = DEMO_SCENARIO if args.demo else read_scenario(args.scenario) if args.scenario else None
+    service_settings, settings = split_settings({"journal_size": SANDBOX_JOURNAL_SIZE,
+                                                 **((scenario or {}).get("settings") or {}), **dict(args.set or ())})
     made = [path for path in (f"{args.db}-wal", f"{args.db}-shm") if not os.path.exists(path)]
     svc = None
     try:  # every request records its nonce: refuse to start on storage that cannot be written
@@ -4972,17 +5302,19 @@ def _serve_command(args: argparse.Namespace) -> int:
                            "writable)") from exc
     if args.admin_token:
         settings["admin_token"] = args.admin_token
-    demo = seed_demo(svc) if args.demo else None
+    world = start_world(svc, scenario) if scenario else None
+    demo = _first_key(world) if world is not None else None
     if demo:
         settings.setdefault("debug_signatures", True)
-        settings.setdefault("admin_token", demo_admin_token(demo["secret"]))
+        if demo["secret"]:
+            settings.setdefault("admin_token", demo_admin_token(demo["secret"]))
 
     keys, workspaces = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
                                   " WHERE deleted_at IS NULL)")
 
     def banner(base_url: str) -> None:
         if args.ready_file:
-            _write_ready_file(args.ready_file, base_url, settings.get("admin_token"), svc, demo)
+            _write_ready_file(args.ready_file, base_url, settings.get("admin_token"), world or [])
         if demo:
             print(demo_instructions(base_url, demo, settings["admin_token"]), flush=True)
         elif keys:
@@ -5001,18 +5333,16 @@ def _serve_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def _write_ready_file(path: str, base_url: str, admin_token: str | None, svc: WalletService,
-                      demo: dict | None) -> None:
+def _write_ready_file(path: str, base_url: str, admin_token: str | None, world: list[dict]) -> None:
     """``--ready-file``: what a suite in another language needs, as JSON, written whole (a rename) once
-    the socket listens: base URL, port, admin token, the demo's keys and wallets."""
-    keys, wallets = [], []
-    if demo:
-        row = svc.db.one("SELECT scopes FROM api_keys WHERE id = ?", (demo["apiKey"],))
-        keys = [{"apiKey": demo["apiKey"], "secret": demo["secret"], "scopes": row["scopes"].split()}]
-        wallets = [{"id": wallet["id"], "name": wallet["name"], "currency": wallet["currency"]}
-                   for wallet in map(svc.get_wallet, demo["walletIds"])]
+    the socket listens: base URL, port, admin token, the scenario's keys and wallets (and its workspaces)."""
+    keys = [{"apiKey": key["apiKey"], "secret": key["secret"], "scopes": key["scopes"], "workspaceId": key["workspaceId"]}
+            for workspace in world for key in workspace["keys"]]
+    wallets = [{"id": wallet["id"], "name": wallet["name"], "currency": wallet["currency"],
+                "workspaceId": wallet["workspaceId"]} for workspace in world for wallet in workspace["wallets"]]
     ready = {"url": base_url, "port": int(base_url.rsplit(":", 1)[1]), "adminToken": admin_token,
-             "keys": keys, "wallets": wallets, "version": __version__}
+             "keys": keys, "wallets": wallets, "workspaces": [{"id": workspace["id"], "name": workspace["name"]}
+                                                              for workspace in world], "version": __version__}
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w", encoding="utf-8") as handle:
         json.dump(ready, handle, indent=2)
@@ -5127,8 +5457,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve_parser.add_argument("--ready-file", metavar="PATH",
                               help="once serving, write the URL, port, admin token and the demo's keys and"
                                    " wallets to PATH as JSON")
-    serve_parser.add_argument("--demo", action="store_true",
-                              help="seed a demo workspace once and print its credentials")
+    starts = serve_parser.add_mutually_exclusive_group()
+    starts.add_argument("--demo", action="store_true",
+                        help="start from the built-in scenario once (alice, bob, yen) and print its credentials")
+    starts.add_argument("--scenario", metavar="FILE",
+                        help="start from this scenario (TOML, or JSON for .json) once; README, Scenarios")
     serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN"),
                               help="enable /_admin/ with this bearer token")
     serve_parser.add_argument("--set", action="append", type=_setting_pair, metavar="NAME=VALUE",
