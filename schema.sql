@@ -57,17 +57,19 @@ CREATE INDEX IF NOT EXISTS api_keys_by_workspace ON api_keys (workspace_id, crea
 
 -- Nonces are unique per key and recorded only after the signature passed;
 -- a row outlives every timestamp that could carry its nonce, then is purged.
+-- ts is the request's X-Timestamp (epoch seconds; added in version 3).
 CREATE TABLE IF NOT EXISTS nonces (
     api_key     TEXT NOT NULL,
     nonce       TEXT NOT NULL,
     expires_at  INTEGER NOT NULL,
+    ts          INTEGER NOT NULL,
     PRIMARY KEY (api_key, nonce)
 ) WITHOUT ROWID;
 CREATE INDEX IF NOT EXISTS nonces_by_expiry ON nonces (expires_at);
 
--- Spans of expiry times (epoch ms) whose nonce records were purged (DESIGN.md
--- §10): a request whose record would expire inside one is refused, since it may
--- be a replay of a forgotten request. Few rows: neighbouring spans are merged.
+-- Spans of X-Timestamps (epoch seconds) whose nonce records were purged
+-- (DESIGN.md §10): a request timestamped inside one is refused, since it may be
+-- a replay of a forgotten request. Few rows: neighbouring spans are merged.
 -- (Added in schema version 3.)
 CREATE TABLE IF NOT EXISTS nonce_spans (
     lo  INTEGER NOT NULL,
@@ -78,7 +80,7 @@ CREATE TABLE IF NOT EXISTS nonce_spans (
 -- A record taken over by a new request with the same nonce (the old one had
 -- expired) leaves its expiry behind as a span, like a purged one.
 CREATE TRIGGER IF NOT EXISTS nonce_taken_over AFTER UPDATE OF expires_at ON nonces BEGIN
-    INSERT INTO nonce_spans (lo, hi) VALUES (OLD.expires_at, OLD.expires_at);
+    INSERT INTO nonce_spans (lo, hi) VALUES (OLD.ts, OLD.ts);
 END;
 
 -- What controls the sandbox (DESIGN.md §9), shared by every process on this
@@ -95,11 +97,13 @@ CREATE TABLE IF NOT EXISTS sandbox (
     fault_version    INTEGER NOT NULL,
     fault_next       INTEGER NOT NULL,
     has_start        INTEGER NOT NULL,
-    journal_floor    INTEGER NOT NULL
+    journal_floor    INTEGER NOT NULL,
+    nonce_tolerance  INTEGER NOT NULL  -- the widest timestamp window any process has used: nonce records
+                                       -- last for it, so that no process's window outlives a record
 );
 INSERT INTO sandbox (clock_frozen_at, clock_offset, id_seed, id_drawn, fault_rules, fault_version,
-                     fault_next, has_start, journal_floor)
-    SELECT NULL, 0, NULL, 0, 0, 0, 0, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM sandbox);
+                     fault_next, has_start, journal_floor, nonce_tolerance)
+    SELECT NULL, 0, NULL, 0, 0, 0, 0, 0, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM sandbox);
 
 -- Fault rules in force, in the order they are tried; rule is the rule as JSON.
 CREATE TABLE IF NOT EXISTS fault_rules (

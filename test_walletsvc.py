@@ -2111,7 +2111,7 @@ def test_every_lookup_and_list_is_served_by_an_index(svc, api: Api, many: dict) 
             scans = [step for step in plan if step.startswith("SCAN") and "INDEX" not in step
                      and "CONSTANT ROW" not in step and "SUBQUERY" not in step
                      and "(subquery" not in step
-                     and step not in ("SCAN ledger_clock", "SCAN l", "SCAN s")  # one row each: ledger clock, sandbox
+                     and step not in ("SCAN ledger_clock", "SCAN l", "SCAN s", "SCAN sandbox")  # one row each
                      and step != "SCAN nonce_spans"]  # at most walletsvc.MAX_SPANS rows
             assert not scans, (statement, plan)
 
@@ -4179,6 +4179,107 @@ def test_readme_gunicorn_recipe_with_two_workers_is_one_sandbox(tmp_path) -> Non
     finally:
         process.terminate()
         process.wait(timeout=10)
+
+
+def test_workers_hold_their_own_locks_and_leave_with_their_parent(tmp_path) -> None:
+    """Review: workers forked with the parent's connection open took no SQLite locks of their own, and
+    outlived a killed parent; another process then deleted the WAL under them and acknowledged
+    transfers were lost."""
+    path = tmp_path / "locks.db"
+    server = ServerProcess(str(path), tmp_path / "locks.log", "--demo", "--workers", "2")
+    server.start()
+    try:
+        key, secret, _admin, wallets = _demo_of(tmp_path / "locks.log")
+        body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
+                           "currency": "USD"}).encode()
+
+        def pay(_: int) -> int:
+            return requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
+                                 headers=_signed("POST", TRANSFER_PATH, key, secret, body)).status_code
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert set(pool.map(pay, range(40))) == {200}
+        assert _cli("workspace", "list", "--db", str(path)).returncode == 0  # another process comes and goes
+        assert os.path.exists(f"{path}-wal")  # the workers' locks kept it from taking the WAL away
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert set(pool.map(pay, range(40))) == {200}
+        server.kill()  # the parent, with SIGKILL: its workers must not serve on alone
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                requests.get(server.url + "/healthz", timeout=1)
+            except requests.RequestException:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the workers outlived their parent")
+    finally:
+        server.stop()
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == 80  # every acknowledged one
+    conn.close()
+
+
+def test_processes_with_different_windows_never_accept_a_replay(tmp_path) -> None:
+    """Review: a record expired by a 60 s process's window was taken over by a 300 s process that
+    still accepted the timestamp: one captured transfer moved money twice."""
+    path = str(tmp_path / "windows.db")
+    narrow_clock, wide_clock = walletsvc.Clock(frozen_at=NOW), walletsvc.Clock()
+    narrow = walletsvc.WalletService(path, clock=narrow_clock)
+    world_ = make_world(narrow)
+    wide = walletsvc.WalletService(path, clock=wide_clock)
+    narrow_app = webtest.TestApp(walletsvc.create_app(narrow, timestamp_tolerance=60))
+    wide_app = webtest.TestApp(walletsvc.create_app(wide, timestamp_tolerance=300))
+    body = json.dumps(transfer_body(world_)).encode()
+    captured = _signed("POST", TRANSFER_PATH, world_["key"]["apiKey"], world_["key"]["secret"], body, timestamp=NOW)
+    assert wide_app.get("/healthz").json["success"]  # (both apps are up before the transfer)
+    assert narrow_app.post(TRANSFER_PATH, body, headers=captured).json["success"] is True
+    narrow_clock.advance(100)  # the one sandbox clock: past the narrow window, inside the wide one
+    for app in (narrow_app, wide_app):
+        app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", world_["key"]["apiKey"],
+                                                   world_["key"]["secret"], timestamp=NOW + 100))
+    error(wide_app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True), "GA2013", 401)
+    assert balances(narrow, world_["a"]) == ["74.50"]  # 100.00 less one 25.50
+
+
+def test_healthz_and_admin_answer_within_a_second_while_a_writer_holds_the_lock(tmp_path) -> None:
+    """Review: two admin writes waiting out the 5 s busy timeout took both control threads, and /healthz
+    waited behind them."""
+    path = str(tmp_path / "held.db")
+    server = ServerProcess(path, tmp_path / "held.log", "--demo")
+    server.start()
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        _key, _secret, admin, _ = _demo_of(tmp_path / "held.log")
+        holder.execute("BEGIN IMMEDIATE")
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            started = time.monotonic()
+            writes = [pool.submit(requests.post, server.url + "/_admin/clock", json={"advance": 1}, headers=admin,
+                                  timeout=10) for _ in range(2)]
+            time.sleep(0.1)
+            health = requests.get(server.url + "/healthz", timeout=10)
+            assert health.status_code == 200 and time.monotonic() - started < 1.0
+            for write in writes:
+                answer = write.result()
+                assert (answer.status_code, answer.json()["code"]) == (503, "S503")
+            assert time.monotonic() - started < 2.0  # S503 after about half a second, not five
+    finally:
+        holder.close()
+        server.stop()
+
+
+def test_a_fault_rule_fires_at_most_two_billion_times(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    for times in (2**31 + 1, 10**30):
+        refused = app.post_json("/_admin/faults", {"code": "S503", "times": times}, headers=ADMIN, expect_errors=True)
+        assert "at most 2147483648" in error(refused, "S012", 400)["detail"]
+    assert app.post_json("/_admin/faults", {"code": "S503", "times": 2**31}, headers=ADMIN).json["success"]
+
+
+def test_a_clock_belongs_to_one_service() -> None:
+    clock = walletsvc.Clock()
+    walletsvc.WalletService(":memory:", clock=clock)
+    with pytest.raises(ValueError, match="a Clock of its own"):
+        walletsvc.WalletService(":memory:", clock=clock)
 
 
 def test_workers_share_the_load_of_one_socket(tmp_path) -> None:

@@ -51,6 +51,7 @@ import os
 import re
 import secrets
 import shlex
+import signal
 import sqlite3
 import sys
 import threading
@@ -196,7 +197,11 @@ class Clock:
         self._db: Database | None = None
 
     def bind(self, db: Database) -> None:
-        """Keep the state in ``db`` from now on: its state if it has one, else this clock's."""
+        """Keep the state in ``db`` from now on: its state if it has one, else this clock's. A clock
+        is one sandbox's: bound to another database, it is a ValueError."""
+        if self._db is not None and self._db is not db:
+            raise ValueError("this Clock is another service's (its state lives in that service's database):"
+                             " give each service a Clock of its own")
         if self._state != (None, 0.0):  # (a running clock needs no write: a locked database still starts)
             with db.atomic(durable=False) as conn:
                 conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ? WHERE clock_frozen_at IS NULL"
@@ -463,6 +468,7 @@ _REASONS = {
     "array": ("must be an array", "必须是数组"),
     "type": ("must be JSON {kinds}", "必须是 JSON {kinds}"),
     "minimum": ("must be at least {minimum}", "不能小于 {minimum}"),
+    "maximum": ("must be at most {maximum}", "不能大于 {maximum}"),
     "one_of": ("must be one of {choices}", "必须是以下之一：{choices}"),
     "unknown_field": ("is not a known field", "不是可识别的字段"),
     "sort_field": ("cannot sort by '{value}'; sortable fields: {choices}",
@@ -896,7 +902,12 @@ class Database:
         except sqlite3.OperationalError:
             row = None
         if row is None or row[0] < SCHEMA_VERSION:  # new, or older: the script is idempotent
-            conn.executescript(f"BEGIN IMMEDIATE;\n{_schema_sql()}\n{_LEDGER_CLOCK_FROM_DATA}\n"
+            columns = [column[1] for column in conn.execute("PRAGMA table_info(nonces)")]
+            # Version 3 keeps each nonce's timestamp; an older record's is its expiry less the
+            # default window then used (60 s, and the second past it).
+            upgrade = ("ALTER TABLE nonces ADD COLUMN ts INTEGER NOT NULL DEFAULT 0;\n"
+                       "UPDATE nonces SET ts = expires_at / 1000 - 61;\n") if columns and "ts" not in columns else ""
+            conn.executescript(f"BEGIN IMMEDIATE;\n{upgrade}{_schema_sql()}\n{_LEDGER_CLOCK_FROM_DATA}\n"
                                f"UPDATE schema_version SET version = {SCHEMA_VERSION};\nCOMMIT;")
             row = conn.execute("SELECT version FROM schema_version").fetchone()
         if row[0] != SCHEMA_VERSION:
@@ -929,7 +940,7 @@ class Database:
                 yield conn
                 return
             self.check_file()
-            if not self._write_lock.acquire(timeout=self.busy_timeout):
+            if not self._write_lock.acquire(timeout=self._lock_timeout()):
                 raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
             relaxed = not durable and not self.memory and self.synchronous != "NORMAL"
             try:
@@ -948,6 +959,25 @@ class Database:
                     conn.execute(f"PRAGMA synchronous = {self.synchronous}")
                 self._write_lock.release()
 
+    @contextlib.contextmanager
+    def patience(self, seconds: float) -> Iterator[None]:
+        """This thread's writes wait at most ``seconds`` for the lock (if less than the busy
+        timeout): the admin surface answers S503 within a second rather than wait with the API."""
+        if self.memory or seconds >= self.busy_timeout:
+            yield
+            return
+        with self.connection() as conn:
+            conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
+            self._local.patience = seconds
+            try:
+                yield
+            finally:
+                self._local.patience = None
+                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+
+    def _lock_timeout(self) -> float:
+        return getattr(self._local, "patience", None) or self.busy_timeout
+
     def one(self, sql: str, params: Sequence = ()) -> sqlite3.Row | None:
         """The first row of one read statement, or None."""
         with self.connection() as conn:
@@ -961,7 +991,7 @@ class Database:
         costs no money (DESIGN.md §10); the next durable commit syncs it too.
         """
         self.check_file()
-        if not self._write_lock.acquire(timeout=self.busy_timeout):
+        if not self._write_lock.acquire(timeout=self._lock_timeout()):
             raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
         try:
             with self.connection() as conn:
@@ -1220,6 +1250,7 @@ class PendingNonce(NamedTuple):
     nonce: str
     now_ms: int
     expires_ms: int  # when the record may go: after the last moment its timestamp passes step 4
+    stamp: int  # its X-Timestamp, epoch seconds
 
 
 class Authenticator:
@@ -1235,6 +1266,19 @@ class Authenticator:
         self.settings = settings
         self._next_purge = 0  # this process purges nonce records every half window of the clock
         self._last_purge = 0
+        self._window_shared = False  # this process's timestamp window is in the sandbox row
+        with contextlib.suppress(sqlite3.OperationalError, WalletError):  # (locked: the first record says it)
+            self._share_window(None)
+
+    def _share_window(self, conn: sqlite3.Connection | None) -> None:
+        """Every process's nonce records last for this process's window too (the sandbox row keeps the widest)."""
+        params = (self.settings.timestamp_tolerance,) * 2
+        sql = "UPDATE sandbox SET nonce_tolerance = ? WHERE nonce_tolerance < ?"
+        if conn is None:
+            self.db.write(sql, params, durable=False)
+        else:
+            conn.execute(sql, params)
+        self._window_shared = True
 
     def authenticate(self, call: Call) -> Principal:
         """The request's Principal, or the first failure of steps 1-7; the call
@@ -1252,8 +1296,8 @@ class Authenticator:
             raise ApiKeyMissing()
         nonce, timestamp = get("HTTP_X_NONCE", ""), get("HTTP_X_TIMESTAMP", "")
         tolerance = self.settings.timestamp_tolerance
-        expires_ms = (int(timestamp) + tolerance + 1) * 1000 if _TIMESTAMP.fullmatch(timestamp) else -1
-        key = self._key(api_key, nonce, expires_ms)  # also answers step 5's questions, asked there
+        stamp = int(timestamp) if _TIMESTAMP.fullmatch(timestamp) else -1
+        key = self._key(api_key, nonce, stamp)  # also answers step 5's questions, asked there
         if key is None:
             raise ApiKeyNotFound()
         now = call.now = self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"])
@@ -1267,7 +1311,7 @@ class Authenticator:
         if key["member_removed"]:
             raise NotWorkspaceMember()
         # Step 4: timestamp.
-        if expires_ms < 0:
+        if stamp < 0:
             if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
                 raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
                               "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
@@ -1284,7 +1328,7 @@ class Authenticator:
             raise expired("X-Nonce must be 1-128 printable ASCII characters.",
                           "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
         now_ms = int(now * 1000)
-        if key["nonce_expires"] is not None and key["nonce_expires"] > now_ms:
+        if key["nonce_expires"] is not None and (key["nonce_expires"] > now_ms or key["nonce_ts"] == stamp):
             raise _nonce_used()
         if key["forgotten"]:
             raise _nonce_forgotten()
@@ -1305,7 +1349,9 @@ class Authenticator:
                 chinese += f"签名符合一个常见错误：{call.diagnosis[1]}。"
             raise SignatureInvalid(extra=english, zh_extra=chinese)
         call.verdict = "valid"
-        call.nonce = PendingNonce(api_key, nonce, now_ms, expires_ms)
+        # The record outlives the last moment this timestamp passes step 4, in any process's window.
+        widest = max(tolerance, key["nonce_tolerance"])
+        call.nonce = PendingNonce(api_key, nonce, now_ms, (stamp + widest + 1) * 1000, stamp)
         # Step 7: IP whitelist, only when configured.
         if key["ip_whitelist"]:
             whitelist = json.loads(key["ip_whitelist"])
@@ -1313,21 +1359,23 @@ class Authenticator:
                 raise IpNotWhitelisted()
         return Principal(api_key, key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
 
-    def _key(self, api_key: str, nonce: str, expires_ms: int) -> sqlite3.Row | None:
-        """The key with its workspace and member state, the nonce's record, whether a record
-        this timestamp would make was forgotten (DESIGN.md §10), and the sandbox's clock."""
+    def _key(self, api_key: str, nonce: str, stamp: int) -> sqlite3.Row | None:
+        """The key with its workspace and member state, the nonce's record (its expiry and
+        timestamp), whether the records of this timestamp were forgotten (DESIGN.md §10), the
+        widest window any process used, and the sandbox's clock."""
         if len(api_key) > 128:
             return None
         return self.db.one(
             "SELECT k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
             "       w.deleted_at IS NOT NULL AS workspace_deleted,"
             "       m.removed_at IS NOT NULL AS member_removed,"
-            "       (SELECT n.expires_at FROM nonces n WHERE n.api_key = k.id AND n.nonce = ?) AS nonce_expires,"
+            "       n.expires_at AS nonce_expires, n.ts AS nonce_ts,"
             "       EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi) AS forgotten,"
-            "       s.clock_frozen_at, s.clock_offset, s.fault_rules"
+            "       s.nonce_tolerance, s.clock_frozen_at, s.clock_offset, s.fault_rules"
             "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
-            "                  JOIN members m ON m.id = k.member_id, sandbox s"
-            " WHERE k.id = ?", (nonce, expires_ms, api_key))
+            "                  JOIN members m ON m.id = k.member_id"
+            "                  LEFT JOIN nonces n ON n.api_key = k.id AND n.nonce = ?, sandbox s"
+            " WHERE k.id = ?", (stamp, nonce, api_key))
 
     @staticmethod
     def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
@@ -1338,19 +1386,21 @@ class Authenticator:
         return hmac.compare_digest(hmac.digest(secret.encode("utf-8"), message, "sha256"), given)
 
     # One statement, so two racing requests cannot both win; refused inside a forgotten
-    # span; an expired record is taken over in place (the trigger nonce_taken_over keeps
-    # its expiry as a span, so the request it recorded cannot come back either).
-    _RECORD = ("INSERT INTO nonces (api_key, nonce, expires_at) SELECT ?, ?, ?"
+    # span; an expired record of another timestamp is taken over in place (the trigger
+    # nonce_taken_over keeps its timestamp as a span: the request it recorded cannot come back).
+    _RECORD = ("INSERT INTO nonces (api_key, nonce, expires_at, ts) SELECT ?, ?, ?, ?"
                " WHERE NOT EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi)"
-               " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at"
-               " WHERE nonces.expires_at <= ?")
+               " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at, ts = excluded.ts"
+               " WHERE nonces.expires_at <= ? AND nonces.ts <> excluded.ts")
 
     def record_nonce(self, call: Call, conn: sqlite3.Connection | None = None) -> None:
         """Record the call's nonce in ``conn``'s transaction, or on its own without waiting
         for a disk sync; GA2013 when another request recorded it first, or when its
         timestamp falls in a forgotten span."""
         pending, call.nonce = call.nonce, None
-        params = (pending.api_key, pending.nonce, pending.expires_ms, pending.expires_ms, pending.now_ms)
+        params = (pending.api_key, pending.nonce, pending.expires_ms, pending.stamp, pending.stamp, pending.now_ms)
+        if not self._window_shared:  # (the database was locked when this process started)
+            self._share_window(conn)
         if conn is None:
             won = self.db.write(self._RECORD, params, durable=False) == 1
         else:
@@ -1368,31 +1418,32 @@ class Authenticator:
 
     def purge(self, conn: sqlite3.Connection, now_ms: int) -> None:
         """Forget the nonce records no timestamp in the window around ``now_ms`` can carry,
-        keeping each forgotten run of expiry times as a span (DESIGN.md §10): records of the
+        keeping each forgotten run of timestamps as a span (DESIGN.md §10): records of the
         past, and records a clock that was ahead made. The table stays bounded by the window."""
-        reach = (2 * self.settings.timestamp_tolerance + 2) * 1000  # farthest expiry a fresh request makes
+        tolerance = max(self.settings.timestamp_tolerance,
+                        conn.execute("SELECT nonce_tolerance FROM sandbox").fetchone()[0])
+        reach = (2 * tolerance + 2) * 1000  # the farthest expiry a fresh request makes, in any process
         for where, params in (("expires_at <= ?", (now_ms,)), ("expires_at > ?", (now_ms + reach,))):
-            lo, hi = conn.execute(f"SELECT min(expires_at), max(expires_at) FROM nonces WHERE {where}",
-                                  params).fetchone()
+            lo, hi = conn.execute(f"SELECT min(ts), max(ts) FROM nonces WHERE {where}", params).fetchone()
             if lo is not None:
                 conn.execute(f"DELETE FROM nonces WHERE {where}", params)
                 conn.execute("INSERT INTO nonce_spans (lo, hi) VALUES (?, ?)", (lo, hi))
-        self._merge_spans(conn, now_ms, reach)
+        self._merge_spans(conn, now_ms // 1000, 2 * tolerance + 2)
 
     @staticmethod
-    def _merge_spans(conn: sqlite3.Connection, now_ms: int, reach: int) -> None:
-        """Merge spans less than a window apart, and the closest ones beyond MAX_SPANS; never
-        across the window around now, where requests are being recorded."""
+    def _merge_spans(conn: sqlite3.Connection, now: int, reach: int) -> None:
+        """Merge spans (of seconds) less than ``reach`` apart, and the closest ones beyond MAX_SPANS;
+        never across the window around ``now``, where requests are being recorded."""
         spans = conn.execute("SELECT rowid, lo, hi FROM nonce_spans ORDER BY lo").fetchall()
         merged: list[list[int]] = []
         for _, lo, hi in spans:
-            if merged and lo - merged[-1][1] <= reach and not merged[-1][1] < now_ms < lo:
+            if merged and lo - merged[-1][1] <= reach and not merged[-1][1] < now < lo:
                 merged[-1][1] = max(merged[-1][1], hi)
             else:
                 merged.append([lo, hi])
         while len(merged) > MAX_SPANS:
             gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)
-                    if not merged[i][1] < now_ms < merged[i + 1][0]]
+                    if not merged[i][1] < now < merged[i + 1][0]]
             _, i = min(gaps)
             merged[i:i + 2] = [[merged[i][0], max(merged[i][1], merged[i + 1][1])]]
         if len(merged) != len(spans):
@@ -1812,11 +1863,12 @@ class Faults:
     """
 
     MAX_RULES = 100
+    MAX_TIMES = 2**31  # (None: always)
 
     def __init__(self, db: Database) -> None:
         self.db = db
-        self._cache: tuple[int, list[dict]] = (-1, [])  # (fault_version, the rules) as this process last read them
-        self._spent: set[int] = set()  # rules seen spent under the cached version: spent stays spent
+        # (fault_version, the rules, those seen spent) as this process last read them: spent stays spent
+        self._cache: tuple[int, list[dict], set[int]] = (-1, [], set())
 
     def add(self, *, action: str = "error", method: str = "*", path: str = "*",
             workspace_id: str | None = None, code: str | None = None, status: int | None = None,
@@ -1841,6 +1893,8 @@ class Faults:
             raise invalid("latency", "one_of", choices="0-60 seconds")
         if times is not None and not (isinstance(times, int) and not isinstance(times, bool) and times >= 1):
             raise invalid("times", "minimum", minimum=1)
+        if times is not None and times > self.MAX_TIMES:
+            raise invalid("times", "maximum", maximum=self.MAX_TIMES)
         for name, value in (("query", query), ("headers", headers), ("body", body)):
             if value is not None and not isinstance(value, dict):
                 raise invalid(name, "type", kinds="object")
@@ -1883,9 +1937,9 @@ class Faults:
         """The first rule matching this request that is not spent, counted as fired (once,
         across processes: the count is taken in the database). A spent rule (fired ``times``
         times) stays listed with its count."""
-        version, rules = self._rules()
+        _, rules, spent = self._rules()
         for rule in rules:
-            if rule["number"] in self._spent or not (
+            if rule["number"] in spent or not (
                     rule["method"] in ("*", method) and fnmatch.fnmatchcase(path, rule["path"])
                     and rule["workspaceId"] in (None, workspace_id)):
                 continue
@@ -1896,18 +1950,17 @@ class Faults:
                                   " AND (times IS NULL OR fired < times)", (rule["number"],), durable=False)
             if fired:
                 return rule
-            if self._cache[0] == version:
-                self._spent.add(rule["number"])
+            spent.add(rule["number"])  # (the set of this version of the rules)
         return None
 
-    def _rules(self) -> tuple[int, list[dict]]:
+    def _rules(self) -> tuple[int, list[dict], set[int]]:
         """The rules in force, read again only when another change made them stale."""
         with self.db.snapshot() as conn:
             version = conn.execute("SELECT fault_version FROM sandbox").fetchone()[0]
             if version != self._cache[0]:
                 rows = conn.execute("SELECT id, rule FROM fault_rules ORDER BY id").fetchall()
                 rules = [{**json.loads(rule), "id": f"fault_{number}", "number": number} for number, rule in rows]
-                self._cache, self._spent = (version, rules), set()
+                self._cache = (version, rules, set())
         return self._cache
 
 
@@ -3368,7 +3421,8 @@ class HttpApi:
             else:
                 if declaration.surface == "admin":
                     self.check_admin(call)
-                data = handler(call, **url_args)
+                with self.svc.db.patience(ADMIN_PATIENCE):
+                    data = handler(call, **url_args)
         except Exception as exc:  # noqa: BLE001 - every failure becomes the envelope
             return self.finish(call, None, self.as_wallet_error(exc))
         return self.finish(call, data, None)
@@ -3402,6 +3456,7 @@ class HttpApi:
         if not journal:
             answer = self.render(call, data, error)
         else:
+            nonce_pending = call.nonce is not None
             try:
                 with self.svc.db.atomic(durable=False) as conn:
                     if call.nonce is not None:
@@ -3412,10 +3467,10 @@ class HttpApi:
                     answer = self.render(call, data, error)
                     if journal:
                         self.svc.journal.record(self.journal_entry(call, answer), conn)
-            except (sqlite3.Error, WalletError) as exc:  # the storage refused: a pending nonce cannot be trusted
-                if call.nonce is not None or not isinstance(exc, sqlite3.Error) or not _is_busy(exc):
+            except (sqlite3.Error, WalletError) as exc:
+                if nonce_pending:  # the storage refused: a nonce not recorded cannot be trusted
                     answer = self.render(call, None, self.as_wallet_error(exc))
-                else:
+                else:  # what was done is done (a transfer committed): its answer stands, unjournaled
                     log.warning("request not journaled: %s", exc)
                     answer = self.render(call, data, error)
         self.log(call, answer)
@@ -5081,7 +5136,8 @@ def _raise_file_limit(needed: int) -> None:
                                                     hard))
 
 
-CONTROL_THREADS = 2  # waitress threads of their own for /healthz, /_admin/** and the console
+CONTROL_THREADS = 2  # waitress threads of their own for /_admin/** and the console (and one for /healthz)
+ADMIN_PATIENCE = 0.5  # seconds an admin write waits for the lock before S503 (the API waits busy_timeout)
 _CONTROL_PATH = re.compile(r"(/(?!api/)[^/]+)*/(_admin/.*|healthz)")  # below any mount prefix but /api/
 
 
@@ -5094,23 +5150,28 @@ def _control_dispatcher(threads: int) -> Any:
     class Dispatcher(ThreadedTaskDispatcher):
         def __init__(self) -> None:
             super().__init__()
-            self.control = ThreadedTaskDispatcher()
+            self.control, self.health = ThreadedTaskDispatcher(), ThreadedTaskDispatcher()
 
         def add_task(self, task: Any) -> None:
             requests = getattr(task, "requests", None)
             path = getattr(requests[0], "path", "") if requests else ""
-            if _CONTROL_PATH.fullmatch(path):
-                self.control.add_task(task)
-            else:
+            matched = _CONTROL_PATH.fullmatch(path)
+            if matched is None:
                 super().add_task(task)
+            elif matched.group(2) == "healthz":  # never behind an admin write waiting for the lock
+                self.health.add_task(task)
+            else:
+                self.control.add_task(task)
 
         def shutdown(self, cancel_pending: bool = True, timeout: float = 5) -> bool:
+            self.health.shutdown(cancel_pending, timeout)
             self.control.shutdown(cancel_pending, timeout)
             return super().shutdown(cancel_pending, timeout)
 
     dispatcher = Dispatcher()
     dispatcher.set_thread_count(threads)
     dispatcher.control.set_thread_count(CONTROL_THREADS)
+    dispatcher.health.set_thread_count(1)
     return dispatcher
 
 
@@ -5120,7 +5181,6 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
 
     ``workers`` > 1 forks that many processes serving one listening socket and one database
     (DESIGN.md §10): one sandbox, since everything it is lives in the database."""
-    import signal
     import socket
 
     if threads < 1 or workers < 1:
@@ -5165,6 +5225,7 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
             finally:
                 server.close()
         else:
+            svc.db.close()  # a child must not inherit an open connection: SQLite's locks would not be its own
             _run_workers(app, listener, threads, workers, lambda: on_ready and on_ready(base_url))
     except KeyboardInterrupt:
         log.info("stopped")
@@ -5173,6 +5234,14 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
             signal.signal(signal.SIGTERM, previous[0])
             signal.signal(signal.SIGINT, previous[1])
         listener.close()
+
+
+def _leave_with(parent: int) -> None:
+    """A worker's watch: when its parent is gone (killed -9), it stops too, within half a second,
+    rather than serve on alone beside processes that take it for gone."""
+    while os.getppid() == parent:
+        time.sleep(0.5)
+    os.kill(os.getpid(), signal.SIGTERM)
 
 
 def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
@@ -5188,15 +5257,16 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
 def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, ready: Callable[[], Any]) -> None:
     """Fork ``workers`` processes serving ``listener``; start another when one dies; on
     Ctrl-C or SIGTERM, stop them all. Each child opens its own database connections."""
-    import signal
 
     def start() -> int:
+        parent = os.getpid()
         pid = os.fork()
         if pid == 0:  # the child: serve until told to stop, then leave without running the parent's cleanup
             code = 0
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
+                threading.Thread(target=_leave_with, args=(parent,), daemon=True).start()
                 server = _waitress_server(app, listener, threads)
                 log.info("worker %d serving", os.getpid())
                 server.run()
