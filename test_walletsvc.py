@@ -4637,6 +4637,139 @@ def test_the_control_surface_answers_while_latency_holds_every_worker(tmp_path) 
 
 
 ###############################################################################
+# Scenarios and parallel worlds (DESIGN.md §9) #################################
+###############################################################################
+
+
+def _readme_scenario(tmp_path: pathlib.Path, replace: tuple[str, str] | None = None) -> pathlib.Path:
+    (block,) = readme_blocks("Scenarios and parallel worlds", "toml")
+    if replace:
+        block = block.replace(*replace, 1)
+    (tmp_path / "shop.toml").write_text(block)
+    return tmp_path / "shop.toml"
+
+
+def test_readme_scenario_file_serves_as_printed_and_survives_reset(tmp_path) -> None:
+    """Ids, key and secret hard-coded from the file work, and still work after a reset."""
+    scenario = _readme_scenario(tmp_path)
+    ready = tmp_path / "ready.json"
+    server = ServerProcess(str(tmp_path / "shop.db"), tmp_path / "shop.log", "--scenario", str(scenario),
+                           "--ready-file", str(ready))
+    server.start()
+    try:
+        facts = json.loads(ready.read_text())
+        admin = {"Authorization": f"Bearer {facts['adminToken']}"}
+        assert [(k["apiKey"], k["secret"]) for k in facts["keys"]] == [
+            ("ak_shop_test", "shop-test-secret-0001"), ("ak_shop_reader", "shop-reader-secret-0001")]
+        assert [w["id"] for w in facts["wallets"]] == ["wal_shop_till", "wal_shop_safe", "wal_shop_old"]
+        assert _clock(server.url, admin) == {"now": "2030-01-01T00:00:00.000Z", "epochMillis": 1893456000000,
+                                             "frozen": True, "controllable": True}
+        at = 1893456000
+        body = json.dumps({"sourceWalletId": "wal_shop_till", "targetWalletId": "wal_shop_safe", "amount": "5.00",
+                           "currency": "USD"}).encode()
+        for round_ in range(2):
+            order = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10, headers=_signed(
+                "POST", TRANSFER_PATH, "ak_shop_test", "shop-test-secret-0001", body, timestamp=at)).json()
+            assert order["data"]["status"] == "PENDING"  # settlement = "manual", from the file
+            balances_ = {w["id"]: (w["balance"], w["status"]) for w in requests.get(
+                server.url + "/api/v1/wallets", timeout=10, headers=_signed(
+                    "GET", "/api/v1/wallets", "ak_shop_reader", "shop-reader-secret-0001", timestamp=at)).json()[
+                        "data"]["content"]}
+            assert balances_ == {"wal_shop_till": ("500.00", "ACTIVE"), "wal_shop_safe": ("0.00", "ACTIVE"),
+                                 "wal_shop_old": ("20.00", "FROZEN")}
+            _clock(server.url, admin, advance=600)
+            assert requests.post(server.url + "/_admin/reset", headers=admin, timeout=10).json()["success"]
+            assert _clock(server.url, admin)["epochMillis"] == 1893456000000  # the clock as it started
+        members = requests.get(server.url + "/_admin/workspaces/ws_shop/members", headers=admin, timeout=10).json()
+        assert sorted(m["name"] for m in members["data"]) == ["clerk", "owner"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("replace, says", [
+    (('currency = "USD"', 'currency = "USX"'), "line {}: Invalid parameter 'workspaces[0].wallets[0].currency'"),
+    (('balance = "500.00"', "balance = 500.00"), "line {}: Invalid parameter 'workspaces[0].wallets[0].balance'"),
+    (('name = "till"', 'nmae = "till"'), "line {}: Invalid parameter 'workspaces[0].wallets[0].nmae'"),
+    (('id = "ak_shop_test"', 'id = "wal_shop_test"'), "line {}: Invalid parameter 'workspaces[0].keys[0].id'"),
+    (('frozen = true', 'frozen = tru'), "Invalid value (at line {}"),
+])
+def test_a_bad_scenario_is_refused_at_start_naming_the_line_and_the_field(tmp_path, replace, says) -> None:
+    scenario = _readme_scenario(tmp_path, replace)
+    line = next(number for number, text in enumerate(scenario.read_text().splitlines(), 1) if replace[1] in text)
+    done = _cli("serve", "--db", str(tmp_path / "bad.db"), "--port", "0", "--scenario", str(scenario))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"walletsvc: scenario {scenario}: ") and says.format(line) in done.stderr
+    assert not (tmp_path / "bad.db").exists() or walletsvc.WalletService(str(tmp_path / "bad.db")).list_workspaces() == []
+
+
+def test_readme_shows_the_refusal_of_a_bad_scenario_as_printed(tmp_path) -> None:
+    scenario = _readme_scenario(tmp_path, ('currency = "USD"', 'currency = "USX"'))
+    done = _cli("serve", "--db", str(tmp_path / "bad.db"), "--port", "0", "--scenario", scenario.name, cwd=tmp_path)
+    section = README.read_text(encoding="utf-8").split("\n## Scenarios and parallel worlds\n", 1)[1]
+    printed = re.search(r"`(walletsvc: scenario shop.toml: .*?)`", section, flags=re.DOTALL).group(1)
+    assert done.stderr.strip() == " ".join(printed.split())
+
+
+def test_a_json_scenario_and_a_python_one_load_alike(tmp_path) -> None:
+    scenario = {"workspaces": [{"id": "ws_json", "name": "J", "keys": [{"id": "ak_json", "secret": "json-secret"}],
+                                "wallets": [{"id": "wal_json", "name": "w", "currency": "JPY", "balance": "7"}]}]}
+    (tmp_path / "s.json").write_text(json.dumps(scenario, indent=2))
+    for source in (tmp_path / "s.json", scenario):
+        sandbox = walletsvc.Sandbox.create(scenario=source)
+        assert (sandbox.workspace["id"], sandbox.key["apiKey"], sandbox.key["secret"]) == ("ws_json", "ak_json",
+                                                                                           "json-secret")
+        assert sandbox.client.get_wallet("wal_json")["balance"] == "7"
+    (tmp_path / "bad.json").write_text('{"workspaces": [\n  {"name": "x",}\n]}')
+    with pytest.raises(ValueError, match=r"bad.json: line 2:"):
+        walletsvc.Sandbox.create(scenario=tmp_path / "bad.json")
+
+
+def test_parallel_worlds_over_http_are_isolated_and_reset_alone(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    worlds = [app.post_json("/_admin/scenarios", body, headers=ADMIN).json["data"]["workspaces"][0]
+              for body in ({}, {"scenario": "demo"})]
+    assert len({world["id"] for world in worlds} | {sandbox.workspace["id"]}) == 3  # fresh ids
+    assert len({world["keys"][0]["secret"] for world in worlds} | {sandbox.key["secret"]}) == 3  # fresh keys
+    clients = [walletsvc.Client(sandbox.app, world["keys"][0]["apiKey"], world["keys"][0]["secret"],
+                                clock=sandbox.clock) for world in worlds]
+    first = {w["name"]: w["id"] for w in worlds[0]["wallets"]}
+    alice, bob = first["alice"], first["bob"]
+    clients[0].create_transfer(alice, bob, "10.00", "USD", biz_id="first")
+    other = {w["name"]: w["id"] for w in worlds[1]["wallets"]}
+    clients[1].create_transfer(other["alice"], other["bob"], "3.00", "USD", biz_id="first")  # its own bizIds
+    with pytest.raises(walletsvc.WalletError) as refused:
+        clients[0].get_wallet(other["alice"])  # another world's wallet: never seen
+    assert refused.value.code == "W1001"
+    app.post_json("/_admin/faults", {"code": "S503", "workspaceId": worlds[0]["id"]}, headers=ADMIN)
+    again = app.post(f"/_admin/workspaces/{worlds[0]['id']}/reset", headers=ADMIN).json["data"]
+    assert again["keys"] == worlds[0]["keys"] and [w["balance"] for w in again["wallets"]] == ["1000.00", "1000.00",
+                                                                                              "100000"]
+    assert clients[0].list_transfers()["page"]["totalElements"] == 0  # its rule went with the reset
+    assert clients[1].list_transfers()["page"]["totalElements"] == 1  # the other world kept its order
+    assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
+    error(app.post("/_admin/workspaces/ws_nowhere/reset", headers=ADMIN, expect_errors=True), "S404", 404)
+    error(app.post_json("/_admin/scenarios", {"scenario": "other"}, headers=ADMIN, expect_errors=True), "S012", 400)
+    bad = app.post_json("/_admin/scenarios", {"workspaces": [{"name": "x", "wallets": [{"name": "w"}]}]},
+                        headers=ADMIN, expect_errors=True)
+    assert "workspaces[0].wallets[0].currency" in error(bad, "S012", 400)["detail"]
+
+
+def test_a_world_in_python_resets_alone(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    world = sandbox.world()
+    assert world.workspace["id"] != sandbox.workspace["id"] and world.key["apiKey"] != sandbox.key["apiKey"]
+    world.client.create_transfer(world.wallets["alice"]["id"], world.wallets["bob"]["id"], "1.00", "USD")
+    sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"], "2.00", "USD")
+    world.reset()
+    assert world.client.list_transfers()["page"]["totalElements"] == 0
+    assert sandbox.client.list_transfers()["page"]["totalElements"] == 1
+    sandbox.reset()  # the whole sandbox: the world made after the start is gone
+    with pytest.raises(walletsvc.WalletError):
+        world.client.list_wallets()
+
+
+###############################################################################
 # Defects found by outside tools (Schemathesis, a conformance suite, an attack run) #
 ###############################################################################
 

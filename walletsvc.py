@@ -2421,9 +2421,9 @@ class WalletService:
         """A workspace with its members, keys (secrets included: this is the sandbox's) and wallets."""
         with self.db.snapshot() as conn:
             workspace = workspace_resource(self._workspace(conn, workspace_id))
-            keys = conn.execute("SELECT * FROM api_keys WHERE workspace_id = ? ORDER BY created_at, id",
+            keys = conn.execute("SELECT * FROM api_keys WHERE workspace_id = ? ORDER BY created_at, rowid",
                                 (workspace_id,)).fetchall()
-            wallets = conn.execute("SELECT * FROM wallets WHERE workspace_id = ? ORDER BY created_at, id",
+            wallets = conn.execute("SELECT * FROM wallets WHERE workspace_id = ? ORDER BY created_at, rowid",
                                    (workspace_id,)).fetchall()
         return {**workspace, "members": self.list_members(workspace_id),
                 "keys": [{**api_key_resource(row), "secret": row["secret"]} for row in keys],
