@@ -3063,13 +3063,47 @@ def test_readme_curl_walk_through_runs_as_printed(demo_server) -> None:
     if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
         pytest.skip("the walk-through needs bash, curl, openssl and sha256sum")
     server, env = demo_server
-    (script,) = readme_blocks("Driving the sandbox from any language", "sh")
+    script = readme_blocks("Driving the sandbox from any language", "sh")[0]  # (the other starts a server)
     script = script.replace("http://127.0.0.1:8080", server.url)
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
     assert '"status":"COMPLETED"' in done.stdout
     assert "transfer journaled" in done.stdout and "reset: same key, fresh demo" in done.stdout
+
+
+def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path) -> None:
+    """Two suites in other languages, from the ready file, each in a world of its own, at the same time."""
+    import shutil
+
+    missing = [tool for tool in ("node", "java") if not shutil.which(tool)]
+    if missing:
+        if os.environ.get("WALLETSVC_LANGUAGES") == "required":
+            raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
+        pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
+    section = "Driving the sandbox from any language"
+    (start,), (js,), (java,) = readme_blocks(section, "sh")[1:], readme_blocks(section, "js"), readme_blocks(section, "java")
+    assert start.strip() == "walletsvc serve --demo --ready-file walletsvc-ready.json"
+    (tmp_path / "walletsvc.test.mjs").write_text(js)
+    (tmp_path / "WalletsvcExample.java").write_text(java)
+    ready = tmp_path / "walletsvc-ready.json"
+    server = ServerProcess(str(tmp_path / "langs.db"), tmp_path / "langs.log", "--demo", "--ready-file", str(ready))
+    server.start()
+    try:
+        env = {**os.environ, "READY": str(ready)}
+        runs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                 text=True) for command in (["node", "--test", "walletsvc.test.mjs"],
+                                                            ["java", "WalletsvcExample.java"])]
+        outputs = [run.communicate(timeout=180)[0] for run in runs]
+        assert [run.returncode for run in runs] == [0, 0], "\n".join(outputs)
+        assert "# pass 1" in outputs[0] and "# fail 0" in outputs[0]
+        assert outputs[1].count("ok: ") == 4
+        admin = {"Authorization": f"Bearer {json.loads(ready.read_text())['adminToken']}"}
+        names = [w["name"] for w in requests.get(server.url + "/_admin/workspaces", headers=admin,
+                                                 timeout=10).json()["data"]]
+        assert names == ["walletsvc demo"] * 3  # the demo, and a world for each suite
+    finally:
+        server.stop()
 
 
 def _attempt(call):
