@@ -266,3 +266,9 @@ CREATE TABLE IF NOT EXISTS world_starts (
     workspace_id  TEXT PRIMARY KEY,
     rows          TEXT NOT NULL
 );
+
+-- The scenario the sandbox started from (JSON), so that every process makes the
+-- same world again for POST /_admin/scenarios. One row at most. (Version 3.)
+CREATE TABLE IF NOT EXISTS start_scenario (
+    body  TEXT NOT NULL
+);

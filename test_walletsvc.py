@@ -3083,11 +3083,12 @@ def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path)
         pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
     section = "Driving the sandbox from any language"
     (start,), (js,), (java,) = readme_blocks(section, "sh")[1:], readme_blocks(section, "js"), readme_blocks(section, "java")
-    assert start.strip() == "walletsvc serve --demo --ready-file walletsvc-ready.json"
+    assert start.strip() == "walletsvc serve --scenario shop.toml --ready-file walletsvc-ready.json"
     (tmp_path / "walletsvc.test.mjs").write_text(js)
     (tmp_path / "WalletsvcExample.java").write_text(java)
     ready = tmp_path / "walletsvc-ready.json"
-    server = ServerProcess(str(tmp_path / "langs.db"), tmp_path / "langs.log", "--demo", "--ready-file", str(ready))
+    server = ServerProcess(str(tmp_path / "langs.db"), tmp_path / "langs.log", "--scenario",
+                           str(_readme_scenario(tmp_path)), "--ready-file", str(ready))
     server.start()
     try:
         env = {**os.environ, "READY": str(ready)}
@@ -3097,11 +3098,11 @@ def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path)
         outputs = [run.communicate(timeout=180)[0] for run in runs]
         assert [run.returncode for run in runs] == [0, 0], "\n".join(outputs)
         assert "# pass 1" in outputs[0] and "# fail 0" in outputs[0]
-        assert outputs[1].count("ok: ") == 4
+        assert outputs[1].count("ok: ") == 6
         admin = {"Authorization": f"Bearer {json.loads(ready.read_text())['adminToken']}"}
         names = [w["name"] for w in requests.get(server.url + "/_admin/workspaces", headers=admin,
                                                  timeout=10).json()["data"]]
-        assert names == ["walletsvc demo"] * 3  # the demo, and a world for each suite
+        assert names == ["Shop"] * 3  # the scenario's, and a world for each suite
     finally:
         server.stop()
 
@@ -4787,6 +4788,18 @@ def test_parallel_worlds_over_http_are_isolated_and_reset_alone(walletsvc_sandbo
     bad = app.post_json("/_admin/scenarios", {"workspaces": [{"name": "x", "wallets": [{"name": "w"}]}]},
                         headers=ADMIN, expect_errors=True)
     assert "workspaces[0].wallets[0].currency" in error(bad, "S012", 400)["detail"]
+
+
+@pytest.mark.walletsvc(scenario={"workspaces": [{"id": "ws_marked", "name": "Marked", "keys": [{}], "wallets": [
+    {"name": "w", "currency": "EUR", "balance": "3.00"}]}]})
+def test_the_marker_takes_a_scenario_and_worlds_copy_it(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    assert sandbox.workspace["id"] == "ws_marked" and sandbox.wallets["w"]["balance"] == "3.00"
+    world = sandbox.world()  # the scenario the sandbox started from, with fresh ids
+    assert (world.workspace["name"], world.wallets["w"]["balance"]) == ("Marked", "3.00")
+    assert world.workspace["id"] != "ws_marked"
+    over_http = webtest.TestApp(sandbox.app).post_json("/_admin/scenarios", {}, headers=ADMIN).json["data"]
+    assert [w["name"] for w in over_http["workspaces"]] == ["Marked"]
 
 
 def test_a_world_in_python_resets_alone(walletsvc_sandbox) -> None:

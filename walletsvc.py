@@ -2417,6 +2417,11 @@ class WalletService:
                 conn.execute("UPDATE wallets SET status = ? WHERE id = ?", (wallet["status"], wallet_id))
         return workspace_id
 
+    def start_scenario(self) -> dict:
+        """The scenario this sandbox started from (``start_world``), else the built-in DEMO_SCENARIO."""
+        row = self.db.one("SELECT body FROM start_scenario")
+        return json.loads(row[0]) if row else dict(DEMO_SCENARIO)
+
     def describe_world(self, workspace_id: str) -> dict:
         """A workspace with its members, keys (secrets included: this is the sandbox's) and wallets."""
         with self.db.snapshot() as conn:
@@ -3881,15 +3886,20 @@ class AdminApi:
     def reset(self, call: Call) -> None:
         self.svc.reset()
 
-    @endpoint("POST", "/_admin/scenarios", "Make a world beside the others: a scenario (the built-in one"
-              " unless given) with fresh ids and keys", request="ScenarioBody", response="World")
+    @endpoint("POST", "/_admin/scenarios", "Make a world beside the others, with fresh ids and keys: the"
+              " scenario the sandbox started from, the built-in demo, or the one given", request="ScenarioBody",
+              response="World")
     def instantiate(self, call: Call) -> dict:
         body = call.json()
-        if body.get("scenario", "demo") != "demo":
-            raise invalid("scenario", "one_of", choices="demo")
-        if "workspaces" in body and "scenario" in body:
-            raise invalid("scenario", "one_of", choices="a built-in name, or workspaces")
-        return self.svc.load_scenario(body if "workspaces" in body else DEMO_SCENARIO, fresh_ids=True)
+        if "workspaces" in body and "scenario" in body or body.get("scenario", "demo") != "demo":
+            raise invalid("scenario", "one_of", choices="demo (or no scenario, and workspaces or none)")
+        if "workspaces" in body:
+            scenario = body
+        elif body.get("scenario") == "demo":
+            scenario = DEMO_SCENARIO
+        else:
+            scenario = {"workspaces": self.svc.start_scenario()["workspaces"]}  # (its clock and settings are the server's)
+        return self.svc.load_scenario(scenario, fresh_ids=True)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/reset", "Return one workspace to the state its world"
               " began in (other workspaces and the clock untouched)", response="WorldWorkspace")
@@ -4817,10 +4827,10 @@ class Sandbox:
 
     def world(self, scenario: str | os.PathLike | Mapping[str, Any] | None = None) -> Sandbox:
         """A world of its own beside this one (``POST /_admin/scenarios``): the scenario (by default
-        the sandbox's built-in one) made again with fresh ids and a fresh key, sharing the service,
+        the one the sandbox started from) made again with fresh ids and a fresh key, sharing the service,
         the app, the clock and the server; its ``reset()`` resets only its workspace."""
-        made = self.service.load_scenario(read_scenario(DEMO_SCENARIO if scenario is None else scenario),
-                                          fresh_ids=True)
+        scenario = {"workspaces": self.service.start_scenario()["workspaces"]} if scenario is None else scenario
+        made = self.service.load_scenario(read_scenario(scenario), fresh_ids=True)
         world = dataclasses.replace(self, world_id=made["workspaces"][0]["id"])
         return world._enter(made["workspaces"][0])
 
@@ -5061,6 +5071,8 @@ def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
             if conn.execute("SELECT 1 FROM workspaces WHERE name = ? AND deleted_at IS NULL",
                             (name,)).fetchone() is None:
                 svc.load_scenario(scenario)
+                conn.execute("DELETE FROM start_scenario")
+                conn.execute("INSERT INTO start_scenario (body) VALUES (?)", (json.dumps(scenario),))
                 clock = scenario.get("clock")
                 if clock and clock.get("at") is not None and isinstance(svc.clock, Clock):
                     at = admin_time(clock["at"], "clock.at")
