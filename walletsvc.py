@@ -1203,6 +1203,13 @@ def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
     candidates.append((method.lower().encode("latin-1") + message()[len(method):], secret,
                        "the method was signed in lower case",
                        "方法名以小写签名"))
+    if not (environ.get("REQUEST_URI") or environ.get("RAW_URI")):  # a server that gives no raw path
+        over = urllib.parse.quote(urllib.parse.unquote_to_bytes(path), safe="/").encode("ascii")
+        if over != path:
+            candidates.append((message(path_=over), secret,
+                               ("the path was percent-encoded where this server cannot see the encoding;"
+                                " send it as RFC 3986 requires"),
+                               "路径中做了百分号编码，而此服务器看不到该编码；请按 RFC 3986 的要求发送路径"))
     for padded in (secret + "\n", secret + " ", " " + secret, secret.strip()):
         if padded != secret:
             candidates.append((message(), padded, "the secret was used with surrounding whitespace",
@@ -3328,8 +3335,16 @@ def raw_request_path(environ: Mapping[str, Any]) -> bytes:
         if not raw.startswith("/"):  # absolute-form request target
             raw = urllib.parse.urlsplit(raw).path or "/"
         return raw.split("?", 1)[0].encode("latin-1", "replace")
-    raw = environ.get("SCRIPT_NAME", "") + environ.get("bottle.raw_path", environ.get("PATH_INFO", ""))
-    return raw.encode("latin-1", "replace")
+    # A server that hands over only the decoded path (wsgiref, Django's runserver, a2wsgi under
+    # uvicorn): that path encoded the minimal RFC 3986 way, which is what Client sends.
+    decoded = environ.get("SCRIPT_NAME", "") + environ.get("bottle.raw_path", environ.get("PATH_INFO", ""))
+    return urllib.parse.quote(decoded.encode("latin-1", "replace"), safe="/" + PCHAR_DELIMS).encode("ascii")
+
+
+# What RFC 3986 lets a path segment carry unencoded besides the unreserved characters (pchar:
+# sub-delims, ":" and "@"): Client leaves them as they are, so that every server hands the app
+# the path that was signed (DESIGN.md §5).
+PCHAR_DELIMS = "!$&'()*+,;=:@"
 
 
 class Answer(NamedTuple):
@@ -4733,7 +4748,8 @@ class Client:
 
 
 def _segment(value: str) -> str:
-    return urllib.parse.quote(str(value), safe="")
+    """A path segment as RFC 3986 requires it, and no more (``inv:1`` stays ``inv:1``)."""
+    return urllib.parse.quote(str(value), safe=PCHAR_DELIMS)
 
 
 def _snake(name: str) -> str:
