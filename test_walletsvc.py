@@ -928,6 +928,105 @@ def _funded_database(path: str) -> dict:
     return key
 
 
+def _hosted_checks(base_url: str, key: dict) -> None:
+    """``_signed_checks``, and a bizId with ``:`` and ``.`` created and read back by Client."""
+    _signed_checks(base_url, key)
+    client = walletsvc.Client(base_url, key["apiKey"], key["secret"])
+    a, b = (wallet["id"] for wallet in client.list_wallets(sort="name,asc")["content"][:2])
+    client.create_transfer(a, b, "1.00", "USD", biz_id="inv:1.a")
+    assert client.get_transfer("inv:1.a")["bizId"] == "inv:1.a"
+    assert client.transfer_completed("inv:1.a")["completed"] is True
+
+
+def _wait_for(url: str, process: subprocess.Popen | None = None) -> None:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert process is None or process.poll() is None, "the host exited"
+        with contextlib.suppress(requests.RequestException):
+            if requests.get(url, timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise AssertionError(f"{url} never answered")
+
+
+def test_wsgiref_which_gives_no_raw_path_serves_the_same(tmp_path) -> None:
+    """bottle's own run() is wsgiref: the app sees only the decoded path."""
+    from wsgiref.simple_server import WSGIRequestHandler, make_server
+
+    class Quiet(WSGIRequestHandler):
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    path = str(tmp_path / "wsgiref.db")
+    key = _funded_database(path)
+    server = make_server("127.0.0.1", 0, walletsvc.create_app(walletsvc.WalletService(path)), handler_class=Quiet)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    base_url = f"http://127.0.0.1:{server.server_port}"
+    try:
+        _hosted_checks(base_url, key)
+        over = walletsvc.sign_request("GET", "/api/v1/transfer/query/orders/inv%3A1.a", b"", key["apiKey"],
+                                      key["secret"])  # signed as a client that encodes ':' sends it
+        refused = requests.get(base_url + "/api/v1/transfer/query/orders/inv%3A1.a", headers=over, timeout=10)
+        assert refused.json()["code"] == "GA2012"  # (debug_signatures is off: no diagnosis)
+        debug = walletsvc.create_app(walletsvc.WalletService(path), debug_signatures=True)
+        answer = webtest.TestApp(debug).get("/api/v1/transfer/query/orders/inv%3A1.a", headers=over,
+                                            expect_errors=True)
+        assert "the path was percent-encoded where this server cannot see the encoding" in answer.json["detail"]
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _django_project(tmp_path: pathlib.Path) -> dict:
+    (block,) = [b for b in readme_blocks("Embedding", "python") if b.startswith("# mysite/wsgi.py")]
+    site = tmp_path / "mysite"
+    site.mkdir()
+    (site / "__init__.py").write_text("")
+    (site / "wsgi.py").write_text(block)
+    (site / "urls.py").write_text("urlpatterns = []\n")
+    (site / "settings.py").write_text('SECRET_KEY = "test"\nDEBUG = False\nALLOWED_HOSTS = ["*"]\n'
+                                      'ROOT_URLCONF = "mysite.urls"\nWSGI_APPLICATION = "mysite.wsgi.application"\n'
+                                      "INSTALLED_APPS = []\nDATABASES = {}\n")
+    return {**os.environ, "PYTHONPATH": str(tmp_path)}
+
+
+@pytest.mark.parametrize("host", ["runserver", "gunicorn"])
+def test_readme_django_recipe_serves_walletsvc_below_payments(tmp_path, host: str) -> None:
+    env = _django_project(tmp_path)
+    key = _funded_database(str(tmp_path / "payments.db"))
+    port = _free_port()
+    command = {"runserver": [sys.executable, "-m", "django", "runserver", f"127.0.0.1:{port}", "--noreload",
+                             "--settings", "mysite.settings"],
+               "gunicorn": [sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}", "mysite.wsgi:application"]}
+    process = subprocess.Popen(command[host], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}/payments"
+    try:
+        _wait_for(base_url + "/healthz", process)
+        _hosted_checks(base_url, key)
+        assert requests.get(f"http://127.0.0.1:{port}/elsewhere", timeout=10).status_code == 404  # Django's
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+def test_readme_asgi_recipe_serves_walletsvc_on_uvicorn(tmp_path) -> None:
+    (block,) = [b for b in readme_blocks("Embedding", "python") if b.startswith("# asgi.py")]
+    (tmp_path / "asgi.py").write_text(block)
+    key = _funded_database(str(tmp_path / "payments.db"))
+    port = _free_port()
+    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "asgi:app", "--port", str(port), "--log-level",
+                                "warning"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base_url = f"http://127.0.0.1:{port}/payments"
+    try:
+        _wait_for(base_url + "/healthz", process)
+        _hosted_checks(base_url, key)
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
 def test_waitress_serves_the_same_path(tmp_path) -> None:
     path = str(tmp_path / "waitress.db")
     key = _funded_database(path)
