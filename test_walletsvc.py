@@ -4920,6 +4920,40 @@ def test_a_world_in_python_resets_alone(walletsvc_sandbox) -> None:
 ###############################################################################
 
 
+def test_the_document_states_what_the_server_enforces(walletsvc_sandbox) -> None:
+    """DESIGN.md §3, §7, §8: patterns, lengths, enums, ranges and required bodies, as the server checks them."""
+    document = webtest.TestApp(walletsvc_sandbox.app).get("/openapi.json").json
+    schemas, paths = document["components"]["schemas"], document["paths"]
+    transfer = schemas["CreateTransfer"]["properties"]
+    assert transfer["bizId"]["pattern"] == "^[A-Za-z0-9._:-]{1,64}$"
+    assert transfer["description"]["maxLength"] == 255
+    assert {"USD", "JPY", "KWD"} <= set(transfer["currency"]["enum"]) and "ABC" not in transfer["currency"]["enum"]
+
+    def query(path: str) -> dict:
+        return {p["name"]: p["schema"] for p in paths[path]["get"]["parameters"] if p["in"] == "query"}
+    orders, flows, wallets = (query(path) for path in ("/api/v1/transfer/query/orders",
+                                                       "/api/v1/wallets/{wallet_id}/flows", "/api/v1/wallets"))
+    assert orders["status"]["enum"] == ["PENDING", "COMPLETED", "FAILED"]
+    assert orders["bizIdPrefix"]["pattern"] == "^[A-Za-z0-9._:-]{1,64}$"
+    assert flows["type"]["enum"] == ["DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN"]
+    assert flows["direction"]["enum"] == ["DEBIT", "CREDIT"]
+    assert wallets["status"]["enum"] == ["ACTIVE", "FROZEN", "CLOSED"] and "EUR" in wallets["currency"]["enum"]
+    fault = schemas["FaultBody"]["properties"]
+    assert (fault["status"]["minimum"], fault["status"]["maximum"]) == (400, 599)
+    assert (fault["latency"]["minimum"], fault["latency"]["maximum"], fault["times"]["minimum"]) == (0, 60, 1)
+    assert schemas["NewKeyBody"]["properties"]["scopes"]["minItems"] == 1
+    assert paths["/_admin/workspaces"]["post"]["requestBody"]["required"] is True  # {"name"} is required
+    assert paths["/_admin/transfers/{biz_id}/complete"]["post"]["requestBody"]["required"] is False
+
+
+def test_a_405_says_which_methods_are_allowed(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    refused = app.put("/healthz", expect_errors=True)
+    error(refused, "S405", 405)
+    assert refused.headers["Allow"] == "GET"
+    assert app.delete("/_admin/clock", headers=ADMIN, expect_errors=True).headers["Allow"] == "GET,POST"
+
+
 @pytest.mark.parametrize("method, path", [("POST", "/nowhere"), ("PUT", "/healthz"), ("POST", "/api/nowhere")])
 def test_an_oversized_body_is_s413_whatever_the_path(app: webtest.TestApp, method: str, path: str) -> None:
     """DESIGN.md §4: the size limit is checked before anything else, a 404 or a 405 too."""

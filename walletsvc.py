@@ -113,6 +113,9 @@ SCHEMA_VERSION = 3
 EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()
 
 _BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+ID_MAX = 64  # characters of a wallet id a request may name
+DESCRIPTION_MAX = 255  # characters of a transfer's description
+NAME_MAX = 200  # characters of a workspace's, member's or wallet's name
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _NONCE = re.compile(r"[!-~]{1,128}")  # printable ASCII, no whitespace
 
@@ -1871,6 +1874,8 @@ class Faults:
 
     MAX_RULES = 100
     MAX_TIMES = 2**31  # (None: always)
+    MAX_LATENCY = 60  # seconds
+    STATUSES = (400, 599)  # the statuses a rule may force
 
     def __init__(self, db: Database) -> None:
         self.db = db
@@ -1894,10 +1899,10 @@ class Faults:
         for name, value in (("method", method), ("path", path), ("code", code)):
             if value is not None and not isinstance(value, str):
                 raise invalid(name, "string")
-        if status is not None and not (isinstance(status, int) and 400 <= status <= 599):
-            raise invalid("status", "one_of", choices="400-599")
-        if not isinstance(latency, (int, float)) or not 0 <= latency <= 60:
-            raise invalid("latency", "one_of", choices="0-60 seconds")
+        if status is not None and not (isinstance(status, int) and self.STATUSES[0] <= status <= self.STATUSES[1]):
+            raise invalid("status", "one_of", choices=f"{self.STATUSES[0]}-{self.STATUSES[1]}")
+        if not isinstance(latency, (int, float)) or not 0 <= latency <= self.MAX_LATENCY:
+            raise invalid("latency", "one_of", choices=f"0-{self.MAX_LATENCY} seconds")
         if times is not None and not (isinstance(times, int) and not isinstance(times, bool) and times >= 1):
             raise invalid("times", "minimum", minimum=1)
         if times is not None and times > self.MAX_TIMES:
@@ -2769,8 +2774,8 @@ class WalletService:
     def _transfer_request(source: Any, target: Any, amount: Any, currency: Any, biz_id: Any,
                           description: Any) -> dict:
         """Check a transfer's values; S012 naming the first bad field (as the API names it)."""
-        source = _text(source, "sourceWalletId", 64)
-        target = _text(target, "targetWalletId", 64)
+        source = _text(source, "sourceWalletId", ID_MAX)
+        target = _text(target, "targetWalletId", ID_MAX)
         currency_exponent(currency)
         if isinstance(amount, (int, float)):  # a JSON number or a float: never a money amount
             raise invalid("amount", "string")
@@ -2780,8 +2785,8 @@ class WalletService:
         if description is not None:
             if not isinstance(description, str):
                 raise invalid("description", "string")
-            if len(description) > 255:
-                raise invalid("description", "max_length", maximum=255)
+            if len(description) > DESCRIPTION_MAX:
+                raise invalid("description", "max_length", maximum=DESCRIPTION_MAX)
         return {"source": source, "target": target, "amount": amount, "currency": currency,
                 "biz_id": biz_id, "description": description}
 
@@ -3051,6 +3056,10 @@ class WalletService:
 # against its endpoint's schema (fields and JSON types) before a handler runs.
 
 _STRING = {"type": "string"}
+_BIZ_ID_SCHEMA = {"type": "string", "pattern": f"^{_BIZ_ID.pattern}$"}
+_ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": ID_MAX, "pattern": "^[^\\x00]*$"}  # no NUL
+_NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": NAME_MAX, "pattern": "^[^\\x00]*$"}
+_CURRENCY_SCHEMA = {"type": "string", "enum": sorted(CURRENCY_EXPONENTS)}
 _TIME = {"type": "string", "format": "date-time"}
 _NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
 _AMOUNT_SCHEMA = {"type": "string", "pattern": r"^[0-9]{1,15}(\.[0-9]+)?$", "examples": ["10.00"]}
@@ -3089,10 +3098,9 @@ SCHEMAS: Mapping[str, dict] = {
     "Completion": _object({"bizId": _STRING, "transferId": _STRING,
                            "status": _enum(TRANSFER_STATUSES), "completed": {"type": "boolean"}}),
     "CreateTransfer": _object({
-        "sourceWalletId": _STRING, "targetWalletId": _STRING, "amount": _AMOUNT_SCHEMA,
-        "currency": {"type": "string", "pattern": "^[A-Z]{3}$"},
-        "bizId": {"type": "string", "pattern": "^[A-Za-z0-9._:-]{1,64}$"},
-        "description": {"type": "string", "maxLength": 255}},
+        "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA, "amount": _AMOUNT_SCHEMA,
+        "currency": _CURRENCY_SCHEMA, "bizId": _BIZ_ID_SCHEMA,
+        "description": {"type": "string", "maxLength": DESCRIPTION_MAX}},
         ["sourceWalletId", "targetWalletId", "amount", "currency"]),
     "PageInfo": _object({"size": {"type": "integer"}, "number": {"type": "integer"},
                          "totalElements": {"type": "integer"}, "totalPages": {"type": "integer"}}),
@@ -3109,16 +3117,18 @@ SCHEMAS: Mapping[str, dict] = {
                       "success": {"const": False}, "code": _enum([e.code for e in ERRORS]),
                       "message": _enum([e.name for e in ERRORS]), "data": {"type": "null"},
                       "detail": _STRING}),
-    "NameBody": _object({"name": _STRING}),
-    "NewKeyBody": _object({"scopes": {"type": "array", "items": _enum(SCOPES)}, "memberId": _STRING,
+    "NameBody": _object({"name": _NAME_SCHEMA}),
+    "NewKeyBody": _object({"scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1}, "memberId": _STRING,
                            "ipWhitelist": {"type": "array", "items": _STRING}}, []),
     "NewWalletBody": _object({"currency": _STRING, "name": _STRING}, ["currency"]),
     "StatusBody": _object({"status": _enum(WALLET_STATUSES)}),
     "AmountBody": _object({"amount": _AMOUNT_SCHEMA}),
     "DecisionBody": _object({"workspaceId": _STRING}, []),
     "FaultBody": _object({"action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
-                          "workspaceId": _STRING, "code": _STRING, "status": {"type": "integer"},
-                          "latency": {"type": "number"}, "times": {"type": "integer"},
+                          "workspaceId": _STRING, "code": _STRING,
+                          "status": {"type": "integer", "minimum": Faults.STATUSES[0], "maximum": Faults.STATUSES[1]},
+                          "latency": {"type": "number", "minimum": 0, "maximum": Faults.MAX_LATENCY},
+                          "times": {"type": "integer", "minimum": 1, "maximum": Faults.MAX_TIMES},
                           "query": {"type": "object"}, "headers": {"type": "object"}, "body": {"type": "object"}}, []),
     "JournalAssertBody": _object({"method": _STRING, "path": _STRING, "query": {"type": "object"},
                                   "headers": {"type": "object"}, "body": {"type": "object"}, "code": _STRING,
@@ -3162,13 +3172,23 @@ _PAGE_PARAMETERS = (
 )
 
 
-def _filters(*names: str) -> tuple:
-    return _PAGE_PARAMETERS + tuple({"name": name, "in": "query", "schema": _STRING} for name in names)
+# Each list filter's schema: what the service's filter_choice, filter_time and _biz_id accept.
+_FILTER_SCHEMAS = {
+    "status": None, "type": _enum(FLOW_TYPES), "direction": _enum(FLOW_DIRECTIONS), "currency": _CURRENCY_SCHEMA,
+    "bizIdPrefix": _BIZ_ID_SCHEMA,
+    "createdFrom": {"type": "string", "description": "ISO-8601 or epoch milliseconds (inclusive)"},
+    "createdTo": {"type": "string", "description": "ISO-8601 or epoch milliseconds (exclusive)"},
+}
 
 
-_TRANSFER_FILTERS = _filters("status", "createdFrom", "createdTo", "bizIdPrefix")
+def _filters(*names: str, statuses: Sequence[str] = ()) -> tuple:
+    return _PAGE_PARAMETERS + tuple({"name": name, "in": "query", "schema": _FILTER_SCHEMAS[name] or _enum(statuses)}
+                                    for name in names)
+
+
+_TRANSFER_FILTERS = _filters("status", "createdFrom", "createdTo", "bizIdPrefix", statuses=TRANSFER_STATUSES)
 _FLOW_FILTERS = _filters("type", "direction", "createdFrom", "createdTo")
-_WALLET_FILTERS = _filters("currency", "status")
+_WALLET_FILTERS = _filters("currency", "status", statuses=WALLET_STATUSES)
 
 # A JSON value's type, as a schema names it (bool is not a number in JSON).
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
@@ -3450,10 +3470,12 @@ class HttpApi:
     def fail(self, environ: Mapping[str, Any], exc: BaseException) -> tuple[int, list, Iterable[bytes]]:
         """Answer a request that reached no endpoint: bottle's 404, 405 or 500."""
         error = exc
+        call = self.begin(environ, None)
         if isinstance(exc, bottle.HTTPError):
             error = {404: not_found("path"), 405: MethodNotAllowed()}.get(
                 exc.status_code, exc.exception or RuntimeError(exc.body))
-        call = self.begin(environ, None)
+            if exc.status_code == 405 and exc.get_header("Allow"):
+                call.headers["Allow"] = exc.get_header("Allow")
         try:
             self.read_body(environ)  # the size limit comes before anything else (DESIGN.md §4), a 404 too
         except WalletError as too_large:
@@ -4517,8 +4539,9 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
                               (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": success}}},
                           **{str(status): {"$ref": f"#/components/responses/E{status}"} for status in statuses}},
             "security": security[surface]}
-        if declared_endpoint.request:
-            operation["requestBody"] = {"required": surface == "api", "content": {
+        if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
+            required = surface == "api" or bool(SCHEMAS[declared_endpoint.request]["required"])
+            operation["requestBody"] = {"required": required, "content": {
                 "application/json": {"schema": _schema_ref(declared_endpoint.request)}}}
         openapi_path = re.sub(r"<(\w+)>", r"{\1}", declared_endpoint.path)
         paths.setdefault(openapi_path, {})[declared_endpoint.method.lower()] = operation
