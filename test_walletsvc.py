@@ -4889,6 +4889,78 @@ def test_parallel_worlds_over_http_are_isolated_and_reset_alone(walletsvc_sandbo
     assert "workspaces[0].wallets[0].currency" in error(bad, "S012", 400)["detail"]
 
 
+def test_worlds_without_wallets_or_keys_and_with_members_named_by_id(tmp_path, walletsvc_sandbox) -> None:
+    """Review: a workspace without wallets broke worlds and save_start (SQL 'IN (?, )'); a key naming its
+    member by the scenario's id was refused with fresh ids; a 300-character wallet name answered 500."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    bare = app.post_json("/_admin/scenarios", {"workspaces": [{"name": "nowallet"}]}, headers=ADMIN).json["data"]
+    assert app.post(f"/_admin/workspaces/{bare['workspaces'][0]['id']}/reset", headers=ADMIN).json["success"]
+    walletsvc_sandbox.service.save_start()
+    by_id = {"workspaces": [{"name": "m", "members": [{"id": "mem_bob", "name": "bob"}],
+                             "keys": [{"member": "mem_bob"}]}]}
+    for _ in range(2):  # fresh ids each time: mem_bob is this world's own bob
+        world = app.post_json("/_admin/scenarios", by_id, headers=ADMIN).json["data"]["workspaces"][0]
+        bob = next(member for member in world["members"] if member["name"] == "bob")
+        assert world["keys"][0]["memberId"] == bob["id"] != "mem_bob"
+    long_name = {"workspaces": [{"name": "w", "wallets": [{"name": "x" * 300, "currency": "USD"}]}]}
+    error(app.post_json("/_admin/scenarios", long_name, headers=ADMIN, expect_errors=True), "S012", 400)
+    (tmp_path / "nokey.toml").write_text('[[workspaces]]\nname = "keyless"\n')
+    server = ServerProcess(str(tmp_path / "nokey.db"), tmp_path / "nokey.log", "--scenario", str(tmp_path / "nokey.toml"))
+    server.start()  # (it printed a banner without a key instead of failing on one)
+    server.stop()
+    assert "Traceback" not in (tmp_path / "nokey.log").read_text()
+
+
+def test_a_world_reset_keeps_replays_refused_and_the_journal_in_order(walletsvc_sandbox) -> None:
+    """Review: a world's reset forgot its nonce records (a captured transfer moved money again) and let
+    the journal's seq go back (a poller with after= missed entries)."""
+    sandbox = walletsvc_sandbox
+    world = sandbox.world()
+    app = webtest.TestApp(sandbox.app)
+    body = json.dumps({"sourceWalletId": world.wallets["alice"]["id"], "targetWalletId": world.wallets["bob"]["id"],
+                       "amount": "1.00", "currency": "USD"}).encode()
+    captured = _signed("POST", TRANSFER_PATH, world.key["apiKey"], world.key["secret"], body,
+                       timestamp=int(sandbox.clock()))
+    assert app.post(TRANSFER_PATH, body, headers=captured).json["success"] is True
+    newest = sandbox.journal.entries()[-1]["seq"]
+    world.reset()
+    error(app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True), "GA2013", 401)
+    assert world.client.get_wallet(world.wallets["alice"]["id"])["balance"] == "1000.00"
+    sandbox.client.list_wallets()
+    assert [entry["code"] for entry in sandbox.journal.entries(after=newest)] == ["GA2013", "2000", "2000"]
+
+
+def test_scenario_files_with_odd_keys_and_toml_times(tmp_path) -> None:
+    """Review: a key that is not an identifier, or a TOML datetime for clock.at, printed a traceback."""
+    base = '[[workspaces]]\nname = "w"\n'
+    cases = {"odd.toml": (base + '"my-field" = 1\n', "workspaces[0].my-field"),
+             "date.toml": ('[clock]\nat = 2030-01-01\n' + base, "clock.at"),
+             "bool.toml": ('[clock]\nat = true\n' + base, "clock.at")}
+    for name, (text, field) in cases.items():
+        (tmp_path / name).write_text(text)
+        done = _cli("serve", "--db", str(tmp_path / f"{name}.db"), "--port", "0", "--scenario", str(tmp_path / name))
+        assert done.returncode == 2 and field in done.stderr and "Traceback" not in done.stderr, done.stderr
+    (tmp_path / "datetime.toml").write_text('[clock]\nat = 2030-01-01T00:00:00Z\n' + base)
+    sandbox = walletsvc.Sandbox.create(scenario=tmp_path / "datetime.toml")
+    assert sandbox.clock() == 1893456000.0 and sandbox.clock.frozen
+
+
+@pytest.mark.parametrize("url", ["http://h:abc", "127.0.0.1:1/pay?x=1", "ftp://h/", "http://h/#frag"])
+def test_request_refuses_a_url_it_cannot_use_in_one_line(url: str) -> None:
+    done = _cli("request", "GET", "/api/v1/wallets", "--url", url, "--key", "k", "--secret", "s")
+    assert done.returncode == 2 and "--url" in done.stderr and "Traceback" not in done.stderr
+
+
+def test_sign_curl_sends_a_body_that_starts_with_at_as_written(demo_server) -> None:
+    """Review: with --data-binary, a body starting with @ made curl send a file instead."""
+    server, env = demo_server
+    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"], "WALLETSVC_URL": server.url}
+    command = 'eval "$(walletsvc sign POST /api/v1/transfer/command/create --data @/etc/hostname --format curl)"'
+    answer = json.loads(subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=60,
+                                       check=True).stdout)
+    assert answer["code"] == "S012" and "body" in answer["detail"]  # the 14 bytes signed arrived, not a file
+
+
 @pytest.mark.walletsvc(scenario={"workspaces": [{"id": "ws_marked", "name": "Marked", "keys": [{}], "wallets": [
     {"name": "w", "currency": "EUR", "balance": "3.00"}]}]})
 def test_the_marker_takes_a_scenario_and_worlds_copy_it(walletsvc_sandbox) -> None:

@@ -40,6 +40,7 @@ import functools
 import hashlib
 import hmac
 import html
+import http.client
 import importlib.metadata
 import inspect
 import io
@@ -146,6 +147,10 @@ def admin_time(value: Any, field: str) -> float | None:
     seconds, a string ISO-8601; a value that looks like milliseconds is refused, saying so."""
     if value is None:
         return None
+    if isinstance(value, datetime.datetime):  # (a TOML datetime; naive means UTC)
+        return (value if value.tzinfo else value.replace(tzinfo=datetime.UTC)).timestamp()
+    if isinstance(value, (bool, datetime.date, datetime.time)) or not isinstance(value, (int, float, str)):
+        raise invalid(field, "time_iso")
     if isinstance(value, str):
         if re.fullmatch(r"[0-9]+", value):
             raise invalid(field, "time_digits")
@@ -2153,7 +2158,7 @@ _SCENARIO_OBJECTS: Mapping[str, Mapping[str, str]] = {
     "workspaces": {"id": "ws_", "name": "name", "members": "list", "keys": "list", "wallets": "list"},
     "members": {"id": "mem_", "name": "name"},
     "keys": {"id": "ak_", "secret": "secret", "scopes": "scopes", "member": "string", "ipWhitelist": "networks"},
-    "wallets": {"id": "wal_", "name": "string", "currency": "currency", "balance": "amount", "status": "status"},
+    "wallets": {"id": "wal_", "name": "wallet_name", "currency": "currency", "balance": "amount", "status": "status"},
 }
 _SCENARIO_REQUIRED = {"scenario": ("workspaces",), "workspaces": ("name",), "members": ("name",),
                       "wallets": ("name", "currency")}
@@ -2204,7 +2209,9 @@ def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
         if not isinstance(value, str) or not value.startswith(kind) or not _ID.fullmatch(value):
             raise invalid(field, "scenario_id", prefix=kind)
     elif kind == "name":
-        _text(value, field, 200)
+        _text(value, field, NAME_MAX)
+    elif kind == "wallet_name":
+        _text(value, field, NAME_MAX, minimum=0)
     elif kind == "secret":
         if not isinstance(value, str) or not _NONCE.fullmatch(value):  # printable ASCII, no whitespace
             raise invalid(field, "secret")
@@ -2405,6 +2412,8 @@ class WalletService:
         for index, member in enumerate(spec.get("members", ())):
             member_id = members[member["name"]] = fixed(member, "mem_", f"{where}.members[{index}]")
             members.setdefault(member_id, member_id)
+            if member.get("id"):  # a key may name its member by the id the scenario gave it
+                members[member["id"]] = member_id
             conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, ?, 'MEMBER', ?)",
                          (member_id, workspace_id, member["name"], now))
         for index, key in enumerate(spec.get("keys", ())):
@@ -2449,20 +2458,26 @@ class WalletService:
     def reset_workspace(self, workspace_id: str) -> dict:
         """Return one workspace to the state its world began in (``load_scenario``, or the
         saved starting state), in one transaction: its members, keys, wallets, orders and
-        flows; its keys' journal entries and nonce records and its fault rules go. Other
-        workspaces, and the clock, are untouched. S404 for a workspace no world began with."""
+        flows; its keys' journal entries and its fault rules go (the nonce records stay: a
+        request captured before is refused after). Other workspaces, and the clock, are
+        untouched. S404 for a workspace no world began with."""
         with self.db.atomic() as conn:
             saved = conn.execute("SELECT rows FROM world_starts WHERE workspace_id = ?", (workspace_id,)).fetchone()
             if saved is None:
                 raise not_found("world")
             saved, current = json.loads(saved[0]), self._world_rows(conn, workspace_id)
             keys = sorted({row[0] for rows in (saved, current) for row in rows["api_keys"]})
+            gone = sorted({row[0] for row in current["api_keys"]} - {row[0] for row in saved["api_keys"]})
             wallets = sorted({row[0] for rows in (saved, current) for row in rows["wallets"]})
             key_marks, wallet_marks = ", ".join("?" * len(keys)), ", ".join("?" * len(wallets))
+            conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
+                         " coalesce((SELECT max(seq) FROM journal), 0))")  # seq never goes back
             for sql, params in ((f"DELETE FROM flows WHERE wallet_id IN ({wallet_marks})", wallets),
                                 ("DELETE FROM transfers WHERE workspace_id = ?", [workspace_id]),
                                 ("DELETE FROM wallets WHERE workspace_id = ?", [workspace_id]),
-                                (f"DELETE FROM nonces WHERE api_key IN ({key_marks})", keys),
+                                # the nonce records of the keys that stay stay (the clock was not reset):
+                                # a request captured before the reset is refused after it
+                                (f"DELETE FROM nonces WHERE api_key IN ({', '.join('?' * len(gone))})", gone),
                                 (f"DELETE FROM journal WHERE api_key IN ({key_marks})", keys),
                                 ("DELETE FROM api_keys WHERE workspace_id = ?", [workspace_id]),
                                 ("DELETE FROM members WHERE workspace_id = ?", [workspace_id]),
@@ -2472,7 +2487,8 @@ class WalletService:
                 conn.execute(sql, params)
             for table in ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "counters"):
                 if table == "counters":  # the triggers counted the rows in again: the saved counts instead
-                    conn.execute(f"DELETE FROM counters WHERE owner_id IN (?, {wallet_marks})", [workspace_id, *wallets])
+                    owners = [workspace_id, *wallets]
+                    conn.execute(f"DELETE FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})", owners)
                 for row in saved[table]:
                     conn.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
             conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
@@ -2488,7 +2504,8 @@ class WalletService:
             ("workspaces", "id"), ("members", "workspace_id"), ("api_keys", "workspace_id"),
             ("wallets", "workspace_id"), ("transfers", "workspace_id"))}
         queries["flows"] = (f"SELECT * FROM flows WHERE wallet_id IN ({marks})", wallets)
-        queries["counters"] = (f"SELECT * FROM counters WHERE owner_id IN (?, {marks})", [workspace_id, *wallets])
+        owners = [workspace_id, *wallets]
+        queries["counters"] = (f"SELECT * FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})", owners)
         return {table: [list(row) for row in conn.execute(sql, params)] for table, (sql, params) in queries.items()}
 
     def _save_world(self, conn: sqlite3.Connection, workspace_id: str) -> None:
@@ -5060,7 +5077,10 @@ def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
     try:
         return check_scenario(scenario)
     except InvalidParameter as exc:
-        line = _line_of(text, scenario, exc.params["field"])
+        try:
+            line = _line_of(text, scenario, exc.params["field"])
+        except (LookupError, TypeError, ValueError):  # a field path it cannot follow: no line, still the field
+            line = None
         raise ValueError(f"scenario {path}: {f'line {line}: ' if line else ''}{exc.detail()}") from None
 
 
@@ -5111,12 +5131,17 @@ def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
                             (name,)).fetchone() is None:
                 svc.load_scenario(scenario)
                 conn.execute("DELETE FROM start_scenario")
-                conn.execute("INSERT INTO start_scenario (body) VALUES (?)", (json.dumps(scenario),))
+                conn.execute("INSERT INTO start_scenario (body) VALUES (?)", (json.dumps(scenario, default=str),))
                 clock = scenario.get("clock")
                 if clock and clock.get("at") is not None and isinstance(svc.clock, Clock):
                     at = admin_time(clock["at"], "clock.at")
                     (svc.clock.freeze if clock.get("frozen", True) else svc.clock.set)(at)
             svc.save_start()  # (a world an older walletsvc made starts from where it is)
+        else:
+            stored = conn.execute("SELECT body FROM start_scenario").fetchone()
+            if stored is not None and json.loads(stored[0]) != json.loads(json.dumps(scenario, default=str)):
+                log.warning("this database started from another scenario, and resets to it: a new scenario"
+                            " needs a new database (--db)")
         started = [row[0] for row in conn.execute("SELECT id FROM start_workspaces WHERE deleted_at IS NULL"
                                                   " ORDER BY created_at, id")]
     return [svc.describe_world(workspace_id) for workspace_id in started]
@@ -5436,8 +5461,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     def banner(base_url: str) -> None:
         if args.ready_file:
             _write_ready_file(args.ready_file, base_url, settings.get("admin_token"), world or [])
-        if demo:
-            print(demo_instructions(base_url, demo, settings["admin_token"]), flush=True)
+        if demo and demo["apiKey"]:
+            print(demo_instructions(base_url, demo, settings.get("admin_token")), flush=True)
         elif keys:
             print(f"walletsvc serving {args.db} at {base_url}\nIt holds {keys} API key(s) in {workspaces}"
                   f" workspace(s): walletsvc workspace list --db {args.db}, walletsvc key list WORKSPACE_ID"
@@ -5504,8 +5529,14 @@ def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
         parser.error(f"the path must start with / (e.g. /{args.path.lstrip('/')})")
     path, _, query = args.path.partition("?")
     url = args.url if "://" in args.url else f"http://{args.url}"
-    if urllib.parse.urlsplit(url).scheme not in ("http", "https"):
-        parser.error(f"--url {args.url}: only http and https URLs")
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - it checks the port
+    except ValueError:
+        parser.error(f"--url {args.url}: the port is not a number from 0 to 65535")
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        parser.error(f"--url {args.url}: give http(s)://HOST[:PORT][/PREFIX], without a query or fragment")
+    url = f"{parts.scheme}://{parts.netloc}{_rfc3986(parts.path, '/')}"  # a prefix is sent, and signed, encoded
     return url.rstrip("/"), _rfc3986(path, "/"), _rfc3986(query, "/?=&")
 
 
@@ -5531,7 +5562,7 @@ def _sign_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         for name, value in headers.items():
             words += ["-H", f"{name}: {value}"]
         if body:
-            words += ["-H", "Content-Type: application/json", "--data-binary", args.data]
+            words += ["-H", "Content-Type: application/json", "--data-raw", args.data]  # (no @file reading)
         print(" ".join(shlex.quote(word) for word in words))
     else:
         print("\n".join(f"{name}: {value}" for name, value in headers.items()))
@@ -5688,7 +5719,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except WalletError as exc:
         print(f"walletsvc: {exc.name} ({exc.code}): {exc.detail()}", file=sys.stderr)
         return 1
-    except (sqlite3.Error, RuntimeError, ValueError, OSError) as exc:
+    except (sqlite3.Error, RuntimeError, ValueError, OSError, http.client.HTTPException) as exc:
         print(f"walletsvc: {exc}", file=sys.stderr)
         return 2
 
