@@ -1751,6 +1751,8 @@ def test_tie_break_on_id_keeps_pages_stable(svc, api: Api, world: dict) -> None:
     ("/api/v1/transfer/query/orders", ""),
     ("/api/v1/transfer/query/orders", "createdat,asc"),  # field names are exact
     ("/api/v1/transfer/query/orders/wallet/{a}", "id,asc"),
+    ("/api/v1/transfer/query/orders", "createdAt, desc"),  # no spaces, as the document's pattern says
+    ("/api/v1/transfer/query/orders", "createdAt,"),
 ])
 def test_unsortable_field_or_bad_direction_is_s012(api: Api, world: dict, path: str, sort: str) -> None:
     body = error(api.get(path.format(a=world["a"]), query=f"sort={sort}"), "S012", 400)
@@ -5006,6 +5008,9 @@ def test_the_document_states_what_the_server_enforces(walletsvc_sandbox) -> None
     orders, flows, wallets = (query(path) for path in ("/api/v1/transfer/query/orders",
                                                        "/api/v1/wallets/{wallet_id}/flows", "/api/v1/wallets"))
     assert orders["status"]["enum"] == ["PENDING", "COMPLETED", "FAILED"]
+    direction = "(,([aA][sS][cC]|[dD][eE][sS][cC]))?$"  # asc or desc, in any case (DESIGN.md §8)
+    assert orders["sort"]["items"]["pattern"] == "^(createdAt|updatedAt|amount|status)" + direction
+    assert wallets["sort"]["items"]["pattern"] == "^(createdAt|updatedAt|name|currency|status|balance)" + direction
     assert orders["bizIdPrefix"]["pattern"] == "^[A-Za-z0-9._:-]{1,64}$"
     assert flows["type"]["enum"] == ["DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN"]
     assert flows["direction"]["enum"] == ["DEBIT", "CREDIT"]
@@ -5142,9 +5147,9 @@ def test_request_takes_paths_queries_and_urls_as_people_type_them(demo_server) -
     host = server.url.removeprefix("http://")
     missing = _cli("request", "GET", "api/v1/wallets", "--url", host, env=env)
     assert missing.returncode == 2 and "must start with /" in missing.stderr and "Traceback" not in missing.stderr
-    spaced = _cli("request", "GET", "/api/v1/wallets?sort=name, asc", "--url", host, env=env)
+    spaced = _cli("request", "GET", "/api/v1/wallets?sort=name,asc&currency=USD&x=a b", "--url", host, env=env)
     assert spaced.returncode == 0, spaced.stderr
-    assert [w["name"] for w in json.loads(spaced.stdout)["data"]["content"]] == ["alice", "bob", "yen"]
+    assert [w["name"] for w in json.loads(spaced.stdout)["data"]["content"]] == ["alice", "bob"]
 
 
 def test_restarting_without_demo_names_the_keys_it_holds(tmp_path) -> None:

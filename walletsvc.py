@@ -1551,13 +1551,12 @@ def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest
     size = min(_page_integer(query, "size", DEFAULT_PAGE_SIZE, 1), MAX_PAGE_SIZE)
     order = []
     for text in query.get("sort", ()):
-        field, _, direction = text.partition(",")
+        field, comma, direction = text.partition(",")
         if field not in sortable:
             raise invalid("sort", "sort_field", value=field[:40], choices=", ".join(sortable))
-        direction = (direction or "asc").strip().upper()
-        if direction not in ("ASC", "DESC"):
+        if comma and direction.upper() not in ("ASC", "DESC"):  # in any case, as the document's pattern says
             raise invalid("sort", "sort_direction")
-        order.append((sortable[field], direction))
+        order.append((sortable[field], (direction or "asc").upper()))
     return PageRequest(number, size, tuple(order) or (("created_at", "DESC"),))
 
 
@@ -3184,8 +3183,6 @@ _PAGE_PARAMETERS = (
     {"name": "page", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0}},
     {"name": "size", "in": "query", "schema": {"type": "integer", "minimum": 1, "default": 20},
      "description": "values above 100 are capped at 100"},
-    {"name": "sort", "in": "query", "style": "form", "explode": True,
-     "schema": {"type": "array", "items": {"type": "string"}}, "description": "field,asc|desc; repeatable"},
 )
 
 
@@ -3198,14 +3195,21 @@ _FILTER_SCHEMAS = {
 }
 
 
-def _filters(*names: str, statuses: Sequence[str] = ()) -> tuple:
-    return _PAGE_PARAMETERS + tuple({"name": name, "in": "query", "schema": _FILTER_SCHEMAS[name] or _enum(statuses)}
-                                    for name in names)
+_ANY_CASE_DIRECTION = "([aA][sS][cC]|[dD][eE][sS][cC])"
 
 
-_TRANSFER_FILTERS = _filters("status", "createdFrom", "createdTo", "bizIdPrefix", statuses=TRANSFER_STATUSES)
-_FLOW_FILTERS = _filters("type", "direction", "createdFrom", "createdTo")
-_WALLET_FILTERS = _filters("currency", "status", statuses=WALLET_STATUSES)
+def _filters(sortable: Mapping[str, str], *names: str, statuses: Sequence[str] = ()) -> tuple:
+    sort = {"name": "sort", "in": "query", "style": "form", "explode": True, "description": "field,asc|desc; repeatable",
+            "schema": {"type": "array", "items": {"type": "string",
+                                                  "pattern": f"^({'|'.join(sortable)})(,{_ANY_CASE_DIRECTION})?$"}}}
+    return (*_PAGE_PARAMETERS, sort, *({"name": name, "in": "query", "schema": _FILTER_SCHEMAS[name] or _enum(statuses)}
+                                       for name in names))
+
+
+_TRANSFER_FILTERS = _filters(TRANSFER_SORTS, "status", "createdFrom", "createdTo", "bizIdPrefix",
+                             statuses=TRANSFER_STATUSES)
+_FLOW_FILTERS = _filters(FLOW_SORTS, "type", "direction", "createdFrom", "createdTo")
+_WALLET_FILTERS = _filters(WALLET_SORTS, "currency", "status", statuses=WALLET_STATUSES)
 
 # A JSON value's type, as a schema names it (bool is not a number in JSON).
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
