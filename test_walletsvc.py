@@ -5023,6 +5023,27 @@ def test_the_document_states_what_the_server_enforces(walletsvc_sandbox) -> None
     assert paths["/_admin/transfers/{biz_id}/complete"]["post"]["requestBody"]["required"] is False
 
 
+def test_the_document_links_answers_to_later_requests_and_states_the_console_login(walletsvc_sandbox) -> None:
+    """DESIGN.md §3: a created transfer's bizId to the order queries, a wallet's id to its balance and
+    flows; the console's form login, its 303 and its HTML."""
+    document = webtest.TestApp(walletsvc_sandbox.app).get("/openapi.json").json
+    operations = {operation["operationId"]: operation for methods in document["paths"].values()
+                  for operation in methods.values()}
+    links = {(source, name): (link["operationId"], link["parameters"]) for source, operation in operations.items()
+             for name, link in operation["responses"]["200"].get("links", {}).items()}
+    assert links == {
+        ("create_transfer", "Order"): ("get_transfer", {"biz_id": "$response.body#/data/bizId"}),
+        ("create_transfer", "Completed"): ("transfer_completed", {"biz_id": "$response.body#/data/bizId"}),
+        ("get_wallet", "Balance"): ("get_balance", {"wallet_id": "$response.body#/data/id"}),
+        ("get_wallet", "Flows"): ("list_flows", {"wallet_id": "$response.body#/data/id"})}
+    for target, parameters in links.values():  # each names a real operation and its real parameters
+        assert set(parameters) <= {p["name"] for p in operations[target]["parameters"]}
+    login = document["paths"]["/_admin/console"]["post"]
+    assert login["requestBody"]["content"]["application/x-www-form-urlencoded"]["schema"]["required"] == ["token"]
+    assert "Set-Cookie" in login["responses"]["303"]["description"]
+    assert list(login["responses"]["401"]["content"]) == ["text/html"]
+
+
 def test_a_405_says_which_methods_are_allowed(walletsvc_sandbox) -> None:
     app = webtest.TestApp(walletsvc_sandbox.app)
     refused = app.put("/healthz", expect_errors=True)

@@ -3279,6 +3279,9 @@ class Endpoint:
     query: tuple = ()  # query parameters, as OpenAPI parameter objects
     media: str | None = None  # answered as is in this media type, without the envelope (/openapi.json, the console)
     name: str = ""  # the handler's name: the operation and the Client method
+    links: tuple = ()  # (link name, operation name, {its parameter: where in this answer}), OpenAPI links
+    form: tuple = ()  # an HTML form's fields (the console's login), instead of a JSON body
+    answers: tuple = ()  # (status, description) of answers other than 200 and the error envelope
 
     @property
     def surface(self) -> str:
@@ -3295,11 +3298,12 @@ class Endpoint:
 
 
 def endpoint(method: str, path: str, summary: str, *, response: str | dict | None, scope: str | None = None,
-             request: str | None = None, query: Iterable[dict] = (), media: str | None = None) -> Callable:
+             request: str | None = None, query: Iterable[dict] = (), media: str | None = None,
+             links: Iterable[tuple] = (), form: Iterable[str] = (), answers: Iterable[tuple] = ()) -> Callable:
     """Declare the decorated handler as ``method path`` (see Endpoint)."""
     def declare(handler: Callable) -> Callable:
         handler.endpoint = Endpoint(method, path, summary, response, scope, request, tuple(query), media,
-                                    handler.__name__)
+                                    handler.__name__, tuple(links), tuple(form), tuple(answers))
         return handler
     return declare
 
@@ -3724,7 +3728,9 @@ class WalletApi:
     def list_wallets(self, call: Call) -> dict:
         return self.svc.list_wallets(call.principal.workspace_id, call.query)
 
-    @endpoint("GET", "/api/v1/wallets/<wallet_id>", "Get a wallet", scope="wallet:read", response="Wallet")
+    @endpoint("GET", "/api/v1/wallets/<wallet_id>", "Get a wallet", scope="wallet:read", response="Wallet",
+              links=(("Balance", "get_balance", {"wallet_id": "$response.body#/data/id"}),
+                     ("Flows", "list_flows", {"wallet_id": "$response.body#/data/id"})))
     def get_wallet(self, call: Call, wallet_id: str) -> dict:
         return self.svc.get_wallet(wallet_id, workspace_id=call.principal.workspace_id)
 
@@ -3760,6 +3766,8 @@ class WalletApi:
 
     @endpoint("POST", "/api/v1/transfer/command/create", "Create a transfer order", scope="transfer:create",
               request="CreateTransfer", response="TransferOrder",
+              links=(("Order", "get_transfer", {"biz_id": "$response.body#/data/bizId"}),
+                     ("Completed", "transfer_completed", {"biz_id": "$response.body#/data/bizId"})),
               query=({"name": "Idempotency-Key", "in": "header", "schema": _STRING},))
     def create_transfer(self, call: Call) -> dict:
         media_type = call.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
@@ -3818,7 +3826,9 @@ class AdminApi:
         return self.console.page(call, session) if session else self.console.login_form(call)
 
     @endpoint("POST", CONSOLE_PATH, "Log in to the console: the form field token, the admin token",
-              response={"type": "string"}, media=HTML_CONTENT_TYPE)
+              response={"type": "string"}, media=HTML_CONTENT_TYPE, form=("token",),
+              answers=((303, "Logged in: the session cookie (Set-Cookie), and back to the console (Location)"),
+                       (401, "Not the admin token: the login form again (HTML)")))
     def console_login(self, call: Call) -> str:
         return self.console.log_in(call)
 
@@ -4560,6 +4570,17 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
                               (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": success}}},
                           **{str(status): {"$ref": f"#/components/responses/E{status}"} for status in statuses}},
             "security": security[surface]}
+        if declared_endpoint.links:
+            operation["responses"]["200"]["links"] = {
+                name: {"operationId": target, "parameters": parameters}
+                for name, target, parameters in declared_endpoint.links}
+        for status, description in declared_endpoint.answers:
+            operation["responses"][str(status)] = {"description": description, "content": {
+                (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": data_schema}}}
+        if declared_endpoint.form:
+            operation["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {
+                "schema": {"type": "object", "required": list(declared_endpoint.form),
+                           "properties": {field: _STRING for field in declared_endpoint.form}}}}}
         if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
             required = surface == "api" or bool(SCHEMAS[declared_endpoint.request]["required"])
             operation["requestBody"] = {"required": required, "content": {
