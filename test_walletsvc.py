@@ -11,6 +11,7 @@ import concurrent.futures
 import contextlib
 import hashlib
 import hmac
+import io
 import json
 import multiprocessing
 import os
@@ -1375,7 +1376,29 @@ ADMIN_INPUTS = [
     ("POST", "/_admin/faults", {"latency": "slow"}, "latency"),
     ("POST", "/_admin/faults", {"times": True}, "times"),
     ("POST", "/_admin/wallets/{wallet}/deposit", {"amount": 5}, "amount"),
+    ("POST", "/_admin/wallets/{wallet}/deposit", {"amount": "007.50"}, "amount"),  # no leading zero
+    # an address or a CIDR block, as the document's pattern states: no netmask, no spaces, no zone
+    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": ["10.0.0.1/255.0.0.0"]}, "ipWhitelist"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": [" 10.0.0.1"]}, "ipWhitelist"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": ["fe80::1%eth0"]}, "ipWhitelist"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": ["10.0.0.0/33"]}, "ipWhitelist"),
+    ("POST", "/_admin/ids", {}, "seed"),  # required, though it may be null
+    ("POST", "/_admin/faults", {"code": "X999"}, "status"),  # a code of its own needs a status
+    ("POST", "/_admin/faults", {"times": 1.5}, "times"),
+    ("POST", "/_admin/scenarios", {"scenario": "demo", "workspaces": []}, "scenario"),
 ]
+
+
+def test_json_integers_may_be_written_with_a_zero_fraction_and_nullable_fields_take_null(walletsvc_sandbox) -> None:
+    """JSON Schema (the document's language): 3.0 is an integer; a required field whose type allows null
+    may be null."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    rule = app.post_json("/_admin/faults", {"code": "X999", "status": 418.0, "times": 3.0}, headers=ADMIN).json["data"]
+    assert (rule["status"], rule["times"]) == (418, 3)
+    assert app.post_json("/_admin/ids", {"seed": None}, headers=ADMIN).json["success"] is True
+    keys = [app.post_json(f"/_admin/workspaces/{walletsvc_sandbox.workspace['id']}/keys", {"ipWhitelist": [entry]},
+                          headers=ADMIN).json["data"]["ipWhitelist"] for entry in ("10.0.0.0/8", "2001:db8::/32", "::1")]
+    assert keys == [["10.0.0.0/8"], ["2001:db8::/32"], ["::1/128"]]
 
 
 @pytest.mark.parametrize("method, path, body, field", ADMIN_INPUTS)
@@ -1790,6 +1813,13 @@ def test_wallet_filters(svc, api: Api, world: dict, query: str, names: list) -> 
     ("/api/v1/transfer/query/orders", "status=DONE"),
     ("/api/v1/transfer/query/orders", "createdFrom=yesterday"),
     ("/api/v1/transfer/query/orders", "createdTo=2027-13-01"),
+    # DESIGN.md §6: a time filter is epoch ms or RFC 3339 (a date, or a date-time with Z or an offset)
+    ("/api/v1/transfer/query/orders", "createdFrom=2027-01-15T08:00:05"),  # no offset
+    ("/api/v1/transfer/query/orders", "createdFrom=2027-01-15 08:00:05Z"),
+    ("/api/v1/transfer/query/orders", "createdFrom=2027-01-15T08:00:05%2B0100"),
+    ("/api/v1/transfer/query/orders", "createdFrom=2027-01-15T25:00:00Z"),
+    ("/api/v1/transfer/query/orders", "createdFrom="),
+    ("/api/v1/transfer/query/orders", "createdFrom=1234567890123456"),
     ("/api/v1/transfer/query/orders", "bizIdPrefix=has space"),
     ("/api/v1/wallets/{a}/flows", "type=REFUND"),
     ("/api/v1/wallets/{a}/flows", "direction=UP"),
@@ -1809,7 +1839,9 @@ def test_malformed_filter_is_s012(api: Api, world: dict, path: str, query: str) 
     (f"createdFrom={(NOW + 5) * 1000}", 21),  # inclusive from (epoch ms)
     ("createdTo=2027-01-15T08:00:05.000Z", 4),  # exclusive to (ISO-8601)
     ("createdFrom=2027-01-15T08:00:05Z&createdTo=2027-01-15T08:00:07Z", 2),
-    ("createdFrom=2027-01-15T08:00:05&status=COMPLETED", 21),  # naive ISO means UTC
+    ("createdFrom=2027-01-15T09:00:05%2B01:00&status=COMPLETED", 21),  # an offset
+    ("createdFrom=2027-01-15t08:00:05.000z&status=COMPLETED", 21),  # RFC 3339 allows t and z
+    ("createdTo=2027-01-15", 0), ("createdFrom=2027-01-15&createdTo=2027-01-16", 25),  # a date: midnight UTC
 ])
 def test_transfer_filters(api: Api, many: dict, query: str, expected: int) -> None:
     page = data(api.get("/api/v1/transfer/query/orders", query=query + "&size=100"))
@@ -2796,10 +2828,37 @@ def test_openapi_document_is_valid_and_covers_every_route(svc) -> None:
     assert documented == served
     create = document["paths"][TRANSFER_PATH]["post"]
     assert create["security"] == [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}]
-    described = " ".join(r["description"] for r in document["components"]["responses"].values())
-    assert all(f"{code} {name}" in described for code, (name, _) in {**CATALOG, **ADMIN_CATALOG}.items())
+    described = " ".join(response["description"] for operations in document["paths"].values()
+                         for operation in operations.values() for response in operation["responses"].values())
+    answered = {**CATALOG, **ADMIN_CATALOG}
+    for code in ("S405", "50090201"):  # what a path answers to a method, or /api/ to a path, it does not serve
+        del answered[code]
+    assert all(f"{code} {name}" in described for code, (name, _) in answered.items())
     for name in ("Wallet", "Balance", "Flow", "TransferOrder", "Completion", "Workspace", "Member", "ApiKey"):
         assert name in document["components"]["schemas"]
+
+
+def test_each_operation_states_every_error_it_answers(svc) -> None:
+    """DESIGN.md §3: every status an operation can answer, with its error codes (Schemathesis then checks
+    each answer against them)."""
+    document = webtest.TestApp(walletsvc.create_app(svc, admin_token="s3cret")).get("/openapi.json").json
+
+    def errors(path: str, method: str) -> dict:
+        answers = document["paths"][path][method]["responses"]
+        return {status: sorted(answer["content"]["application/json"]["schema"]["allOf"][1]["properties"]["code"]["enum"])
+                for status, answer in answers.items() if status != "200"}
+
+    signed = {"401": ["GA2001", "GA2011", "GA2012", "GA2013"], "403": ["GA2021", "GA2022", "GA2024", "GA2034"]}
+    always = {"413": ["S413"], "500": ["S500"], "503": ["S503"]}
+    assert errors(TRANSFER_PATH, "post") == {
+        **signed, **always, "400": ["S012"], "404": ["GA2032", "W1001"], "409": ["T2004"], "415": ["S415"],
+        "422": ["T2001", "T2002", "T2003", "W1002"]}
+    assert errors("/api/v1/wallets/{wallet_id}", "get") == {**signed, **always, "404": ["GA2032", "W1001"]}
+    assert errors("/api/v1/wallets", "get") == {**signed, **always, "400": ["S012"], "404": ["GA2032"]}
+    assert errors("/api/v1/transfer/query/orders/{biz_id}", "get") == {**signed, **always, "404": ["GA2032", "T1001"]}
+    assert errors("/_admin/wallets/{wallet_id}/withdraw", "post") == {
+        **always, "400": ["S012"], "401": ["S401"], "403": ["S403"], "404": ["W1001"], "422": ["T2001", "W1002"]}
+    assert errors("/healthz", "get") == always
 
 
 def test_openapi_without_admin_token_documents_only_what_is_served(svc) -> None:
@@ -2810,6 +2869,171 @@ def test_openapi_without_admin_token_documents_only_what_is_served(svc) -> None:
 def test_openapi_command_prints_the_raw_document(capsys) -> None:
     code, out, _ = run_cli(capsys, "openapi")
     assert code == 0 and json.loads(out)["openapi"] == "3.1.0"
+
+
+def _transfer_schema(document: dict) -> dict:
+    return document["components"]["schemas"]["CreateTransfer"]
+
+
+@hypothesis.settings(max_examples=300, deadline=None, database=None,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(currency=st.sampled_from(["JPY", "USD", "BHD", "CLF"]),  # ISO 4217: 0, 2, 3 and 4 decimals
+                  amount=st.one_of(st.text("0123456789.", max_size=22),
+                                   st.from_regex(r"[0-9]{1,16}(\.[0-9]{1,5})?", fullmatch=True)))
+def test_the_document_states_each_currencys_amounts(app: webtest.TestApp, api: Api, currency: str,
+                                                    amount: str) -> None:
+    """DESIGN.md §3: an amount the document's pattern for its currency allows is taken (the transfer then
+    fails on its unknown wallets, W1001), and one it does not is S012 naming the amount."""
+    document = app.get("/openapi.json").json
+    pattern = next(branch["properties"]["amount"]["pattern"] for branch in _transfer_schema(document)["anyOf"]
+                   if currency in branch["properties"]["currency"]["enum"])
+    answer = api.transfer({"sourceWalletId": "wal_nope", "targetWalletId": "wal_nope2", "amount": amount,
+                           "currency": currency}).json
+    allowed = re.fullmatch(pattern.strip("^$"), amount) is not None
+    assert (answer["code"], "'amount'" in answer.get("detail", "")) == (("W1001", False) if allowed else ("S012", True))
+    if allowed:  # and the pattern is what DESIGN.md §6 says: positive, at most the currency's decimals
+        whole, _, fraction = amount.partition(".")
+        assert 0 < float(amount) < 10**18 / 10**{"JPY": 0, "USD": 2, "BHD": 3, "CLF": 4}[currency]
+        assert len(fraction) <= {"JPY": 0, "USD": 2, "BHD": 3, "CLF": 4}[currency]
+        assert whole == "0" or not whole.startswith("0")  # no leading zero
+
+
+SIGN_ME = "sign-me"  # the X-Signature Schemathesis sends; SchemathesisSigner puts the real one in its place
+
+
+def spec_signature(secret: str, method: str, path: str, timestamp: str, nonce: str, body: bytes) -> str:
+    """SPEC.md "Signature computation", written from the spec: Base64(HMAC-SHA256(the five components
+    joined by LF, the secret)), the body hashed as lowercase hex SHA-256 of its exact bytes."""
+    message = "\n".join((method, path, timestamp, nonce, hashlib.sha256(body).hexdigest()))
+    return base64.b64encode(hmac.new(secret.encode(), message.encode(), hashlib.sha256).digest()).decode()
+
+
+class SchemathesisSigner:
+    """WSGI middleware in front of the app on a live server. Schemathesis sends the sandbox's key with
+    ``X-Signature: sign-me``; this signs the request as it arrived (the raw path, the exact body bytes,
+    the sandbox clock, a fresh nonce). Requests without the placeholder (its probes with missing or
+    wrong credentials) pass as they are."""
+
+    def __init__(self, app: Callable, key: dict, clock: Callable[[], float]) -> None:
+        self.app, self.key, self.clock = app, key, clock
+
+    def __call__(self, environ: dict, start_response: Callable) -> Any:
+        if environ.get("HTTP_X_SIGNATURE") == SIGN_ME and environ.get("HTTP_X_API_KEY") == self.key["apiKey"]:
+            body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            environ["wsgi.input"] = io.BytesIO(body)
+            timestamp, nonce = str(int(self.clock())), str(uuid.uuid4())
+            environ.update(HTTP_X_TIMESTAMP=timestamp, HTTP_X_NONCE=nonce, HTTP_X_SIGNATURE=spec_signature(
+                self.key["secret"], environ["REQUEST_METHOD"], environ["REQUEST_URI"].split("?")[0], timestamp,
+                nonce, body))
+        return self.app(environ, start_response)
+
+
+# What a request the document allows may still answer, and why no JSON Schema can say so in advance.
+# Everything else Schemathesis generates as valid must be accepted (DESIGN.md §3).
+BUSINESS_RULES = {  # 422, whatever the operation
+    "T2001": "the source's available balance is below the amount: the ledger decides, not the request",
+    "T2002": "the wallet holds another currency: the wallet decides, not the request",
+    "T2003": "the source and the target are the same wallet: JSON Schema cannot compare two fields",
+    "W1002": "the wallet is FROZEN or CLOSED: its state decides, not the request",
+}
+BEYOND_SCHEMAS = {  # (operation, code, the field the detail names): why
+    ("POST /api/v1/transfer/command/create", "S012", "Idempotency-Key"):
+        "the unsigned header is accepted only equal to the signed body's bizId: a rule across header and body",
+    ("POST /_admin/scenarios", "S012", "member"): "a key's member names a member of its workspace: a reference",
+    ("POST /_admin/scenarios", "S012", "id"): "the fixed ids of a scenario differ from each other: uniqueness "
+                                              "across nested objects",
+    ("POST /_admin/clock", "S012", "advance"): "the clock stays between 1970 and 9999: how far it may move "
+                                               "depends on where it is",
+    ("POST /_admin/wallets/{wallet_id}/deposit", "S012", "amount"): "the decimals (and the balance's limit) are "
+                                                                     "the wallet's currency's",
+    ("POST /_admin/wallets/{wallet_id}/withdraw", "S012", "amount"): "the decimals are the wallet's currency's",
+    ("POST /_admin/wallets/{wallet_id}/status", "S012", "status"): "a CLOSED wallet stays CLOSED: its state decides",
+    ("POST /_admin/faults", "S012", "faults"): "at most 100 rules at a time: how many are left is the sandbox's",
+}
+
+
+def positive_data_accepted_or_a_stated_rule(ctx: Any, response: Any, case: Any) -> None:
+    """Schemathesis's positive_data_acceptance, with BUSINESS_RULES and BEYOND_SCHEMAS as its only exceptions."""
+    if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code in (
+            200, 303, 401, 403, 404, 409):  # its defaults: credentials and resources the document cannot know
+        return
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = {}
+    code, detail = answer.get("code"), answer.get("detail", "")
+    if response.status_code == 422 and code in BUSINESS_RULES:
+        return
+    named = re.search(r"'(?:[\w\[\]]+\.)*([\w-]+)'", detail)
+    if (case.operation.label, code, named and named.group(1)) not in BEYOND_SCHEMAS:
+        raise AssertionError(f"a request the document allows was refused: {response.status_code} {code} {detail}")
+
+
+@pytest.mark.parametrize("surface", ["api", "admin"])
+def test_schemathesis_finds_no_gap_between_the_document_and_the_server(tmp_path, surface: str) -> None:
+    """DESIGN.md §3, judged by Schemathesis (all its phases and checks): every response matches the
+    document (statuses, error codes, headers, bodies), and the server refuses nothing the document
+    allows but BUSINESS_RULES and BEYOND_SCHEMAS. The admin surface runs on a sandbox of its own: its
+    fault rules and clock would otherwise reach the API's requests."""
+    import click.testing
+    import schemathesis
+    import schemathesis.cli
+
+    if positive_data_accepted_or_a_stated_rule.__name__ not in schemathesis.checks.CHECKS.get_all_names():
+        schemathesis.check(positive_data_accepted_or_a_stated_rule)
+    sandbox = walletsvc.Sandbox.create()
+    server = walletsvc.LiveServer(SchemathesisSigner(sandbox.app, sandbox.key, sandbox.clock))
+    wallets = sandbox.wallets
+    (tmp_path / "schemathesis.toml").write_text(f"""
+[auth.openapi.ApiKey]
+api_key = "{sandbox.key['apiKey']}"
+[auth.openapi.Timestamp]
+api_key = "0"
+[auth.openapi.Nonce]
+api_key = "n"
+[auth.openapi.Signature]
+api_key = "{SIGN_ME}"
+[auth.openapi.AdminToken]
+bearer = "{sandbox.admin_token}"
+# The demo's wallets, so that requests reach them and not only W1001, and transfers between them that
+# can succeed (alice to bob, USD). The currency and the amount are bound together, always: bound apart,
+# one would break the rule tying the amount's decimals to the currency, which
+# test_the_document_states_each_currencys_amounts checks instead.
+[dictionaries.wallets]
+values = {json.dumps([wallet["id"] for wallet in wallets.values()])}
+[dictionaries.sources]
+values = ["{wallets['alice']['id']}"]
+[dictionaries.targets]
+values = ["{wallets['bob']['id']}"]
+[dictionaries.currencies]
+values = ["USD"]
+[dictionaries.amounts]
+values = ["0.01", "1.00", "10", "250.50", "999999999999999.99"]
+[parameters]
+"body.currency" = {{ dictionary = "currencies", probability = 1.0 }}
+"body.amount" = {{ dictionary = "amounts", probability = 1.0 }}
+"path.wallet_id" = {{ dictionary = "wallets", probability = 0.7 }}
+"body.sourceWalletId" = {{ dictionary = "sources", probability = 0.8 }}
+"body.targetWalletId" = {{ dictionary = "targets", probability = 0.8 }}
+""")
+    tags = ["api", "public"] if surface == "api" else ["admin", "console"]
+    report = tmp_path / "report.json"
+    try:
+        result = click.testing.CliRunner().invoke(schemathesis.cli.schemathesis, [
+            "--no-color", "--config-file", str(tmp_path / "schemathesis.toml"), "run", f"{server.url}/openapi.json",
+            "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--max-examples", "5",
+            "--seed", "1", "--workers", "1", "--report", "json", "--report-json-path", str(report),
+            *(option for tag in tags for option in ("--include-tag", tag))])
+    finally:
+        server.stop()
+    assert result.exit_code == 0, result.output[-30000:]
+    figures = json.loads(report.read_text())
+    print(json.dumps(figures["valid_rates"]))
+    print(f"Schemathesis, {surface}: {figures['operations']['tested']} operations, "
+          f"{figures['test_cases']['generated']} cases, {figures['running_time']:.1f} s")
+    assert figures["operations"]["tested"] == figures["operations"]["selected"] > 10
+    assert all(phase["status"] == "success" for phase in figures["phases"].values()), figures["phases"]
+    sandbox.audit()  # and the money held
 
 
 @pytest.mark.parametrize("target", ["live", "wsgi"])
@@ -5035,7 +5259,17 @@ def test_the_document_links_answers_to_later_requests_and_states_the_console_log
         ("create_transfer", "Order"): ("get_transfer", {"biz_id": "$response.body#/data/bizId"}),
         ("create_transfer", "Completed"): ("transfer_completed", {"biz_id": "$response.body#/data/bizId"}),
         ("get_wallet", "Balance"): ("get_balance", {"wallet_id": "$response.body#/data/id"}),
-        ("get_wallet", "Flows"): ("list_flows", {"wallet_id": "$response.body#/data/id"})}
+        ("get_wallet", "Flows"): ("list_flows", {"wallet_id": "$response.body#/data/id"}),
+        ("list_wallets", "Wallet"): ("get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),
+        ("list_wallets", "Transfer"): ("create_transfer", {}),
+        ("list_transfers", "Order"): ("get_transfer", {"biz_id": "$response.body#/data/content/0/bizId"}),
+        **{("admin_create_workspace", name): (f"admin_{name}", {"workspace_id": "$response.body#/data/id"})
+           for name in ("get_workspace", "list_members", "create_api_key", "create_wallet")},
+        **{("admin_create_wallet", name): (f"admin_{name}", {"wallet_id": "$response.body#/data/id"})
+           for name in ("get_wallet", "deposit", "withdraw", "set_wallet_status")}}
+    assert operations["list_wallets"]["responses"]["200"]["links"]["Transfer"]["requestBody"] == {
+        "sourceWalletId": "$response.body#/data/content/0/id", "amount": "1.00",
+        "targetWalletId": "$response.body#/data/content/1/id", "currency": "$response.body#/data/content/0/currency"}
     for target, parameters in links.values():  # each names a real operation and its real parameters
         assert set(parameters) <= {p["name"] for p in operations[target]["parameters"]}
     login = document["paths"]["/_admin/console"]["post"]
@@ -5071,9 +5305,11 @@ def test_a_signature_over_a_millisecond_timestamp_is_diagnosed(api: Api, world: 
 
 @pytest.mark.parametrize("at, reason", [
     (10**400, "clock"), (-(10**400), "clock"), (1893456000000, "looks like epoch milliseconds"),
-    ("1893456000", "string of digits"), ("1893456000000", "string of digits"), ("soon", "ISO-8601")])
+    ("1893456000", "string of digits"), ("1893456000000", "string of digits"), ("soon", "RFC 3339"),
+    ("2030-01-01T00:00:00", "RFC 3339"), (None, "must be JSON number or string")])
 def test_clock_times_are_one_unit_everywhere(walletsvc_sandbox, at: Any, reason: str) -> None:
-    """DESIGN.md §9: a JSON number is epoch seconds, a string ISO-8601; milliseconds are refused, saying so."""
+    """DESIGN.md §9: a JSON number is epoch seconds, a string ISO-8601 (RFC 3339, the profile the document
+    states); milliseconds are refused, saying so; null is not a time."""
     app = webtest.TestApp(walletsvc_sandbox.app)
     detail = error(app.post_json("/_admin/clock", {"at": at}, headers=ADMIN, expect_errors=True), "S012", 400)
     assert reason in detail["detail"]

@@ -115,6 +115,32 @@ EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()
 
 _BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 ID_MAX = 64  # characters of a wallet id a request may name
+
+
+def _ip_patterns() -> tuple[str, str]:
+    """IPv4 (dotted quad, no leading zero) and IPv6 (RFC 3986's IPv6address) as regexes."""
+    octet = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+    ipv4 = rf"{octet}(\.{octet}){{3}}"
+    h16 = "[0-9a-fA-F]{1,4}"
+    ls32 = f"({h16}:{h16}|{ipv4})"
+    forms = [f"({h16}:){{6}}{ls32}", f"::({h16}:){{5}}{ls32}"]
+    for before, after in ((0, 4), (1, 3), (2, 2), (3, 1), (4, 0)):
+        forms.append(f"(({h16}:){{0,{before}}}{h16})?::({h16}:){{{after}}}{ls32}")
+    forms += [f"(({h16}:){{0,5}}{h16})?::{h16}", f"(({h16}:){{0,6}}{h16})?::"]
+    return ipv4, "(" + "|".join(forms) + ")"
+
+
+_IPV4, _IPV6 = _ip_patterns()
+# An IP whitelist's or trusted proxy's entry: an address, or a CIDR block (address/prefix length).
+NETWORK_PATTERN = f"({_IPV4}(/(3[0-2]|[12]?[0-9]))?|{_IPV6}(/(12[0-8]|1[01][0-9]|[1-9]?[0-9]))?)"
+_NETWORK = re.compile(NETWORK_PATTERN)
+
+
+def parse_network(text: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
+    """An address or CIDR block (NETWORK_PATTERN) as a network; ValueError if it is not one."""
+    if not isinstance(text, str) or not _NETWORK.fullmatch(text):
+        raise ValueError(f"{str(text)[:60]!r} is not an IP address or CIDR block")
+    return ipaddress.ip_network(text, strict=False)
 DESCRIPTION_MAX = 255  # characters of a transfer's description
 NAME_MAX = 200  # characters of a workspace's, member's or wallet's name
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
@@ -163,17 +189,35 @@ def admin_time(value: Any, field: str) -> float | None:
     return value
 
 
+EPOCH_MS_PATTERN = "[0-9]{1,15}"  # a time as epoch milliseconds
+# RFC 3339: a full-date (midnight UTC), or a date-time with Z or an offset ([tT] and [zZ], as it allows).
+_RFC3339 = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})"
+                      r"(?:[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]+))?(?:[Zz]|([+-])([0-9]{2}):([0-9]{2})))?")
+_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
+
+
 def parse_time(text: str) -> int | None:
-    """ISO-8601 (naive means UTC) or epoch milliseconds, as epoch ms; None if malformed."""
-    if re.fullmatch(r"[0-9]{1,15}", text):
+    """Epoch milliseconds (EPOCH_MS_PATTERN), or an RFC 3339 date-time or full-date, as epoch ms;
+    None if it is neither. (A leap second, :60, is the second after :59.)"""
+    if re.fullmatch(EPOCH_MS_PATTERN, text):
         return int(text)
+    match = _RFC3339.fullmatch(text)
+    if match is None:
+        return None
+    year, month, day, hour, minute, second, fraction, sign, offset_hour, offset_minute = match.groups()
     try:
-        moment = datetime.datetime.fromisoformat(text)
+        moment = datetime.datetime(int(year), int(month), int(day), tzinfo=datetime.UTC)
     except ValueError:
         return None
-    if moment.tzinfo is None:
-        moment = moment.replace(tzinfo=datetime.UTC)
-    return int(moment.timestamp() * 1000)
+    ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1)
+    if hour is None:
+        return ms
+    if int(hour) > 23 or int(minute) > 59 or int(second) > 60 or int(offset_hour or 0) > 23 \
+            or int(offset_minute or 0) > 59:
+        return None
+    offset = (int(offset_hour or 0) * 60 + int(offset_minute or 0)) * 60_000
+    return (ms + (int(hour) * 60 + int(minute)) * 60_000 + int(second) * 1000
+            + int((fraction or "0")[:3].ljust(3, "0")) - (offset if sign == "+" else -offset))
 
 
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
@@ -483,13 +527,15 @@ _REASONS = {
                    "不能按 '{value}' 排序；可排序字段：{choices}"),
     "sort_direction": ("the direction must be asc or desc", "排序方向必须是 asc 或 desc"),
     "currency": ("'{value}' is not an ISO 4217 currency code", "'{value}' 不是 ISO 4217 币种代码"),
-    "amount": ("must be a positive decimal string such as \"10.00\"",
-               "必须是正的十进制字符串，例如 \"10.00\""),
+    "amount": ("must be a positive decimal string such as \"10.00\" (no sign, exponent or leading zero)",
+               "必须是正的十进制字符串，例如 \"10.00\"（不带符号、指数或前导零）"),
     "decimals": ("{currency} allows at most {exponent} decimal places",
                  "{currency} 最多允许 {exponent} 位小数"),
     "too_large": ("is too large", "过大"),
-    "time": ("must be ISO-8601 or epoch milliseconds", "必须是 ISO-8601 时间或毫秒时间戳"),
-    "time_iso": ("must be ISO-8601 (or a JSON number of epoch seconds)", "必须是 ISO-8601 时间（或表示秒级时间戳的 JSON 数字）"),
+    "time": ("must be RFC 3339 (2027-01-15T08:00:00Z, or a date) or epoch milliseconds",
+             "必须是 RFC 3339 时间（2027-01-15T08:00:00Z，或日期）或毫秒时间戳"),
+    "time_iso": ("must be RFC 3339 (2027-01-15T08:00:00Z, or a date), or a JSON number of epoch seconds",
+                 "必须是 RFC 3339 时间（2027-01-15T08:00:00Z，或日期），或表示秒级时间戳的 JSON 数字"),
     "time_digits": ("is a string of digits: send epoch seconds as a JSON number, or ISO-8601 as a string",
                     "是一串数字：秒级时间戳请以 JSON 数字发送，或以字符串发送 ISO-8601 时间"),
     "time_ms": ("looks like epoch milliseconds; send epoch seconds (or ISO-8601)",
@@ -604,7 +650,7 @@ def _optional_str(value: Any) -> str | None:
 def _networks(value: Any) -> tuple:
     if isinstance(value, str):
         value = [part for part in value.split(",") if part.strip()]
-    return tuple(ipaddress.ip_network(str(part).strip(), strict=False) for part in value)
+    return tuple(parse_network(str(part).strip()) for part in value)
 
 
 def _one_of(*choices: str) -> Callable[[Any], str]:
@@ -731,7 +777,25 @@ CURRENCY_EXPONENTS: Mapping[str, int] = {
 _AMOUNT_FORMATS = {code: (10**exponent, f"%d.%0{exponent}d" if exponent else "%d")
                    for code, exponent in CURRENCY_EXPONENTS.items()}
 MAX_MINOR_UNITS = 10**18  # keeps every balance inside SQLite's 64-bit integers
-_AMOUNT = re.compile(r"([0-9]{1,15})(?:\.([0-9]+))?")
+AMOUNT_DIGITS = 15  # integer digits of an amount, at most (fewer where the minor units would pass 18 digits)
+
+
+def amount_pattern(exponent: int) -> str:
+    """The regex of an amount in a currency with this exponent: a positive decimal string, no sign,
+    exponent or leading zero, at most ``exponent`` decimals; under 10**18 minor units. The
+    service checks amounts with it and the document states it."""
+    def up_to(digits: int) -> str:
+        return f"[0-9]{{0,{digits}}}" if digits else ""
+
+    whole = "[1-9]" + up_to(min(AMOUNT_DIGITS, 18 - exponent) - 1)
+    if not exponent:
+        return f"^{whole}$"
+    tiny = "|".join("0" * zeros + "[1-9]" + up_to(exponent - zeros - 1) for zeros in range(exponent))
+    return f"^({whole}(\\.[0-9]{{1,{exponent}}})?|0\\.({tiny}))$"
+
+
+_AMOUNTS = {exponent: re.compile(amount_pattern(exponent)) for exponent in set(CURRENCY_EXPONENTS.values())}
+_DECIMAL = re.compile(r"([0-9]+)(?:\.([0-9]+))?")
 
 
 def currency_exponent(currency: Any, field: str = "currency") -> int:
@@ -743,11 +807,11 @@ def currency_exponent(currency: Any, field: str = "currency") -> int:
 
 
 def parse_amount(amount: Any, currency: str, field: str = "amount") -> int:
-    """A positive decimal string as integer minor units; never rounds.
+    """An amount (amount_pattern) as integer minor units; never rounds.
 
     Accepts ``str`` (and, from Python, ``decimal.Decimal`` or ``int``); refuses
-    floats, exponents, signs, zero, more decimals than the currency allows and
-    more than 15 integer digits.
+    floats, exponents, signs, zero, leading zeros, more decimals than the currency
+    allows, and 10**18 minor units or more.
     """
     exponent = currency_exponent(currency)
     if isinstance(amount, decimal.Decimal) and amount.is_finite():
@@ -756,18 +820,15 @@ def parse_amount(amount: Any, currency: str, field: str = "amount") -> int:
         amount = str(amount)
     if not isinstance(amount, str):
         raise invalid(field, "string")
-    match = _AMOUNT.fullmatch(amount)
-    if match is None:
+    if _AMOUNTS[exponent].fullmatch(amount) is None:
+        decimal_string = _DECIMAL.fullmatch(amount)
+        if decimal_string and len(decimal_string.group(2) or "") > exponent:
+            raise invalid(field, "decimals", currency=currency, exponent=exponent)
+        if decimal_string and int(decimal_string.group(1)) >= 10**min(AMOUNT_DIGITS, 18 - exponent):
+            raise invalid(field, "too_large")
         raise invalid(field, "amount")
-    whole, fraction = match.group(1), match.group(2) or ""
-    if len(fraction) > exponent:
-        raise invalid(field, "decimals", currency=currency, exponent=exponent)
-    minor = int(whole) * 10**exponent + int(fraction.ljust(exponent, "0") or "0")
-    if minor == 0:
-        raise invalid(field, "amount")
-    if minor > MAX_MINOR_UNITS:
-        raise invalid(field, "too_large")
-    return minor
+    whole, _, fraction = amount.partition(".")
+    return int(whole) * 10**exponent + int(fraction.ljust(exponent, "0") or "0")
 
 
 def format_amount(minor: int, currency: str) -> str:
@@ -2222,7 +2283,7 @@ def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
             raise invalid(field, "array")
         for entry in value:
             try:
-                ipaddress.ip_network(str(entry), strict=False)
+                parse_network(entry)
             except ValueError:
                 raise invalid(field, "ip", value=str(entry)[:60]) from None
     elif kind == "currency":
@@ -2584,7 +2645,7 @@ class WalletService:
             whitelist = []
             for entry in [ip_whitelist] if isinstance(ip_whitelist, str) else ip_whitelist:
                 try:
-                    whitelist.append(str(ipaddress.ip_network(str(entry).strip(), strict=False)))
+                    whitelist.append(str(parse_network(entry)))
                 except ValueError:
                     raise invalid("ipWhitelist", "ip", value=str(entry)[:60]) from None
         with self.writing() as (conn, now):
@@ -3078,7 +3139,28 @@ _NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": NAME_MAX, "patter
 _CURRENCY_SCHEMA = {"type": "string", "enum": sorted(CURRENCY_EXPONENTS)}
 _TIME = {"type": "string", "format": "date-time"}
 _NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
-_AMOUNT_SCHEMA = {"type": "string", "pattern": r"^[0-9]{1,15}(\.[0-9]+)?$", "examples": ["10.00"]}
+_AMOUNT_SCHEMA = {"type": "string", "pattern": r"^(0|[1-9][0-9]*)(\.[0-9]+)?$", "examples": ["10.00"]}  # answered
+_NETWORK_SCHEMA = {"type": "string", "pattern": f"^{NETWORK_PATTERN}$"}
+_TIME_FILTER = {"anyOf": [{"type": "string", "pattern": f"^{EPOCH_MS_PATTERN}$", "description": "epoch milliseconds"},
+                          {"type": "string", "format": "date-time"}, {"type": "string", "format": "date"}]}
+# A time the admin surface takes (admin_time) inside CLOCK_RANGE: a JSON number of epoch seconds, or RFC 3339.
+SCHEMAS_CLOCK_AT = {"anyOf": [
+    {"type": "number", "minimum": 0, "exclusiveMaximum": MILLISECONDS_FROM, "description": "epoch seconds"},
+    *({"type": "string", "format": form, "pattern": "^(19[7-9][0-9]|[2-9][0-9]{3})-"} for form in ("date-time", "date"))]}
+
+
+def _currency_amount(currencies: Sequence[str] | None = None, field: str = "amount") -> dict:
+    """An amount in one of ``currencies`` (None: in a wallet's currency, not named in the body): with
+    the currency, amount_pattern of its exponent (a schema per exponent); without, any of them."""
+    if currencies is None:
+        return {"type": "string", "anyOf": [{"pattern": amount_pattern(exponent)}
+                                            for exponent in sorted(set(CURRENCY_EXPONENTS.values()))],
+                "description": "as the wallet's currency allows", "examples": ["10.00"]}
+    by_exponent: dict[int, list] = {}
+    for code in currencies:
+        by_exponent.setdefault(CURRENCY_EXPONENTS[code], []).append(code)
+    return {"anyOf": [{"properties": {"currency": {"enum": codes}, field: {"pattern": amount_pattern(exponent)}}}
+                      for exponent, codes in sorted(by_exponent.items())]}
 
 
 def _object(properties: dict, required: Sequence[str] | None = None) -> dict:
@@ -3093,6 +3175,32 @@ def _enum(values: Sequence[str]) -> dict:
 
 def _array(item: str | dict) -> dict:
     return {"type": "array", "items": {"$ref": f"#/components/schemas/{item}"} if isinstance(item, str) else item}
+
+
+def _scenario_schema(kind: str) -> dict:
+    """The schema of a scenario's object of this kind, from _SCENARIO_OBJECTS (what check_scenario checks)."""
+    kinds = {"name": _NAME_SCHEMA, "wallet_name": {**_NAME_SCHEMA, "minLength": 0}, "string": _STRING,
+             "boolean": {"type": "boolean"}, "secret": {"type": "string", "pattern": f"^{_NONCE.pattern}$"},
+             "scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1},
+             "networks": {"type": "array", "items": _NETWORK_SCHEMA}, "currency": _CURRENCY_SCHEMA,
+             "amount": _STRING, "status": _enum(WALLET_STATUSES),
+             "time": SCHEMAS_CLOCK_AT}
+    fields = {}
+    for name, field_kind in _SCENARIO_OBJECTS[kind].items():
+        if field_kind == "list":
+            fields[name] = {"type": "array", "items": _scenario_schema(name)}
+        elif field_kind == "object":
+            fields[name] = _scenario_schema(name) if name in _SCENARIO_OBJECTS else {"type": "object"}
+        elif field_kind.endswith("_"):  # an id with its type prefix
+            fields[name] = {"type": "string", "pattern": f"^{field_kind}[A-Za-z0-9_.:-]{{0,{ID_MAX - len(field_kind)}}}$"}
+        else:
+            fields[name] = kinds[field_kind]
+    schema = _object(fields, _SCENARIO_REQUIRED.get(kind, ()))
+    if kind == "wallets":
+        schema.update(_currency_amount(sorted(CURRENCY_EXPONENTS), "balance"))
+    if kind == "members":
+        fields["name"] = {**_NAME_SCHEMA, "not": {"const": "owner"}}  # the owner is made with the workspace
+    return schema
 
 
 SCHEMAS: Mapping[str, dict] = {
@@ -3113,11 +3221,11 @@ SCHEMAS: Mapping[str, dict] = {
         "createdAt": _TIME, "updatedAt": _TIME, "completedAt": _NULLABLE_TIME}),
     "Completion": _object({"bizId": _STRING, "transferId": _STRING,
                            "status": _enum(TRANSFER_STATUSES), "completed": {"type": "boolean"}}),
-    "CreateTransfer": _object({
-        "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA, "amount": _AMOUNT_SCHEMA,
+    "CreateTransfer": {**_object({
+        "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA, "amount": {"type": "string", "examples": ["10.00"]},
         "currency": _CURRENCY_SCHEMA, "bizId": _BIZ_ID_SCHEMA,
         "description": {"type": "string", "maxLength": DESCRIPTION_MAX}},
-        ["sourceWalletId", "targetWalletId", "amount", "currency"]),
+        ["sourceWalletId", "targetWalletId", "amount", "currency"]), **_currency_amount(sorted(CURRENCY_EXPONENTS))},
     "PageInfo": _object({"size": {"type": "integer"}, "number": {"type": "integer"},
                          "totalElements": {"type": "integer"}, "totalPages": {"type": "integer"}}),
     "Workspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}),
@@ -3135,17 +3243,21 @@ SCHEMAS: Mapping[str, dict] = {
                       "detail": _STRING}),
     "NameBody": _object({"name": _NAME_SCHEMA}),
     "NewKeyBody": _object({"scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1}, "memberId": _STRING,
-                           "ipWhitelist": {"type": "array", "items": _STRING}}, []),
-    "NewWalletBody": _object({"currency": _STRING, "name": _STRING}, ["currency"]),
+                           "ipWhitelist": {"type": "array", "items": _NETWORK_SCHEMA}}, []),
+    "NewWalletBody": _object({"currency": _CURRENCY_SCHEMA, "name": {**_NAME_SCHEMA, "minLength": 0}}, ["currency"]),
     "StatusBody": _object({"status": _enum(WALLET_STATUSES)}),
-    "AmountBody": _object({"amount": _AMOUNT_SCHEMA}),
+    "AmountBody": _object({"amount": _currency_amount()}),
     "DecisionBody": _object({"workspaceId": _STRING}, []),
-    "FaultBody": _object({"action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
+    "FaultBody": {**_object({"action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
                           "workspaceId": _STRING, "code": _STRING,
                           "status": {"type": "integer", "minimum": Faults.STATUSES[0], "maximum": Faults.STATUSES[1]},
                           "latency": {"type": "number", "minimum": 0, "maximum": Faults.MAX_LATENCY},
                           "times": {"type": "integer", "minimum": 1, "maximum": Faults.MAX_TIMES},
                           "query": {"type": "object"}, "headers": {"type": "object"}, "body": {"type": "object"}}, []),
+                  # an error rule names its status, unless its code (S500 by default) is the catalog's
+                  "anyOf": [{"required": ["status"]}, {"not": {"required": ["code"]}},
+                            {"properties": {"code": {"enum": [error.code for error in ERRORS]}}},
+                            {"required": ["action"], "properties": {"action": {"not": {"const": "error"}}}}]},
     "JournalAssertBody": _object({"method": _STRING, "path": _STRING, "query": {"type": "object"},
                                   "headers": {"type": "object"}, "body": {"type": "object"}, "code": _STRING,
                                   "times": {"type": "integer"}, "atLeast": {"type": "integer"},
@@ -3158,14 +3270,18 @@ SCHEMAS: Mapping[str, dict] = {
                       "times": {"type": ["integer", "null"]}, "query": {"type": ["object", "null"]},
                       "headers": {"type": ["object", "null"]}, "body": {"type": ["object", "null"]},
                       "fired": {"type": "integer"}}),
-    "SeedBody": _object({"seed": {"type": ["integer", "null"]}}, []),
-    "ScenarioBody": _object({"scenario": _enum(("demo",)), "workspaces": {"type": "array", "items": {"type": "object"}}},
-                            []),
+    "SeedBody": _object({"seed": {"type": ["integer", "null"], "minimum": -2**63, "maximum": 2**63 - 1}}),
+    "ScenarioBody": {**_object({"scenario": _enum(("demo",)),
+                                "workspaces": {"type": "array", "items": _scenario_schema("workspaces")}}, []),
+                     "not": {"required": ["scenario", "workspaces"]}},
     "WorldWorkspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME,
                                "members": _array("Member"), "keys": _array("ApiKey"), "wallets": _array("Wallet")}),
     "World": _object({"workspaces": _array("WorldWorkspace")}),
-    "ClockBody": _object({"freeze": {"type": "boolean"}, "at": {"type": ["number", "string"]},
-                          "advance": {"type": "number"}}, []),
+    "ClockBody": _object({
+        "freeze": {"type": "boolean"},
+        "at": SCHEMAS_CLOCK_AT,
+        "advance": {"type": "number", "minimum": -CLOCK_RANGE[1], "maximum": CLOCK_RANGE[1],
+                    "description": "seconds; the clock stays between 1970-01-01 and 9999-12-31"}}, []),
     "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {"type": "object"}}),
     "ClockState": _object({"now": _TIME, "epochMillis": {"type": "integer"}, "frozen": {"type": "boolean"},
                            "controllable": {"type": "boolean"}}),
@@ -3190,8 +3306,8 @@ _PAGE_PARAMETERS = (
 _FILTER_SCHEMAS = {
     "status": None, "type": _enum(FLOW_TYPES), "direction": _enum(FLOW_DIRECTIONS), "currency": _CURRENCY_SCHEMA,
     "bizIdPrefix": _BIZ_ID_SCHEMA,
-    "createdFrom": {"type": "string", "description": "ISO-8601 or epoch milliseconds (inclusive)"},
-    "createdTo": {"type": "string", "description": "ISO-8601 or epoch milliseconds (exclusive)"},
+    "createdFrom": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (inclusive)"},
+    "createdTo": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (exclusive)"},
 }
 
 
@@ -3225,23 +3341,39 @@ _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
 
 def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
     """S012 unless ``body`` has only the schema's fields, every required one
-    (not null), and each of its declared JSON type. Values are the service's
-    to check."""
+    (null only where its type allows), and each of its declared JSON type; as
+    JSON Schema has it, an integer may be written 465.0 (it is then the int).
+    Values are the service's to check."""
     properties = schema["properties"]
     for name in body:
         if name not in properties:
             raise invalid(str(name)[:64], "unknown_field")
     for name in schema["required"]:
-        if body.get(name) is None:
+        if body.get(name) is None and not (name in body and _JSON_TYPES["null"] in _types(properties[name])):
             raise invalid(name, "required")
+    checked = {}
     for name, value in body.items():
+        if isinstance(value, float) and value.is_integer() and _JSON_TYPES["integer"] in _types(properties[name]):
+            value = int(value)
         _check_type(name, value, properties[name])
-    return body
+        checked[name] = value
+    return checked
+
+
+def _type_names(schema: Mapping[str, Any]) -> list[str]:
+    """The JSON types a schema allows (of each branch, for an anyOf)."""
+    kinds = schema.get("type", ())
+    if not kinds and "anyOf" in schema:
+        return [kind for branch in schema["anyOf"] for kind in _type_names(branch)]
+    return [kinds] if isinstance(kinds, str) else list(kinds)
+
+
+def _types(schema: Mapping[str, Any]) -> list[Callable[[Any], bool]]:
+    return [_JSON_TYPES[kind] for kind in _type_names(schema)]
 
 
 def _check_type(name: str, value: Any, schema: Mapping[str, Any]) -> None:
-    types = schema.get("type", ())
-    types = (types,) if isinstance(types, str) else types
+    types = list(dict.fromkeys(_type_names(schema)))
     if types and not any(_JSON_TYPES[kind](value) for kind in types):
         if len(types) == 1 and types[0] in _REASONS:
             raise invalid(name, types[0])
@@ -3260,6 +3392,13 @@ HTML_CONTENT_TYPE = "text/html; charset=utf-8"
 CONSOLE_PATH = "/_admin/console"  # the sandbox console's page (Console)
 CONSOLE_COOKIE = "walletsvc_console"
 _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in HTTPStatus}
+# The errors any request can meet (an oversized body, a failure, a busy or missing database), and
+# those of each surface (SPEC.md's pipeline; the admin token or console session); see Endpoint.
+ANY_REQUEST_ERRORS = (PayloadTooLarge, InternalError, ServiceBusy)
+SURFACE_ERRORS = {
+    "api": (ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember, RequestExpired,
+            SignatureInvalid, IpNotWhitelisted, ScopeRequired),
+    "admin": (Unauthorized, CrossSiteRefused), "console": (), "public": ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3279,9 +3418,10 @@ class Endpoint:
     query: tuple = ()  # query parameters, as OpenAPI parameter objects
     media: str | None = None  # answered as is in this media type, without the envelope (/openapi.json, the console)
     name: str = ""  # the handler's name: the operation and the Client method
-    links: tuple = ()  # (link name, operation name, {its parameter: where in this answer}), OpenAPI links
+    links: tuple = ()  # (link name, operation name, {its parameter: where in this answer}[, body]), OpenAPI links
     form: tuple = ()  # an HTML form's fields (the console's login), instead of a JSON body
     answers: tuple = ()  # (status, description) of answers other than 200 and the error envelope
+    errors: tuple = ()  # the WalletErrors its handler answers, besides those of every operation (see .errors_answered)
 
     @property
     def surface(self) -> str:
@@ -3296,14 +3436,24 @@ class Endpoint:
     def path_names(self) -> list[str]:
         return re.findall(r"<(\w+)", self.path)
 
+    @property
+    def errors_answered(self) -> tuple[type[WalletError], ...]:
+        """Every error this endpoint can answer (/openapi.json lists them): those of any request,
+        of its surface, S012 where it takes parameters, then its own. (A sandbox fault rule can
+        make an /api/ endpoint answer any error: see Faults.)"""
+        takes_parameters = bool(self.query or self.request or self.form)
+        return tuple(dict.fromkeys((*ANY_REQUEST_ERRORS, *SURFACE_ERRORS[self.surface],
+                                    *((InvalidParameter,) if takes_parameters else ()), *self.errors)))
+
 
 def endpoint(method: str, path: str, summary: str, *, response: str | dict | None, scope: str | None = None,
              request: str | None = None, query: Iterable[dict] = (), media: str | None = None,
-             links: Iterable[tuple] = (), form: Iterable[str] = (), answers: Iterable[tuple] = ()) -> Callable:
+             links: Iterable[tuple] = (), form: Iterable[str] = (), answers: Iterable[tuple] = (),
+             errors: Iterable[type[WalletError]] = ()) -> Callable:
     """Declare the decorated handler as ``method path`` (see Endpoint)."""
     def declare(handler: Callable) -> Callable:
         handler.endpoint = Endpoint(method, path, summary, response, scope, request, tuple(query), media,
-                                    handler.__name__, tuple(links), tuple(form), tuple(answers))
+                                    handler.__name__, tuple(links), tuple(form), tuple(answers), tuple(errors))
         return handler
     return declare
 
@@ -3724,43 +3874,55 @@ class WalletApi:
         self.svc, self.http = svc, http
 
     @endpoint("GET", "/api/v1/wallets", "List wallets", scope="wallet:read", response="WalletPage",
-              query=_WALLET_FILTERS)
+              query=_WALLET_FILTERS,
+              links=(("Wallet", "get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),
+                     ("Transfer", "create_transfer", {}, {
+                         "sourceWalletId": "$response.body#/data/content/0/id", "amount": "1.00",
+                         "targetWalletId": "$response.body#/data/content/1/id",
+                         "currency": "$response.body#/data/content/0/currency"})))
     def list_wallets(self, call: Call) -> dict:
         return self.svc.list_wallets(call.principal.workspace_id, call.query)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>", "Get a wallet", scope="wallet:read", response="Wallet",
               links=(("Balance", "get_balance", {"wallet_id": "$response.body#/data/id"}),
-                     ("Flows", "list_flows", {"wallet_id": "$response.body#/data/id"})))
+                     ("Flows", "list_flows", {"wallet_id": "$response.body#/data/id"})),
+              errors=(WalletNotFound,))
     def get_wallet(self, call: Call, wallet_id: str) -> dict:
         return self.svc.get_wallet(wallet_id, workspace_id=call.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/balance", "Get a wallet balance", scope="wallet:read",
-              response="Balance")
+              response="Balance",
+              errors=(WalletNotFound,))
     def get_balance(self, call: Call, wallet_id: str) -> dict:
         return self.svc.get_balance(wallet_id, workspace_id=call.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/flows", "List a wallet's flows", scope="wallet:read",
-              response="FlowPage", query=_FLOW_FILTERS)
+              response="FlowPage", query=_FLOW_FILTERS,
+              errors=(WalletNotFound,))
     def list_flows(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_flows(wallet_id, call.query, workspace_id=call.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders", "List transfer orders", scope="transfer:read",
-              response="TransferOrderPage", query=_TRANSFER_FILTERS)
+              response="TransferOrderPage", query=_TRANSFER_FILTERS,
+              links=(("Order", "get_transfer", {"biz_id": "$response.body#/data/content/0/bizId"}),))
     def list_transfers(self, call: Call) -> dict:
         return self.svc.list_transfers(call.principal.workspace_id, call.query)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/wallet/<wallet_id>", "List a wallet's transfer orders",
-              scope="transfer:read", response="TransferOrderPage", query=_TRANSFER_FILTERS)
+              scope="transfer:read", response="TransferOrderPage", query=_TRANSFER_FILTERS,
+              errors=(WalletNotFound,))
     def list_wallet_transfers(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_transfers(call.principal.workspace_id, call.query, wallet_id=wallet_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/<biz_id>", "Get a transfer order", scope="transfer:read",
-              response="TransferOrder")
+              response="TransferOrder",
+              errors=(TransferNotFound,))
     def get_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.get_transfer(call.principal.workspace_id, biz_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/<biz_id>/completed",
-              "Check whether a transfer order is completed", scope="transfer:read", response="Completion")
+              "Check whether a transfer order is completed", scope="transfer:read", response="Completion",
+              errors=(TransferNotFound,))
     def transfer_completed(self, call: Call, biz_id: str) -> dict:
         return self.svc.transfer_completion(call.principal.workspace_id, biz_id)
 
@@ -3768,7 +3930,9 @@ class WalletApi:
               request="CreateTransfer", response="TransferOrder",
               links=(("Order", "get_transfer", {"biz_id": "$response.body#/data/bizId"}),
                      ("Completed", "transfer_completed", {"biz_id": "$response.body#/data/bizId"})),
-              query=({"name": "Idempotency-Key", "in": "header", "schema": _STRING},))
+              query=({"name": "Idempotency-Key", "in": "header", "schema": _BIZ_ID_SCHEMA,
+                      "description": "unsigned: accepted only equal to the body's bizId"},),
+              errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance, CurrencyMismatch, SameWallet, IdempotencyConflict))
     def create_transfer(self, call: Call) -> dict:
         media_type = call.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
         if media_type != "application/json":
@@ -3840,112 +4004,136 @@ class AdminApi:
     def list_workspaces(self, call: Call) -> list:
         return self.svc.list_workspaces()
 
-    @endpoint("POST", "/_admin/workspaces", "Create a workspace", request="NameBody", response="Workspace")
+    @endpoint("POST", "/_admin/workspaces", "Create a workspace", request="NameBody", response="Workspace",
+              links=[(name, name, {"workspace_id": "$response.body#/data/id"})
+                     for name in ("get_workspace", "list_members", "create_api_key", "create_wallet")])
     def create_workspace(self, call: Call) -> dict:
         return self.svc.create_workspace(call.json()["name"])
 
-    @endpoint("GET", "/_admin/workspaces/<workspace_id>", "Get a workspace", response="Workspace")
+    @endpoint("GET", "/_admin/workspaces/<workspace_id>", "Get a workspace", response="Workspace",
+              errors=(WorkspaceNotFound,))
     def get_workspace(self, call: Call, workspace_id: str) -> dict:
         return self.svc.get_workspace(workspace_id)
 
     @endpoint("DELETE", "/_admin/workspaces/<workspace_id>", "Delete a workspace (its keys answer GA2032)",
-              response=None)
+              response=None,
+              errors=(WorkspaceNotFound,))
     def delete_workspace(self, call: Call, workspace_id: str) -> None:
         self.svc.delete_workspace(workspace_id)
 
-    @endpoint("GET", "/_admin/workspaces/<workspace_id>/members", "List members", response=_array("Member"))
+    @endpoint("GET", "/_admin/workspaces/<workspace_id>/members", "List members", response=_array("Member"),
+              errors=(WorkspaceNotFound,))
     def list_members(self, call: Call, workspace_id: str) -> list:
         return self.svc.list_members(workspace_id)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/members", "Add a member", request="NameBody",
-              response="Member")
+              response="Member",
+              errors=(WorkspaceNotFound,))
     def add_member(self, call: Call, workspace_id: str) -> dict:
         return self.svc.add_member(workspace_id, call.json()["name"])
 
     @endpoint("DELETE", "/_admin/workspaces/<workspace_id>/members/<member_id>",
-              "Remove a member (its keys answer GA2034)", response=None)
+              "Remove a member (its keys answer GA2034)", response=None,
+              errors=(WorkspaceNotFound, NotFound))
     def remove_member(self, call: Call, workspace_id: str, member_id: str) -> None:
         self.svc.remove_member(workspace_id, member_id)
 
-    @endpoint("GET", "/_admin/workspaces/<workspace_id>/keys", "List API keys", response=_array("ApiKey"))
+    @endpoint("GET", "/_admin/workspaces/<workspace_id>/keys", "List API keys", response=_array("ApiKey"),
+              errors=(WorkspaceNotFound,))
     def list_api_keys(self, call: Call, workspace_id: str) -> list:
         return self.svc.list_api_keys(workspace_id)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/keys", "Create an API key (the secret is returned once)",
-              request="NewKeyBody", response="ApiKey")
+              request="NewKeyBody", response="ApiKey",
+              errors=(WorkspaceNotFound, NotFound))
     def create_api_key(self, call: Call, workspace_id: str) -> dict:
         body = call.json()
         return self.svc.create_api_key(workspace_id, body.get("scopes", SCOPES), member_id=body.get("memberId"),
                                        ip_whitelist=body.get("ipWhitelist"))
 
-    @endpoint("POST", "/_admin/keys/<api_key>/enable", "Enable an API key", response="ApiKey")
+    @endpoint("POST", "/_admin/keys/<api_key>/enable", "Enable an API key", response="ApiKey",
+              errors=(NotFound,))
     def enable_api_key(self, call: Call, api_key: str) -> dict:
         return self.svc.set_api_key_enabled(api_key, True)
 
-    @endpoint("POST", "/_admin/keys/<api_key>/disable", "Disable an API key (GA2021)", response="ApiKey")
+    @endpoint("POST", "/_admin/keys/<api_key>/disable", "Disable an API key (GA2021)", response="ApiKey",
+              errors=(NotFound,))
     def disable_api_key(self, call: Call, api_key: str) -> dict:
         return self.svc.set_api_key_enabled(api_key, False)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/wallets", "List a workspace's wallets",
-              response="WalletPage", query=_WALLET_FILTERS)
+              response="WalletPage", query=_WALLET_FILTERS,
+              errors=(WorkspaceNotFound,))
     def list_wallets(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_wallets(workspace_id, call.query)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/wallets", "Create a wallet", request="NewWalletBody",
-              response="Wallet")
+              response="Wallet", errors=(WorkspaceNotFound,),
+              links=[(name, name, {"wallet_id": "$response.body#/data/id"})
+                     for name in ("get_wallet", "deposit", "withdraw", "set_wallet_status")])
     def create_wallet(self, call: Call, workspace_id: str) -> dict:
         body = call.json()
         return self.svc.create_wallet(workspace_id, body["currency"], name=body.get("name"))
 
-    @endpoint("GET", "/_admin/wallets/<wallet_id>", "Get a wallet", response="Wallet")
+    @endpoint("GET", "/_admin/wallets/<wallet_id>", "Get a wallet", response="Wallet",
+              errors=(WalletNotFound,))
     def get_wallet(self, call: Call, wallet_id: str) -> dict:
         return self.svc.get_wallet(wallet_id)
 
-    @endpoint("GET", "/_admin/wallets/<wallet_id>/balance", "Get a wallet's balance", response="Balance")
+    @endpoint("GET", "/_admin/wallets/<wallet_id>/balance", "Get a wallet's balance", response="Balance",
+              errors=(WalletNotFound,))
     def get_balance(self, call: Call, wallet_id: str) -> dict:
         return self.svc.get_balance(wallet_id)
 
     @endpoint("GET", "/_admin/wallets/<wallet_id>/flows", "List a wallet's flows", response="FlowPage",
-              query=_FLOW_FILTERS)
+              query=_FLOW_FILTERS,
+              errors=(WalletNotFound,))
     def list_flows(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_flows(wallet_id, call.query)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/balances",
               "List a workspace's wallets as balances (the same pages, filters and sorts as its wallets)",
-              response="BalancePage", query=_WALLET_FILTERS)
+              response="BalancePage", query=_WALLET_FILTERS,
+              errors=(WorkspaceNotFound,))
     def list_balances(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_wallets(workspace_id, call.query, balances=True)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/transfers", "List a workspace's transfer orders",
-              response="TransferOrderPage", query=_TRANSFER_FILTERS)
+              response="TransferOrderPage", query=_TRANSFER_FILTERS,
+              errors=(WorkspaceNotFound,))
     def list_transfers(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_transfers(workspace_id, call.query)
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/status", "Freeze, unfreeze or close a wallet",
-              request="StatusBody", response="Wallet")
+              request="StatusBody", response="Wallet",
+              errors=(WalletNotFound,))
     def set_wallet_status(self, call: Call, wallet_id: str) -> dict:
         return self.svc.set_wallet_status(wallet_id, call.json()["status"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/deposit", "Deposit money from outside", request="AmountBody",
-              response="Flow")
+              response="Flow",
+              errors=(WalletNotFound, WalletNotActive))
     def deposit(self, call: Call, wallet_id: str) -> dict:
         return self.svc.deposit(wallet_id, call.json()["amount"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/withdraw", "Withdraw money", request="AmountBody",
-              response="Flow")
+              response="Flow",
+              errors=(WalletNotFound, WalletNotActive, InsufficientBalance))
     def withdraw(self, call: Call, wallet_id: str) -> dict:
         return self.svc.withdraw(wallet_id, call.json()["amount"])
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/complete", "Complete a PENDING order", request="DecisionBody",
-              response="TransferOrder")
+              response="TransferOrder",
+              errors=(TransferNotFound,))
     def complete_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.complete_transfer(biz_id, workspace_id=call.json().get("workspaceId"))
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/fail", "Fail a PENDING order", request="DecisionBody",
-              response="TransferOrder")
+              response="TransferOrder",
+              errors=(TransferNotFound,))
     def fail_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.fail_transfer(biz_id, workspace_id=call.json().get("workspaceId"))
 
@@ -3970,7 +4158,8 @@ class AdminApi:
         return self.svc.load_scenario(scenario, fresh_ids=True)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/reset", "Return one workspace to the state its world"
-              " began in (other workspaces and the clock untouched)", response="WorldWorkspace")
+              " began in (other workspaces and the clock untouched)", response="WorldWorkspace",
+              errors=(WorkspaceNotFound, NotFound))
     def reset_workspace(self, call: Call, workspace_id: str) -> dict:
         return self.svc.reset_workspace(workspace_id)
 
@@ -3982,7 +4171,9 @@ class AdminApi:
     @endpoint("GET", "/_admin/journal", "The request journal, oldest first, a page at a time",
               response="JournalEntryPage",
               query=[*_PAGE_PARAMETERS[:2],
-                     *({"name": name, "in": "query", "schema": _STRING} for name in ("method", "path", "code", "body")),
+                     *({"name": name, "in": "query", "schema": _STRING} for name in ("method", "path", "code")),
+                     {"name": "body", "in": "query", "content": {"application/json": {"schema": {"type": "object"}}},
+                      "description": "body fields the entries must have (JSON)"},
                      *({"name": name, "in": "query", "schema": {"type": "integer", "minimum": 0}}
                        for name in ("after", "last"))])
     def journal(self, call: Call) -> dict:
@@ -4036,17 +4227,15 @@ class AdminApi:
     def clear_faults(self, call: Call) -> None:
         self.svc.faults.clear()
 
-    @endpoint("DELETE", "/_admin/faults/<fault_id>", "Remove one fault rule", response=None)
+    @endpoint("DELETE", "/_admin/faults/<fault_id>", "Remove one fault rule", response=None,
+              errors=(NotFound,))
     def remove_fault(self, call: Call, fault_id: str) -> None:
         self.svc.faults.remove(fault_id)
 
     @endpoint("POST", "/_admin/ids", "Seed the ids and secrets that follow (null: random again)",
               request="SeedBody", response=None)
     def seed_ids(self, call: Call) -> None:
-        body = call.json()
-        if "seed" not in body:
-            raise invalid("seed", "required")
-        self.svc.seed_ids(body["seed"])
+        self.svc.seed_ids(call.json()["seed"])
 
     @endpoint("GET", "/_admin/clock", "The service clock", response="ClockState")
     def get_clock(self, call: Call) -> dict:
@@ -4541,15 +4730,19 @@ def _schema_ref(schema: str | dict | None) -> dict:
     return {"$ref": f"#/components/schemas/{schema}"} if isinstance(schema, str) else schema
 
 
+def _error_responses(errors: Iterable[type[WalletError]]) -> dict:
+    """An operation's error answers by status, each with the codes it can carry."""
+    statuses: dict[int, list] = {}
+    for error in errors:
+        statuses.setdefault(error.status, []).append(error)
+    return {str(status): {"description": "; ".join(f"{error.code} {error.name}" for error in errors), "content": {
+        "application/json": {"schema": {"allOf": [{"$ref": "#/components/schemas/Error"}, {"properties": {
+            "code": {"enum": [error.code for error in errors]}, "message": {"enum": [error.name for error in errors]}}}]}}}}
+        for status, errors in sorted(statuses.items())}
+
+
 def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
     """OpenAPI 3.1 of ``endpoints``, from their declarations."""
-    statuses: dict[int, list] = {}
-    for error in ERRORS:
-        statuses.setdefault(error.status, []).append(error)
-    responses = {f"E{status}": {
-        "description": "; ".join(f"{e.code} {e.name}" for e in errors),
-        "content": {"application/json": {"schema": {"$ref": "#/components/schemas/Error"}}}}
-        for status, errors in sorted(statuses.items())}
     security = {"api": [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
                 "admin": [{"AdminToken": []}, {"ConsoleSession": []}], "console": [], "public": []}
     paths: dict[str, dict] = {}
@@ -4568,12 +4761,13 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
                            for name in declared_endpoint.path_names] + list(declared_endpoint.query),
             "responses": {"200": {"description": "SUCCESS", "content": {
                               (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": success}}},
-                          **{str(status): {"$ref": f"#/components/responses/E{status}"} for status in statuses}},
+                          **_error_responses(declared_endpoint.errors_answered)},
             "security": security[surface]}
-        if declared_endpoint.links:
+        if declared_endpoint.links:  # (to an operation of the same surface)
             operation["responses"]["200"]["links"] = {
-                name: {"operationId": target, "parameters": parameters}
-                for name, target, parameters in declared_endpoint.links}
+                name: {"operationId": f"admin_{target}" if surface == "admin" else target, "parameters": parameters,
+                       **({"requestBody": body[0]} if body else {})}
+                for name, target, parameters, *body in declared_endpoint.links}
         for status, description in declared_endpoint.answers:
             operation["responses"][str(status)] = {"description": description, "content": {
                 (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": data_schema}}}
@@ -4593,11 +4787,13 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
         "info": {"title": "walletsvc", "version": __version__,
                  "description": "Wallet and Transfer Service. Every /api/ request is signed: "
                                 "X-Signature = Base64(HMAC-SHA256(secret, METHOD\\nPATH\\nTIMESTAMP"
-                                "\\nNONCE\\nSHA256_HEX(body))). /_admin/ exists only when an admin token is set."},
+                                "\\nNONCE\\nSHA256_HEX(body))). /_admin/ exists only when an admin token is set."
+                                " Each operation lists every error it answers; in a sandbox, a fault rule"
+                                " (/_admin/faults) can also make an /api/ operation answer any error, wait, or"
+                                " drop the connection."},
         "paths": paths,
         "components": {
             "schemas": dict(SCHEMAS),
-            "responses": responses,
             "securitySchemes": {
                 "ApiKey": {**header, "name": "X-Api-Key"},
                 "Timestamp": {**header, "name": "X-Timestamp", "description": "Unix seconds, within 60 s"},
