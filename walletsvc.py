@@ -111,7 +111,6 @@ FLOW_TYPES = ("DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN")
 FLOW_DIRECTIONS = ("DEBIT", "CREDIT")
 LOCALES = ("en-US", "zh-CN")
 SCHEMA_VERSION = 3
-EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()
 
 _BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
 ID_MAX = 64  # characters of a wallet id a request may name
@@ -141,6 +140,8 @@ def parse_network(text: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     if not isinstance(text, str) or not _NETWORK.fullmatch(text):
         raise ValueError(f"{str(text)[:60]!r} is not an IP address or CIDR block")
     return ipaddress.ip_network(text, strict=False)
+
+
 DESCRIPTION_MAX = 255  # characters of a transfer's description
 NAME_MAX = 200  # characters of a workspace's, member's or wallet's name
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
@@ -170,7 +171,8 @@ MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is ta
 
 def admin_time(value: Any, field: str) -> float | None:
     """A time given to the admin surface (DESIGN.md §9), as epoch seconds: a JSON number is epoch
-    seconds, a string ISO-8601; a value that looks like milliseconds is refused, saying so."""
+    seconds, a string RFC 3339 (ISO-8601 with an offset, or a date); a value that looks like
+    milliseconds is refused, saying so."""
     if value is None:
         return None
     if isinstance(value, datetime.datetime):  # (a TOML datetime; naive means UTC)
@@ -198,26 +200,28 @@ _EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 def parse_time(text: str) -> int | None:
     """Epoch milliseconds (EPOCH_MS_PATTERN), or an RFC 3339 date-time or full-date, as epoch ms;
-    None if it is neither. (A leap second, :60, is the second after :59.)"""
+    None if it is neither. (A leap second, 23:59:60 UTC, is the second after 23:59:59.)"""
     if re.fullmatch(EPOCH_MS_PATTERN, text):
         return int(text)
     match = _RFC3339.fullmatch(text)
     if match is None:
         return None
     year, month, day, hour, minute, second, fraction, sign, offset_hour, offset_minute = match.groups()
-    try:
-        moment = datetime.datetime(int(year), int(month), int(day), tzinfo=datetime.UTC)
+    try:  # (year 0000, which datetime lacks, as 0400: the same calendar, 146097 days later)
+        moment = datetime.datetime(int(year) or 400, int(month), int(day), tzinfo=datetime.UTC)
     except ValueError:
         return None
-    ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1)
+    day_ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1) - (0 if int(year) else 146097 * 86_400_000)
     if hour is None:
-        return ms
+        return day_ms
     if int(hour) > 23 or int(minute) > 59 or int(second) > 60 or int(offset_hour or 0) > 23 \
             or int(offset_minute or 0) > 59:
         return None
     offset = (int(offset_hour or 0) * 60 + int(offset_minute or 0)) * 60_000
-    return (ms + (int(hour) * 60 + int(minute)) * 60_000 + int(second) * 1000
-            + int((fraction or "0")[:3].ljust(3, "0")) - (offset if sign == "+" else -offset))
+    minute_ms = day_ms + (int(hour) * 60 + int(minute)) * 60_000 - (offset if sign == "+" else -offset)
+    if second == "60" and minute_ms // 60_000 % 1440 != 1439:  # a leap second ends a UTC day
+        return None
+    return minute_ms + int(second) * 1000 + int((fraction or "0")[:3].ljust(3, "0"))
 
 
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
@@ -510,6 +514,8 @@ ERRORS = (
     InsufficientBalance, CurrencyMismatch, SameWallet, IdempotencyConflict,
 )
 
+ERRORS_BY_CODE: Mapping[str, type[WalletError]] = {error.code: error for error in ERRORS}
+
 # Why a parameter was refused, in each locale (InvalidParameter's reason).
 _REASONS = {
     "required": ("is required", "为必填项"),
@@ -536,16 +542,18 @@ _REASONS = {
              "必须是 RFC 3339 时间（2027-01-15T08:00:00Z，或日期）或毫秒时间戳"),
     "time_iso": ("must be RFC 3339 (2027-01-15T08:00:00Z, or a date), or a JSON number of epoch seconds",
                  "必须是 RFC 3339 时间（2027-01-15T08:00:00Z，或日期），或表示秒级时间戳的 JSON 数字"),
-    "time_digits": ("is a string of digits: send epoch seconds as a JSON number, or ISO-8601 as a string",
-                    "是一串数字：秒级时间戳请以 JSON 数字发送，或以字符串发送 ISO-8601 时间"),
-    "time_ms": ("looks like epoch milliseconds; send epoch seconds (or ISO-8601)",
-                "看起来是毫秒时间戳；请发送秒级时间戳（或 ISO-8601 时间）"),
+    "time_digits": ("is a string of digits: send epoch seconds as a JSON number, or RFC 3339 as a string",
+                    "是一串数字：秒级时间戳请以 JSON 数字发送，或以字符串发送 RFC 3339 时间"),
+    "time_ms": ("looks like epoch milliseconds; send epoch seconds (or RFC 3339)",
+                "看起来是毫秒时间戳；请发送秒级时间戳（或 RFC 3339 时间）"),
     "clock_range": ("must keep the clock between 1970-01-01 and 9999-12-31",
                     "必须使时钟保持在 1970-01-01 至 9999-12-31 之间"),
     "biz_id": ("must be 1-64 characters of A-Z a-z 0-9 . _ : -", "必须是 1-64 个 A-Z a-z 0-9 . _ : - 字符"),
     "max_length": ("must be at most {maximum} characters", "最多 {maximum} 个字符"),
     "length": ("must be 1-{maximum} characters", "必须是 1-{maximum} 个字符"),
     "json": ("is not a JSON object", "不是 JSON 对象"),
+    "surrogate": ("holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no character",
+                  "含有单独的 UTF-16 代理项（\\ud800-\\udfff），它不是字符"),
     "nul": ("must not contain the NUL character", "不能包含 NUL 字符"),
     "duplicate": ("appears more than once", "重复出现"),
     "unsigned_key": (("is not signed, so it is accepted only when equal to the body's bizId; send the key as"
@@ -777,7 +785,12 @@ CURRENCY_EXPONENTS: Mapping[str, int] = {
 _AMOUNT_FORMATS = {code: (10**exponent, f"%d.%0{exponent}d" if exponent else "%d")
                    for code, exponent in CURRENCY_EXPONENTS.items()}
 MAX_MINOR_UNITS = 10**18  # keeps every balance inside SQLite's 64-bit integers
-AMOUNT_DIGITS = 15  # integer digits of an amount, at most (fewer where the minor units would pass 18 digits)
+MINOR_DIGITS = len(str(MAX_MINOR_UNITS)) - 1  # an amount's minor units, at most: under MAX_MINOR_UNITS
+AMOUNT_DIGITS = 15  # integer digits of an amount, at most (fewer where its minor units would pass MINOR_DIGITS)
+
+
+def _whole_digits(exponent: int) -> int:
+    return min(AMOUNT_DIGITS, MINOR_DIGITS - exponent)
 
 
 def amount_pattern(exponent: int) -> str:
@@ -787,7 +800,7 @@ def amount_pattern(exponent: int) -> str:
     def up_to(digits: int) -> str:
         return f"[0-9]{{0,{digits}}}" if digits else ""
 
-    whole = "[1-9]" + up_to(min(AMOUNT_DIGITS, 18 - exponent) - 1)
+    whole = "[1-9]" + up_to(_whole_digits(exponent) - 1)
     if not exponent:
         return f"^{whole}$"
     tiny = "|".join("0" * zeros + "[1-9]" + up_to(exponent - zeros - 1) for zeros in range(exponent))
@@ -824,7 +837,7 @@ def parse_amount(amount: Any, currency: str, field: str = "amount") -> int:
         decimal_string = _DECIMAL.fullmatch(amount)
         if decimal_string and len(decimal_string.group(2) or "") > exponent:
             raise invalid(field, "decimals", currency=currency, exponent=exponent)
-        if decimal_string and int(decimal_string.group(1)) >= 10**min(AMOUNT_DIGITS, 18 - exponent):
+        if decimal_string and len(decimal_string.group(1).lstrip("0")) > _whole_digits(exponent):
             raise invalid(field, "too_large")
         raise invalid(field, "amount")
     whole, _, fraction = amount.partition(".")
@@ -1956,8 +1969,10 @@ class Faults:
         if action not in FAULT_ACTIONS:
             raise invalid("action", "one_of", choices=", ".join(FAULT_ACTIONS))
         if action == "error":
+            if isinstance(code, str) and not 1 <= len(code) <= 64:
+                raise invalid("code", "length", maximum=64)
             code = code or "S500"
-            known = next((error for error in ERRORS if error.code == code), None)
+            known = ERRORS_BY_CODE.get(code)
             if known is None and status is None:
                 raise invalid("status", "required")
             status = status or known.status
@@ -2043,7 +2058,7 @@ class Faults:
 
 def forced_error(rule: dict) -> WalletError:
     """The error a fault rule forces: the catalog's, or an ad-hoc code and status."""
-    known = next((error for error in ERRORS if error.code == rule["code"]), None)
+    known = ERRORS_BY_CODE.get(rule["code"])
     if known is not None and known.status == rule["status"]:
         return known(text=f"Forced by fault rule {rule['id']}.")
     cls = type("ForcedError", (WalletError,), {"code": rule["code"], "name": known.name if known else "FORCED_ERROR",
@@ -2645,7 +2660,7 @@ class WalletService:
             whitelist = []
             for entry in [ip_whitelist] if isinstance(ip_whitelist, str) else ip_whitelist:
                 try:
-                    whitelist.append(str(parse_network(entry)))
+                    whitelist.append(str(parse_network(str(entry))))
                 except ValueError:
                     raise invalid("ipWhitelist", "ip", value=str(entry)[:60]) from None
         with self.writing() as (conn, now):
@@ -3139,14 +3154,16 @@ _NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": NAME_MAX, "patter
 _CURRENCY_SCHEMA = {"type": "string", "enum": sorted(CURRENCY_EXPONENTS)}
 _TIME = {"type": "string", "format": "date-time"}
 _NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
-_AMOUNT_SCHEMA = {"type": "string", "pattern": r"^(0|[1-9][0-9]*)(\.[0-9]+)?$", "examples": ["10.00"]}  # answered
+# An amount as answered (a balance may be 0.00); amounts a request sends are amount_pattern's.
+_AMOUNT_SCHEMA = {"type": "string", "pattern": r"^(0|[1-9][0-9]*)(\.[0-9]+)?$", "examples": ["10.00"]}
 _NETWORK_SCHEMA = {"type": "string", "pattern": f"^{NETWORK_PATTERN}$"}
 _TIME_FILTER = {"anyOf": [{"type": "string", "pattern": f"^{EPOCH_MS_PATTERN}$", "description": "epoch milliseconds"},
                           {"type": "string", "format": "date-time"}, {"type": "string", "format": "date"}]}
 # A time the admin surface takes (admin_time) inside CLOCK_RANGE: a JSON number of epoch seconds, or RFC 3339.
 SCHEMAS_CLOCK_AT = {"anyOf": [
     {"type": "number", "minimum": 0, "exclusiveMaximum": MILLISECONDS_FROM, "description": "epoch seconds"},
-    *({"type": "string", "format": form, "pattern": "^(19[7-9][0-9]|[2-9][0-9]{3})-"} for form in ("date-time", "date"))]}
+    *({"type": "string", "format": form, "pattern": "^(19[7-9][0-9]|[2-9][0-9]{3})-"}  # CLOCK_RANGE's years
+      for form in ("date-time", "date"))]}
 
 
 def _currency_amount(currencies: Sequence[str] | None = None, field: str = "amount") -> dict:
@@ -3195,11 +3212,11 @@ def _scenario_schema(kind: str) -> dict:
             fields[name] = {"type": "string", "pattern": f"^{field_kind}[A-Za-z0-9_.:-]{{0,{ID_MAX - len(field_kind)}}}$"}
         else:
             fields[name] = kinds[field_kind]
+    if kind == "members":
+        fields["name"] = {**_NAME_SCHEMA, "not": {"const": "owner"}}  # the owner is made with the workspace
     schema = _object(fields, _SCENARIO_REQUIRED.get(kind, ()))
     if kind == "wallets":
         schema.update(_currency_amount(sorted(CURRENCY_EXPONENTS), "balance"))
-    if kind == "members":
-        fields["name"] = {**_NAME_SCHEMA, "not": {"const": "owner"}}  # the owner is made with the workspace
     return schema
 
 
@@ -3249,14 +3266,14 @@ SCHEMAS: Mapping[str, dict] = {
     "AmountBody": _object({"amount": _currency_amount()}),
     "DecisionBody": _object({"workspaceId": _STRING}, []),
     "FaultBody": {**_object({"action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
-                          "workspaceId": _STRING, "code": _STRING,
+                          "workspaceId": _STRING, "code": {"type": "string", "minLength": 1, "maxLength": 64},
                           "status": {"type": "integer", "minimum": Faults.STATUSES[0], "maximum": Faults.STATUSES[1]},
                           "latency": {"type": "number", "minimum": 0, "maximum": Faults.MAX_LATENCY},
                           "times": {"type": "integer", "minimum": 1, "maximum": Faults.MAX_TIMES},
                           "query": {"type": "object"}, "headers": {"type": "object"}, "body": {"type": "object"}}, []),
                   # an error rule names its status, unless its code (S500 by default) is the catalog's
                   "anyOf": [{"required": ["status"]}, {"not": {"required": ["code"]}},
-                            {"properties": {"code": {"enum": [error.code for error in ERRORS]}}},
+                            {"properties": {"code": {"enum": list(ERRORS_BY_CODE)}}},
                             {"required": ["action"], "properties": {"action": {"not": {"const": "error"}}}}]},
     "JournalAssertBody": _object({"method": _STRING, "path": _STRING, "query": {"type": "object"},
                                   "headers": {"type": "object"}, "body": {"type": "object"}, "code": _STRING,
@@ -3392,9 +3409,10 @@ HTML_CONTENT_TYPE = "text/html; charset=utf-8"
 CONSOLE_PATH = "/_admin/console"  # the sandbox console's page (Console)
 CONSOLE_COOKIE = "walletsvc_console"
 _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in HTTPStatus}
-# The errors any request can meet (an oversized body, a failure, a busy or missing database), and
-# those of each surface (SPEC.md's pipeline; the admin token or console session); see Endpoint.
-ANY_REQUEST_ERRORS = (PayloadTooLarge, InternalError, ServiceBusy)
+# The errors any request can meet (a Content-Length that is no number, an oversized body, a failure,
+# a busy or missing database), and those of each surface (SPEC.md's pipeline; the admin token or
+# console session); see Endpoint.
+ANY_REQUEST_ERRORS = (InvalidParameter, PayloadTooLarge, InternalError, ServiceBusy)
 SURFACE_ERRORS = {
     "api": (ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember, RequestExpired,
             SignatureInvalid, IpNotWhitelisted, ScopeRequired),
@@ -3418,7 +3436,7 @@ class Endpoint:
     query: tuple = ()  # query parameters, as OpenAPI parameter objects
     media: str | None = None  # answered as is in this media type, without the envelope (/openapi.json, the console)
     name: str = ""  # the handler's name: the operation and the Client method
-    links: tuple = ()  # (link name, operation name, {its parameter: where in this answer}[, body]), OpenAPI links
+    links: tuple = ()  # (link name, operation name, {its parameter: where in this answer}), OpenAPI links
     form: tuple = ()  # an HTML form's fields (the console's login), instead of a JSON body
     answers: tuple = ()  # (status, description) of answers other than 200 and the error envelope
     errors: tuple = ()  # the WalletErrors its handler answers, besides those of every operation (see .errors_answered)
@@ -3439,11 +3457,9 @@ class Endpoint:
     @property
     def errors_answered(self) -> tuple[type[WalletError], ...]:
         """Every error this endpoint can answer (/openapi.json lists them): those of any request,
-        of its surface, S012 where it takes parameters, then its own. (A sandbox fault rule can
-        make an /api/ endpoint answer any error: see Faults.)"""
-        takes_parameters = bool(self.query or self.request or self.form)
-        return tuple(dict.fromkeys((*ANY_REQUEST_ERRORS, *SURFACE_ERRORS[self.surface],
-                                    *((InvalidParameter,) if takes_parameters else ()), *self.errors)))
+        of its surface, then its own. (A sandbox fault rule can make an /api/ endpoint answer any
+        error: see Faults.)"""
+        return tuple(dict.fromkeys((*ANY_REQUEST_ERRORS, *SURFACE_ERRORS[self.surface], *self.errors)))
 
 
 def endpoint(method: str, path: str, summary: str, *, response: str | dict | None, scope: str | None = None,
@@ -3520,6 +3536,11 @@ def json_object(body: bytes) -> dict:
         raise invalid("body", "json") from None
     if not isinstance(value, dict):
         raise invalid("body", "json")
+    if b"\\u" in body:  # an escaped lone surrogate decodes to a str no database or UTF-8 answer can hold
+        try:
+            json.dumps(value, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise invalid("body", "surrogate") from None
     return value
 
 
@@ -3875,11 +3896,7 @@ class WalletApi:
 
     @endpoint("GET", "/api/v1/wallets", "List wallets", scope="wallet:read", response="WalletPage",
               query=_WALLET_FILTERS,
-              links=(("Wallet", "get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),
-                     ("Transfer", "create_transfer", {}, {
-                         "sourceWalletId": "$response.body#/data/content/0/id", "amount": "1.00",
-                         "targetWalletId": "$response.body#/data/content/1/id",
-                         "currency": "$response.body#/data/content/0/currency"})))
+              links=(("Wallet", "get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),))
     def list_wallets(self, call: Call) -> dict:
         return self.svc.list_wallets(call.principal.workspace_id, call.query)
 
@@ -4246,7 +4263,7 @@ class AdminApi:
     @endpoint("POST", "/_admin/clock", "Freeze, set, advance or unfreeze the service clock", request="ClockBody",
               response="ClockState")
     def set_clock(self, call: Call) -> dict:
-        """``{"freeze": true|false, "at": epoch seconds or ISO-8601, "advance": seconds}``."""
+        """``{"freeze": true|false, "at": epoch seconds or RFC 3339, "advance": seconds}``."""
         body = call.json()
         clock = self.svc.clock
         if not isinstance(clock, Clock):
@@ -4657,7 +4674,7 @@ _CONSOLE_PAGE = """<!doctype html>
   <form id="clock-advance"><label>Advance by <input name="advance" type="number" step="any" value="3600"> seconds</label>
     <button>Advance</button></form>
   <form id="clock-set"><label>Set to <input name="at" placeholder="2030-01-01T00:00:00Z" required></label>
-    (ISO-8601 or epoch milliseconds)
+    (RFC 3339: 2030-01-01T00:00:00Z, or a date)
     <button>Set</button></form></section>
 <section id="faults" hidden><h1>Faults</h1><div class="data"></div>
   <h2>Add a rule</h2>
@@ -4765,9 +4782,8 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
             "security": security[surface]}
         if declared_endpoint.links:  # (to an operation of the same surface)
             operation["responses"]["200"]["links"] = {
-                name: {"operationId": f"admin_{target}" if surface == "admin" else target, "parameters": parameters,
-                       **({"requestBody": body[0]} if body else {})}
-                for name, target, parameters, *body in declared_endpoint.links}
+                name: {"operationId": f"admin_{target}" if surface == "admin" else target, "parameters": parameters}
+                for name, target, parameters in declared_endpoint.links}
         for status, description in declared_endpoint.answers:
             operation["responses"][str(status)] = {"description": description, "content": {
                 (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": data_schema}}}
@@ -4893,7 +4909,7 @@ def create_app(svc: WalletService, **settings: Any) -> WalletApp:
 
 def error_for(code: str, detail: str = "", status: int | None = None) -> WalletError:
     """The WalletError subclass of a catalog code, carrying the server's detail."""
-    cls = next((error for error in ERRORS if error.code == code), None)
+    cls = ERRORS_BY_CODE.get(code)
     if cls is None:
         cls = type("UnknownError", (WalletError,), {"code": code, "name": "UNKNOWN", "status": status or 500})
     elif status is not None and status != cls.status:  # a fault rule forced another status: the wire's
