@@ -211,7 +211,8 @@ def parse_time(text: str) -> int | None:
         moment = datetime.datetime(int(year) or 400, int(month), int(day), tzinfo=datetime.UTC)
     except ValueError:
         return None
-    day_ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1) - (0 if int(year) else 146097 * 86_400_000)
+    day_ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1)
+    day_ms -= 0 if int(year) else 146097 * 86_400_000
     if hour is None:
         return day_ms
     if int(hour) > 23 or int(minute) > 59 or int(second) > 60 or int(offset_hour or 0) > 23 \
@@ -786,7 +787,7 @@ _AMOUNT_FORMATS = {code: (10**exponent, f"%d.%0{exponent}d" if exponent else "%d
                    for code, exponent in CURRENCY_EXPONENTS.items()}
 MAX_MINOR_UNITS = 10**18  # keeps every balance inside SQLite's 64-bit integers
 MINOR_DIGITS = len(str(MAX_MINOR_UNITS)) - 1  # an amount's minor units, at most: under MAX_MINOR_UNITS
-AMOUNT_DIGITS = 15  # integer digits of an amount, at most (fewer where its minor units would pass MINOR_DIGITS)
+AMOUNT_DIGITS = 15  # integer digits of an amount, at most (fewer where its minor units would pass that)
 
 
 def _whole_digits(exponent: int) -> int:
@@ -3157,8 +3158,9 @@ _NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
 # An amount as answered (a balance may be 0.00); amounts a request sends are amount_pattern's.
 _AMOUNT_SCHEMA = {"type": "string", "pattern": r"^(0|[1-9][0-9]*)(\.[0-9]+)?$", "examples": ["10.00"]}
 _NETWORK_SCHEMA = {"type": "string", "pattern": f"^{NETWORK_PATTERN}$"}
-_TIME_FILTER = {"anyOf": [{"type": "string", "pattern": f"^{EPOCH_MS_PATTERN}$", "description": "epoch milliseconds"},
-                          {"type": "string", "format": "date-time"}, {"type": "string", "format": "date"}]}
+_TIME_FILTER = {"anyOf": [
+    {"type": "string", "pattern": f"^{EPOCH_MS_PATTERN}$", "description": "epoch milliseconds"},
+    {"type": "string", "format": "date-time"}, {"type": "string", "format": "date"}]}
 # A time the admin surface takes (admin_time) inside CLOCK_RANGE: a JSON number of epoch seconds, or RFC 3339.
 SCHEMAS_CLOCK_AT = {"anyOf": [
     {"type": "number", "minimum": 0, "exclusiveMaximum": MILLISECONDS_FROM, "description": "epoch seconds"},
@@ -3176,8 +3178,9 @@ def _currency_amount(currencies: Sequence[str] | None = None, field: str = "amou
     by_exponent: dict[int, list] = {}
     for code in currencies:
         by_exponent.setdefault(CURRENCY_EXPONENTS[code], []).append(code)
-    return {"anyOf": [{"properties": {"currency": {"enum": codes}, field: {"pattern": amount_pattern(exponent)}}}
-                      for exponent, codes in sorted(by_exponent.items())]}
+    return {"anyOf": [
+        {"properties": {"currency": {"enum": codes}, field: {"pattern": amount_pattern(exponent)}}}
+        for exponent, codes in sorted(by_exponent.items())]}
 
 
 def _object(properties: dict, required: Sequence[str] | None = None) -> dict:
@@ -3209,7 +3212,8 @@ def _scenario_schema(kind: str) -> dict:
         elif field_kind == "object":
             fields[name] = _scenario_schema(name) if name in _SCENARIO_OBJECTS else {"type": "object"}
         elif field_kind.endswith("_"):  # an id with its type prefix
-            fields[name] = {"type": "string", "pattern": f"^{field_kind}[A-Za-z0-9_.:-]{{0,{ID_MAX - len(field_kind)}}}$"}
+            rest = ID_MAX - len(field_kind)
+            fields[name] = {"type": "string", "pattern": f"^{field_kind}[A-Za-z0-9_.:-]{{0,{rest}}}$"}
         else:
             fields[name] = kinds[field_kind]
     if kind == "members":
@@ -3239,10 +3243,11 @@ SCHEMAS: Mapping[str, dict] = {
     "Completion": _object({"bizId": _STRING, "transferId": _STRING,
                            "status": _enum(TRANSFER_STATUSES), "completed": {"type": "boolean"}}),
     "CreateTransfer": {**_object({
-        "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA, "amount": {"type": "string", "examples": ["10.00"]},
-        "currency": _CURRENCY_SCHEMA, "bizId": _BIZ_ID_SCHEMA,
+        "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA,
+        "amount": {"type": "string", "examples": ["10.00"]}, "currency": _CURRENCY_SCHEMA, "bizId": _BIZ_ID_SCHEMA,
         "description": {"type": "string", "maxLength": DESCRIPTION_MAX}},
-        ["sourceWalletId", "targetWalletId", "amount", "currency"]), **_currency_amount(sorted(CURRENCY_EXPONENTS))},
+        ["sourceWalletId", "targetWalletId", "amount", "currency"]),
+        **_currency_amount(sorted(CURRENCY_EXPONENTS))},
     "PageInfo": _object({"size": {"type": "integer"}, "number": {"type": "integer"},
                          "totalElements": {"type": "integer"}, "totalPages": {"type": "integer"}}),
     "Workspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}),
@@ -3261,7 +3266,8 @@ SCHEMAS: Mapping[str, dict] = {
     "NameBody": _object({"name": _NAME_SCHEMA}),
     "NewKeyBody": _object({"scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1}, "memberId": _STRING,
                            "ipWhitelist": {"type": "array", "items": _NETWORK_SCHEMA}}, []),
-    "NewWalletBody": _object({"currency": _CURRENCY_SCHEMA, "name": {**_NAME_SCHEMA, "minLength": 0}}, ["currency"]),
+    "NewWalletBody": _object({"currency": _CURRENCY_SCHEMA, "name": {**_NAME_SCHEMA, "minLength": 0}},
+                             ["currency"]),
     "StatusBody": _object({"status": _enum(WALLET_STATUSES)}),
     "AmountBody": _object({"amount": _currency_amount()}),
     "DecisionBody": _object({"workspaceId": _STRING}, []),
@@ -3288,8 +3294,8 @@ SCHEMAS: Mapping[str, dict] = {
                       "headers": {"type": ["object", "null"]}, "body": {"type": ["object", "null"]},
                       "fired": {"type": "integer"}}),
     "SeedBody": _object({"seed": {"type": ["integer", "null"], "minimum": -2**63, "maximum": 2**63 - 1}}),
-    "ScenarioBody": {**_object({"scenario": _enum(("demo",)),
-                                "workspaces": {"type": "array", "items": _scenario_schema("workspaces")}}, []),
+    "ScenarioBody": {**_object({"scenario": _enum(("demo",)), "workspaces": {
+                                    "type": "array", "items": _scenario_schema("workspaces")}}, []),
                      "not": {"required": ["scenario", "workspaces"]}},
     "WorldWorkspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME,
                                "members": _array("Member"), "keys": _array("ApiKey"), "wallets": _array("Wallet")}),
@@ -3370,7 +3376,8 @@ def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
             raise invalid(name, "required")
     checked = {}
     for name, value in body.items():
-        if isinstance(value, float) and value.is_integer() and _JSON_TYPES["integer"] in _types(properties[name]):
+        integer = _JSON_TYPES["integer"] in _types(properties[name])
+        if integer and isinstance(value, float) and value.is_integer():
             value = int(value)
         _check_type(name, value, properties[name])
         checked[name] = value
@@ -3414,8 +3421,8 @@ _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in H
 # console session); see Endpoint.
 ANY_REQUEST_ERRORS = (InvalidParameter, PayloadTooLarge, InternalError, ServiceBusy)
 SURFACE_ERRORS = {
-    "api": (ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember, RequestExpired,
-            SignatureInvalid, IpNotWhitelisted, ScopeRequired),
+    "api": (ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember,
+            RequestExpired, SignatureInvalid, IpNotWhitelisted, ScopeRequired),
     "admin": (Unauthorized, CrossSiteRefused), "console": (), "public": ()}
 
 
@@ -3439,7 +3446,7 @@ class Endpoint:
     links: tuple = ()  # (link name, operation name, {its parameter: where in this answer}), OpenAPI links
     form: tuple = ()  # an HTML form's fields (the console's login), instead of a JSON body
     answers: tuple = ()  # (status, description) of answers other than 200 and the error envelope
-    errors: tuple = ()  # the WalletErrors its handler answers, besides those of every operation (see .errors_answered)
+    errors: tuple = ()  # the WalletErrors its handler answers besides every operation's (errors_answered)
 
     @property
     def surface(self) -> str:
@@ -3469,7 +3476,8 @@ def endpoint(method: str, path: str, summary: str, *, response: str | dict | Non
     """Declare the decorated handler as ``method path`` (see Endpoint)."""
     def declare(handler: Callable) -> Callable:
         handler.endpoint = Endpoint(method, path, summary, response, scope, request, tuple(query), media,
-                                    handler.__name__, tuple(links), tuple(form), tuple(answers), tuple(errors))
+                                    handler.__name__, tuple(links), tuple(form), tuple(answers),
+                                    tuple(errors))
         return handler
     return declare
 
@@ -3949,7 +3957,8 @@ class WalletApi:
                      ("Completed", "transfer_completed", {"biz_id": "$response.body#/data/bizId"})),
               query=({"name": "Idempotency-Key", "in": "header", "schema": _BIZ_ID_SCHEMA,
                       "description": "unsigned: accepted only equal to the body's bizId"},),
-              errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance, CurrencyMismatch, SameWallet, IdempotencyConflict))
+              errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance, CurrencyMismatch,
+                      SameWallet, IdempotencyConflict))
     def create_transfer(self, call: Call) -> dict:
         media_type = call.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
         if media_type != "application/json":
@@ -4188,9 +4197,10 @@ class AdminApi:
     @endpoint("GET", "/_admin/journal", "The request journal, oldest first, a page at a time",
               response="JournalEntryPage",
               query=[*_PAGE_PARAMETERS[:2],
-                     *({"name": name, "in": "query", "schema": _STRING} for name in ("method", "path", "code")),
-                     {"name": "body", "in": "query", "content": {"application/json": {"schema": {"type": "object"}}},
-                      "description": "body fields the entries must have (JSON)"},
+                     *({"name": name, "in": "query", "schema": _STRING}
+                       for name in ("method", "path", "code")),
+                     {"name": "body", "in": "query", "description": "body fields the entries must have (JSON)",
+                      "content": {"application/json": {"schema": {"type": "object"}}}},
                      *({"name": name, "in": "query", "schema": {"type": "integer", "minimum": 0}}
                        for name in ("after", "last"))])
     def journal(self, call: Call) -> dict:
@@ -4752,9 +4762,12 @@ def _error_responses(errors: Iterable[type[WalletError]]) -> dict:
     statuses: dict[int, list] = {}
     for error in errors:
         statuses.setdefault(error.status, []).append(error)
-    return {str(status): {"description": "; ".join(f"{error.code} {error.name}" for error in errors), "content": {
-        "application/json": {"schema": {"allOf": [{"$ref": "#/components/schemas/Error"}, {"properties": {
-            "code": {"enum": [error.code for error in errors]}, "message": {"enum": [error.name for error in errors]}}}]}}}}
+    return {str(status): {
+        "description": "; ".join(f"{error.code} {error.name}" for error in errors),
+        "content": {"application/json": {"schema": {"allOf": [
+            {"$ref": "#/components/schemas/Error"},
+            {"properties": {"code": {"enum": [error.code for error in errors]},
+                            "message": {"enum": [error.name for error in errors]}}}]}}}}
         for status, errors in sorted(statuses.items())}
 
 
@@ -4782,7 +4795,8 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
             "security": security[surface]}
         if declared_endpoint.links:  # (to an operation of the same surface)
             operation["responses"]["200"]["links"] = {
-                name: {"operationId": f"admin_{target}" if surface == "admin" else target, "parameters": parameters}
+                name: {"operationId": f"admin_{target}" if surface == "admin" else target,
+                       "parameters": parameters}
                 for name, target, parameters in declared_endpoint.links}
         for status, description in declared_endpoint.answers:
             operation["responses"][str(status)] = {"description": description, "content": {
@@ -4801,12 +4815,11 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
     return {
         "openapi": "3.1.0",
         "info": {"title": "walletsvc", "version": __version__,
-                 "description": "Wallet and Transfer Service. Every /api/ request is signed: "
-                                "X-Signature = Base64(HMAC-SHA256(secret, METHOD\\nPATH\\nTIMESTAMP"
-                                "\\nNONCE\\nSHA256_HEX(body))). /_admin/ exists only when an admin token is set."
-                                " Each operation lists every error it answers; in a sandbox, a fault rule"
-                                " (/_admin/faults) can also make an /api/ operation answer any error, wait, or"
-                                " drop the connection."},
+                 "description": "Wallet and Transfer Service. Every /api/ request is signed: X-Signature ="
+                                " Base64(HMAC-SHA256(secret, METHOD\\nPATH\\nTIMESTAMP\\nNONCE\\nSHA256_HEX(body)))."
+                                " /_admin/ exists only when an admin token is set. Each operation lists every"
+                                " error it answers; in a sandbox, a fault rule (/_admin/faults) can also make an"
+                                " /api/ operation answer any error, wait, or drop the connection."},
         "paths": paths,
         "components": {
             "schemas": dict(SCHEMAS),
