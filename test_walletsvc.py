@@ -2049,8 +2049,9 @@ def test_idempotency_key_header_is_accepted_only_equal_to_the_signed_biz_id(svc,
                       (transfer_body(world), "bad key!")]:
         refused = error(api.transfer(body, **{"Idempotency-Key": key}), "S012", 400)
         assert "'Idempotency-Key'" in refused["detail"] and "bizId in the signed body" in refused["detail"]
-    assert balances(svc, world["a"]) == ["49.00"]  # 100.00 - 2 x 25.50: nothing else written
-    assert svc.list_transfers(world["ws"]["id"])["page"]["totalElements"] == 2
+    data(api.transfer(transfer_body(world, amount="1.00"), **{"Idempotency-Key": ""}))  # empty: as if absent
+    assert balances(svc, world["a"]) == ["48.00"]  # 100.00 - 2 x 25.50 - 1.00: nothing else written
+    assert svc.list_transfers(world["ws"]["id"])["page"]["totalElements"] == 3
     assert original["bizId"] == "rent-2026-10"
 
 

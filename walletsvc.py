@@ -3955,8 +3955,9 @@ class WalletApi:
               request="CreateTransfer", response="TransferOrder",
               links=(("Order", "get_transfer", {"biz_id": "$response.body#/data/bizId"}),
                      ("Completed", "transfer_completed", {"biz_id": "$response.body#/data/bizId"})),
-              query=({"name": "Idempotency-Key", "in": "header", "schema": _BIZ_ID_SCHEMA,
-                      "description": "unsigned: accepted only equal to the body's bizId"},),
+              query=({"name": "Idempotency-Key", "in": "header",
+                      "schema": {"type": "string", "pattern": f"^({_BIZ_ID.pattern})?$"},
+                      "description": "unsigned: accepted only equal to the body's bizId (empty: as if absent)"},),
               errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance, CurrencyMismatch,
                       SameWallet, IdempotencyConflict))
     def create_transfer(self, call: Call) -> dict:
