@@ -3928,6 +3928,30 @@ def test_an_oversized_body_is_refused_without_being_read(tmp_path) -> None:
             started = time.monotonic()
             reply = sock.recv(4096)  # answered after 64 KiB of a 200 MB body: nothing spooled
             assert reply.startswith(b"HTTP/1.1 413") and time.monotonic() - started < 2
+            assert b"application/json" in reply and b'"code":"S413"' in reply  # waitress's answer: the envelope
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("header", [b"Content-Length;", b"Content-Length: abc", b"X-\x01: y"])
+def test_what_the_http_server_cannot_parse_is_answered_with_the_envelope(tmp_path, header: bytes) -> None:
+    """DESIGN.md §4: every answer is the envelope, even waitress's own to a request it cannot parse
+    (which never reaches the app)."""
+    import socket
+
+    server, _ = _served(tmp_path)
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5) as sock:
+            sock.sendall(b"GET /api/v1/wallets HTTP/1.1\r\nHost: x\r\n" + header + b"\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(4096):
+                reply += chunk
+        head, _, body = reply.partition(b"\r\n\r\n")
+        assert head.startswith((b"HTTP/1.1 400", b"HTTP/1.0 400"))
+        assert b"Content-Type: application/json; charset=utf-8" in head and b"Cache-Control: no-store" in head
+        answer = json.loads(body)
+        assert (answer["code"], answer["message"], answer["success"]) == ("S012", "INVALID_PARAMETER", False)
+        assert "not valid HTTP" in answer["detail"]
     finally:
         server.stop()
 

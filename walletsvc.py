@@ -553,6 +553,7 @@ _REASONS = {
     "max_length": ("must be at most {maximum} characters", "最多 {maximum} 个字符"),
     "length": ("must be 1-{maximum} characters", "必须是 1-{maximum} 个字符"),
     "json": ("is not a JSON object", "不是 JSON 对象"),
+    "http": ("is not valid HTTP: {problem}", "不是有效的 HTTP：{problem}"),
     "surrogate": ("holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no character",
                   "含有单独的 UTF-16 代理项（\\ud800-\\udfff），它不是字符"),
     "nul": ("must not contain the NUL character", "不能包含 NUL 字符"),
@@ -5187,7 +5188,7 @@ class LiveServer:
         import waitress
 
         logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-        self._server = waitress.create_server(app, host="127.0.0.1", port=0, threads=threads)
+        self._server = answering_in_envelopes(waitress.create_server(app, host="127.0.0.1", port=0, threads=threads))
         self.url = f"http://127.0.0.1:{self._server.effective_port}"
         self._thread = threading.Thread(target=self._server.run, name="walletsvc-live", daemon=True)
         self._thread.start()
@@ -5575,10 +5576,39 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
     import waitress
 
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
-    return waitress.create_server(
+    return answering_in_envelopes(waitress.create_server(
         app, sockets=[listener], _dispatcher=_control_dispatcher(threads), ident="walletsvc",
         clear_untrusted_proxy_headers=False,
-        max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1), **WAITRESS_LIMITS)
+        max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1), **WAITRESS_LIMITS))
+
+
+def answering_in_envelopes(server: Any) -> Any:
+    """A waitress ``server`` whose own answers to what it cannot parse (a malformed header, a body or
+    headers over its limits), which never reach the app, are the error envelope too (DESIGN.md §4),
+    not waitress's text: S413 for a body over its limit, S012 otherwise, with waitress's status."""
+    from waitress.channel import HTTPChannel
+    from waitress.task import ErrorTask
+
+    class EnvelopeErrorTask(ErrorTask):
+        def execute(self) -> None:
+            refusal = self.request.error
+            if refusal.code == 413:
+                error: WalletError = PayloadTooLarge(limit=self.channel.server.adj.max_request_body_size)
+            else:
+                error = invalid("request", "http", problem=str(refusal.body)[:200])
+            body = to_json(error_envelope(error, LOCALES[0], int(time.time() * 1000)))
+            self.status = f"{refusal.code} {refusal.reason}"
+            self.response_headers.extend([("Content-Type", JSON_CONTENT_TYPE), ("Content-Language", LOCALES[0]),
+                                          ("Cache-Control", "no-store")])
+            self.set_close_on_finish()
+            self.content_length = len(body)
+            self.write(body)
+
+    class EnvelopeChannel(HTTPChannel):
+        error_task_class = EnvelopeErrorTask
+
+    server.channel_class = EnvelopeChannel
+    return server
 
 
 def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, ready: Callable[[], Any]) -> None:
