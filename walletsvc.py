@@ -1,5 +1,43 @@
 """walletsvc: a wallet-and-transfer service in one module.
 
+Contents, in the order of the module's sections (each uses only those above it):
+
+  Core
+     1. Constants and helpers - ids, times, IP entries, JSON
+     2. Errors - the catalog: one class per code, bilingual messages
+     3. Settings - every setting, its converter, default and layer
+     4. Money - currencies, amounts as integer minor units
+     5. Storage - SQLite: schema, connections, transactions
+     6. Signing - the canonical message, HMAC, signing mistakes
+  Service
+     7. Pagination - page and size, filters, how a page query is built
+     8. Resources - rows as the API's JSON
+     9. The ledger's invariants - the audits, as SQL
+    10. Wallets and transfers - the Ledger: workspaces, keys, wallets, orders
+  The sandbox's state (in the database, shared by every process)
+    11. The sandbox's clock - frozen, set, advanced
+    12. Fault rules - forced errors, latency, commit then fail
+    13. Request journal - what the journal keeps, and its assertions
+    14. Scenarios and the starting state - WalletService, worlds, reset
+  HTTP
+    15. HTTP schemas - the JSON shapes, and the request body check
+    16. Declared endpoints and the envelope - ``@endpoint``, the envelope
+    17. The per-request record - Principal, Call
+    18. The authentication pipeline - SPEC.md's steps 1-7, the nonce check
+    19. The one request path - HttpApi: body, pipeline, faults, render, journal, log
+    20. API handlers - the endpoints of SPEC.md
+    21. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal
+    22. Sandbox console - how the console logs in, its session
+    23. OpenAPI document - /openapi.json, from the declarations
+    24. App factory - create_app, the WSGI app
+  Tools
+    25. Client - a signing client, typed errors
+    26. Serving - ``serve``: waitress, workers, hostile networks
+    27. pytest plugin - the ``walletsvc_sandbox`` fixtures, Sandbox, LiveServer
+    28. Command line - ``walletsvc serve``, ``request``, ``sign``, admin commands
+  Assets
+    29. The console's page - its HTML, style and script
+
 walletsvc implements the Wallet and Transfer Service HTTP interface
 (HMAC-signed requests, workspaces, API keys with scopes, wallets, balances,
 flows, transfer orders, pagination) on bottle and SQLite. Run it as a local
@@ -19,10 +57,6 @@ sandbox, embed it in a WSGI app, or use it as a fake wallet backend in tests::
 
 From a shell: ``walletsvc serve --demo`` serves a seeded sandbox on
 127.0.0.1:8080 and prints the credentials to use.
-
-The module reads top to bottom: constants and helpers, errors, settings,
-money, storage, the service (admin API, wallets, transfers), signing and the
-authentication pipeline, pagination, HTTP routes, the app factory, the CLI.
 """
 
 from __future__ import annotations
@@ -97,6 +131,7 @@ __all__ = [
 __version__ = "0.1.0"
 
 log = logging.getLogger("walletsvc")
+
 
 ###############################################################################
 # Constants and helpers ########################################################
@@ -233,115 +268,67 @@ def to_json(value: Any) -> bytes:
     return _JSON.encode(value).encode("utf-8")
 
 
-CLOCK_RANGE = (0.0, 253402300799.0)  # epoch seconds a datetime can hold: 1970-01-01 to 9999-12-31
+def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
+    """The ``drawn``-th number of ``bits`` bits of the sequence of ``seed``: the same on every run and process."""
+    digest = hashlib.blake2b(f"{seed}:{drawn}".encode(), digest_size=bits // 8).digest()
+    return int.from_bytes(digest, "big")
 
 
-class Clock:
-    """A controllable clock: real time plus an offset, or frozen.
+class IdSequence:
+    """The ids and secrets one write transaction issues (DESIGN.md §9).
 
-    Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
-    nonce expiry and delayed settlement all read it, and its state moves into
-    the service's database (DESIGN.md §9), so that every process serving that
-    file reads and moves the same clock. A database that already has a clock
-    state keeps it (a restarted server keeps a frozen clock frozen). Unbound,
-    the clock keeps its state in memory. It only ever shows times in
-    CLOCK_RANGE: a change that would leave it is a ValueError.
+    An id is 48 bits of time (or sequence) and 80 bits of randomness, and sorts
+    after the last id committed in the database (``last_id``): random ids take
+    the transaction's millisecond, or count on from the last id within it;
+    seeded ids count on from the last id, with bits drawn from the seed's
+    sequence, so the same starting state and seed give the same ids.
     """
 
-    def __init__(self, frozen_at: float | None = None) -> None:
-        self._lock = threading.Lock()
-        self._state = self._start = (None if frozen_at is None else _clock_time(frozen_at), 0.0)
-        self._db: Database | None = None
+    __slots__ = ("drawn", "high", "low", "now", "seed")
 
-    def bind(self, db: Database) -> None:
-        """Keep the state in ``db`` from now on: its state if it has one, else this clock's. A clock
-        is one sandbox's: bound to another database, it is a ValueError."""
-        if self._db is not None and self._db is not db:
-            raise ValueError("this Clock is another service's (its state lives in that service's database):"
-                             " give each service a Clock of its own")
-        if self._state != (None, 0.0):  # (a running clock needs no write: a locked database still starts)
-            with db.atomic(durable=False) as conn:
-                conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ? WHERE clock_frozen_at IS NULL"
-                             " AND clock_offset = 0 AND NOT has_start", self._state)
-        self._db = db
+    def __init__(self, last_id: str, seed: int | None, drawn: int, now: int) -> None:
+        self.high, self.low = (int(last_id[-32:-20], 16), int(last_id[-20:], 16)) if last_id else (0, 0)
+        self.seed, self.drawn, self.now = seed, drawn, now
 
-    @staticmethod
-    def reading(frozen_at: float | None, offset: float) -> float:
-        """The time a clock in this state shows now."""
-        return frozen_at if frozen_at is not None else time.time() + offset
+    def next(self, prefix: str, now_ms: int) -> str:
+        if self.seed is not None:
+            self.high, self.low = self.high + 1, _seeded_bits(self.seed, self.drawn, 80)
+            self.drawn += 1
+        elif now_ms > self.high:
+            self.high, self.low = now_ms, secrets.randbits(79)
+        elif self.low + 1 < 1 << 80:
+            self.low += 1
+        else:
+            self.high, self.low = self.high + 1, 0
+        return new_id(prefix, self.high, self.low)
 
-    def state(self) -> tuple[float | None, float]:
-        """(frozen_at or None, offset): where the clock stands."""
-        if self._db is None:
-            return self._state
-        return tuple(self._db.one("SELECT clock_frozen_at, clock_offset FROM sandbox"))
-
-    def __call__(self) -> float:
-        return self.reading(*self.state())
+    def secret(self) -> str:
+        if self.seed is None:
+            return secrets.token_urlsafe(32)
+        self.drawn += 1
+        return base64.urlsafe_b64encode(_seeded_bits(self.seed, self.drawn - 1, 256).to_bytes(32, "big")
+                                        ).decode().rstrip("=")
 
     @property
-    def frozen(self) -> bool:
-        return self.state()[0] is not None
-
-    def _change(self, move: Callable[[float | None, float], tuple[float | None, float]]) -> None:
-        """Apply ``move`` to the state, atomically (in the database when bound)."""
-        if self._db is None:
-            with self._lock:
-                self._state = move(*self._state)
-            return
-        with self._db.atomic(durable=False) as conn:
-            state = conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone()
-            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", move(*state))
-
-    def freeze(self, at: float | None = None) -> None:
-        """Stop the clock, at ``at`` (epoch seconds) or now."""
-        at = None if at is None else _clock_time(at)
-        self._change(lambda frozen_at, offset: (self.reading(frozen_at, offset) if at is None else at, offset))
-
-    def set(self, at: float) -> None:
-        """Jump to ``at``; a running clock keeps running from there."""
-        at = _clock_time(at)
-        self._change(lambda frozen_at, offset: (at, offset) if frozen_at is not None else (None, at - time.time()))
-
-    def advance(self, seconds: float) -> None:
-        """Move ``seconds`` forward (negative: back)."""
-        seconds = float(seconds)
-
-        def move(frozen_at: float | None, offset: float) -> tuple[float | None, float]:
-            moved = _clock_time(self.reading(frozen_at, offset) + seconds)
-            return (moved, offset) if frozen_at is not None else (None, moved - time.time())
-        self._change(move)
-
-    def unfreeze(self) -> None:
-        """Run again from the frozen moment."""
-        self._change(lambda frozen_at, offset: (None, frozen_at - time.time()) if frozen_at is not None
-                     else (None, offset))
-
-    def reset(self) -> None:
-        """Back to where it started: the sandbox's starting clock when bound (see
-        ``WalletService.save_start``), else real time, running (or frozen where it was made frozen)."""
-        if self._db is None:
-            self._change(lambda frozen_at, offset: self._start)
-            return
-        with self._db.atomic(durable=False) as conn:
-            start = conn.execute("SELECT clock_frozen_at, clock_offset FROM start_sandbox").fetchone()
-            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", start or self._start)
+    def last(self) -> str:
+        return new_id("", self.high, self.low) if self.high else ""
 
 
-def _clock_time(at: float) -> float:
-    try:
-        at = float(at)
-    except OverflowError:  # an integer of hundreds of digits
-        raise ValueError(f"{str(at)[:20]}... is outside the clock's range (1970-01-01 to 9999-12-31)") from None
-    if not CLOCK_RANGE[0] <= at <= CLOCK_RANGE[1]:  # NaN fails both comparisons
-        raise ValueError(f"{at!r} is outside the clock's range (1970-01-01 to 9999-12-31)")
-    return at
+# A JSON value's type, as a schema names it (bool is not a number in JSON).
+_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
+    "string": lambda value: isinstance(value, str),
+    "integer": lambda value: isinstance(value, int) and not isinstance(value, bool),
+    "number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
+    "boolean": lambda value: isinstance(value, bool),
+    "array": lambda value: isinstance(value, list),
+    "object": lambda value: isinstance(value, dict),
+    "null": lambda value: value is None,
+}
 
 
 ###############################################################################
 # Errors #######################################################################
 ###############################################################################
-
 
 class WalletError(Exception):
     """Root of every error walletsvc raises on purpose.
@@ -610,7 +597,6 @@ def negotiate_locale(x_locale: str | None, accept_language: str | None, default:
 # Settings #####################################################################
 ###############################################################################
 
-
 def _non_negative_int(value: Any) -> int:
     number = int(value)
     if number < 0:
@@ -855,7 +841,6 @@ def format_amount(minor: int, currency: str) -> str:
 ###############################################################################
 # Storage ######################################################################
 ###############################################################################
-
 
 def _schema_sql() -> str:
     """schema.sql beside this module (a checkout), else where pip installed it."""
@@ -1149,9 +1134,8 @@ class _Held:
 
 
 ###############################################################################
-# Signing and the authentication pipeline ######################################
+# Signing ######################################################################
 ###############################################################################
-
 
 EMPTY_BODY_HASH = hashlib.sha256(b"").hexdigest()  # every GET signs it
 
@@ -1194,56 +1178,6 @@ def sign_request(method: str, path: str, body: bytes | str | None, api_key: str,
                                 body_hash(body or b""))
     return {"X-Api-Key": api_key, "X-Timestamp": timestamp_text, "X-Nonce": nonce,
             "X-Signature": compute_signature(secret, message)}
-
-
-@dataclasses.dataclass(frozen=True)
-class Principal:
-    """Who a request authenticated as: one key, bound to one workspace."""
-
-    api_key: str
-    workspace_id: str
-    member_id: str
-    scopes: frozenset
-
-
-def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
-    try:
-        address = ipaddress.ip_address((text or "").strip().strip("[]"))
-    except ValueError:
-        return None
-    mapped = getattr(address, "ipv4_mapped", None)
-    return mapped or address
-
-
-def client_ip(environ: Mapping[str, Any], trusted_proxies: Sequence) -> Any:
-    """REMOTE_ADDR, or X-Forwarded-For when REMOTE_ADDR is a trusted proxy.
-
-    Walks X-Forwarded-For from the right and takes the first hop that is not a
-    trusted proxy; an unparsable hop yields None, which no whitelist admits.
-    """
-    remote = _ip(environ.get("REMOTE_ADDR"))
-
-    def trusted(address: Any) -> bool:
-        return any(address.version == net.version and address in net for net in trusted_proxies)
-
-    forwarded = environ.get("HTTP_X_FORWARDED_FOR")
-    if remote is None or not forwarded or not trusted(remote):
-        return remote
-    hops = [_ip(hop) for hop in forwarded.split(",")]
-    for hop in reversed(hops):
-        if hop is None or not trusted(hop):
-            return hop
-    return hops[0]
-
-
-def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
-    if address is None:
-        return False
-    for entry in whitelist:
-        network = ipaddress.ip_network(entry, strict=False)
-        if network.version == address.version and address in network:
-            return True
-    return False
 
 
 def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
@@ -1332,227 +1266,6 @@ def _hmac_finish(inner: Any, outer: Any, message: bytes) -> bytes:
     inner.update(message)
     outer.update(inner.digest())
     return outer.digest()
-
-
-class PendingNonce(NamedTuple):
-    """A nonce that passed step 5 and the signature, not recorded yet."""
-
-    api_key: str
-    nonce: str
-    now_ms: int
-    expires_ms: int  # when the record may go: after the last moment its timestamp passes step 4
-    stamp: int  # its X-Timestamp, epoch seconds
-
-
-class Authenticator:
-    """Steps 1-7 of SPEC.md's validation pipeline, in that order.
-
-    Step 8 (the scope) needs the route and is checked by the HTTP layer. The
-    first failure raises and ends processing.
-    """
-
-    def __init__(self, svc: WalletService, settings: Settings) -> None:
-        self.svc = svc
-        self.db = svc.db
-        self.settings = settings
-        self._next_purge = 0  # this process purges nonce records every half window of the clock
-        self._last_purge = 0
-        self._window_shared = False  # this process's timestamp window is in the sandbox row
-        with contextlib.suppress(sqlite3.OperationalError, WalletError):  # (locked: the first record says it)
-            self._share_window(None)
-
-    def _share_window(self, conn: sqlite3.Connection | None) -> None:
-        """Every process's nonce records last for this process's window too (the sandbox row keeps the widest)."""
-        params = (self.settings.timestamp_tolerance,) * 2
-        sql = "UPDATE sandbox SET nonce_tolerance = ? WHERE nonce_tolerance < ?"
-        if conn is None:
-            self.db.write(sql, params, durable=False)
-        else:
-            conn.execute(sql, params)
-        self._window_shared = True
-
-    def authenticate(self, call: Call) -> Principal:
-        """The request's Principal, or the first failure of steps 1-7; the call
-        records the canonical message, the signature's verdict, the service
-        clock's reading and how many fault rules are in force.
-
-        The nonce, checked at step 5, is left in ``call.nonce`` for the HTTP
-        layer to record (``record_nonce``) in the transaction that ends the
-        request: its write's, or the one that journals it."""
-        environ = call.environ
-        get = environ.get
-        # Step 1: API key lookup.
-        api_key = get("HTTP_X_API_KEY", "")
-        if not api_key:
-            raise ApiKeyMissing()
-        nonce, timestamp = get("HTTP_X_NONCE", ""), get("HTTP_X_TIMESTAMP", "")
-        tolerance = self.settings.timestamp_tolerance
-        stamp = int(timestamp) if _TIMESTAMP.fullmatch(timestamp) else -1
-        key = self._key(api_key, nonce, stamp)  # also answers step 5's questions, asked there
-        if key is None:
-            raise ApiKeyNotFound()
-        now = call.now = self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"])
-        call.fault_rules = key["fault_rules"]
-        # Step 2: key status.
-        if not key["enabled"]:
-            raise ApiKeyDisabled()
-        # Step 3: workspace resolution.
-        if key["workspace_deleted"]:
-            raise WorkspaceNotFound()
-        if key["member_removed"]:
-            raise NotWorkspaceMember()
-        # Step 4: timestamp.
-        if stamp < 0:
-            if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
-                raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
-                              "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
-            raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
-        if abs(math.floor(now) - int(timestamp)) > tolerance:  # whole seconds (DESIGN.md §5)
-            difference = int(timestamp) - math.floor(now)
-            raise expired(f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
-                          f" {math.floor(now)} ({iso_time(math.floor(now) * 1000)}), the request's is"
-                          f" {difference:+d} s from it.",
-                          f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {math.floor(now)}"
-                          f"（{iso_time(math.floor(now) * 1000)}），请求时间与其相差 {difference:+d} 秒。")
-        # Step 5: nonce (checked here, recorded only once the signature passed).
-        if not _NONCE.fullmatch(nonce):
-            raise expired("X-Nonce must be 1-128 printable ASCII characters.",
-                          "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
-        now_ms = int(now * 1000)
-        if key["nonce_expires"] is not None and (key["nonce_expires"] > now_ms or key["nonce_ts"] == stamp):
-            raise _nonce_used()
-        if key["forgotten"]:
-            raise _nonce_forgotten()
-        # Step 6: signature.
-        call.canonical = message = canonical_message(environ["REQUEST_METHOD"], call.path, timestamp, nonce,
-                                                     body_hash(call.body))
-        call.verdict = "invalid"
-        if not self._signature_matches(key["secret"], message, get("HTTP_X_SIGNATURE", "")):
-            if not self.settings.debug_signatures:
-                raise SignatureInvalid()
-            # A sandbox aid: the message and what matched, never the secret or the expected signature.
-            shown = message.decode("latin-1").replace("\n", "\\n")
-            english = f"Canonical message: {shown} ({len(call.body)} body bytes received)."
-            chinese = f"规范消息：{shown}（收到请求体 {len(call.body)} 字节）。"
-            call.diagnosis = diagnose_signature(key["secret"], call, timestamp, nonce, get("HTTP_X_SIGNATURE", ""))
-            if call.diagnosis:
-                english += f" The signature matches a common mistake: {call.diagnosis[0]}."
-                chinese += f"签名符合一个常见错误：{call.diagnosis[1]}。"
-            raise SignatureInvalid(extra=english, zh_extra=chinese)
-        call.verdict = "valid"
-        # The record outlives the last moment this timestamp passes step 4, in any process's window.
-        widest = max(tolerance, key["nonce_tolerance"])
-        call.nonce = PendingNonce(api_key, nonce, now_ms, (stamp + widest + 1) * 1000, stamp)
-        # Step 7: IP whitelist, only when configured.
-        if key["ip_whitelist"]:
-            whitelist = json.loads(key["ip_whitelist"])
-            if whitelist and not ip_allowed(client_ip(environ, self.settings.trusted_proxies), whitelist):
-                raise IpNotWhitelisted()
-        return Principal(api_key, key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
-
-    def _key(self, api_key: str, nonce: str, stamp: int) -> sqlite3.Row | None:
-        """The key with its workspace and member state, the nonce's record (its expiry and
-        timestamp), whether the records of this timestamp were forgotten (DESIGN.md §10), the
-        widest window any process used, and the sandbox's clock."""
-        if len(api_key) > 128:
-            return None
-        return self.db.one(
-            "SELECT k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
-            "       w.deleted_at IS NOT NULL AS workspace_deleted,"
-            "       m.removed_at IS NOT NULL AS member_removed,"
-            "       n.expires_at AS nonce_expires, n.ts AS nonce_ts,"
-            "       EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi) AS forgotten,"
-            "       s.nonce_tolerance, s.clock_frozen_at, s.clock_offset, s.fault_rules"
-            "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
-            "                  JOIN members m ON m.id = k.member_id"
-            "                  LEFT JOIN nonces n ON n.api_key = k.id AND n.nonce = ?, sandbox s"
-            " WHERE k.id = ?", (stamp, nonce, api_key))
-
-    @staticmethod
-    def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
-        try:
-            given = binascii.a2b_base64(provided.encode("ascii"), strict_mode=True)
-        except (UnicodeEncodeError, binascii.Error, ValueError):
-            return False
-        return hmac.compare_digest(hmac.digest(secret.encode("utf-8"), message, "sha256"), given)
-
-    # One statement, so two racing requests cannot both win; refused inside a forgotten
-    # span; an expired record of another timestamp is taken over in place (the trigger
-    # nonce_taken_over keeps its timestamp as a span: the request it recorded cannot come back).
-    _RECORD = ("INSERT INTO nonces (api_key, nonce, expires_at, ts) SELECT ?, ?, ?, ?"
-               " WHERE NOT EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi)"
-               " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at, ts = excluded.ts"
-               " WHERE nonces.expires_at <= ? AND nonces.ts <> excluded.ts")
-
-    def record_nonce(self, call: Call, conn: sqlite3.Connection | None = None) -> None:
-        """Record the call's nonce in ``conn``'s transaction, or on its own without waiting
-        for a disk sync; GA2013 when another request recorded it first, or when its
-        timestamp falls in a forgotten span."""
-        pending, call.nonce = call.nonce, None
-        params = (pending.api_key, pending.nonce, pending.expires_ms, pending.stamp, pending.stamp, pending.now_ms)
-        if not self._window_shared:  # (the database was locked when this process started)
-            self._share_window(conn)
-        if conn is None:
-            won = self.db.write(self._RECORD, params, durable=False) == 1
-        else:
-            won = conn.execute(self._RECORD, params).rowcount == 1
-        now_ms = pending.now_ms
-        if now_ms >= self._next_purge or now_ms < self._last_purge:  # every half window, or the clock went back
-            self._next_purge, self._last_purge = now_ms + self.settings.timestamp_tolerance * 500, now_ms
-            if conn is None:
-                with self.db.atomic(durable=False) as own:
-                    self.purge(own, now_ms)
-            else:
-                self.purge(conn, now_ms)
-        if not won:
-            raise _nonce_used()
-
-    def purge(self, conn: sqlite3.Connection, now_ms: int) -> None:
-        """Forget the nonce records no timestamp in the window around ``now_ms`` can carry,
-        keeping each forgotten run of timestamps as a span (DESIGN.md §10): records of the
-        past, and records a clock that was ahead made. The table stays bounded by the window."""
-        tolerance = max(self.settings.timestamp_tolerance,
-                        conn.execute("SELECT nonce_tolerance FROM sandbox").fetchone()[0])
-        reach = (2 * tolerance + 2) * 1000  # the farthest expiry a fresh request makes, in any process
-        for where, params in (("expires_at <= ?", (now_ms,)), ("expires_at > ?", (now_ms + reach,))):
-            lo, hi = conn.execute(f"SELECT min(ts), max(ts) FROM nonces WHERE {where}", params).fetchone()
-            if lo is not None:
-                conn.execute(f"DELETE FROM nonces WHERE {where}", params)
-                conn.execute("INSERT INTO nonce_spans (lo, hi) VALUES (?, ?)", (lo, hi))
-        self._merge_spans(conn, now_ms // 1000, 2 * tolerance + 2)
-
-    @staticmethod
-    def _merge_spans(conn: sqlite3.Connection, now: int, reach: int) -> None:
-        """Merge spans (of seconds) less than ``reach`` apart, and the closest ones beyond MAX_SPANS;
-        never across the window around ``now``, where requests are being recorded."""
-        spans = conn.execute("SELECT rowid, lo, hi FROM nonce_spans ORDER BY lo").fetchall()
-        merged: list[list[int]] = []
-        for _, lo, hi in spans:
-            if merged and lo - merged[-1][1] <= reach and not merged[-1][1] < now < lo:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        while len(merged) > MAX_SPANS:
-            gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)
-                    if not merged[i][1] < now < merged[i + 1][0]]
-            _, i = min(gaps)
-            merged[i:i + 2] = [[merged[i][0], max(merged[i][1], merged[i + 1][1])]]
-        if len(merged) != len(spans):
-            conn.execute("DELETE FROM nonce_spans")
-            conn.executemany("INSERT INTO nonce_spans (lo, hi) VALUES (?, ?)", merged)
-
-
-MAX_SPANS = 32  # forgotten spans of nonce expiry kept; beyond, the closest merge
-def _nonce_used() -> RequestExpired:
-    return expired("X-Nonce was already used.", "X-Nonce 已被使用。")
-
-
-def _nonce_forgotten() -> RequestExpired:
-    return expired(
-        "The nonce records of this X-Timestamp were forgotten after the sandbox clock moved past it; a request"
-        " signed at this time may be a replay and is refused. Sign at another time (or reset the sandbox).",
-        "沙箱时钟越过该 X-Timestamp 后，其 nonce 记录已被清除；以此时间签名的请求可能是重放，因此被拒绝。"
-        "请以其他时间签名（或重置沙箱）。")
 
 
 ###############################################################################
@@ -1670,7 +1383,6 @@ def filter_time(query: Query, name: str) -> int | None:
 # Resources ####################################################################
 ###############################################################################
 
-
 def workspace_resource(row: sqlite3.Row) -> dict:
     return {"id": row["id"], "name": row["name"], "ownerMemberId": row["owner_member_id"],
             "createdAt": iso_time(row["created_at"])}
@@ -1728,392 +1440,8 @@ def completion_resource(row: sqlite3.Row) -> dict:
 
 
 ###############################################################################
-# Request journal and fault rules ##############################################
+# The ledger's invariants ######################################################
 ###############################################################################
-
-
-class JournalEntry(NamedTuple):
-    """One request as the journal keeps it (before capping): epoch ms, the path and canonical
-    message as raw bytes, the headers as (name, value) pairs."""
-
-    at: int
-    method: str
-    path: bytes
-    query: str
-    api_key: str | None
-    status: int
-    code: str | None
-    canonical: bytes | None  # the canonical message the server computed
-    signature: str  # valid, invalid or unchecked
-    replayed: bool  # an idempotent replay
-    headers: tuple
-    body: bytes
-    response_body: bytes
-    elapsed_ms: float
-    diagnosis: str | None  # the signing mistake a GA2012 matched
-
-
-class Journal:
-    """The last ``size`` requests the API surface received, in the database (DESIGN.md §9),
-    with assertion helpers: every process serving the file writes and reads the same journal.
-
-    Each entry as read: seq (increasing), at, method, path (raw, as sent),
-    query, apiKey, status, code, canonicalMessage (as the server computed it),
-    signature (valid, invalid or unchecked), replayed (an idempotent replay),
-    headers (as received), body, responseBody, elapsedMs and diagnosis. Each
-    field a client controls is cut at FIELD_BYTES, the headers together too
-    (a cut one says how much was cut), so an entry holds at most ENTRY_BYTES
-    and the journal at most ``size`` x ENTRY_BYTES, whatever arrives.
-    """
-
-    FIELD_BYTES = 2048
-    ENTRY_BYTES = 9 * FIELD_BYTES  # seven capped fields, the headers, and the short fixed ones
-    FIELDS = ("at", "method", "path", "query", "apiKey", "status", "code", "canonicalMessage", "signature",
-              "replayed", "headers", "body", "responseBody", "elapsedMs", "diagnosis")
-    _INSERT = ("INSERT INTO journal (seq, at, method, path, query, api_key, status, code, canonical, signature,"
-               " replayed, headers, body, response_body, elapsed_ms, diagnosis)"
-               " VALUES (coalesce((SELECT max(seq) FROM journal), (SELECT journal_floor FROM sandbox)) + 1,"
-               " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
-    TRIM_EVERY = 32  # entries between trims of a large journal (measured: a trim per insert costs 15 us)
-
-    def __init__(self, db: Database, size: int) -> None:
-        self.db = db
-        self.size = size
-        self.enabled = size > 0
-
-    def record(self, entry: JournalEntry, conn: sqlite3.Connection | None = None) -> None:
-        """Keep ``entry`` (in ``conn``'s transaction, or in one of its own without a disk sync)
-        and forget the oldest beyond ``size``."""
-        if not self.enabled:
-            return
-        cap = self.FIELD_BYTES
-        values = (entry.at, _capped(entry.method, cap), _capped(entry.path, cap), _capped(entry.query, cap),
-                  _capped(entry.api_key, cap), entry.status, entry.code, _capped(entry.canonical, cap),
-                  entry.signature, int(entry.replayed), _capped_headers(entry.headers, cap),
-                  _capped(entry.body, cap), _capped(entry.response_body, cap), entry.elapsed_ms, entry.diagnosis)
-        if conn is not None:
-            self._insert(conn, values)
-            return
-        with self.db.atomic(durable=False) as own:
-            self._insert(own, values)
-
-    def _insert(self, conn: sqlite3.Connection, values: tuple) -> None:
-        seq = conn.execute(self._INSERT, values).lastrowid
-        if seq > self.size and (self.size < 2 * self.TRIM_EVERY or seq % self.TRIM_EVERY == 0):
-            conn.execute("DELETE FROM journal WHERE seq <= ?", (seq - self.size,))
-
-    def clear(self) -> None:
-        """Forget every entry (seq goes on from where it was)."""
-        with self.db.atomic(durable=False) as conn:
-            _empty_journal(conn)
-
-    def entries(self, method: str | None = None, path: str | None = None, *, after: int | None = None,
-                **criteria: Any) -> list[dict]:
-        """Entries, oldest first, that match (``request_misses``): ``path`` may be a glob
-        (``/api/v1/wallets/*``); ``query``, ``headers``, ``body`` (a JSON subset), ``code``;
-        ``after``: only entries whose seq is greater."""
-        sql = "SELECT * FROM journal WHERE seq > ? AND seq > (SELECT max(seq) FROM journal) - ?"
-        params = [min(after or 0, 1 << 62), self.size]  # (up to TRIM_EVERY more are kept until the next trim)
-        if method not in (None, "*"):
-            sql += " AND method = ?"
-            params.append(method.upper())
-        with self.db.connection() as conn:
-            rows = conn.execute(sql + " ORDER BY seq", params).fetchall()
-        wanted = {"method": method, "path": path, **criteria}
-        return [entry for entry in map(_journal_entry, rows) if not request_misses(entry, wanted)]
-
-    def assert_called(self, method: str | None = None, path: str | None = None, *, times: int | None = None,
-                      at_least: int | None = None, never: bool = False, **criteria: Any) -> list[dict]:
-        """Fail unless matching requests were received: at least once, or exactly ``times``,
-        ``at_least`` so many, or ``never``. The failure lists the closest entries and what
-        differed, the way WireMock shows near misses."""
-        calls = self.entries(method, path, **criteria)
-        if never:
-            times = 0
-        if times is not None:
-            passed, wanted = len(calls) == times, f"{times} time(s)"
-        else:
-            at_least = 1 if at_least is None else at_least
-            passed, wanted = len(calls) >= at_least, f"at least {at_least} time(s)"
-        if not passed:
-            raise AssertionError(self.describe_miss(wanted, len(calls), {"method": method, "path": path, **criteria}))
-        return calls
-
-    def assert_not_called(self, method: str | None = None, path: str | None = None, **criteria: Any) -> None:
-        """Fail if a matching request was received."""
-        self.assert_called(method, path, never=True, **criteria)
-
-    def describe_miss(self, wanted: str, got: int, criteria: Mapping[str, Any]) -> str:
-        shown = " ".join(f"{name}={value!r}" for name, value in criteria.items() if value is not None)
-        near = sorted(((request_misses(entry, criteria), entry) for entry in self.entries()),
-                      key=lambda pair: len(pair[0]))[:3]
-        lines = [f"  {e['method']} {e['path']} -> {e['status']} {e['code']}: "
-                 f"{'; '.join(misses) or 'matches'}" for misses, e in near] or ["  (the journal is empty)"]
-        return f"expected a request with {shown} {wanted}, got {got}; the closest entries:\n" + "\n".join(lines)
-
-
-def _empty_journal(conn: sqlite3.Connection) -> None:
-    conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor, coalesce((SELECT max(seq) FROM journal), 0))")
-    conn.execute("DELETE FROM journal")
-
-
-def _journal_entry(row: sqlite3.Row) -> dict:
-    """A journal row as the Python API and /_admin/journal show it."""
-    return {"seq": row["seq"], "at": iso_time(row["at"]), "method": row["method"],
-            "path": bytes(row["path"]).decode("latin-1"), "query": row["query"], "apiKey": row["api_key"],
-            "status": row["status"], "code": row["code"],
-            "canonicalMessage": None if row["canonical"] is None else bytes(row["canonical"]).decode("latin-1"),
-            "signature": row["signature"], "replayed": bool(row["replayed"]),
-            "headers": dict(json.loads(row["headers"])),
-            "body": bytes(row["body"]).decode("utf-8", "replace"),
-            "responseBody": bytes(row["response_body"]).decode("utf-8", "replace"),
-            "elapsedMs": row["elapsed_ms"], "diagnosis": row["diagnosis"]}
-
-
-def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
-    """The headers as a JSON list of pairs, names and values together cut at ``limit`` characters."""
-    kept, left, dropped = [], limit, 0
-    for name, value in headers:
-        if left <= 0:
-            dropped += 1
-            continue
-        name, value = name[:left], _capped(value, max(left - len(name), 0))
-        kept.append((name, value))
-        left -= len(name) + len(value)
-    if dropped:
-        kept.append(("X-Walletsvc-Cut", f"{dropped} more header(s)"))
-    return _JSON.encode(kept)
-
-
-def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> list[str]:
-    """What of ``criteria`` a request (a journal entry's shape) does not match; empty: a match.
-
-    The matchers journal assertions and fault rules share: ``method``, ``path``
-    (a glob), ``query`` and ``headers`` (name: value; header names in any
-    case), ``body`` (a subset of the JSON body) and ``code`` (journal only).
-    """
-    misses = []
-    method, path = criteria.get("method"), criteria.get("path")
-    if method not in (None, "*") and request["method"] != method.upper():
-        misses.append(f"method is {request['method']}")
-    if path is not None and not fnmatch.fnmatchcase(request["path"], path):
-        misses.append(f"path is {request['path']}")
-    if criteria.get("query"):
-        received = parse_query_string(request.get("query") or "")
-        for name, value in criteria["query"].items():
-            got = (received.get(name) or [None])[0]
-            if got != str(value):
-                misses.append(f"query {name} is {got!r}")
-    if criteria.get("headers"):
-        received = {name.lower(): value for name, value in (request.get("headers") or {}).items()}
-        for name, value in criteria["headers"].items():
-            if received.get(name.lower()) != str(value):
-                misses.append(f"header {name} is {received.get(name.lower())!r}")
-    if criteria.get("body") is not None:
-        try:
-            document = json.loads(request.get("body") or "null")
-            matched = _json_subset(criteria["body"], document)
-        except (ValueError, RecursionError):  # however deep, a body that cannot be read does not match
-            matched = False
-        if not matched:
-            misses.append(f"body is {(request.get('body') or '')[:120]!r}")
-    if criteria.get("code") is not None and request.get("code") != str(criteria["code"]):
-        misses.append(f"code is {request.get('code')}")
-    return misses
-
-
-def _json_subset(expected: Any, actual: Any) -> bool:
-    if isinstance(expected, dict):
-        return isinstance(actual, dict) and all(
-            name in actual and _json_subset(value, actual[name]) for name, value in expected.items())
-    return expected == actual
-
-
-def _capped(value: Any, limit: int) -> Any:
-    """``value`` (bytes or str) cut to ``limit``, marked with how much was cut."""
-    if isinstance(value, (bytes, str)) and len(value) > limit:
-        marker = f"...[{len(value) - limit} more]"
-        return value[:limit] + (marker.encode() if isinstance(value, bytes) else marker)
-    return value
-
-
-FAULT_ACTIONS = ("error", "commit_then_fail", "commit_then_drop", "latency")
-
-
-class Faults:
-    """Fault rules applied to authenticated /api/ requests that match them, kept in the
-    database (DESIGN.md §9): every process serving the file applies the same rules, and a
-    rule with ``times`` fires that many times across all of them.
-
-    ``error`` answers a forced code; ``commit_then_fail`` runs the request (a
-    transfer commits) and answers S500; ``commit_then_drop`` runs it and drops
-    the connection mid-response; ``latency`` only delays. Any rule may add
-    ``latency`` seconds. ``times`` fires a rule that many times (None: always).
-    At most MAX_RULES rules are in force at once.
-    """
-
-    MAX_RULES = 100
-    MAX_TIMES = 2**31  # (None: always)
-    MAX_LATENCY = 60  # seconds
-    STATUSES = (400, 599)  # the statuses a rule may force
-
-    def __init__(self, db: Database) -> None:
-        self.db = db
-        # (fault_version, the rules, those seen spent) as this process last read them: spent stays spent
-        self._cache: tuple[int, list[dict], set[int]] = (-1, [], set())
-
-    def add(self, *, action: str = "error", method: str = "*", path: str = "*",
-            workspace_id: str | None = None, code: str | None = None, status: int | None = None,
-            latency: float = 0.0, times: int | None = None, query: Mapping | None = None,
-            headers: Mapping | None = None, body: Mapping | None = None) -> dict:
-        """Add a rule (see the class); the rule as stored, with its ``id``. ``query``,
-        ``headers`` and ``body`` match as in ``request_misses``."""
-        if action not in FAULT_ACTIONS:
-            raise invalid("action", "one_of", choices=", ".join(FAULT_ACTIONS))
-        if action == "error":
-            if isinstance(code, str) and not 1 <= len(code) <= 64:
-                raise invalid("code", "length", maximum=64)
-            code = code or "S500"
-            known = ERRORS_BY_CODE.get(code)
-            if known is None and status is None:
-                raise invalid("status", "required")
-            status = status or known.status
-        for name, value in (("method", method), ("path", path), ("code", code)):
-            if value is not None and not isinstance(value, str):
-                raise invalid(name, "string")
-        if status is not None and not (isinstance(status, int) and self.STATUSES[0] <= status <= self.STATUSES[1]):
-            raise invalid("status", "one_of", choices=f"{self.STATUSES[0]}-{self.STATUSES[1]}")
-        if not isinstance(latency, (int, float)) or not 0 <= latency <= self.MAX_LATENCY:
-            raise invalid("latency", "one_of", choices=f"0-{self.MAX_LATENCY} seconds")
-        if times is not None and not (isinstance(times, int) and not isinstance(times, bool) and times >= 1):
-            raise invalid("times", "minimum", minimum=1)
-        if times is not None and times > self.MAX_TIMES:
-            raise invalid("times", "maximum", maximum=self.MAX_TIMES)
-        for name, value in (("query", query), ("headers", headers), ("body", body)):
-            if value is not None and not isinstance(value, dict):
-                raise invalid(name, "type", kinds="object")
-        rule = {"action": action, "method": method.upper(), "path": path, "workspaceId": workspace_id,
-                "code": code, "status": status, "latency": float(latency), "times": times, "query": query,
-                "headers": headers, "body": body}
-        with self.db.atomic(durable=False) as conn:
-            count, number = conn.execute("SELECT fault_rules, fault_next + 1 FROM sandbox").fetchone()
-            if count >= self.MAX_RULES:
-                raise invalid("faults", "too_many", maximum=self.MAX_RULES)
-            conn.execute("INSERT INTO fault_rules (id, rule, times) VALUES (?, ?, ?)",
-                         (number, json.dumps(rule), times))
-            conn.execute("UPDATE sandbox SET fault_rules = fault_rules + 1, fault_next = ?,"
-                         " fault_version = fault_version + 1", (number,))
-        return {"id": f"fault_{number}", **rule, "fired": 0}
-
-    def rules(self) -> list[dict]:
-        """The rules in force, in the order they are tried, each with how often it ``fired``."""
-        with self.db.connection() as conn:
-            rows = conn.execute("SELECT id, rule, fired FROM fault_rules ORDER BY id").fetchall()
-        return [{"id": f"fault_{number}", **json.loads(rule), "fired": fired} for number, rule, fired in rows]
-
-    def remove(self, fault_id: str) -> None:
-        """Remove one rule; S404 if there is none with that id."""
-        number = fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_") else ""
-        with self.db.atomic(durable=False) as conn:
-            if not number.isdigit() or not conn.execute("DELETE FROM fault_rules WHERE id = ?",
-                                                        (int(number[:18]),)).rowcount:
-                raise not_found("fault rule")
-            conn.execute("UPDATE sandbox SET fault_rules = fault_rules - 1, fault_version = fault_version + 1")
-
-    def clear(self) -> None:
-        """Remove every rule; ids start again from fault_1."""
-        with self.db.atomic(durable=False) as conn:
-            conn.execute("DELETE FROM fault_rules")
-            conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0, fault_version = fault_version + 1")
-
-    def take(self, method: str, path: str, workspace_id: str,
-             request: Callable[[], Mapping[str, Any]] = dict) -> dict | None:
-        """The first rule matching this request that is not spent, counted as fired (once,
-        across processes: the count is taken in the database). A spent rule (fired ``times``
-        times) stays listed with its count."""
-        _, rules, spent = self._rules()
-        for rule in rules:
-            if rule["number"] in spent or not (
-                    rule["method"] in ("*", method) and fnmatch.fnmatchcase(path, rule["path"])
-                    and rule["workspaceId"] in (None, workspace_id)):
-                continue
-            matchers = {"query": rule["query"], "headers": rule["headers"], "body": rule["body"]}
-            if any(value is not None for value in matchers.values()) and request_misses(request(), matchers):
-                continue
-            fired = self.db.write("UPDATE fault_rules SET fired = fired + 1 WHERE id = ?"
-                                  " AND (times IS NULL OR fired < times)", (rule["number"],), durable=False)
-            if fired:
-                return rule
-            spent.add(rule["number"])  # (the set of this version of the rules)
-        return None
-
-    def _rules(self) -> tuple[int, list[dict], set[int]]:
-        """The rules in force, read again only when another change made them stale."""
-        with self.db.snapshot() as conn:
-            version = conn.execute("SELECT fault_version FROM sandbox").fetchone()[0]
-            if version != self._cache[0]:
-                rows = conn.execute("SELECT id, rule FROM fault_rules ORDER BY id").fetchall()
-                rules = [{**json.loads(rule), "id": f"fault_{number}", "number": number} for number, rule in rows]
-                self._cache = (version, rules, set())
-        return self._cache
-
-
-def forced_error(rule: dict) -> WalletError:
-    """The error a fault rule forces: the catalog's, or an ad-hoc code and status."""
-    known = ERRORS_BY_CODE.get(rule["code"])
-    if known is not None and known.status == rule["status"]:
-        return known(text=f"Forced by fault rule {rule['id']}.")
-    cls = type("ForcedError", (WalletError,), {"code": rule["code"], "name": known.name if known else "FORCED_ERROR",
-                                               "status": rule["status"]})
-    return cls(text=f"Forced by fault rule {rule['id']}.")
-
-
-###############################################################################
-# Wallet and transfer logic ####################################################
-###############################################################################
-
-WALLET_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "name": "name",
-                "currency": "currency", "status": "status", "balance": "balance"}
-TRANSFER_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "amount": "amount",
-                  "status": "status"}
-FLOW_SORTS = {"createdAt": "created_at", "amount": "amount", "type": "type"}
-MAGIC_DECLINED_AMOUNT = "666.66"  # with magic_values: always T2001
-MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
-_WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
-                     " AND m.role = 'OWNER' ORDER BY created_at LIMIT 1) AS owner_member_id"
-                     " FROM workspaces w")
-_THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径", "fault rule": "故障规则",
-              "world": "世界（场景实例）"}
-
-
-def not_found(thing: str) -> NotFound:
-    return NotFound(thing=thing, thing_zh=_THINGS_ZH[thing])
-
-
-def _text(value: Any, field: str, maximum: int, minimum: int = 1) -> str:
-    if not isinstance(value, str):
-        raise invalid(field, "string")
-    if not minimum <= len(value) <= maximum:
-        raise invalid(field, "length" if minimum else "max_length", maximum=maximum)
-    if "\0" in value:  # SQLite's length() stops at a NUL: refused before it can trip a CHECK
-        raise invalid(field, "nul")
-    return value
-
-
-def _biz_id(value: Any, field: str = "bizId") -> str:
-    if not isinstance(value, str):
-        raise invalid(field, "string")
-    if not _BIZ_ID.fullmatch(value):
-        raise invalid(field, "biz_id")
-    return value
-
-
-_INSERT_TRANSFER = (
-    "INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id, amount, currency,"
-    " status, description, created_at, updated_at, completed_at, settle_at)"
-    " VALUES (:id, :workspace_id, :biz_id, :source_wallet_id, :target_wallet_id, :amount, :currency,"
-    " :status, :description, :created_at, :updated_at, :completed_at, :settle_at)")
-
 
 # The ledger's invariants, each a query returning the rows that break it
 # (WalletService.audit): (check, detail template over the row, SQL).
@@ -2176,156 +1504,56 @@ _AUDITS = (
 )
 
 
-# The tables of the sandbox's world, parents first: what save_start copies and reset restores.
-_STARTING_STATE = ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "ledger_clock", "counters")
+###############################################################################
+# Wallets and transfers ########################################################
+###############################################################################
+
+WALLET_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "name": "name",
+                "currency": "currency", "status": "status", "balance": "balance"}
+TRANSFER_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "amount": "amount",
+                  "status": "status"}
+FLOW_SORTS = {"createdAt": "created_at", "amount": "amount", "type": "type"}
+MAGIC_DECLINED_AMOUNT = "666.66"  # with magic_values: always T2001
+MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
+_WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
+                     " AND m.role = 'OWNER' ORDER BY created_at LIMIT 1) AS owner_member_id"
+                     " FROM workspaces w")
+_THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径", "fault rule": "故障规则",
+              "world": "世界（场景实例）"}
 
 
-def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
-    """The ``drawn``-th number of ``bits`` bits of the sequence of ``seed``: the same on every run and process."""
-    digest = hashlib.blake2b(f"{seed}:{drawn}".encode(), digest_size=bits // 8).digest()
-    return int.from_bytes(digest, "big")
+def not_found(thing: str) -> NotFound:
+    return NotFound(thing=thing, thing_zh=_THINGS_ZH[thing])
 
 
-class IdSequence:
-    """The ids and secrets one write transaction issues (DESIGN.md §9).
-
-    An id is 48 bits of time (or sequence) and 80 bits of randomness, and sorts
-    after the last id committed in the database (``last_id``): random ids take
-    the transaction's millisecond, or count on from the last id within it;
-    seeded ids count on from the last id, with bits drawn from the seed's
-    sequence, so the same starting state and seed give the same ids.
-    """
-
-    __slots__ = ("drawn", "high", "low", "now", "seed")
-
-    def __init__(self, last_id: str, seed: int | None, drawn: int, now: int) -> None:
-        self.high, self.low = (int(last_id[-32:-20], 16), int(last_id[-20:], 16)) if last_id else (0, 0)
-        self.seed, self.drawn, self.now = seed, drawn, now
-
-    def next(self, prefix: str, now_ms: int) -> str:
-        if self.seed is not None:
-            self.high, self.low = self.high + 1, _seeded_bits(self.seed, self.drawn, 80)
-            self.drawn += 1
-        elif now_ms > self.high:
-            self.high, self.low = now_ms, secrets.randbits(79)
-        elif self.low + 1 < 1 << 80:
-            self.low += 1
-        else:
-            self.high, self.low = self.high + 1, 0
-        return new_id(prefix, self.high, self.low)
-
-    def secret(self) -> str:
-        if self.seed is None:
-            return secrets.token_urlsafe(32)
-        self.drawn += 1
-        return base64.urlsafe_b64encode(_seeded_bits(self.seed, self.drawn - 1, 256).to_bytes(32, "big")
-                                        ).decode().rstrip("=")
-
-    @property
-    def last(self) -> str:
-        return new_id("", self.high, self.low) if self.high else ""
+def _text(value: Any, field: str, maximum: int, minimum: int = 1) -> str:
+    if not isinstance(value, str):
+        raise invalid(field, "string")
+    if not minimum <= len(value) <= maximum:
+        raise invalid(field, "length" if minimum else "max_length", maximum=maximum)
+    if "\0" in value:  # SQLite's length() stops at a NUL: refused before it can trip a CHECK
+        raise invalid(field, "nul")
+    return value
 
 
-# Scenarios (DESIGN.md §9): a declared world, as a dict (from TOML, JSON or Python). Each
-# object's fields and what each holds; a field not listed is refused.
-_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
-_SCENARIO_OBJECTS: Mapping[str, Mapping[str, str]] = {
-    "scenario": {"workspaces": "list", "clock": "object", "settings": "object"},
-    "clock": {"at": "time", "frozen": "boolean"},
-    "workspaces": {"id": "ws_", "name": "name", "members": "list", "keys": "list", "wallets": "list"},
-    "members": {"id": "mem_", "name": "name"},
-    "keys": {"id": "ak_", "secret": "secret", "scopes": "scopes", "member": "string", "ipWhitelist": "networks"},
-    "wallets": {"id": "wal_", "name": "wallet_name", "currency": "currency", "balance": "amount", "status": "status"},
-}
-_SCENARIO_REQUIRED = {"scenario": ("workspaces",), "workspaces": ("name",), "members": ("name",),
-                      "wallets": ("name", "currency")}
+def _biz_id(value: Any, field: str = "bizId") -> str:
+    if not isinstance(value, str):
+        raise invalid(field, "string")
+    if not _BIZ_ID.fullmatch(value):
+        raise invalid(field, "biz_id")
+    return value
 
 
-def check_scenario(scenario: Any, kind: str = "scenario", where: str = "") -> dict:
-    """The scenario, checked: S012 naming the first wrong field by its path
-    (``workspaces[0].wallets[2].currency``); a fixed id used twice is refused too."""
-    if not isinstance(scenario, Mapping):
-        raise invalid(where or "scenario", "type", kinds="object")
-    fields = _SCENARIO_OBJECTS[kind]
-    for name in scenario:
-        if name not in fields:
-            raise invalid(f"{where}{'.' if where else ''}{name}", "unknown_field")
-    for name in _SCENARIO_REQUIRED.get(kind, ()):
-        if scenario.get(name) is None:
-            raise invalid(f"{where}{'.' if where else ''}{name}", "required")
-    for name, value in scenario.items():
-        _check_scenario_value(value, fields[name], f"{where}{'.' if where else ''}{name}", name)
-    if kind == "wallets" and scenario.get("balance") is not None:
-        parse_amount(scenario["balance"], scenario["currency"], f"{where}.balance")
-    if kind == "members" and scenario["name"] == "owner":
-        raise invalid(f"{where}.name", "taken", value="owner")
-    if kind == "scenario":
-        ids = [item["id"] for workspace in scenario["workspaces"]
-               for item in [workspace, *(item for part in ("members", "keys", "wallets")
-                                         for item in workspace.get(part, ()))] if item.get("id")]
-        twice = next((item for item in ids if ids.count(item) > 1), None)
-        if twice:
-            raise invalid("id", "taken", value=twice)
-        if scenario.get("settings"):
-            Settings().replace(**scenario["settings"])  # a wrong one is a ValueError naming it
-    return dict(scenario)
+_INSERT_TRANSFER = (
+    "INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id, amount, currency,"
+    " status, description, created_at, updated_at, completed_at, settle_at)"
+    " VALUES (:id, :workspace_id, :biz_id, :source_wallet_id, :target_wallet_id, :amount, :currency,"
+    " :status, :description, :created_at, :updated_at, :completed_at, :settle_at)")
 
 
-def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
-    if kind == "list":
-        if not isinstance(value, list):
-            raise invalid(field, "array")
-        for index, item in enumerate(value):
-            check_scenario(item, name, f"{field}[{index}]")
-    elif kind in ("object", "boolean", "string"):
-        if not _JSON_TYPES[kind](value):
-            raise invalid(field, kind if kind != "object" else "type", kinds="object")
-        if kind == "object" and name == "clock":
-            check_scenario(value, "clock", field)
-    elif kind.endswith("_"):  # an id with its type prefix
-        if not isinstance(value, str) or not value.startswith(kind) or not _ID.fullmatch(value):
-            raise invalid(field, "scenario_id", prefix=kind)
-    elif kind == "name":
-        _text(value, field, NAME_MAX)
-    elif kind == "wallet_name":
-        _text(value, field, NAME_MAX, minimum=0)
-    elif kind == "secret":
-        if not isinstance(value, str) or not _NONCE.fullmatch(value):  # printable ASCII, no whitespace
-            raise invalid(field, "secret")
-    elif kind == "scopes":
-        if not isinstance(value, list) or not value or any(scope not in SCOPES for scope in value):
-            raise invalid(field, "one_of", choices=", ".join(SCOPES))
-    elif kind == "networks":
-        if not isinstance(value, list):
-            raise invalid(field, "array")
-        for entry in value:
-            try:
-                parse_network(entry)
-            except ValueError:
-                raise invalid(field, "ip", value=str(entry)[:60]) from None
-    elif kind == "currency":
-        currency_exponent(value, field)
-    elif kind == "amount":
-        if not isinstance(value, str):
-            raise invalid(field, "scenario_amount")
-    elif kind == "status":
-        if value not in WALLET_STATUSES:
-            raise invalid(field, "one_of", choices=", ".join(WALLET_STATUSES))
-    elif kind == "time":
-        admin_time(value, field)
-
-
-DEMO_WORKSPACE = "walletsvc demo"
-# The built-in scenario: `walletsvc serve --demo` and the pytest sandbox start from it.
-DEMO_SCENARIO: Mapping[str, Any] = {"workspaces": [{
-    "name": DEMO_WORKSPACE, "keys": [{"scopes": list(SCOPES)}],
-    "wallets": [{"name": "alice", "currency": "USD", "balance": "1000.00"},
-                {"name": "bob", "currency": "USD", "balance": "1000.00"},
-                {"name": "yen", "currency": "JPY", "balance": "100000"}]}]}
-
-
-class WalletService:
-    """The service: admin API, wallets, ledger and transfers over one SQLite database.
+class Ledger:
+    """The service without the sandbox: workspaces, members, keys, wallets, the ledger
+    and transfers over one SQLite database (WalletService adds the sandbox's state).
 
     Thread-safe, and safe for several processes sharing one database file.
     Every method returns plain dicts shaped like the HTTP API's JSON and raises
@@ -2338,27 +1566,7 @@ class WalletService:
         self.settings = settings.replace("service", **setting_values) if setting_values else settings
         self.clock = clock or time.time
         self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
-        if isinstance(self.clock, Clock):  # the sandbox's clock lives in the database (DESIGN.md §9)
-            self.clock.bind(self.db)
-        self.journal = Journal(self.db, self.settings.journal_size)
-        self.faults = Faults(self.db)
         self._tx = threading.local()  # the id sequence of this thread's write transaction
-        seed = self.settings.id_seed
-        if seed is not None and self.db.one("SELECT id_seed FROM sandbox")[0] != seed:  # a restart keeps its place
-            with self.db.atomic(durable=False) as conn:
-                conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0 WHERE id_seed IS NOT ?",
-                             (self.settings.id_seed, self.settings.id_seed))
-
-    def seed_ids(self, seed: int | None) -> None:
-        """Make the ids and secrets that follow a repeatable sequence of ``seed`` (None:
-        random again), as the ``id_seed`` setting does from the start. Seeded or not, an id
-        sorts after every id already issued in this database. Tests only."""
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise invalid("seed", "integer")
-        if seed is not None and not -2**63 <= seed < 2**63:
-            raise invalid("seed", "too_large")
-        with self.db.atomic(durable=False) as conn:
-            conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0", (seed,))
 
     def now_ms(self) -> int:
         """The service clock, in epoch milliseconds."""
@@ -2366,8 +1574,8 @@ class WalletService:
 
     def clock_at(self, frozen_at: float | None, offset: float) -> float:
         """The service clock, given the sandbox's clock state as read from the database
-        (in a query that needed reading anyway): a bound Clock's reading, else the clock's."""
-        return Clock.reading(frozen_at, offset) if isinstance(self.clock, Clock) else self.clock()
+        (in a query that needed reading anyway); WalletService reads a bound Clock from it."""
+        return self.clock()
 
     def new_id(self, prefix: str, now_ms: int) -> str:
         """A fresh id, made inside ``writing()``: it sorts after every id committed before
@@ -2409,185 +1617,6 @@ class WalletService:
     def close(self) -> None:
         """Close this thread's database connection."""
         self.db.close()
-
-    # The starting state ######################################################
-
-    def save_start(self) -> None:
-        """Make the state as it is now the starting state that ``reset`` returns to
-        (DESIGN.md §9): every workspace, member, key, wallet, order and flow, the
-        clock and the id sequence. ``walletsvc serve --demo`` and the pytest
-        sandbox call it once their world is seeded."""
-        with self.db.atomic() as conn:
-            for table in _STARTING_STATE:
-                conn.execute(f"DELETE FROM start_{table}")
-                conn.execute(f"INSERT INTO start_{table} SELECT * FROM {table}")
-            conn.execute("DELETE FROM start_sandbox")
-            conn.execute("INSERT INTO start_sandbox SELECT clock_frozen_at, clock_offset, id_seed, id_drawn"
-                         " FROM sandbox")
-            conn.execute("UPDATE sandbox SET has_start = 1")
-            conn.execute("DELETE FROM world_starts")  # every workspace is a world that can be reset alone
-            for (workspace_id,) in conn.execute("SELECT id FROM workspaces").fetchall():
-                self._save_world(conn, workspace_id)
-
-    def reset(self) -> None:
-        """Back to the starting state (``save_start``; without one, an empty database), in
-        one transaction: the same workspaces, keys, secrets, wallets and balances, the
-        clock and the id sequence as they started; no journal, no fault rules, no nonce
-        records. A busy database or a crash leaves it as it was or reset, never between."""
-        with self.db.atomic() as conn:
-            _empty_journal(conn)
-            for table in (*reversed(_STARTING_STATE), "nonces", "nonce_spans", "fault_rules"):
-                conn.execute(f"DELETE FROM {table}")
-            for table in _STARTING_STATE:
-                if table == "counters":  # the triggers counted the rows in again: the saved counts instead
-                    conn.execute("DELETE FROM counters")
-                conn.execute(f"INSERT INTO {table} SELECT * FROM start_{table}")
-            if conn.execute("SELECT 1 FROM ledger_clock").fetchone() is None:
-                conn.execute("INSERT INTO ledger_clock (last_ms, last_id) VALUES (0, '')")
-            start = conn.execute("SELECT clock_frozen_at, clock_offset, id_seed, id_drawn FROM start_sandbox"
-                                 " WHERE (SELECT has_start FROM sandbox)").fetchone()
-            if start is None:
-                clock_start = self.clock._start if isinstance(self.clock, Clock) else (None, 0.0)
-                start = (*clock_start, self.settings.id_seed, 0)
-            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?, id_seed = ?, id_drawn = ?,"
-                         " fault_rules = 0, fault_version = fault_version + 1, fault_next = 0", tuple(start))
-            conn.execute("DELETE FROM world_starts WHERE workspace_id NOT IN (SELECT id FROM workspaces)")
-
-    # Worlds: scenarios, instantiated side by side (DESIGN.md §9) ##############
-
-    def load_scenario(self, scenario: Mapping[str, Any], *, fresh_ids: bool = False) -> dict:
-        """Make a scenario's workspaces, members, keys and wallets (with their balances and
-        statuses) in one transaction; each workspace becomes a world ``reset_workspace``
-        returns to. With ``fresh_ids`` the ids and secrets the scenario fixes are ignored:
-        a second copy beside the first (``POST /_admin/scenarios``). Returns the world:
-        ``{"workspaces": [{..., "members", "keys" (with secrets), "wallets"}]}``."""
-        scenario = check_scenario(scenario)
-        made = []
-        with self.writing() as (conn, now):
-            for index, spec in enumerate(scenario["workspaces"]):
-                made.append(self._load_workspace(conn, now, spec, f"workspaces[{index}]", fresh_ids))
-            for workspace_id in made:
-                self._save_world(conn, workspace_id)
-        return {"workspaces": [self.describe_world(workspace_id) for workspace_id in made]}
-
-    def _load_workspace(self, conn: sqlite3.Connection, now: int, spec: Mapping[str, Any], where: str,
-                        fresh_ids: bool) -> str:
-        def fixed(item: Mapping[str, Any], prefix: str, field: str) -> str:
-            wanted = None if fresh_ids else item.get("id")
-            if wanted is None:
-                return self.new_id(prefix, now)
-            for table in ("workspaces", "members", "api_keys", "wallets"):
-                if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone():
-                    raise invalid(f"{field}.id", "taken", value=wanted)
-            return wanted
-
-        workspace_id = fixed(spec, "ws_", where)
-        conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)", (workspace_id, spec["name"], now))
-        members = {"owner": self.new_id("mem_", now)}
-        conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, 'owner', 'OWNER', ?)",
-                     (members["owner"], workspace_id, now))
-        for index, member in enumerate(spec.get("members", ())):
-            member_id = members[member["name"]] = fixed(member, "mem_", f"{where}.members[{index}]")
-            members.setdefault(member_id, member_id)
-            if member.get("id"):  # a key may name its member by the id the scenario gave it
-                members[member["id"]] = member_id
-            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, ?, 'MEMBER', ?)",
-                         (member_id, workspace_id, member["name"], now))
-        for index, key in enumerate(spec.get("keys", ())):
-            field = f"{where}.keys[{index}]"
-            member_id = members.get(key.get("member", "owner"))
-            if member_id is None:
-                raise invalid(f"{field}.member", "one_of", choices=", ".join(members))
-            secret = None if fresh_ids else key.get("secret")
-            conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist, created_at)"
-                         " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                         (fixed(key, "ak_", field), secret or self.new_secret(), workspace_id, member_id,
-                          " ".join(key.get("scopes", SCOPES)),
-                          json.dumps(key["ipWhitelist"]) if key.get("ipWhitelist") is not None else None, now))
-        for index, wallet in enumerate(spec.get("wallets", ())):
-            wallet_id = fixed(wallet, "wal_", f"{where}.wallets[{index}]")
-            conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at, updated_at)"
-                         " VALUES (?, ?, ?, ?, 'ACTIVE', ?, ?)",
-                         (wallet_id, workspace_id, wallet["name"], wallet["currency"], now, now))
-            if wallet.get("balance") is not None:
-                self.deposit(wallet_id, wallet["balance"])
-            if wallet.get("status", "ACTIVE") != "ACTIVE":
-                conn.execute("UPDATE wallets SET status = ? WHERE id = ?", (wallet["status"], wallet_id))
-        return workspace_id
-
-    def start_scenario(self) -> dict:
-        """The scenario this sandbox started from (``start_world``), else the built-in DEMO_SCENARIO."""
-        row = self.db.one("SELECT body FROM start_scenario")
-        return json.loads(row[0]) if row else dict(DEMO_SCENARIO)
-
-    def describe_world(self, workspace_id: str) -> dict:
-        """A workspace with its members, keys (secrets included: this is the sandbox's) and wallets."""
-        with self.db.snapshot() as conn:
-            workspace = workspace_resource(self._workspace(conn, workspace_id))
-            keys = conn.execute("SELECT * FROM api_keys WHERE workspace_id = ? ORDER BY created_at, rowid",
-                                (workspace_id,)).fetchall()
-            wallets = conn.execute("SELECT * FROM wallets WHERE workspace_id = ? ORDER BY created_at, rowid",
-                                   (workspace_id,)).fetchall()
-        return {**workspace, "members": self.list_members(workspace_id),
-                "keys": [{**api_key_resource(row), "secret": row["secret"]} for row in keys],
-                "wallets": [wallet_resource(row) for row in wallets]}
-
-    def reset_workspace(self, workspace_id: str) -> dict:
-        """Return one workspace to the state its world began in (``load_scenario``, or the
-        saved starting state), in one transaction: its members, keys, wallets, orders and
-        flows; its keys' journal entries and its fault rules go (the nonce records stay: a
-        request captured before is refused after). Other workspaces, and the clock, are
-        untouched. S404 for a workspace no world began with."""
-        with self.db.atomic() as conn:
-            saved = conn.execute("SELECT rows FROM world_starts WHERE workspace_id = ?", (workspace_id,)).fetchone()
-            if saved is None:
-                raise not_found("world")
-            saved, current = json.loads(saved[0]), self._world_rows(conn, workspace_id)
-            keys = sorted({row[0] for rows in (saved, current) for row in rows["api_keys"]})
-            gone = sorted({row[0] for row in current["api_keys"]} - {row[0] for row in saved["api_keys"]})
-            wallets = sorted({row[0] for rows in (saved, current) for row in rows["wallets"]})
-            key_marks, wallet_marks = ", ".join("?" * len(keys)), ", ".join("?" * len(wallets))
-            conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
-                         " coalesce((SELECT max(seq) FROM journal), 0))")  # seq never goes back
-            for sql, params in ((f"DELETE FROM flows WHERE wallet_id IN ({wallet_marks})", wallets),
-                                ("DELETE FROM transfers WHERE workspace_id = ?", [workspace_id]),
-                                ("DELETE FROM wallets WHERE workspace_id = ?", [workspace_id]),
-                                # the nonce records of the keys that stay stay (the clock was not reset):
-                                # a request captured before the reset is refused after it
-                                (f"DELETE FROM nonces WHERE api_key IN ({', '.join('?' * len(gone))})", gone),
-                                (f"DELETE FROM journal WHERE api_key IN ({key_marks})", keys),
-                                ("DELETE FROM api_keys WHERE workspace_id = ?", [workspace_id]),
-                                ("DELETE FROM members WHERE workspace_id = ?", [workspace_id]),
-                                ("DELETE FROM workspaces WHERE id = ?", [workspace_id]),
-                                ("DELETE FROM fault_rules WHERE json_extract(rule, '$.workspaceId') = ?",
-                                 [workspace_id])):
-                conn.execute(sql, params)
-            for table in ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "counters"):
-                if table == "counters":  # the triggers counted the rows in again: the saved counts instead
-                    owners = [workspace_id, *wallets]
-                    conn.execute(f"DELETE FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})", owners)
-                for row in saved[table]:
-                    conn.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
-            conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
-                         " fault_version = fault_version + 1")
-        return self.describe_world(workspace_id)
-
-    @staticmethod
-    def _world_rows(conn: sqlite3.Connection, workspace_id: str) -> dict:
-        """Every row of one workspace's world, table by table, as lists of column values."""
-        wallets = [row[0] for row in conn.execute("SELECT id FROM wallets WHERE workspace_id = ?", (workspace_id,))]
-        marks = ", ".join("?" * len(wallets))
-        queries = {table: (f"SELECT * FROM {table} WHERE {column} = ?", [workspace_id]) for table, column in (
-            ("workspaces", "id"), ("members", "workspace_id"), ("api_keys", "workspace_id"),
-            ("wallets", "workspace_id"), ("transfers", "workspace_id"))}
-        queries["flows"] = (f"SELECT * FROM flows WHERE wallet_id IN ({marks})", wallets)
-        owners = [workspace_id, *wallets]
-        queries["counters"] = (f"SELECT * FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})", owners)
-        return {table: [list(row) for row in conn.execute(sql, params)] for table, (sql, params) in queries.items()}
-
-    def _save_world(self, conn: sqlite3.Connection, workspace_id: str) -> None:
-        conn.execute("INSERT OR REPLACE INTO world_starts (workspace_id, rows) VALUES (?, ?)",
-                     (workspace_id, json.dumps(self._world_rows(conn, workspace_id))))
 
     # Workspaces and members ##################################################
 
@@ -3142,6 +2171,888 @@ class WalletService:
 
 
 ###############################################################################
+# The sandbox's clock ##########################################################
+###############################################################################
+
+CLOCK_RANGE = (0.0, 253402300799.0)  # epoch seconds a datetime can hold: 1970-01-01 to 9999-12-31
+
+
+class Clock:
+    """A controllable clock: real time plus an offset, or frozen.
+
+    Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
+    nonce expiry and delayed settlement all read it, and its state moves into
+    the service's database (DESIGN.md §9), so that every process serving that
+    file reads and moves the same clock. A database that already has a clock
+    state keeps it (a restarted server keeps a frozen clock frozen). Unbound,
+    the clock keeps its state in memory. It only ever shows times in
+    CLOCK_RANGE: a change that would leave it is a ValueError.
+    """
+
+    def __init__(self, frozen_at: float | None = None) -> None:
+        self._lock = threading.Lock()
+        self._state = self._start = (None if frozen_at is None else _clock_time(frozen_at), 0.0)
+        self._db: Database | None = None
+
+    def bind(self, db: Database) -> None:
+        """Keep the state in ``db`` from now on: its state if it has one, else this clock's. A clock
+        is one sandbox's: bound to another database, it is a ValueError."""
+        if self._db is not None and self._db is not db:
+            raise ValueError("this Clock is another service's (its state lives in that service's database):"
+                             " give each service a Clock of its own")
+        if self._state != (None, 0.0):  # (a running clock needs no write: a locked database still starts)
+            with db.atomic(durable=False) as conn:
+                conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ? WHERE clock_frozen_at IS NULL"
+                             " AND clock_offset = 0 AND NOT has_start", self._state)
+        self._db = db
+
+    @staticmethod
+    def reading(frozen_at: float | None, offset: float) -> float:
+        """The time a clock in this state shows now."""
+        return frozen_at if frozen_at is not None else time.time() + offset
+
+    def state(self) -> tuple[float | None, float]:
+        """(frozen_at or None, offset): where the clock stands."""
+        if self._db is None:
+            return self._state
+        return tuple(self._db.one("SELECT clock_frozen_at, clock_offset FROM sandbox"))
+
+    def __call__(self) -> float:
+        return self.reading(*self.state())
+
+    @property
+    def frozen(self) -> bool:
+        return self.state()[0] is not None
+
+    def _change(self, move: Callable[[float | None, float], tuple[float | None, float]]) -> None:
+        """Apply ``move`` to the state, atomically (in the database when bound)."""
+        if self._db is None:
+            with self._lock:
+                self._state = move(*self._state)
+            return
+        with self._db.atomic(durable=False) as conn:
+            state = conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone()
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", move(*state))
+
+    def freeze(self, at: float | None = None) -> None:
+        """Stop the clock, at ``at`` (epoch seconds) or now."""
+        at = None if at is None else _clock_time(at)
+        self._change(lambda frozen_at, offset: (self.reading(frozen_at, offset) if at is None else at, offset))
+
+    def set(self, at: float) -> None:
+        """Jump to ``at``; a running clock keeps running from there."""
+        at = _clock_time(at)
+        self._change(lambda frozen_at, offset: (at, offset) if frozen_at is not None else (None, at - time.time()))
+
+    def advance(self, seconds: float) -> None:
+        """Move ``seconds`` forward (negative: back)."""
+        seconds = float(seconds)
+
+        def move(frozen_at: float | None, offset: float) -> tuple[float | None, float]:
+            moved = _clock_time(self.reading(frozen_at, offset) + seconds)
+            return (moved, offset) if frozen_at is not None else (None, moved - time.time())
+        self._change(move)
+
+    def unfreeze(self) -> None:
+        """Run again from the frozen moment."""
+        self._change(lambda frozen_at, offset: (None, frozen_at - time.time()) if frozen_at is not None
+                     else (None, offset))
+
+    def reset(self) -> None:
+        """Back to where it started: the sandbox's starting clock when bound (see
+        ``WalletService.save_start``), else real time, running (or frozen where it was made frozen)."""
+        if self._db is None:
+            self._change(lambda frozen_at, offset: self._start)
+            return
+        with self._db.atomic(durable=False) as conn:
+            start = conn.execute("SELECT clock_frozen_at, clock_offset FROM start_sandbox").fetchone()
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", start or self._start)
+
+
+def _clock_time(at: float) -> float:
+    try:
+        at = float(at)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ValueError(f"{str(at)[:20]}... is outside the clock's range (1970-01-01 to 9999-12-31)") from None
+    if not CLOCK_RANGE[0] <= at <= CLOCK_RANGE[1]:  # NaN fails both comparisons
+        raise ValueError(f"{at!r} is outside the clock's range (1970-01-01 to 9999-12-31)")
+    return at
+
+
+###############################################################################
+# Fault rules ##################################################################
+###############################################################################
+
+FAULT_ACTIONS = ("error", "commit_then_fail", "commit_then_drop", "latency")
+
+
+class Faults:
+    """Fault rules applied to authenticated /api/ requests that match them, kept in the
+    database (DESIGN.md §9): every process serving the file applies the same rules, and a
+    rule with ``times`` fires that many times across all of them.
+
+    ``error`` answers a forced code; ``commit_then_fail`` runs the request (a
+    transfer commits) and answers S500; ``commit_then_drop`` runs it and drops
+    the connection mid-response; ``latency`` only delays. Any rule may add
+    ``latency`` seconds. ``times`` fires a rule that many times (None: always).
+    At most MAX_RULES rules are in force at once.
+    """
+
+    MAX_RULES = 100
+    MAX_TIMES = 2**31  # (None: always)
+    MAX_LATENCY = 60  # seconds
+    STATUSES = (400, 599)  # the statuses a rule may force
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        # (fault_version, the rules, those seen spent) as this process last read them: spent stays spent
+        self._cache: tuple[int, list[dict], set[int]] = (-1, [], set())
+
+    def add(self, *, action: str = "error", method: str = "*", path: str = "*",
+            workspace_id: str | None = None, code: str | None = None, status: int | None = None,
+            latency: float = 0.0, times: int | None = None, query: Mapping | None = None,
+            headers: Mapping | None = None, body: Mapping | None = None) -> dict:
+        """Add a rule (see the class); the rule as stored, with its ``id``. ``query``,
+        ``headers`` and ``body`` match as in ``request_misses``."""
+        if action not in FAULT_ACTIONS:
+            raise invalid("action", "one_of", choices=", ".join(FAULT_ACTIONS))
+        if action == "error":
+            if isinstance(code, str) and not 1 <= len(code) <= 64:
+                raise invalid("code", "length", maximum=64)
+            code = code or "S500"
+            known = ERRORS_BY_CODE.get(code)
+            if known is None and status is None:
+                raise invalid("status", "required")
+            status = status or known.status
+        for name, value in (("method", method), ("path", path), ("code", code)):
+            if value is not None and not isinstance(value, str):
+                raise invalid(name, "string")
+        if status is not None and not (isinstance(status, int) and self.STATUSES[0] <= status <= self.STATUSES[1]):
+            raise invalid("status", "one_of", choices=f"{self.STATUSES[0]}-{self.STATUSES[1]}")
+        if not isinstance(latency, (int, float)) or not 0 <= latency <= self.MAX_LATENCY:
+            raise invalid("latency", "one_of", choices=f"0-{self.MAX_LATENCY} seconds")
+        if times is not None and not (isinstance(times, int) and not isinstance(times, bool) and times >= 1):
+            raise invalid("times", "minimum", minimum=1)
+        if times is not None and times > self.MAX_TIMES:
+            raise invalid("times", "maximum", maximum=self.MAX_TIMES)
+        for name, value in (("query", query), ("headers", headers), ("body", body)):
+            if value is not None and not isinstance(value, dict):
+                raise invalid(name, "type", kinds="object")
+        rule = {"action": action, "method": method.upper(), "path": path, "workspaceId": workspace_id,
+                "code": code, "status": status, "latency": float(latency), "times": times, "query": query,
+                "headers": headers, "body": body}
+        with self.db.atomic(durable=False) as conn:
+            count, number = conn.execute("SELECT fault_rules, fault_next + 1 FROM sandbox").fetchone()
+            if count >= self.MAX_RULES:
+                raise invalid("faults", "too_many", maximum=self.MAX_RULES)
+            conn.execute("INSERT INTO fault_rules (id, rule, times) VALUES (?, ?, ?)",
+                         (number, json.dumps(rule), times))
+            conn.execute("UPDATE sandbox SET fault_rules = fault_rules + 1, fault_next = ?,"
+                         " fault_version = fault_version + 1", (number,))
+        return {"id": f"fault_{number}", **rule, "fired": 0}
+
+    def rules(self) -> list[dict]:
+        """The rules in force, in the order they are tried, each with how often it ``fired``."""
+        with self.db.connection() as conn:
+            rows = conn.execute("SELECT id, rule, fired FROM fault_rules ORDER BY id").fetchall()
+        return [{"id": f"fault_{number}", **json.loads(rule), "fired": fired} for number, rule, fired in rows]
+
+    def remove(self, fault_id: str) -> None:
+        """Remove one rule; S404 if there is none with that id."""
+        number = fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_") else ""
+        with self.db.atomic(durable=False) as conn:
+            if not number.isdigit() or not conn.execute("DELETE FROM fault_rules WHERE id = ?",
+                                                        (int(number[:18]),)).rowcount:
+                raise not_found("fault rule")
+            conn.execute("UPDATE sandbox SET fault_rules = fault_rules - 1, fault_version = fault_version + 1")
+
+    def clear(self) -> None:
+        """Remove every rule; ids start again from fault_1."""
+        with self.db.atomic(durable=False) as conn:
+            conn.execute("DELETE FROM fault_rules")
+            conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0, fault_version = fault_version + 1")
+
+    def take(self, method: str, path: str, workspace_id: str,
+             request: Callable[[], Mapping[str, Any]] = dict) -> dict | None:
+        """The first rule matching this request that is not spent, counted as fired (once,
+        across processes: the count is taken in the database). A spent rule (fired ``times``
+        times) stays listed with its count."""
+        _, rules, spent = self._rules()
+        for rule in rules:
+            if rule["number"] in spent or not (
+                    rule["method"] in ("*", method) and fnmatch.fnmatchcase(path, rule["path"])
+                    and rule["workspaceId"] in (None, workspace_id)):
+                continue
+            matchers = {"query": rule["query"], "headers": rule["headers"], "body": rule["body"]}
+            if any(value is not None for value in matchers.values()) and request_misses(request(), matchers):
+                continue
+            fired = self.db.write("UPDATE fault_rules SET fired = fired + 1 WHERE id = ?"
+                                  " AND (times IS NULL OR fired < times)", (rule["number"],), durable=False)
+            if fired:
+                return rule
+            spent.add(rule["number"])  # (the set of this version of the rules)
+        return None
+
+    def _rules(self) -> tuple[int, list[dict], set[int]]:
+        """The rules in force, read again only when another change made them stale."""
+        with self.db.snapshot() as conn:
+            version = conn.execute("SELECT fault_version FROM sandbox").fetchone()[0]
+            if version != self._cache[0]:
+                rows = conn.execute("SELECT id, rule FROM fault_rules ORDER BY id").fetchall()
+                rules = [{**json.loads(rule), "id": f"fault_{number}", "number": number} for number, rule in rows]
+                self._cache = (version, rules, set())
+        return self._cache
+
+
+def forced_error(rule: dict) -> WalletError:
+    """The error a fault rule forces: the catalog's, or an ad-hoc code and status."""
+    known = ERRORS_BY_CODE.get(rule["code"])
+    if known is not None and known.status == rule["status"]:
+        return known(text=f"Forced by fault rule {rule['id']}.")
+    cls = type("ForcedError", (WalletError,), {"code": rule["code"], "name": known.name if known else "FORCED_ERROR",
+                                               "status": rule["status"]})
+    return cls(text=f"Forced by fault rule {rule['id']}.")
+
+
+###############################################################################
+# Request journal ##############################################################
+###############################################################################
+
+class JournalEntry(NamedTuple):
+    """One request as the journal keeps it (before capping): epoch ms, the path and canonical
+    message as raw bytes, the headers as (name, value) pairs."""
+
+    at: int
+    method: str
+    path: bytes
+    query: str
+    api_key: str | None
+    status: int
+    code: str | None
+    canonical: bytes | None  # the canonical message the server computed
+    signature: str  # valid, invalid or unchecked
+    replayed: bool  # an idempotent replay
+    headers: tuple
+    body: bytes
+    response_body: bytes
+    elapsed_ms: float
+    diagnosis: str | None  # the signing mistake a GA2012 matched
+
+
+class Journal:
+    """The last ``size`` requests the API surface received, in the database (DESIGN.md §9),
+    with assertion helpers: every process serving the file writes and reads the same journal.
+
+    Each entry as read: seq (increasing), at, method, path (raw, as sent),
+    query, apiKey, status, code, canonicalMessage (as the server computed it),
+    signature (valid, invalid or unchecked), replayed (an idempotent replay),
+    headers (as received), body, responseBody, elapsedMs and diagnosis. Each
+    field a client controls is cut at FIELD_BYTES, the headers together too
+    (a cut one says how much was cut), so an entry holds at most ENTRY_BYTES
+    and the journal at most ``size`` x ENTRY_BYTES, whatever arrives.
+    """
+
+    FIELD_BYTES = 2048
+    ENTRY_BYTES = 9 * FIELD_BYTES  # seven capped fields, the headers, and the short fixed ones
+    FIELDS = ("at", "method", "path", "query", "apiKey", "status", "code", "canonicalMessage", "signature",
+              "replayed", "headers", "body", "responseBody", "elapsedMs", "diagnosis")
+    _INSERT = ("INSERT INTO journal (seq, at, method, path, query, api_key, status, code, canonical, signature,"
+               " replayed, headers, body, response_body, elapsed_ms, diagnosis)"
+               " VALUES (coalesce((SELECT max(seq) FROM journal), (SELECT journal_floor FROM sandbox)) + 1,"
+               " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    TRIM_EVERY = 32  # entries between trims of a large journal (measured: a trim per insert costs 15 us)
+
+    def __init__(self, db: Database, size: int) -> None:
+        self.db = db
+        self.size = size
+        self.enabled = size > 0
+
+    def record(self, entry: JournalEntry, conn: sqlite3.Connection | None = None) -> None:
+        """Keep ``entry`` (in ``conn``'s transaction, or in one of its own without a disk sync)
+        and forget the oldest beyond ``size``."""
+        if not self.enabled:
+            return
+        cap = self.FIELD_BYTES
+        values = (entry.at, _capped(entry.method, cap), _capped(entry.path, cap), _capped(entry.query, cap),
+                  _capped(entry.api_key, cap), entry.status, entry.code, _capped(entry.canonical, cap),
+                  entry.signature, int(entry.replayed), _capped_headers(entry.headers, cap),
+                  _capped(entry.body, cap), _capped(entry.response_body, cap), entry.elapsed_ms, entry.diagnosis)
+        if conn is not None:
+            self._insert(conn, values)
+            return
+        with self.db.atomic(durable=False) as own:
+            self._insert(own, values)
+
+    def _insert(self, conn: sqlite3.Connection, values: tuple) -> None:
+        seq = conn.execute(self._INSERT, values).lastrowid
+        if seq > self.size and (self.size < 2 * self.TRIM_EVERY or seq % self.TRIM_EVERY == 0):
+            conn.execute("DELETE FROM journal WHERE seq <= ?", (seq - self.size,))
+
+    def clear(self) -> None:
+        """Forget every entry (seq goes on from where it was)."""
+        with self.db.atomic(durable=False) as conn:
+            _empty_journal(conn)
+
+    def entries(self, method: str | None = None, path: str | None = None, *, after: int | None = None,
+                **criteria: Any) -> list[dict]:
+        """Entries, oldest first, that match (``request_misses``): ``path`` may be a glob
+        (``/api/v1/wallets/*``); ``query``, ``headers``, ``body`` (a JSON subset), ``code``;
+        ``after``: only entries whose seq is greater."""
+        sql = "SELECT * FROM journal WHERE seq > ? AND seq > (SELECT max(seq) FROM journal) - ?"
+        params = [min(after or 0, 1 << 62), self.size]  # (up to TRIM_EVERY more are kept until the next trim)
+        if method not in (None, "*"):
+            sql += " AND method = ?"
+            params.append(method.upper())
+        with self.db.connection() as conn:
+            rows = conn.execute(sql + " ORDER BY seq", params).fetchall()
+        wanted = {"method": method, "path": path, **criteria}
+        return [entry for entry in map(_journal_entry, rows) if not request_misses(entry, wanted)]
+
+    def assert_called(self, method: str | None = None, path: str | None = None, *, times: int | None = None,
+                      at_least: int | None = None, never: bool = False, **criteria: Any) -> list[dict]:
+        """Fail unless matching requests were received: at least once, or exactly ``times``,
+        ``at_least`` so many, or ``never``. The failure lists the closest entries and what
+        differed, the way WireMock shows near misses."""
+        calls = self.entries(method, path, **criteria)
+        if never:
+            times = 0
+        if times is not None:
+            passed, wanted = len(calls) == times, f"{times} time(s)"
+        else:
+            at_least = 1 if at_least is None else at_least
+            passed, wanted = len(calls) >= at_least, f"at least {at_least} time(s)"
+        if not passed:
+            raise AssertionError(self.describe_miss(wanted, len(calls), {"method": method, "path": path, **criteria}))
+        return calls
+
+    def assert_not_called(self, method: str | None = None, path: str | None = None, **criteria: Any) -> None:
+        """Fail if a matching request was received."""
+        self.assert_called(method, path, never=True, **criteria)
+
+    def describe_miss(self, wanted: str, got: int, criteria: Mapping[str, Any]) -> str:
+        shown = " ".join(f"{name}={value!r}" for name, value in criteria.items() if value is not None)
+        near = sorted(((request_misses(entry, criteria), entry) for entry in self.entries()),
+                      key=lambda pair: len(pair[0]))[:3]
+        lines = [f"  {e['method']} {e['path']} -> {e['status']} {e['code']}: "
+                 f"{'; '.join(misses) or 'matches'}" for misses, e in near] or ["  (the journal is empty)"]
+        return f"expected a request with {shown} {wanted}, got {got}; the closest entries:\n" + "\n".join(lines)
+
+
+def _empty_journal(conn: sqlite3.Connection) -> None:
+    conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor, coalesce((SELECT max(seq) FROM journal), 0))")
+    conn.execute("DELETE FROM journal")
+
+
+def _journal_entry(row: sqlite3.Row) -> dict:
+    """A journal row as the Python API and /_admin/journal show it."""
+    return {"seq": row["seq"], "at": iso_time(row["at"]), "method": row["method"],
+            "path": bytes(row["path"]).decode("latin-1"), "query": row["query"], "apiKey": row["api_key"],
+            "status": row["status"], "code": row["code"],
+            "canonicalMessage": None if row["canonical"] is None else bytes(row["canonical"]).decode("latin-1"),
+            "signature": row["signature"], "replayed": bool(row["replayed"]),
+            "headers": dict(json.loads(row["headers"])),
+            "body": bytes(row["body"]).decode("utf-8", "replace"),
+            "responseBody": bytes(row["response_body"]).decode("utf-8", "replace"),
+            "elapsedMs": row["elapsed_ms"], "diagnosis": row["diagnosis"]}
+
+
+def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
+    """The headers as a JSON list of pairs, names and values together cut at ``limit`` characters."""
+    kept, left, dropped = [], limit, 0
+    for name, value in headers:
+        if left <= 0:
+            dropped += 1
+            continue
+        name, value = name[:left], _capped(value, max(left - len(name), 0))
+        kept.append((name, value))
+        left -= len(name) + len(value)
+    if dropped:
+        kept.append(("X-Walletsvc-Cut", f"{dropped} more header(s)"))
+    return _JSON.encode(kept)
+
+
+def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> list[str]:
+    """What of ``criteria`` a request (a journal entry's shape) does not match; empty: a match.
+
+    The matchers journal assertions and fault rules share: ``method``, ``path``
+    (a glob), ``query`` and ``headers`` (name: value; header names in any
+    case), ``body`` (a subset of the JSON body) and ``code`` (journal only).
+    """
+    misses = []
+    method, path = criteria.get("method"), criteria.get("path")
+    if method not in (None, "*") and request["method"] != method.upper():
+        misses.append(f"method is {request['method']}")
+    if path is not None and not fnmatch.fnmatchcase(request["path"], path):
+        misses.append(f"path is {request['path']}")
+    if criteria.get("query"):
+        received = parse_query_string(request.get("query") or "")
+        for name, value in criteria["query"].items():
+            got = (received.get(name) or [None])[0]
+            if got != str(value):
+                misses.append(f"query {name} is {got!r}")
+    if criteria.get("headers"):
+        received = {name.lower(): value for name, value in (request.get("headers") or {}).items()}
+        for name, value in criteria["headers"].items():
+            if received.get(name.lower()) != str(value):
+                misses.append(f"header {name} is {received.get(name.lower())!r}")
+    if criteria.get("body") is not None:
+        try:
+            document = json.loads(request.get("body") or "null")
+            matched = _json_subset(criteria["body"], document)
+        except (ValueError, RecursionError):  # however deep, a body that cannot be read does not match
+            matched = False
+        if not matched:
+            misses.append(f"body is {(request.get('body') or '')[:120]!r}")
+    if criteria.get("code") is not None and request.get("code") != str(criteria["code"]):
+        misses.append(f"code is {request.get('code')}")
+    return misses
+
+
+def _json_subset(expected: Any, actual: Any) -> bool:
+    if isinstance(expected, dict):
+        return isinstance(actual, dict) and all(
+            name in actual and _json_subset(value, actual[name]) for name, value in expected.items())
+    return expected == actual
+
+
+def _capped(value: Any, limit: int) -> Any:
+    """``value`` (bytes or str) cut to ``limit``, marked with how much was cut."""
+    if isinstance(value, (bytes, str)) and len(value) > limit:
+        marker = f"...[{len(value) - limit} more]"
+        return value[:limit] + (marker.encode() if isinstance(value, bytes) else marker)
+    return value
+
+
+###############################################################################
+# Scenarios and the starting state #############################################
+###############################################################################
+
+# The tables of the sandbox's world, parents first: what save_start copies and reset restores.
+_STARTING_STATE = ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "ledger_clock", "counters")
+
+
+# Scenarios (DESIGN.md §9): a declared world, as a dict (from TOML, JSON or Python). Each
+# object's fields and what each holds; a field not listed is refused.
+_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+_SCENARIO_OBJECTS: Mapping[str, Mapping[str, str]] = {
+    "scenario": {"workspaces": "list", "clock": "object", "settings": "object"},
+    "clock": {"at": "time", "frozen": "boolean"},
+    "workspaces": {"id": "ws_", "name": "name", "members": "list", "keys": "list", "wallets": "list"},
+    "members": {"id": "mem_", "name": "name"},
+    "keys": {"id": "ak_", "secret": "secret", "scopes": "scopes", "member": "string", "ipWhitelist": "networks"},
+    "wallets": {"id": "wal_", "name": "wallet_name", "currency": "currency", "balance": "amount", "status": "status"},
+}
+_SCENARIO_REQUIRED = {"scenario": ("workspaces",), "workspaces": ("name",), "members": ("name",),
+                      "wallets": ("name", "currency")}
+
+
+def check_scenario(scenario: Any, kind: str = "scenario", where: str = "") -> dict:
+    """The scenario, checked: S012 naming the first wrong field by its path
+    (``workspaces[0].wallets[2].currency``); a fixed id used twice is refused too."""
+    if not isinstance(scenario, Mapping):
+        raise invalid(where or "scenario", "type", kinds="object")
+    fields = _SCENARIO_OBJECTS[kind]
+    for name in scenario:
+        if name not in fields:
+            raise invalid(f"{where}{'.' if where else ''}{name}", "unknown_field")
+    for name in _SCENARIO_REQUIRED.get(kind, ()):
+        if scenario.get(name) is None:
+            raise invalid(f"{where}{'.' if where else ''}{name}", "required")
+    for name, value in scenario.items():
+        _check_scenario_value(value, fields[name], f"{where}{'.' if where else ''}{name}", name)
+    if kind == "wallets" and scenario.get("balance") is not None:
+        parse_amount(scenario["balance"], scenario["currency"], f"{where}.balance")
+    if kind == "members" and scenario["name"] == "owner":
+        raise invalid(f"{where}.name", "taken", value="owner")
+    if kind == "scenario":
+        ids = [item["id"] for workspace in scenario["workspaces"]
+               for item in [workspace, *(item for part in ("members", "keys", "wallets")
+                                         for item in workspace.get(part, ()))] if item.get("id")]
+        twice = next((item for item in ids if ids.count(item) > 1), None)
+        if twice:
+            raise invalid("id", "taken", value=twice)
+        if scenario.get("settings"):
+            Settings().replace(**scenario["settings"])  # a wrong one is a ValueError naming it
+    return dict(scenario)
+
+
+def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
+    if kind == "list":
+        if not isinstance(value, list):
+            raise invalid(field, "array")
+        for index, item in enumerate(value):
+            check_scenario(item, name, f"{field}[{index}]")
+    elif kind in ("object", "boolean", "string"):
+        if not _JSON_TYPES[kind](value):
+            raise invalid(field, kind if kind != "object" else "type", kinds="object")
+        if kind == "object" and name == "clock":
+            check_scenario(value, "clock", field)
+    elif kind.endswith("_"):  # an id with its type prefix
+        if not isinstance(value, str) or not value.startswith(kind) or not _ID.fullmatch(value):
+            raise invalid(field, "scenario_id", prefix=kind)
+    elif kind == "name":
+        _text(value, field, NAME_MAX)
+    elif kind == "wallet_name":
+        _text(value, field, NAME_MAX, minimum=0)
+    elif kind == "secret":
+        if not isinstance(value, str) or not _NONCE.fullmatch(value):  # printable ASCII, no whitespace
+            raise invalid(field, "secret")
+    elif kind == "scopes":
+        if not isinstance(value, list) or not value or any(scope not in SCOPES for scope in value):
+            raise invalid(field, "one_of", choices=", ".join(SCOPES))
+    elif kind == "networks":
+        if not isinstance(value, list):
+            raise invalid(field, "array")
+        for entry in value:
+            try:
+                parse_network(entry)
+            except ValueError:
+                raise invalid(field, "ip", value=str(entry)[:60]) from None
+    elif kind == "currency":
+        currency_exponent(value, field)
+    elif kind == "amount":
+        if not isinstance(value, str):
+            raise invalid(field, "scenario_amount")
+    elif kind == "status":
+        if value not in WALLET_STATUSES:
+            raise invalid(field, "one_of", choices=", ".join(WALLET_STATUSES))
+    elif kind == "time":
+        admin_time(value, field)
+
+
+DEMO_WORKSPACE = "walletsvc demo"
+# The built-in scenario: `walletsvc serve --demo` and the pytest sandbox start from it.
+DEMO_SCENARIO: Mapping[str, Any] = {"workspaces": [{
+    "name": DEMO_WORKSPACE, "keys": [{"scopes": list(SCOPES)}],
+    "wallets": [{"name": "alice", "currency": "USD", "balance": "1000.00"},
+                {"name": "bob", "currency": "USD", "balance": "1000.00"},
+                {"name": "yen", "currency": "JPY", "balance": "100000"}]}]}
+
+
+class WalletService(Ledger):
+    """The service: admin API, wallets, ledger and transfers over one SQLite database,
+    with the sandbox's state in that database too (DESIGN.md §9): the clock when it is
+    a Clock, the id seed, the journal, the fault rules and the starting state.
+
+    Thread-safe, and safe for several processes sharing one database file.
+    Every method returns plain dicts shaped like the HTTP API's JSON and raises
+    WalletError subclasses carrying the catalog's code, name and status.
+    """
+
+    def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
+                 clock: Callable[[], float] | None = None, **setting_values: Any) -> None:
+        super().__init__(database, settings=settings, clock=clock, **setting_values)
+        if isinstance(self.clock, Clock):  # the sandbox's clock lives in the database (DESIGN.md §9)
+            self.clock.bind(self.db)
+        self.journal = Journal(self.db, self.settings.journal_size)
+        self.faults = Faults(self.db)
+        seed = self.settings.id_seed
+        if seed is not None and self.db.one("SELECT id_seed FROM sandbox")[0] != seed:  # a restart keeps its place
+            with self.db.atomic(durable=False) as conn:
+                conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0 WHERE id_seed IS NOT ?",
+                             (self.settings.id_seed, self.settings.id_seed))
+
+    def clock_at(self, frozen_at: float | None, offset: float) -> float:
+        """The service clock, given the sandbox's clock state as read from the database
+        (in a query that needed reading anyway): a bound Clock's reading, else the clock's."""
+        return Clock.reading(frozen_at, offset) if isinstance(self.clock, Clock) else self.clock()
+
+    def seed_ids(self, seed: int | None) -> None:
+        """Make the ids and secrets that follow a repeatable sequence of ``seed`` (None:
+        random again), as the ``id_seed`` setting does from the start. Seeded or not, an id
+        sorts after every id already issued in this database. Tests only."""
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise invalid("seed", "integer")
+        if seed is not None and not -2**63 <= seed < 2**63:
+            raise invalid("seed", "too_large")
+        with self.db.atomic(durable=False) as conn:
+            conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0", (seed,))
+
+    # The starting state ######################################################
+
+    def save_start(self) -> None:
+        """Make the state as it is now the starting state that ``reset`` returns to
+        (DESIGN.md §9): every workspace, member, key, wallet, order and flow, the
+        clock and the id sequence. ``walletsvc serve --demo`` and the pytest
+        sandbox call it once their world is seeded."""
+        with self.db.atomic() as conn:
+            for table in _STARTING_STATE:
+                conn.execute(f"DELETE FROM start_{table}")
+                conn.execute(f"INSERT INTO start_{table} SELECT * FROM {table}")
+            conn.execute("DELETE FROM start_sandbox")
+            conn.execute("INSERT INTO start_sandbox SELECT clock_frozen_at, clock_offset, id_seed, id_drawn"
+                         " FROM sandbox")
+            conn.execute("UPDATE sandbox SET has_start = 1")
+            conn.execute("DELETE FROM world_starts")  # every workspace is a world that can be reset alone
+            for (workspace_id,) in conn.execute("SELECT id FROM workspaces").fetchall():
+                self._save_world(conn, workspace_id)
+
+    def reset(self) -> None:
+        """Back to the starting state (``save_start``; without one, an empty database), in
+        one transaction: the same workspaces, keys, secrets, wallets and balances, the
+        clock and the id sequence as they started; no journal, no fault rules, no nonce
+        records. A busy database or a crash leaves it as it was or reset, never between."""
+        with self.db.atomic() as conn:
+            _empty_journal(conn)
+            for table in (*reversed(_STARTING_STATE), "nonces", "nonce_spans", "fault_rules"):
+                conn.execute(f"DELETE FROM {table}")
+            for table in _STARTING_STATE:
+                if table == "counters":  # the triggers counted the rows in again: the saved counts instead
+                    conn.execute("DELETE FROM counters")
+                conn.execute(f"INSERT INTO {table} SELECT * FROM start_{table}")
+            if conn.execute("SELECT 1 FROM ledger_clock").fetchone() is None:
+                conn.execute("INSERT INTO ledger_clock (last_ms, last_id) VALUES (0, '')")
+            start = conn.execute("SELECT clock_frozen_at, clock_offset, id_seed, id_drawn FROM start_sandbox"
+                                 " WHERE (SELECT has_start FROM sandbox)").fetchone()
+            if start is None:
+                clock_start = self.clock._start if isinstance(self.clock, Clock) else (None, 0.0)
+                start = (*clock_start, self.settings.id_seed, 0)
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?, id_seed = ?, id_drawn = ?,"
+                         " fault_rules = 0, fault_version = fault_version + 1, fault_next = 0", tuple(start))
+            conn.execute("DELETE FROM world_starts WHERE workspace_id NOT IN (SELECT id FROM workspaces)")
+
+    # Worlds: scenarios, instantiated side by side (DESIGN.md §9) ##############
+
+    def load_scenario(self, scenario: Mapping[str, Any], *, fresh_ids: bool = False) -> dict:
+        """Make a scenario's workspaces, members, keys and wallets (with their balances and
+        statuses) in one transaction; each workspace becomes a world ``reset_workspace``
+        returns to. With ``fresh_ids`` the ids and secrets the scenario fixes are ignored:
+        a second copy beside the first (``POST /_admin/scenarios``). Returns the world:
+        ``{"workspaces": [{..., "members", "keys" (with secrets), "wallets"}]}``."""
+        scenario = check_scenario(scenario)
+        made = []
+        with self.writing() as (conn, now):
+            for index, spec in enumerate(scenario["workspaces"]):
+                made.append(self._load_workspace(conn, now, spec, f"workspaces[{index}]", fresh_ids))
+            for workspace_id in made:
+                self._save_world(conn, workspace_id)
+        return {"workspaces": [self.describe_world(workspace_id) for workspace_id in made]}
+
+    def _load_workspace(self, conn: sqlite3.Connection, now: int, spec: Mapping[str, Any], where: str,
+                        fresh_ids: bool) -> str:
+        def fixed(item: Mapping[str, Any], prefix: str, field: str) -> str:
+            wanted = None if fresh_ids else item.get("id")
+            if wanted is None:
+                return self.new_id(prefix, now)
+            for table in ("workspaces", "members", "api_keys", "wallets"):
+                if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone():
+                    raise invalid(f"{field}.id", "taken", value=wanted)
+            return wanted
+
+        workspace_id = fixed(spec, "ws_", where)
+        conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)", (workspace_id, spec["name"], now))
+        members = {"owner": self.new_id("mem_", now)}
+        conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, 'owner', 'OWNER', ?)",
+                     (members["owner"], workspace_id, now))
+        for index, member in enumerate(spec.get("members", ())):
+            member_id = members[member["name"]] = fixed(member, "mem_", f"{where}.members[{index}]")
+            members.setdefault(member_id, member_id)
+            if member.get("id"):  # a key may name its member by the id the scenario gave it
+                members[member["id"]] = member_id
+            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, ?, 'MEMBER', ?)",
+                         (member_id, workspace_id, member["name"], now))
+        for index, key in enumerate(spec.get("keys", ())):
+            field = f"{where}.keys[{index}]"
+            member_id = members.get(key.get("member", "owner"))
+            if member_id is None:
+                raise invalid(f"{field}.member", "one_of", choices=", ".join(members))
+            secret = None if fresh_ids else key.get("secret")
+            conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist, created_at)"
+                         " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                         (fixed(key, "ak_", field), secret or self.new_secret(), workspace_id, member_id,
+                          " ".join(key.get("scopes", SCOPES)),
+                          json.dumps(key["ipWhitelist"]) if key.get("ipWhitelist") is not None else None, now))
+        for index, wallet in enumerate(spec.get("wallets", ())):
+            wallet_id = fixed(wallet, "wal_", f"{where}.wallets[{index}]")
+            conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at, updated_at)"
+                         " VALUES (?, ?, ?, ?, 'ACTIVE', ?, ?)",
+                         (wallet_id, workspace_id, wallet["name"], wallet["currency"], now, now))
+            if wallet.get("balance") is not None:
+                self.deposit(wallet_id, wallet["balance"])
+            if wallet.get("status", "ACTIVE") != "ACTIVE":
+                conn.execute("UPDATE wallets SET status = ? WHERE id = ?", (wallet["status"], wallet_id))
+        return workspace_id
+
+    def start_scenario(self) -> dict:
+        """The scenario this sandbox started from (``start_world``), else the built-in DEMO_SCENARIO."""
+        row = self.db.one("SELECT body FROM start_scenario")
+        return json.loads(row[0]) if row else dict(DEMO_SCENARIO)
+
+    def describe_world(self, workspace_id: str) -> dict:
+        """A workspace with its members, keys (secrets included: this is the sandbox's) and wallets."""
+        with self.db.snapshot() as conn:
+            workspace = workspace_resource(self._workspace(conn, workspace_id))
+            keys = conn.execute("SELECT * FROM api_keys WHERE workspace_id = ? ORDER BY created_at, rowid",
+                                (workspace_id,)).fetchall()
+            wallets = conn.execute("SELECT * FROM wallets WHERE workspace_id = ? ORDER BY created_at, rowid",
+                                   (workspace_id,)).fetchall()
+        return {**workspace, "members": self.list_members(workspace_id),
+                "keys": [{**api_key_resource(row), "secret": row["secret"]} for row in keys],
+                "wallets": [wallet_resource(row) for row in wallets]}
+
+    def reset_workspace(self, workspace_id: str) -> dict:
+        """Return one workspace to the state its world began in (``load_scenario``, or the
+        saved starting state), in one transaction: its members, keys, wallets, orders and
+        flows; its keys' journal entries and its fault rules go (the nonce records stay: a
+        request captured before is refused after). Other workspaces, and the clock, are
+        untouched. S404 for a workspace no world began with."""
+        with self.db.atomic() as conn:
+            saved = conn.execute("SELECT rows FROM world_starts WHERE workspace_id = ?", (workspace_id,)).fetchone()
+            if saved is None:
+                raise not_found("world")
+            saved, current = json.loads(saved[0]), self._world_rows(conn, workspace_id)
+            keys = sorted({row[0] for rows in (saved, current) for row in rows["api_keys"]})
+            gone = sorted({row[0] for row in current["api_keys"]} - {row[0] for row in saved["api_keys"]})
+            wallets = sorted({row[0] for rows in (saved, current) for row in rows["wallets"]})
+            key_marks, wallet_marks = ", ".join("?" * len(keys)), ", ".join("?" * len(wallets))
+            conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
+                         " coalesce((SELECT max(seq) FROM journal), 0))")  # seq never goes back
+            for sql, params in ((f"DELETE FROM flows WHERE wallet_id IN ({wallet_marks})", wallets),
+                                ("DELETE FROM transfers WHERE workspace_id = ?", [workspace_id]),
+                                ("DELETE FROM wallets WHERE workspace_id = ?", [workspace_id]),
+                                # the nonce records of the keys that stay stay (the clock was not reset):
+                                # a request captured before the reset is refused after it
+                                (f"DELETE FROM nonces WHERE api_key IN ({', '.join('?' * len(gone))})", gone),
+                                (f"DELETE FROM journal WHERE api_key IN ({key_marks})", keys),
+                                ("DELETE FROM api_keys WHERE workspace_id = ?", [workspace_id]),
+                                ("DELETE FROM members WHERE workspace_id = ?", [workspace_id]),
+                                ("DELETE FROM workspaces WHERE id = ?", [workspace_id]),
+                                ("DELETE FROM fault_rules WHERE json_extract(rule, '$.workspaceId') = ?",
+                                 [workspace_id])):
+                conn.execute(sql, params)
+            for table in ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "counters"):
+                if table == "counters":  # the triggers counted the rows in again: the saved counts instead
+                    owners = [workspace_id, *wallets]
+                    conn.execute(f"DELETE FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})", owners)
+                for row in saved[table]:
+                    conn.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
+            conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
+                         " fault_version = fault_version + 1")
+        return self.describe_world(workspace_id)
+
+    @staticmethod
+    def _world_rows(conn: sqlite3.Connection, workspace_id: str) -> dict:
+        """Every row of one workspace's world, table by table, as lists of column values."""
+        wallets = [row[0] for row in conn.execute("SELECT id FROM wallets WHERE workspace_id = ?", (workspace_id,))]
+        marks = ", ".join("?" * len(wallets))
+        queries = {table: (f"SELECT * FROM {table} WHERE {column} = ?", [workspace_id]) for table, column in (
+            ("workspaces", "id"), ("members", "workspace_id"), ("api_keys", "workspace_id"),
+            ("wallets", "workspace_id"), ("transfers", "workspace_id"))}
+        queries["flows"] = (f"SELECT * FROM flows WHERE wallet_id IN ({marks})", wallets)
+        owners = [workspace_id, *wallets]
+        queries["counters"] = (f"SELECT * FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})", owners)
+        return {table: [list(row) for row in conn.execute(sql, params)] for table, (sql, params) in queries.items()}
+
+    def _save_world(self, conn: sqlite3.Connection, workspace_id: str) -> None:
+        conn.execute("INSERT OR REPLACE INTO world_starts (workspace_id, rows) VALUES (?, ?)",
+                     (workspace_id, json.dumps(self._world_rows(conn, workspace_id))))
+
+
+def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
+    """A scenario from a TOML or JSON file (``.json``: JSON, else TOML), or a dict as it is,
+    checked (``check_scenario``). A file that cannot be read or parsed, or a wrong field, is a
+    ValueError naming the file, the line and the field."""
+    if isinstance(source, Mapping):
+        return check_scenario(source)
+    path = os.fspath(source)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"scenario {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        scenario = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"scenario {path}: line {exc.lineno}: {exc.msg}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"scenario {path}: {exc}") from None
+    try:
+        return check_scenario(scenario)
+    except InvalidParameter as exc:
+        try:
+            line = _line_of(text, scenario, exc.params["field"])
+        except (LookupError, TypeError, ValueError):  # a field path it cannot follow: no line, still the field
+            line = None
+        raise ValueError(f"scenario {path}: {f'line {line}: ' if line else ''}{exc.detail()}") from None
+
+
+def _line_of(text: str, scenario: Any, field: str) -> int | None:
+    """The line of ``field`` (``workspaces[0].wallets[2].currency``) in the file it was read from:
+    the n-th line that sets a key of its name, n counted in document order; for a missing
+    field, the line of its object's first key."""
+    steps = [int(index) if index else name for name, index in re.findall(r"([A-Za-z_]\w*)|\[(\d+)\]", field)]
+    key, parent = steps[-1], scenario
+    for step in steps[:-1]:
+        parent = parent[step] if isinstance(parent, (dict, list)) else None
+    if isinstance(parent, dict) and key not in parent:  # a required field missing: where its object starts
+        if not parent or not steps[:-1]:
+            return None
+        path = "".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in steps[:-1]).lstrip(".")
+        return _line_of(text, scenario, f"{path}.{next(iter(parent))}")
+    count, found = 0, False
+
+    def walk(node: Any) -> None:
+        nonlocal count, found
+        if found:
+            return
+        if isinstance(node, dict):
+            for name, value in node.items():
+                if name == key:
+                    if node is parent:
+                        found = True
+                        return
+                    count += 1
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+    walk(scenario)
+    lines = [number for number, line in enumerate(text.splitlines(), 1)
+             if re.match(rf"\s*\"?{re.escape(str(key))}\"?\s*[=:]", line)]
+    return lines[count] if found and count < len(lines) else None
+
+
+def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
+    """The sandbox's world at start: on a database without a saved starting state, load
+    ``scenario`` (unless its first workspace is there already), set the scenario's clock
+    and save the starting state; then the workspaces it started with, described."""
+    with svc.db.atomic() as conn:
+        if not conn.execute("SELECT has_start FROM sandbox").fetchone()[0]:
+            name = scenario["workspaces"][0]["name"] if scenario["workspaces"] else None
+            if conn.execute("SELECT 1 FROM workspaces WHERE name = ? AND deleted_at IS NULL",
+                            (name,)).fetchone() is None:
+                svc.load_scenario(scenario)
+                conn.execute("DELETE FROM start_scenario")
+                conn.execute("INSERT INTO start_scenario (body) VALUES (?)", (json.dumps(scenario, default=str),))
+                clock = scenario.get("clock")
+                if clock and clock.get("at") is not None and isinstance(svc.clock, Clock):
+                    at = admin_time(clock["at"], "clock.at")
+                    (svc.clock.freeze if clock.get("frozen", True) else svc.clock.set)(at)
+            svc.save_start()  # (a world an older walletsvc made starts from where it is)
+        else:
+            stored = conn.execute("SELECT body FROM start_scenario").fetchone()
+            if stored is not None and json.loads(stored[0]) != json.loads(json.dumps(scenario, default=str)):
+                log.warning("this database started from another scenario, and resets to it: a new scenario"
+                            " needs a new database (--db)")
+        started = [row[0] for row in conn.execute("SELECT id FROM start_workspaces WHERE deleted_at IS NULL"
+                                                  " ORDER BY created_at, id")]
+    return [svc.describe_world(workspace_id) for workspace_id in started]
+
+
+def seed_demo(svc: WalletService) -> dict:
+    """The demo (DEMO_SCENARIO, ``start_world``): its key, secret and wallet ids."""
+    return _first_key(start_world(svc, DEMO_SCENARIO))
+
+
+def _first_key(world: list[dict]) -> dict:
+    """What the banner shows of a world: the first key with its secret, and the first workspace's wallets."""
+    workspace = world[0] if world else {"keys": [], "wallets": []}
+    key = workspace["keys"][0] if workspace["keys"] else {"apiKey": None, "secret": None}
+    return {"apiKey": key["apiKey"], "secret": key["secret"],
+            "walletIds": [wallet["id"] for wallet in workspace["wallets"]]}
+
+
+###############################################################################
 # HTTP schemas #################################################################
 ###############################################################################
 
@@ -3351,18 +3262,6 @@ _TRANSFER_FILTERS = _filters(TRANSFER_SORTS, "status", "createdFrom", "createdTo
 _FLOW_FILTERS = _filters(FLOW_SORTS, "type", "direction", "createdFrom", "createdTo")
 _WALLET_FILTERS = _filters(WALLET_SORTS, "currency", "status", statuses=WALLET_STATUSES)
 
-# A JSON value's type, as a schema names it (bool is not a number in JSON).
-_JSON_TYPES: dict[str, Callable[[Any], bool]] = {
-    "string": lambda value: isinstance(value, str),
-    "integer": lambda value: isinstance(value, int) and not isinstance(value, bool),
-    "number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
-    "boolean": lambda value: isinstance(value, bool),
-    "array": lambda value: isinstance(value, list),
-    "object": lambda value: isinstance(value, dict),
-    "null": lambda value: value is None,
-}
-
-
 def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
     """S012 unless ``body`` has only the schema's fields, every required one
     (null only where its type allows), and each of its declared JSON type; as
@@ -3409,7 +3308,7 @@ def _check_type(name: str, value: Any, schema: Mapping[str, Any]) -> None:
 
 
 ###############################################################################
-# HTTP: declared endpoints, one request path, one envelope #####################
+# Declared endpoints and the envelope ##########################################
 ###############################################################################
 
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"
@@ -3572,6 +3471,20 @@ def raw_request_path(environ: Mapping[str, Any]) -> bytes:
 PCHAR_DELIMS = "!$&'()*+,;=:@"
 
 
+###############################################################################
+# The per-request record #######################################################
+###############################################################################
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    """Who a request authenticated as: one key, bound to one workspace."""
+
+    api_key: str
+    workspace_id: str
+    member_id: str
+    scopes: frozenset
+
+
 class Answer(NamedTuple):
     """A rendered response, and what the journal and the access log say of it."""
 
@@ -3619,6 +3532,275 @@ class Call:
     def header(self, name: str) -> str:
         return self.environ.get("HTTP_" + name.upper().replace("-", "_"), "")
 
+
+###############################################################################
+# The authentication pipeline ##################################################
+###############################################################################
+
+def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    try:
+        address = ipaddress.ip_address((text or "").strip().strip("[]"))
+    except ValueError:
+        return None
+    mapped = getattr(address, "ipv4_mapped", None)
+    return mapped or address
+
+
+def client_ip(environ: Mapping[str, Any], trusted_proxies: Sequence) -> Any:
+    """REMOTE_ADDR, or X-Forwarded-For when REMOTE_ADDR is a trusted proxy.
+
+    Walks X-Forwarded-For from the right and takes the first hop that is not a
+    trusted proxy; an unparsable hop yields None, which no whitelist admits.
+    """
+    remote = _ip(environ.get("REMOTE_ADDR"))
+
+    def trusted(address: Any) -> bool:
+        return any(address.version == net.version and address in net for net in trusted_proxies)
+
+    forwarded = environ.get("HTTP_X_FORWARDED_FOR")
+    if remote is None or not forwarded or not trusted(remote):
+        return remote
+    hops = [_ip(hop) for hop in forwarded.split(",")]
+    for hop in reversed(hops):
+        if hop is None or not trusted(hop):
+            return hop
+    return hops[0]
+
+
+def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
+    if address is None:
+        return False
+    for entry in whitelist:
+        network = ipaddress.ip_network(entry, strict=False)
+        if network.version == address.version and address in network:
+            return True
+    return False
+
+
+class PendingNonce(NamedTuple):
+    """A nonce that passed step 5 and the signature, not recorded yet."""
+
+    api_key: str
+    nonce: str
+    now_ms: int
+    expires_ms: int  # when the record may go: after the last moment its timestamp passes step 4
+    stamp: int  # its X-Timestamp, epoch seconds
+
+
+class Authenticator:
+    """Steps 1-7 of SPEC.md's validation pipeline, in that order.
+
+    Step 8 (the scope) needs the route and is checked by the HTTP layer. The
+    first failure raises and ends processing.
+    """
+
+    def __init__(self, svc: WalletService, settings: Settings) -> None:
+        self.svc = svc
+        self.db = svc.db
+        self.settings = settings
+        self._next_purge = 0  # this process purges nonce records every half window of the clock
+        self._last_purge = 0
+        self._window_shared = False  # this process's timestamp window is in the sandbox row
+        with contextlib.suppress(sqlite3.OperationalError, WalletError):  # (locked: the first record says it)
+            self._share_window(None)
+
+    def _share_window(self, conn: sqlite3.Connection | None) -> None:
+        """Every process's nonce records last for this process's window too (the sandbox row keeps the widest)."""
+        params = (self.settings.timestamp_tolerance,) * 2
+        sql = "UPDATE sandbox SET nonce_tolerance = ? WHERE nonce_tolerance < ?"
+        if conn is None:
+            self.db.write(sql, params, durable=False)
+        else:
+            conn.execute(sql, params)
+        self._window_shared = True
+
+    def authenticate(self, call: Call) -> Principal:
+        """The request's Principal, or the first failure of steps 1-7; the call
+        records the canonical message, the signature's verdict, the service
+        clock's reading and how many fault rules are in force.
+
+        The nonce, checked at step 5, is left in ``call.nonce`` for the HTTP
+        layer to record (``record_nonce``) in the transaction that ends the
+        request: its write's, or the one that journals it."""
+        environ = call.environ
+        get = environ.get
+        # Step 1: API key lookup.
+        api_key = get("HTTP_X_API_KEY", "")
+        if not api_key:
+            raise ApiKeyMissing()
+        nonce, timestamp = get("HTTP_X_NONCE", ""), get("HTTP_X_TIMESTAMP", "")
+        tolerance = self.settings.timestamp_tolerance
+        stamp = int(timestamp) if _TIMESTAMP.fullmatch(timestamp) else -1
+        key = self._key(api_key, nonce, stamp)  # also answers step 5's questions, asked there
+        if key is None:
+            raise ApiKeyNotFound()
+        now = call.now = self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"])
+        call.fault_rules = key["fault_rules"]
+        # Step 2: key status.
+        if not key["enabled"]:
+            raise ApiKeyDisabled()
+        # Step 3: workspace resolution.
+        if key["workspace_deleted"]:
+            raise WorkspaceNotFound()
+        if key["member_removed"]:
+            raise NotWorkspaceMember()
+        # Step 4: timestamp.
+        if stamp < 0:
+            if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
+                raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
+                              "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
+            raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
+        if abs(math.floor(now) - int(timestamp)) > tolerance:  # whole seconds (DESIGN.md §5)
+            difference = int(timestamp) - math.floor(now)
+            raise expired(f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
+                          f" {math.floor(now)} ({iso_time(math.floor(now) * 1000)}), the request's is"
+                          f" {difference:+d} s from it.",
+                          f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {math.floor(now)}"
+                          f"（{iso_time(math.floor(now) * 1000)}），请求时间与其相差 {difference:+d} 秒。")
+        # Step 5: nonce (checked here, recorded only once the signature passed).
+        if not _NONCE.fullmatch(nonce):
+            raise expired("X-Nonce must be 1-128 printable ASCII characters.",
+                          "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
+        now_ms = int(now * 1000)
+        if key["nonce_expires"] is not None and (key["nonce_expires"] > now_ms or key["nonce_ts"] == stamp):
+            raise _nonce_used()
+        if key["forgotten"]:
+            raise _nonce_forgotten()
+        # Step 6: signature.
+        call.canonical = message = canonical_message(environ["REQUEST_METHOD"], call.path, timestamp, nonce,
+                                                     body_hash(call.body))
+        call.verdict = "invalid"
+        if not self._signature_matches(key["secret"], message, get("HTTP_X_SIGNATURE", "")):
+            if not self.settings.debug_signatures:
+                raise SignatureInvalid()
+            # A sandbox aid: the message and what matched, never the secret or the expected signature.
+            shown = message.decode("latin-1").replace("\n", "\\n")
+            english = f"Canonical message: {shown} ({len(call.body)} body bytes received)."
+            chinese = f"规范消息：{shown}（收到请求体 {len(call.body)} 字节）。"
+            call.diagnosis = diagnose_signature(key["secret"], call, timestamp, nonce, get("HTTP_X_SIGNATURE", ""))
+            if call.diagnosis:
+                english += f" The signature matches a common mistake: {call.diagnosis[0]}."
+                chinese += f"签名符合一个常见错误：{call.diagnosis[1]}。"
+            raise SignatureInvalid(extra=english, zh_extra=chinese)
+        call.verdict = "valid"
+        # The record outlives the last moment this timestamp passes step 4, in any process's window.
+        widest = max(tolerance, key["nonce_tolerance"])
+        call.nonce = PendingNonce(api_key, nonce, now_ms, (stamp + widest + 1) * 1000, stamp)
+        # Step 7: IP whitelist, only when configured.
+        if key["ip_whitelist"]:
+            whitelist = json.loads(key["ip_whitelist"])
+            if whitelist and not ip_allowed(client_ip(environ, self.settings.trusted_proxies), whitelist):
+                raise IpNotWhitelisted()
+        return Principal(api_key, key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
+
+    def _key(self, api_key: str, nonce: str, stamp: int) -> sqlite3.Row | None:
+        """The key with its workspace and member state, the nonce's record (its expiry and
+        timestamp), whether the records of this timestamp were forgotten (DESIGN.md §10), the
+        widest window any process used, and the sandbox's clock."""
+        if len(api_key) > 128:
+            return None
+        return self.db.one(
+            "SELECT k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
+            "       w.deleted_at IS NOT NULL AS workspace_deleted,"
+            "       m.removed_at IS NOT NULL AS member_removed,"
+            "       n.expires_at AS nonce_expires, n.ts AS nonce_ts,"
+            "       EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi) AS forgotten,"
+            "       s.nonce_tolerance, s.clock_frozen_at, s.clock_offset, s.fault_rules"
+            "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
+            "                  JOIN members m ON m.id = k.member_id"
+            "                  LEFT JOIN nonces n ON n.api_key = k.id AND n.nonce = ?, sandbox s"
+            " WHERE k.id = ?", (stamp, nonce, api_key))
+
+    @staticmethod
+    def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
+        try:
+            given = binascii.a2b_base64(provided.encode("ascii"), strict_mode=True)
+        except (UnicodeEncodeError, binascii.Error, ValueError):
+            return False
+        return hmac.compare_digest(hmac.digest(secret.encode("utf-8"), message, "sha256"), given)
+
+    # One statement, so two racing requests cannot both win; refused inside a forgotten
+    # span; an expired record of another timestamp is taken over in place (the trigger
+    # nonce_taken_over keeps its timestamp as a span: the request it recorded cannot come back).
+    _RECORD = ("INSERT INTO nonces (api_key, nonce, expires_at, ts) SELECT ?, ?, ?, ?"
+               " WHERE NOT EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi)"
+               " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at, ts = excluded.ts"
+               " WHERE nonces.expires_at <= ? AND nonces.ts <> excluded.ts")
+
+    def record_nonce(self, call: Call, conn: sqlite3.Connection | None = None) -> None:
+        """Record the call's nonce in ``conn``'s transaction, or on its own without waiting
+        for a disk sync; GA2013 when another request recorded it first, or when its
+        timestamp falls in a forgotten span."""
+        pending, call.nonce = call.nonce, None
+        params = (pending.api_key, pending.nonce, pending.expires_ms, pending.stamp, pending.stamp, pending.now_ms)
+        if not self._window_shared:  # (the database was locked when this process started)
+            self._share_window(conn)
+        if conn is None:
+            won = self.db.write(self._RECORD, params, durable=False) == 1
+        else:
+            won = conn.execute(self._RECORD, params).rowcount == 1
+        now_ms = pending.now_ms
+        if now_ms >= self._next_purge or now_ms < self._last_purge:  # every half window, or the clock went back
+            self._next_purge, self._last_purge = now_ms + self.settings.timestamp_tolerance * 500, now_ms
+            if conn is None:
+                with self.db.atomic(durable=False) as own:
+                    self.purge(own, now_ms)
+            else:
+                self.purge(conn, now_ms)
+        if not won:
+            raise _nonce_used()
+
+    def purge(self, conn: sqlite3.Connection, now_ms: int) -> None:
+        """Forget the nonce records no timestamp in the window around ``now_ms`` can carry,
+        keeping each forgotten run of timestamps as a span (DESIGN.md §10): records of the
+        past, and records a clock that was ahead made. The table stays bounded by the window."""
+        tolerance = max(self.settings.timestamp_tolerance,
+                        conn.execute("SELECT nonce_tolerance FROM sandbox").fetchone()[0])
+        reach = (2 * tolerance + 2) * 1000  # the farthest expiry a fresh request makes, in any process
+        for where, params in (("expires_at <= ?", (now_ms,)), ("expires_at > ?", (now_ms + reach,))):
+            lo, hi = conn.execute(f"SELECT min(ts), max(ts) FROM nonces WHERE {where}", params).fetchone()
+            if lo is not None:
+                conn.execute(f"DELETE FROM nonces WHERE {where}", params)
+                conn.execute("INSERT INTO nonce_spans (lo, hi) VALUES (?, ?)", (lo, hi))
+        self._merge_spans(conn, now_ms // 1000, 2 * tolerance + 2)
+
+    @staticmethod
+    def _merge_spans(conn: sqlite3.Connection, now: int, reach: int) -> None:
+        """Merge spans (of seconds) less than ``reach`` apart, and the closest ones beyond MAX_SPANS;
+        never across the window around ``now``, where requests are being recorded."""
+        spans = conn.execute("SELECT rowid, lo, hi FROM nonce_spans ORDER BY lo").fetchall()
+        merged: list[list[int]] = []
+        for _, lo, hi in spans:
+            if merged and lo - merged[-1][1] <= reach and not merged[-1][1] < now < lo:
+                merged[-1][1] = max(merged[-1][1], hi)
+            else:
+                merged.append([lo, hi])
+        while len(merged) > MAX_SPANS:
+            gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)
+                    if not merged[i][1] < now < merged[i + 1][0]]
+            _, i = min(gaps)
+            merged[i:i + 2] = [[merged[i][0], max(merged[i][1], merged[i + 1][1])]]
+        if len(merged) != len(spans):
+            conn.execute("DELETE FROM nonce_spans")
+            conn.executemany("INSERT INTO nonce_spans (lo, hi) VALUES (?, ?)", merged)
+
+
+MAX_SPANS = 32  # forgotten spans of nonce expiry kept; beyond, the closest merge
+def _nonce_used() -> RequestExpired:
+    return expired("X-Nonce was already used.", "X-Nonce 已被使用。")
+
+
+def _nonce_forgotten() -> RequestExpired:
+    return expired(
+        "The nonce records of this X-Timestamp were forgotten after the sandbox clock moved past it; a request"
+        " signed at this time may be a replay and is refused. Sign at another time (or reset the sandbox).",
+        "沙箱时钟越过该 X-Timestamp 后，其 nonce 记录已被清除；以此时间签名的请求可能是重放，因此被拒绝。"
+        "请以其他时间签名（或重置沙箱）。")
+
+
+###############################################################################
+# The one request path #########################################################
+###############################################################################
 
 class HttpApi:
     """The one request path: every request any host hands the app comes through ``serve``.
@@ -3894,6 +4076,10 @@ def _dropped(body: bytes) -> Iterator[bytes]:
     raise ConnectionAbortedError("walletsvc fault rule: connection dropped after the commit")
 
 
+###############################################################################
+# API handlers #################################################################
+###############################################################################
+
 class WalletApi:
     """Handlers of the nine endpoints of SPEC.md, and of the public ``/healthz`` and ``/openapi.json``.
 
@@ -3999,7 +4185,6 @@ _UNDECLARED = Endpoint("ANY", "/api<rest:re:(/.*)?>", "", None, name="undeclared
 ###############################################################################
 # Admin surface ################################################################
 ###############################################################################
-
 
 class AdminApi:
     """Handlers of /_admin/: the Python admin API over HTTP, for test suites in any language.
@@ -4301,7 +4486,6 @@ class AdminApi:
 # Sandbox console ##############################################################
 ###############################################################################
 
-
 class Console:
     """The sandbox console at /_admin/console (DESIGN.md §9): one HTML page and its session.
 
@@ -4410,348 +4594,9 @@ class Console:
         return _CONSOLE_PAGE.replace("__CSRF__", self.mac("csrf", nonce))
 
 
-_CONSOLE_STYLE = """
-body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d2329; background: #f6f7f9; }
-header { display: flex; gap: 1.2em; align-items: center; padding: .6em 1.2em; background: #1d2329; color: #fff; }
-header nav { display: flex; gap: .9em; flex: 1; }
-header a { color: #b9c6d3; text-decoration: none; } header a.here { color: #fff; border-bottom: 2px solid #5fb3ff; }
-main { padding: 0 1.2em 2em; } h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
-table { border-collapse: collapse; background: #fff; margin: .4em 0; }
-th, td { border-bottom: 1px solid #e3e6ea; padding: .3em .7em; text-align: left; vertical-align: top; }
-th { background: #eceff3; font-weight: 600; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
-tr.pick { cursor: pointer; } tr.pick:hover, tr.picked { background: #eaf4ff; }
-tr.invalid td { color: #a4161a; } .PENDING { color: #9a6700; } .FAILED { color: #a4161a; } .COMPLETED { color: #1a7f37; }
-pre { background: #fff; border: 1px solid #e3e6ea; padding: .6em; white-space: pre-wrap; word-break: break-all; }
-code { font: 12px ui-monospace, monospace; } .hint { color: #57606a; }
-#message { margin: .5em 1.2em; min-height: 1.4em; } .bad { color: #a4161a; } .diagnosis { font-weight: 600; color: #a4161a; }
-form { background: #fff; padding: .8em; border: 1px solid #e3e6ea; display: inline-block; margin: .3em 0; }
-form label { display: inline-block; margin: .2em .8em .2em 0; } textarea { width: 16em; height: 2.4em; }
-button { cursor: pointer; } button.danger { color: #a4161a; }
-"""
-
-_CONSOLE_SCRIPT = r"""
-"use strict";
-const csrf = document.querySelector('meta[name="csrf"]').content;
-const FAULT_ACTIONS = __FAULT_ACTIONS__;
-const views = {wallets: showWallets, transfers: showTransfers, journal: showJournal, clock: showClock,
-               faults: showFaults};
-const id = encodeURIComponent;
-const shown = {};
-let selectedWallet = null, openEntry = null, refreshing = false, failing = false;
-
-function el(tag, attributes, ...children) {
-  const node = document.createElement(tag);
-  for (const [name, value] of Object.entries(attributes || {})) {
-    if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
-    else if (value !== null && value !== undefined && value !== false) node.setAttribute(name, value);
-  }
-  for (const child of children.flat()) node.append(child instanceof Node ? child : String(child ?? ""));
-  return node;  // text goes in as text: nothing a request carried can become markup
-}
-const cell = (value, kind) => el("td", kind ? {class: kind} : {}, value);
-const code = (value) => value ? el("code", {}, value) : "-";
-const table = (headings, rows) => el("table", {}, el("thead", {}, el("tr", {}, headings.map(h => el("th", {}, h)))),
-                                     el("tbody", {}, rows));
-const fill = (selector, ...nodes) => document.querySelector(selector).replaceChildren(...nodes.flat(Infinity));
-
-function show(selector, data, build) {  // rebuilt only when its data changed: clicks and selections survive
-  const key = JSON.stringify(data);
-  if (shown[selector] !== key) fill(selector, build());
-  shown[selector] = key;
-}
-
-function say(text, bad) {
-  const message = document.getElementById("message");
-  message.textContent = text;
-  message.className = bad ? "bad" : "";
-}
-
-async function api(method, path, body) {
-  const init = {method, headers: {"X-Console-Csrf": csrf}, credentials: "same-origin", cache: "no-store"};
-  if (body !== undefined) {
-    init.headers["Content-Type"] = "application/json";
-    init.body = JSON.stringify(body);
-  }
-  const reply = await fetch(path, init);
-  if (reply.status === 401) location.reload();  // the session ended: the login form
-  const answer = await reply.json();
-  if (!answer.success) throw new Error(`${answer.code} ${answer.message}: ${answer.detail}`);
-  return answer.data;
-}
-
-async function act(method, path, body, done) {
-  try {
-    await api(method, path, body);
-    say(done);
-  } catch (error) {
-    say(error.message, true);
-  }
-  await refresh();
-}
-
-async function showWallets() {
-  const workspaces = await api("GET", "workspaces");
-  const list = (workspace, what) => api("GET", `workspaces/${id(workspace.id)}/${what}?size=100&sort=createdAt,asc`);
-  const pages = await Promise.all(workspaces.map(workspace => list(workspace, "wallets")));
-  const balances = await Promise.all(workspaces.map(async workspace => Object.fromEntries(
-    (await list(workspace, "balances")).content.map(balance => [balance.walletId, balance]))));
-  show("#wallets .data", [workspaces, pages, balances, selectedWallet], () => workspaces.length ? workspaces.map(
-    (workspace, n) => [el("h2", {}, workspace.name, " ", code(workspace.id)), table(
-      ["Id", "Name", "Currency", "Status", "Balance", "Available", "Pending"],
-      pages[n].content.map(w => el("tr", {class: w.id === selectedWallet ? "pick picked" : "pick", "data-wallet": w.id,
-                                               onclick: () => { selectedWallet = w.id; refresh(); }},
-        cell(code(w.id)), cell(w.name), cell(w.currency), cell(w.status, w.status), ...["balance", "available", "pending"].map(
-          field => cell(balances[n][w.id] ? balances[n][w.id][field] : "-", "num"))))),
-      pages[n].page.totalElements > pages[n].content.length
-        ? el("p", {class: "hint"}, `The first ${pages[n].content.length} of ${pages[n].page.totalElements} wallets.`) : ""])
-    : el("p", {}, "No workspaces yet."));
-  const flows = selectedWallet && await api("GET", `wallets/${id(selectedWallet)}/flows?size=100`);
-  show("#flows", [selectedWallet, flows], () => flows ? [el("h2", {}, "Flows of ", code(selectedWallet), ", newest first"), table(
-    ["At", "Type", "Direction", "Amount", "Balance after", "Counterparty", "bizId"],
-    flows.content.map(f => el("tr", {}, cell(f.createdAt), cell(f.type), cell(f.direction), cell(f.amount, "num"),
-                                     cell(f.balanceAfter, "num"), cell(code(f.counterpartyWalletId)), cell(f.bizId || "-"))))] : []);
-}
-
-async function showTransfers() {
-  const orders = [];
-  for (const workspace of await api("GET", "workspaces")) {
-    const page = await api("GET", `workspaces/${id(workspace.id)}/transfers?size=100`);
-    orders.push(...page.content.map(order => ({...order, workspaceId: workspace.id})));
-  }
-  orders.sort((a, b) => b.createdAt.localeCompare(a.createdAt) || b.transferId.localeCompare(a.transferId));
-  const decide = (order, verb, done) => /^\.\.?$/.test(order.bizId)  // browsers resolve it away in a URL
-    ? el("button", {disabled: true, title: `A browser cannot put the bizId "${order.bizId}" in a path: use the `
-                                           + "Python API or a client that sends the path as is"}, verb)
-    : el("button", {onclick: () => act("POST", `transfers/${id(order.bizId)}/${verb.toLowerCase()}`,
-                                       {workspaceId: order.workspaceId}, `${order.bizId}: ${done}.`)}, verb);
-  show("#transfers .data", orders, () => orders.length ? table(
-    ["Created", "bizId", "From", "To", "Amount", "Status", ""],
-    orders.map(o => el("tr", {"data-biz": o.bizId}, cell(o.createdAt), cell(o.bizId), cell(code(o.sourceWalletId)),
-                              cell(code(o.targetWalletId)), cell(`${o.amount} ${o.currency}`, "num"),
-                              cell(o.status, o.status), cell(o.status === "PENDING"
-                                ? [decide(o, "Complete", "completed"), " ", decide(o, "Fail", "failed")] : ""))))
-    : el("p", {}, "No transfer orders yet."));
-}
-
-let journal = [], journalPolls = 0;  // the newest 50 entries, newest first; polled for what is new only
-async function showJournal() {
-  const full = journalPolls++ % 10 === 0;  // now and then all 50 again: a reset or a DELETE removed some
-  const since = full || !journal.length ? 0 : journal[0].seq;
-  const fresh = (await api("GET", `journal?after=${since}&last=50&size=50`)).content.reverse();
-  journal = full ? fresh : fresh.concat(journal).slice(0, 50);
-  const entries = journal;
-  show("#journal .data", entries, () => entries.length ? table(
-    ["At", "Method", "Path", "Status", "Code", "Verdict", "Elapsed ms"],
-    entries.map(e => el("tr", {class: `pick ${e.signature}`, onclick: () => { openEntry = e; showEntry(); }},
-      cell(e.at), cell(e.method), cell(code(e.path + (e.query ? "?" + e.query : ""))), cell(e.status),
-      cell(e.code || "-"), cell(e.signature), cell(e.elapsedMs, "num"))))
-    : el("p", {}, "No requests yet: every request to /api/ appears here."));
-}
-
-function showEntry() {
-  const e = openEntry;
-  if (!e) return fill("#entry");
-  fill("#entry", el("h2", {}, `${e.method} ${e.path}: ${e.status} ${e.code || ""}`),
-    e.diagnosis ? el("p", {class: "diagnosis"}, "Diagnosis: ", e.diagnosis) : "",
-    el("h3", {}, "Canonical message the server computed"),
-    el("pre", {class: "canonical"}, e.canonicalMessage ?? "(none: the request did not reach the signature check)"),
-    el("h3", {}, "Request headers"),
-    table(["Header", "Value"], Object.entries(e.headers).map(([name, value]) => el("tr", {}, cell(name), cell(code(value))))),
-    el("h3", {}, "Request body"), el("pre", {}, e.body || "(empty)"),
-    el("h3", {}, "Response body"), el("pre", {}, e.responseBody));
-}
-
-async function showClock() {
-  const clock = await api("GET", "clock");
-  show("#clock .data", clock, () => [
-    el("p", {}, "Service time: ", el("strong", {id: "clock-now"}, clock.now), clock.frozen ? " (frozen)" : " (running)"),
-    clock.controllable ? "" : el("p", {class: "bad"}, "This service's clock is not controllable.")]);
-}
-
-async function showFaults() {
-  const rules = await api("GET", "faults");
-  const matchers = r => ["query", "headers", "body"].filter(n => r[n]).map(n => `${n} ${JSON.stringify(r[n])}`).join("; ");
-  show("#faults .data", rules, () => rules.length ? table(
-    ["Id", "Action", "Method", "Path", "Code", "Status", "Latency s", "Times", "Fired", "Matchers", ""],
-    rules.map(r => el("tr", {"data-fault": r.id}, cell(r.id), cell(r.action), cell(r.method), cell(code(r.path)),
-      cell(r.code || "-"), cell(r.status ?? "-"), cell(r.latency, "num"), cell(r.times ?? "always"),
-      cell(r.fired, "num"), cell(matchers(r) || "-"),
-      cell(el("button", {onclick: () => act("DELETE", `faults/${id(r.id)}`, undefined, `${r.id} removed.`)}, "Remove")))))
-    : el("p", {}, "No fault rules."));
-}
-
-function faultBody(form) {
-  const values = Object.fromEntries(new FormData(form));
-  const body = {action: values.action, method: values.method || "*", path: values.path || "*"};
-  if (values.code) body.code = values.code;
-  for (const name of ["status", "times"]) if (values[name]) body[name] = parseInt(values[name], 10);
-  if (values.latency) body.latency = parseFloat(values.latency);
-  for (const name of ["query", "headers", "body"]) {
-    if (!values[name]) continue;
-    try { body[name] = JSON.parse(values[name]); }
-    catch (error) { throw new Error(`${name} must be a JSON object: ${error.message}`); }
-  }
-  return body;
-}
-
-async function refresh() {
-  const view = views[location.hash.slice(1)] ? location.hash.slice(1) : "wallets";
-  for (const name of Object.keys(views)) document.getElementById(name).hidden = name !== view;
-  for (const link of document.querySelectorAll("nav a")) link.classList.toggle("here", link.hash === "#" + view);
-  try {
-    const clock = await api("GET", "clock");
-    document.getElementById("now").textContent = `service time ${clock.now}${clock.frozen ? " (frozen)" : ""}`;
-    await views[view]();
-    if (failing) say("");  // the server answers again
-    failing = false;
-  } catch (error) {
-    say(error.message, true);
-    failing = true;
-  }
-}
-
-for (const action of FAULT_ACTIONS) document.querySelector('#fault-form select[name="action"]').append(el("option", {}, action));
-document.getElementById("fault-form").addEventListener("submit", event => {
-  event.preventDefault();
-  try { act("POST", "faults", faultBody(event.target), "Fault rule added."); } catch (error) { say(error.message, true); }
-});
-document.getElementById("clock-freeze").addEventListener("click", () => act("POST", "clock", {freeze: true}, "Clock frozen."));
-document.getElementById("clock-unfreeze").addEventListener("click", () => act("POST", "clock", {freeze: false}, "Clock running."));
-document.getElementById("clock-advance").addEventListener("submit", event => {
-  event.preventDefault();
-  const seconds = parseFloat(new FormData(event.target).get("advance"));
-  act("POST", "clock", {advance: seconds}, `Clock advanced by ${seconds} s.`);
-});
-document.getElementById("clock-set").addEventListener("submit", event => {
-  event.preventDefault();
-  const at = new FormData(event.target).get("at").trim();
-  act("POST", "clock", {at}, `Clock set to ${at}.`);
-});
-document.getElementById("reset").addEventListener("click", () => {
-  if (!confirm("Reset erases every workspace, wallet, transfer, the journal and the fault rules, "
-               + "and returns the sandbox to its starting state. Reset?")) return;
-  selectedWallet = openEntry = null;
-  journal = [];
-  journalPolls = 0;
-  showEntry();
-  act("POST", "reset", undefined, "Reset: the sandbox is back to its starting state.");
-});
-document.getElementById("logout").addEventListener("click", async () => {
-  try {
-    await api("POST", "console/logout");
-    location.reload();
-  } catch (error) {
-    say(error.message, true);
-  }
-});
-window.addEventListener("hashchange", refresh);
-setInterval(async () => {  // every view is live: the journal within a second of a request
-  if (refreshing) return;
-  refreshing = true;
-  try { await refresh(); } finally { refreshing = false; }
-}, 1000);
-refresh();
-""".replace("__FAULT_ACTIONS__", json.dumps(FAULT_ACTIONS))
-
-_CONSOLE_PAGE = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="csrf" content="__CSRF__">
-<link rel="icon" href="data:,">
-<title>walletsvc console</title>
-<style>""" + _CONSOLE_STYLE + """</style>
-</head>
-<body>
-<header>
-  <strong>walletsvc console</strong>
-  <nav><a href="#wallets">Wallets</a> <a href="#transfers">Transfers</a> <a href="#journal">Journal</a>
-    <a href="#clock">Clock</a> <a href="#faults">Faults</a></nav>
-  <span id="now"></span>
-  <button id="reset" class="danger">Reset</button>
-  <button id="logout">Log out</button>
-</header>
-<p id="message" role="status"></p>
-<main>
-<section id="wallets" hidden><h1>Wallets</h1><p class="hint">Every workspace's wallets. Click one for its flows.</p>
-  <div class="data"></div><div id="flows"></div></section>
-<section id="transfers" hidden><h1>Transfers</h1><p class="hint">Transfer orders, newest first.</p>
-  <div class="data"></div></section>
-<section id="journal" hidden><h1>Journal</h1>
-  <p class="hint">Requests to /api/, newest first, live. Click one for its headers, body and signature check.</p>
-  <div class="data"></div><div id="entry"></div></section>
-<section id="clock" hidden><h1>Clock</h1><div class="data"></div>
-  <p><button id="clock-freeze">Freeze</button> <button id="clock-unfreeze">Unfreeze</button></p>
-  <form id="clock-advance"><label>Advance by <input name="advance" type="number" step="any" value="3600"> seconds</label>
-    <button>Advance</button></form>
-  <form id="clock-set"><label>Set to <input name="at" placeholder="2030-01-01T00:00:00Z" required></label>
-    (RFC 3339: 2030-01-01T00:00:00Z, or a date)
-    <button>Set</button></form></section>
-<section id="faults" hidden><h1>Faults</h1><div class="data"></div>
-  <h2>Add a rule</h2>
-  <form id="fault-form">
-    <label>Action <select name="action"></select></label>
-    <label>Method <input name="method" value="*" size="6"></label>
-    <label>Path glob <input name="path" value="/api/v1/*"></label>
-    <label>Code <input name="code" size="8" placeholder="T2001"></label>
-    <label>Status <input name="status" type="number" size="4"></label>
-    <label>Latency s <input name="latency" type="number" step="any" size="4"></label>
-    <label>Times <input name="times" type="number" min="1" size="4" placeholder="always"></label><br>
-    <label>Query <textarea name="query" placeholder='{"size": "5"}'></textarea></label>
-    <label>Headers <textarea name="headers" placeholder='{"X-Locale": "zh-CN"}'></textarea></label>
-    <label>Body fields <textarea name="body" placeholder='{"amount": "13.00"}'></textarea></label>
-    <button>Add rule</button>
-  </form></section>
-</main>
-<script>""" + _CONSOLE_SCRIPT + """</script>
-</body>
-</html>
-"""
-
-_CONSOLE_LOGIN = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="icon" href="data:,">
-<title>walletsvc console: log in</title>
-<style>""" + _CONSOLE_STYLE + """</style>
-</head>
-<body>
-<header><strong>walletsvc console</strong></header>
-<main>
-<h1>Log in</h1>
-<form method="post" action="console">
-  <label>Admin token <input name="token" type="password" autocomplete="current-password" required autofocus></label>
-  <button>Log in</button>
-</form>
-<p class="bad">__MESSAGE__</p>
-<p class="hint">The admin token is the one <code>walletsvc serve</code> printed, or the one you gave it
-(<code>--admin-token</code>).</p>
-</main>
-</body>
-</html>
-"""
-
-
-def _csp_source(text: str) -> str:
-    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") + "'"
-
-
-# Only this page's own script and style run, it talks only to its own origin, and no
-# other site may frame it (a Reset button under someone else's page).
-_PAGE_HEADERS = {
-    "Content-Security-Policy": f"default-src 'none'; script-src {_csp_source(_CONSOLE_SCRIPT)}; "
-                               f"style-src {_csp_source(_CONSOLE_STYLE)}; connect-src 'self'; img-src data:; "
-                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
-    "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
-
-
 ###############################################################################
 # OpenAPI document #############################################################
 ###############################################################################
-
 
 def _schema_ref(schema: str | dict | None) -> dict:
     if schema is None:
@@ -4844,7 +4689,6 @@ def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
 # App factory ##################################################################
 ###############################################################################
 
-
 class WalletApp(bottle.Bottle):
     """The WSGI app: a ``bottle.Bottle`` whose declared routes answer through ``http.serve``.
 
@@ -4920,7 +4764,6 @@ def create_app(svc: WalletService, **settings: Any) -> WalletApp:
 ###############################################################################
 # Client #######################################################################
 ###############################################################################
-
 
 def error_for(code: str, detail: str = "", status: int | None = None) -> WalletError:
     """The WalletError subclass of a catalog code, carrying the server's detail."""
@@ -5083,334 +4926,8 @@ for _declaration, _handler in declared(WalletApi):
 
 
 ###############################################################################
-# pytest plugin ################################################################
+# Serving ######################################################################
 ###############################################################################
-
-
-@dataclasses.dataclass
-class Sandbox:
-    """A ready fake wallet backend for one test.
-
-    ``service`` (the Python admin API), ``app`` (the WSGI app), ``clock`` (a
-    walletsvc.Clock), ``workspace``, a full-scope ``key``, ``wallets`` by name
-    (alice: USD 1000.00, bob: USD 1000.00, yen: JPY 100000), a signed
-    ``client`` (in-process, or over HTTP for a live sandbox) and ``url`` (live
-    only). Ids are seeded: the same test sees the same ids on every run.
-    """
-
-    service: WalletService
-    app: bottle.Bottle
-    clock: Clock
-    workspace: dict = dataclasses.field(default_factory=dict)
-    key: dict = dataclasses.field(default_factory=dict)
-    wallets: dict = dataclasses.field(default_factory=dict)
-    client: Client | None = None
-    url: str | None = None
-    admin_token: str | None = None  # the bearer token of the sandbox's /_admin/ surface
-    server: Any = None  # the LiveServer of a live sandbox
-    world_id: str | None = None  # a world beside the sandbox's (``world()``): its workspace, reset alone
-
-    @classmethod
-    def create(cls, database: str = ":memory:", *, scenario: str | os.PathLike | Mapping[str, Any] | None = None,
-               **settings: Any) -> Sandbox:
-        """A sandbox started from ``scenario`` (a TOML or JSON file, or a dict; by default the
-        built-in DEMO_SCENARIO); the scenario's settings under ``settings``."""
-        scenario = read_scenario(DEMO_SCENARIO if scenario is None else scenario)
-        settings = {"id_seed": 0, "debug_signatures": True, "admin_token": "walletsvc-test-admin",
-                    "journal_size": SANDBOX_JOURNAL_SIZE, **(scenario.get("settings") or {}), **settings}
-        service_settings, http_settings = split_settings(settings)
-        clock = Clock()
-        service = WalletService(database, clock=clock, **service_settings)
-        sandbox = cls(service, create_app(service, **http_settings), clock)
-        sandbox.admin_token = http_settings.get("admin_token")
-        return sandbox._enter(start_world(service, scenario)[0])
-
-    def _enter(self, workspace: dict) -> Sandbox:
-        """This sandbox's workspace, key and wallets are ``workspace``'s (a world's description)."""
-        self.workspace = {name: workspace[name] for name in ("id", "name", "ownerMemberId", "createdAt")}
-        self.key = workspace["keys"][0] if workspace["keys"] else {}
-        self.wallets = {wallet["name"]: wallet for wallet in workspace["wallets"]}
-        self.client = self.client_for(self.key) if self.key else None
-        return self
-
-    def world(self, scenario: str | os.PathLike | Mapping[str, Any] | None = None) -> Sandbox:
-        """A world of its own beside this one (``POST /_admin/scenarios``): the scenario (by default
-        the one the sandbox started from) made again with fresh ids and a fresh key, sharing the service,
-        the app, the clock and the server; its ``reset()`` resets only its workspace."""
-        scenario = {"workspaces": self.service.start_scenario()["workspaces"]} if scenario is None else scenario
-        made = self.service.load_scenario(read_scenario(scenario), fresh_ids=True)
-        world = dataclasses.replace(self, world_id=made["workspaces"][0]["id"])
-        return world._enter(made["workspaces"][0])
-
-    def reset(self) -> Sandbox:
-        """Back to the world as it was made, in one transaction: the same ids, balances and clock
-        (a ``world()``: only its workspace, the clock untouched)."""
-        if self.world_id is not None:
-            self.service.reset_workspace(self.world_id)
-        else:
-            self.service.reset()
-        return self
-
-    def client_for(self, key: dict) -> Client:
-        """A signed client for another key (signing on the sandbox clock)."""
-        return Client(self.url or self.app, key["apiKey"], key["secret"], clock=self.clock)
-
-    def headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
-        """Signed headers for the sandbox key, timestamped on the sandbox clock."""
-        return sign_request(method, path, body, self.key["apiKey"], self.key["secret"],
-                            timestamp=int(self.clock()))
-
-    @property
-    def journal(self) -> Journal:
-        return self.service.journal
-
-    @property
-    def faults(self) -> Faults:
-        return self.service.faults
-
-    def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
-        """The journal's ``assert_called``."""
-        return self.service.journal.assert_called(method, path, times=times)
-
-    def audit(self) -> None:
-        """The fixtures call this after each test: a violation is a bug in walletsvc, not in the test."""
-        try:
-            self.service.assert_audit_clean()
-        except AssertionError as exc:
-            raise AssertionError(f"{exc}\nThis is a bug in walletsvc, not in your test: please report it "
-                                 "with the test that found it.") from None
-
-
-class LiveServer:
-    """An app on waitress, on a free port of 127.0.0.1, in a daemon thread."""
-
-    def __init__(self, app: Callable, threads: int = 4) -> None:
-        import waitress
-
-        logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-        self._server = answering_in_envelopes(waitress.create_server(app, host="127.0.0.1", port=0, threads=threads))
-        self.url = f"http://127.0.0.1:{self._server.effective_port}"
-        self._thread = threading.Thread(target=self._server.run, name="walletsvc-live", daemon=True)
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Close the listener and every open connection, in the server's own thread (so that its
-        loop ends at once, keep-alive clients or not), then its worker threads."""
-        from waitress import wasyncore
-
-        server = self._server
-        server.task_dispatcher.shutdown(timeout=1)  # the requests in hand are answered first
-        if self._thread.is_alive():
-            server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
-            self._thread.join(timeout=5)
-
-
-def _build_pytest_plugin() -> Any:
-    """walletsvc's pytest plugin (entry point ``pytest11``): fake wallet backends for tests.
-
-    ``walletsvc_sandbox`` (in process) and ``walletsvc_live`` (on a socket)
-    are made once per session and per xdist worker, reset before each test in
-    about a millisecond and audited after it. ``@pytest.mark.walletsvc(**settings)``
-    gives a test a sandbox with those settings (service or HTTP layer, e.g.
-    ``settlement="manual"``), made once per distinct settings.
-    """
-    import types
-
-    import pytest
-
-    def pytest_configure(config: Any) -> None:
-        config.addinivalue_line("markers", "walletsvc(**settings): the walletsvc sandbox of this test gets these"
-                                           " settings (e.g. settlement='manual', magic_values=True)")
-
-    def marked(request: Any) -> dict:
-        marker = request.node.get_closest_marker("walletsvc")
-        return dict(marker.kwargs) if marker else {}
-
-    def made_for(cache: dict, settings: dict, make: Callable[[dict], Sandbox]) -> Sandbox:
-        key = repr(sorted(settings.items()))
-        if key not in cache:
-            cache[key] = make(settings)
-        return cache[key]
-
-    @pytest.fixture(scope="session")
-    def walletsvc_session_sandbox() -> Sandbox:
-        """The session's in-process Sandbox at default settings (one per xdist worker);
-        ``walletsvc_sandbox`` resets it before each test. Override it to change every test's."""
-        return Sandbox.create()
-
-    @pytest.fixture(scope="session")
-    def walletsvc_session_sandboxes() -> dict:
-        """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct settings."""
-        return {}
-
-    @pytest.fixture
-    def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
-                          walletsvc_session_sandboxes: dict) -> Iterator[Sandbox]:
-        """A walletsvc.Sandbox in process (no socket): ``.service``, ``.app``, ``.client``, ``.key``,
-        ``.wallets`` (alice, bob: USD 1000.00; yen: JPY 100000), ``.clock``, ``.journal``, ``.faults``,
-        ``.admin_token``. Reset before the test, audited after it; settings from
-        ``@pytest.mark.walletsvc(...)``."""
-        settings = marked(request)
-        sandbox = made_for(walletsvc_session_sandboxes, settings, lambda s: Sandbox.create(**s)) if settings \
-            else walletsvc_session_sandbox
-        yield sandbox.reset()
-        sandbox.audit()
-
-    @pytest.fixture(scope="session")
-    def walletsvc_session_live() -> Iterator[Sandbox]:
-        """The session's live Sandbox at default settings, on waitress on a random port of 127.0.0.1."""
-        sandbox = Sandbox.create()
-        server = LiveServer(sandbox.app)
-        sandbox.url = server.url
-        yield sandbox
-        server.stop()
-
-    @pytest.fixture(scope="session")
-    def walletsvc_session_lives() -> Iterator[dict]:
-        """Live Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with the session."""
-        cache: dict = {}
-        yield cache
-        for sandbox in cache.values():
-            sandbox.server.stop()
-
-    def live(settings: dict) -> Sandbox:
-        sandbox = Sandbox.create(**settings)
-        sandbox.server = LiveServer(sandbox.app)
-        sandbox.url = sandbox.server.url
-        return sandbox
-
-    @pytest.fixture
-    def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
-                       walletsvc_session_lives: dict) -> Iterator[Sandbox]:
-        """``walletsvc_sandbox`` served over HTTP (``.url``; ``.client`` talks HTTP), for code under test
-        that makes real requests. Reset before the test, audited after it; settings from the marker."""
-        settings = marked(request)
-        sandbox = made_for(walletsvc_session_lives, settings, live) if settings else walletsvc_session_live
-        yield sandbox.reset()
-        sandbox.audit()
-
-    plugin = types.ModuleType("walletsvc.pytest_plugin", _build_pytest_plugin.__doc__)
-    plugin.pytest_configure = pytest_configure
-    for fixture in (walletsvc_session_sandbox, walletsvc_session_sandboxes, walletsvc_sandbox,
-                    walletsvc_session_live, walletsvc_session_lives, walletsvc_live):
-        setattr(plugin, fixture.__name__, fixture)
-    return plugin
-
-
-def __getattr__(name: str) -> Any:
-    """``walletsvc.pytest_plugin`` is built on demand, so that importing walletsvc never imports pytest."""
-    if name == "pytest_plugin":
-        return _build_pytest_plugin()
-    raise AttributeError(f"module 'walletsvc' has no attribute {name!r}")
-
-
-###############################################################################
-# Command line #################################################################
-###############################################################################
-
-def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
-    """A scenario from a TOML or JSON file (``.json``: JSON, else TOML), or a dict as it is,
-    checked (``check_scenario``). A file that cannot be read or parsed, or a wrong field, is a
-    ValueError naming the file, the line and the field."""
-    if isinstance(source, Mapping):
-        return check_scenario(source)
-    path = os.fspath(source)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"scenario {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        scenario = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"scenario {path}: line {exc.lineno}: {exc.msg}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"scenario {path}: {exc}") from None
-    try:
-        return check_scenario(scenario)
-    except InvalidParameter as exc:
-        try:
-            line = _line_of(text, scenario, exc.params["field"])
-        except (LookupError, TypeError, ValueError):  # a field path it cannot follow: no line, still the field
-            line = None
-        raise ValueError(f"scenario {path}: {f'line {line}: ' if line else ''}{exc.detail()}") from None
-
-
-def _line_of(text: str, scenario: Any, field: str) -> int | None:
-    """The line of ``field`` (``workspaces[0].wallets[2].currency``) in the file it was read from:
-    the n-th line that sets a key of its name, n counted in document order; for a missing
-    field, the line of its object's first key."""
-    steps = [int(index) if index else name for name, index in re.findall(r"([A-Za-z_]\w*)|\[(\d+)\]", field)]
-    key, parent = steps[-1], scenario
-    for step in steps[:-1]:
-        parent = parent[step] if isinstance(parent, (dict, list)) else None
-    if isinstance(parent, dict) and key not in parent:  # a required field missing: where its object starts
-        if not parent or not steps[:-1]:
-            return None
-        path = "".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in steps[:-1]).lstrip(".")
-        return _line_of(text, scenario, f"{path}.{next(iter(parent))}")
-    count, found = 0, False
-
-    def walk(node: Any) -> None:
-        nonlocal count, found
-        if found:
-            return
-        if isinstance(node, dict):
-            for name, value in node.items():
-                if name == key:
-                    if node is parent:
-                        found = True
-                        return
-                    count += 1
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-    walk(scenario)
-    lines = [number for number, line in enumerate(text.splitlines(), 1)
-             if re.match(rf"\s*\"?{re.escape(str(key))}\"?\s*[=:]", line)]
-    return lines[count] if found and count < len(lines) else None
-
-
-def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
-    """The sandbox's world at start: on a database without a saved starting state, load
-    ``scenario`` (unless its first workspace is there already), set the scenario's clock
-    and save the starting state; then the workspaces it started with, described."""
-    with svc.db.atomic() as conn:
-        if not conn.execute("SELECT has_start FROM sandbox").fetchone()[0]:
-            name = scenario["workspaces"][0]["name"] if scenario["workspaces"] else None
-            if conn.execute("SELECT 1 FROM workspaces WHERE name = ? AND deleted_at IS NULL",
-                            (name,)).fetchone() is None:
-                svc.load_scenario(scenario)
-                conn.execute("DELETE FROM start_scenario")
-                conn.execute("INSERT INTO start_scenario (body) VALUES (?)", (json.dumps(scenario, default=str),))
-                clock = scenario.get("clock")
-                if clock and clock.get("at") is not None and isinstance(svc.clock, Clock):
-                    at = admin_time(clock["at"], "clock.at")
-                    (svc.clock.freeze if clock.get("frozen", True) else svc.clock.set)(at)
-            svc.save_start()  # (a world an older walletsvc made starts from where it is)
-        else:
-            stored = conn.execute("SELECT body FROM start_scenario").fetchone()
-            if stored is not None and json.loads(stored[0]) != json.loads(json.dumps(scenario, default=str)):
-                log.warning("this database started from another scenario, and resets to it: a new scenario"
-                            " needs a new database (--db)")
-        started = [row[0] for row in conn.execute("SELECT id FROM start_workspaces WHERE deleted_at IS NULL"
-                                                  " ORDER BY created_at, id")]
-    return [svc.describe_world(workspace_id) for workspace_id in started]
-
-
-def seed_demo(svc: WalletService) -> dict:
-    """The demo (DEMO_SCENARIO, ``start_world``): its key, secret and wallet ids."""
-    return _first_key(start_world(svc, DEMO_SCENARIO))
-
-
-def _first_key(world: list[dict]) -> dict:
-    """What the banner shows of a world: the first key with its secret, and the first workspace's wallets."""
-    workspace = world[0] if world else {"keys": [], "wallets": []}
-    key = workspace["keys"][0] if workspace["keys"] else {"apiKey": None, "secret": None}
-    return {"apiKey": key["apiKey"], "secret": key["secret"],
-            "walletIds": [wallet["id"] for wallet in workspace["wallets"]]}
-
 
 def demo_instructions(base_url: str, demo: dict, admin_token: str | None = None) -> str:
     """What ``serve --demo`` prints: credentials and examples that work as printed."""
@@ -5652,6 +5169,231 @@ def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, read
             with contextlib.suppress(ChildProcessError):
                 os.waitpid(pid, 0)
 
+
+###############################################################################
+# pytest plugin ################################################################
+###############################################################################
+
+@dataclasses.dataclass
+class Sandbox:
+    """A ready fake wallet backend for one test.
+
+    ``service`` (the Python admin API), ``app`` (the WSGI app), ``clock`` (a
+    walletsvc.Clock), ``workspace``, a full-scope ``key``, ``wallets`` by name
+    (alice: USD 1000.00, bob: USD 1000.00, yen: JPY 100000), a signed
+    ``client`` (in-process, or over HTTP for a live sandbox) and ``url`` (live
+    only). Ids are seeded: the same test sees the same ids on every run.
+    """
+
+    service: WalletService
+    app: bottle.Bottle
+    clock: Clock
+    workspace: dict = dataclasses.field(default_factory=dict)
+    key: dict = dataclasses.field(default_factory=dict)
+    wallets: dict = dataclasses.field(default_factory=dict)
+    client: Client | None = None
+    url: str | None = None
+    admin_token: str | None = None  # the bearer token of the sandbox's /_admin/ surface
+    server: Any = None  # the LiveServer of a live sandbox
+    world_id: str | None = None  # a world beside the sandbox's (``world()``): its workspace, reset alone
+
+    @classmethod
+    def create(cls, database: str = ":memory:", *, scenario: str | os.PathLike | Mapping[str, Any] | None = None,
+               **settings: Any) -> Sandbox:
+        """A sandbox started from ``scenario`` (a TOML or JSON file, or a dict; by default the
+        built-in DEMO_SCENARIO); the scenario's settings under ``settings``."""
+        scenario = read_scenario(DEMO_SCENARIO if scenario is None else scenario)
+        settings = {"id_seed": 0, "debug_signatures": True, "admin_token": "walletsvc-test-admin",
+                    "journal_size": SANDBOX_JOURNAL_SIZE, **(scenario.get("settings") or {}), **settings}
+        service_settings, http_settings = split_settings(settings)
+        clock = Clock()
+        service = WalletService(database, clock=clock, **service_settings)
+        sandbox = cls(service, create_app(service, **http_settings), clock)
+        sandbox.admin_token = http_settings.get("admin_token")
+        return sandbox._enter(start_world(service, scenario)[0])
+
+    def _enter(self, workspace: dict) -> Sandbox:
+        """This sandbox's workspace, key and wallets are ``workspace``'s (a world's description)."""
+        self.workspace = {name: workspace[name] for name in ("id", "name", "ownerMemberId", "createdAt")}
+        self.key = workspace["keys"][0] if workspace["keys"] else {}
+        self.wallets = {wallet["name"]: wallet for wallet in workspace["wallets"]}
+        self.client = self.client_for(self.key) if self.key else None
+        return self
+
+    def world(self, scenario: str | os.PathLike | Mapping[str, Any] | None = None) -> Sandbox:
+        """A world of its own beside this one (``POST /_admin/scenarios``): the scenario (by default
+        the one the sandbox started from) made again with fresh ids and a fresh key, sharing the service,
+        the app, the clock and the server; its ``reset()`` resets only its workspace."""
+        scenario = {"workspaces": self.service.start_scenario()["workspaces"]} if scenario is None else scenario
+        made = self.service.load_scenario(read_scenario(scenario), fresh_ids=True)
+        world = dataclasses.replace(self, world_id=made["workspaces"][0]["id"])
+        return world._enter(made["workspaces"][0])
+
+    def reset(self) -> Sandbox:
+        """Back to the world as it was made, in one transaction: the same ids, balances and clock
+        (a ``world()``: only its workspace, the clock untouched)."""
+        if self.world_id is not None:
+            self.service.reset_workspace(self.world_id)
+        else:
+            self.service.reset()
+        return self
+
+    def client_for(self, key: dict) -> Client:
+        """A signed client for another key (signing on the sandbox clock)."""
+        return Client(self.url or self.app, key["apiKey"], key["secret"], clock=self.clock)
+
+    def headers(self, method: str, path: str, body: bytes = b"") -> dict[str, str]:
+        """Signed headers for the sandbox key, timestamped on the sandbox clock."""
+        return sign_request(method, path, body, self.key["apiKey"], self.key["secret"],
+                            timestamp=int(self.clock()))
+
+    @property
+    def journal(self) -> Journal:
+        return self.service.journal
+
+    @property
+    def faults(self) -> Faults:
+        return self.service.faults
+
+    def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
+        """The journal's ``assert_called``."""
+        return self.service.journal.assert_called(method, path, times=times)
+
+    def audit(self) -> None:
+        """The fixtures call this after each test: a violation is a bug in walletsvc, not in the test."""
+        try:
+            self.service.assert_audit_clean()
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\nThis is a bug in walletsvc, not in your test: please report it "
+                                 "with the test that found it.") from None
+
+
+class LiveServer:
+    """An app on waitress, on a free port of 127.0.0.1, in a daemon thread."""
+
+    def __init__(self, app: Callable, threads: int = 4) -> None:
+        import waitress
+
+        logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+        self._server = answering_in_envelopes(waitress.create_server(app, host="127.0.0.1", port=0, threads=threads))
+        self.url = f"http://127.0.0.1:{self._server.effective_port}"
+        self._thread = threading.Thread(target=self._server.run, name="walletsvc-live", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Close the listener and every open connection, in the server's own thread (so that its
+        loop ends at once, keep-alive clients or not), then its worker threads."""
+        from waitress import wasyncore
+
+        server = self._server
+        server.task_dispatcher.shutdown(timeout=1)  # the requests in hand are answered first
+        if self._thread.is_alive():
+            server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
+            self._thread.join(timeout=5)
+
+
+def _build_pytest_plugin() -> Any:
+    """walletsvc's pytest plugin (entry point ``pytest11``): fake wallet backends for tests.
+
+    ``walletsvc_sandbox`` (in process) and ``walletsvc_live`` (on a socket)
+    are made once per session and per xdist worker, reset before each test in
+    about a millisecond and audited after it. ``@pytest.mark.walletsvc(**settings)``
+    gives a test a sandbox with those settings (service or HTTP layer, e.g.
+    ``settlement="manual"``), made once per distinct settings.
+    """
+    import types
+
+    import pytest
+
+    def pytest_configure(config: Any) -> None:
+        config.addinivalue_line("markers", "walletsvc(**settings): the walletsvc sandbox of this test gets these"
+                                           " settings (e.g. settlement='manual', magic_values=True)")
+
+    def marked(request: Any) -> dict:
+        marker = request.node.get_closest_marker("walletsvc")
+        return dict(marker.kwargs) if marker else {}
+
+    def made_for(cache: dict, settings: dict, make: Callable[[dict], Sandbox]) -> Sandbox:
+        key = repr(sorted(settings.items()))
+        if key not in cache:
+            cache[key] = make(settings)
+        return cache[key]
+
+    @pytest.fixture(scope="session")
+    def walletsvc_session_sandbox() -> Sandbox:
+        """The session's in-process Sandbox at default settings (one per xdist worker);
+        ``walletsvc_sandbox`` resets it before each test. Override it to change every test's."""
+        return Sandbox.create()
+
+    @pytest.fixture(scope="session")
+    def walletsvc_session_sandboxes() -> dict:
+        """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct settings."""
+        return {}
+
+    @pytest.fixture
+    def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
+                          walletsvc_session_sandboxes: dict) -> Iterator[Sandbox]:
+        """A walletsvc.Sandbox in process (no socket): ``.service``, ``.app``, ``.client``, ``.key``,
+        ``.wallets`` (alice, bob: USD 1000.00; yen: JPY 100000), ``.clock``, ``.journal``, ``.faults``,
+        ``.admin_token``. Reset before the test, audited after it; settings from
+        ``@pytest.mark.walletsvc(...)``."""
+        settings = marked(request)
+        sandbox = made_for(walletsvc_session_sandboxes, settings, lambda s: Sandbox.create(**s)) if settings \
+            else walletsvc_session_sandbox
+        yield sandbox.reset()
+        sandbox.audit()
+
+    @pytest.fixture(scope="session")
+    def walletsvc_session_live() -> Iterator[Sandbox]:
+        """The session's live Sandbox at default settings, on waitress on a random port of 127.0.0.1."""
+        sandbox = Sandbox.create()
+        server = LiveServer(sandbox.app)
+        sandbox.url = server.url
+        yield sandbox
+        server.stop()
+
+    @pytest.fixture(scope="session")
+    def walletsvc_session_lives() -> Iterator[dict]:
+        """Live Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with the session."""
+        cache: dict = {}
+        yield cache
+        for sandbox in cache.values():
+            sandbox.server.stop()
+
+    def live(settings: dict) -> Sandbox:
+        sandbox = Sandbox.create(**settings)
+        sandbox.server = LiveServer(sandbox.app)
+        sandbox.url = sandbox.server.url
+        return sandbox
+
+    @pytest.fixture
+    def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
+                       walletsvc_session_lives: dict) -> Iterator[Sandbox]:
+        """``walletsvc_sandbox`` served over HTTP (``.url``; ``.client`` talks HTTP), for code under test
+        that makes real requests. Reset before the test, audited after it; settings from the marker."""
+        settings = marked(request)
+        sandbox = made_for(walletsvc_session_lives, settings, live) if settings else walletsvc_session_live
+        yield sandbox.reset()
+        sandbox.audit()
+
+    plugin = types.ModuleType("walletsvc.pytest_plugin", _build_pytest_plugin.__doc__)
+    plugin.pytest_configure = pytest_configure
+    for fixture in (walletsvc_session_sandbox, walletsvc_session_sandboxes, walletsvc_sandbox,
+                    walletsvc_session_live, walletsvc_session_lives, walletsvc_live):
+        setattr(plugin, fixture.__name__, fixture)
+    return plugin
+
+
+def __getattr__(name: str) -> Any:
+    """``walletsvc.pytest_plugin`` is built on demand, so that importing walletsvc never imports pytest."""
+    if name == "pytest_plugin":
+        return _build_pytest_plugin()
+    raise AttributeError(f"module 'walletsvc' has no attribute {name!r}")
+
+
+###############################################################################
+# Command line #################################################################
+###############################################################################
 
 def demo_admin_token(secret: str) -> str:
     """The demo's admin token, derived from its key so that a restart prints the same one."""
@@ -6005,5 +5747,348 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
 
 
+###############################################################################
+# The console's page ###########################################################
+###############################################################################
+
+_CONSOLE_STYLE = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d2329; background: #f6f7f9; }
+header { display: flex; gap: 1.2em; align-items: center; padding: .6em 1.2em; background: #1d2329; color: #fff; }
+header nav { display: flex; gap: .9em; flex: 1; }
+header a { color: #b9c6d3; text-decoration: none; } header a.here { color: #fff; border-bottom: 2px solid #5fb3ff; }
+main { padding: 0 1.2em 2em; } h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
+table { border-collapse: collapse; background: #fff; margin: .4em 0; }
+th, td { border-bottom: 1px solid #e3e6ea; padding: .3em .7em; text-align: left; vertical-align: top; }
+th { background: #eceff3; font-weight: 600; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+tr.pick { cursor: pointer; } tr.pick:hover, tr.picked { background: #eaf4ff; }
+tr.invalid td { color: #a4161a; } .PENDING { color: #9a6700; } .FAILED { color: #a4161a; } .COMPLETED { color: #1a7f37; }
+pre { background: #fff; border: 1px solid #e3e6ea; padding: .6em; white-space: pre-wrap; word-break: break-all; }
+code { font: 12px ui-monospace, monospace; } .hint { color: #57606a; }
+#message { margin: .5em 1.2em; min-height: 1.4em; } .bad { color: #a4161a; } .diagnosis { font-weight: 600; color: #a4161a; }
+form { background: #fff; padding: .8em; border: 1px solid #e3e6ea; display: inline-block; margin: .3em 0; }
+form label { display: inline-block; margin: .2em .8em .2em 0; } textarea { width: 16em; height: 2.4em; }
+button { cursor: pointer; } button.danger { color: #a4161a; }
+"""
+
+_CONSOLE_SCRIPT = r"""
+"use strict";
+const csrf = document.querySelector('meta[name="csrf"]').content;
+const FAULT_ACTIONS = __FAULT_ACTIONS__;
+const views = {wallets: showWallets, transfers: showTransfers, journal: showJournal, clock: showClock,
+               faults: showFaults};
+const id = encodeURIComponent;
+const shown = {};
+let selectedWallet = null, openEntry = null, refreshing = false, failing = false;
+
+function el(tag, attributes, ...children) {
+  const node = document.createElement(tag);
+  for (const [name, value] of Object.entries(attributes || {})) {
+    if (name.startsWith("on")) node.addEventListener(name.slice(2), value);
+    else if (value !== null && value !== undefined && value !== false) node.setAttribute(name, value);
+  }
+  for (const child of children.flat()) node.append(child instanceof Node ? child : String(child ?? ""));
+  return node;  // text goes in as text: nothing a request carried can become markup
+}
+const cell = (value, kind) => el("td", kind ? {class: kind} : {}, value);
+const code = (value) => value ? el("code", {}, value) : "-";
+const table = (headings, rows) => el("table", {}, el("thead", {}, el("tr", {}, headings.map(h => el("th", {}, h)))),
+                                     el("tbody", {}, rows));
+const fill = (selector, ...nodes) => document.querySelector(selector).replaceChildren(...nodes.flat(Infinity));
+
+function show(selector, data, build) {  // rebuilt only when its data changed: clicks and selections survive
+  const key = JSON.stringify(data);
+  if (shown[selector] !== key) fill(selector, build());
+  shown[selector] = key;
+}
+
+function say(text, bad) {
+  const message = document.getElementById("message");
+  message.textContent = text;
+  message.className = bad ? "bad" : "";
+}
+
+async function api(method, path, body) {
+  const init = {method, headers: {"X-Console-Csrf": csrf}, credentials: "same-origin", cache: "no-store"};
+  if (body !== undefined) {
+    init.headers["Content-Type"] = "application/json";
+    init.body = JSON.stringify(body);
+  }
+  const reply = await fetch(path, init);
+  if (reply.status === 401) location.reload();  // the session ended: the login form
+  const answer = await reply.json();
+  if (!answer.success) throw new Error(`${answer.code} ${answer.message}: ${answer.detail}`);
+  return answer.data;
+}
+
+async function act(method, path, body, done) {
+  try {
+    await api(method, path, body);
+    say(done);
+  } catch (error) {
+    say(error.message, true);
+  }
+  await refresh();
+}
+
+async function showWallets() {
+  const workspaces = await api("GET", "workspaces");
+  const list = (workspace, what) => api("GET", `workspaces/${id(workspace.id)}/${what}?size=100&sort=createdAt,asc`);
+  const pages = await Promise.all(workspaces.map(workspace => list(workspace, "wallets")));
+  const balances = await Promise.all(workspaces.map(async workspace => Object.fromEntries(
+    (await list(workspace, "balances")).content.map(balance => [balance.walletId, balance]))));
+  show("#wallets .data", [workspaces, pages, balances, selectedWallet], () => workspaces.length ? workspaces.map(
+    (workspace, n) => [el("h2", {}, workspace.name, " ", code(workspace.id)), table(
+      ["Id", "Name", "Currency", "Status", "Balance", "Available", "Pending"],
+      pages[n].content.map(w => el("tr", {class: w.id === selectedWallet ? "pick picked" : "pick", "data-wallet": w.id,
+                                               onclick: () => { selectedWallet = w.id; refresh(); }},
+        cell(code(w.id)), cell(w.name), cell(w.currency), cell(w.status, w.status), ...["balance", "available", "pending"].map(
+          field => cell(balances[n][w.id] ? balances[n][w.id][field] : "-", "num"))))),
+      pages[n].page.totalElements > pages[n].content.length
+        ? el("p", {class: "hint"}, `The first ${pages[n].content.length} of ${pages[n].page.totalElements} wallets.`) : ""])
+    : el("p", {}, "No workspaces yet."));
+  const flows = selectedWallet && await api("GET", `wallets/${id(selectedWallet)}/flows?size=100`);
+  show("#flows", [selectedWallet, flows], () => flows ? [el("h2", {}, "Flows of ", code(selectedWallet), ", newest first"), table(
+    ["At", "Type", "Direction", "Amount", "Balance after", "Counterparty", "bizId"],
+    flows.content.map(f => el("tr", {}, cell(f.createdAt), cell(f.type), cell(f.direction), cell(f.amount, "num"),
+                                     cell(f.balanceAfter, "num"), cell(code(f.counterpartyWalletId)), cell(f.bizId || "-"))))] : []);
+}
+
+async function showTransfers() {
+  const orders = [];
+  for (const workspace of await api("GET", "workspaces")) {
+    const page = await api("GET", `workspaces/${id(workspace.id)}/transfers?size=100`);
+    orders.push(...page.content.map(order => ({...order, workspaceId: workspace.id})));
+  }
+  orders.sort((a, b) => b.createdAt.localeCompare(a.createdAt) || b.transferId.localeCompare(a.transferId));
+  const decide = (order, verb, done) => /^\.\.?$/.test(order.bizId)  // browsers resolve it away in a URL
+    ? el("button", {disabled: true, title: `A browser cannot put the bizId "${order.bizId}" in a path: use the `
+                                           + "Python API or a client that sends the path as is"}, verb)
+    : el("button", {onclick: () => act("POST", `transfers/${id(order.bizId)}/${verb.toLowerCase()}`,
+                                       {workspaceId: order.workspaceId}, `${order.bizId}: ${done}.`)}, verb);
+  show("#transfers .data", orders, () => orders.length ? table(
+    ["Created", "bizId", "From", "To", "Amount", "Status", ""],
+    orders.map(o => el("tr", {"data-biz": o.bizId}, cell(o.createdAt), cell(o.bizId), cell(code(o.sourceWalletId)),
+                              cell(code(o.targetWalletId)), cell(`${o.amount} ${o.currency}`, "num"),
+                              cell(o.status, o.status), cell(o.status === "PENDING"
+                                ? [decide(o, "Complete", "completed"), " ", decide(o, "Fail", "failed")] : ""))))
+    : el("p", {}, "No transfer orders yet."));
+}
+
+let journal = [], journalPolls = 0;  // the newest 50 entries, newest first; polled for what is new only
+async function showJournal() {
+  const full = journalPolls++ % 10 === 0;  // now and then all 50 again: a reset or a DELETE removed some
+  const since = full || !journal.length ? 0 : journal[0].seq;
+  const fresh = (await api("GET", `journal?after=${since}&last=50&size=50`)).content.reverse();
+  journal = full ? fresh : fresh.concat(journal).slice(0, 50);
+  const entries = journal;
+  show("#journal .data", entries, () => entries.length ? table(
+    ["At", "Method", "Path", "Status", "Code", "Verdict", "Elapsed ms"],
+    entries.map(e => el("tr", {class: `pick ${e.signature}`, onclick: () => { openEntry = e; showEntry(); }},
+      cell(e.at), cell(e.method), cell(code(e.path + (e.query ? "?" + e.query : ""))), cell(e.status),
+      cell(e.code || "-"), cell(e.signature), cell(e.elapsedMs, "num"))))
+    : el("p", {}, "No requests yet: every request to /api/ appears here."));
+}
+
+function showEntry() {
+  const e = openEntry;
+  if (!e) return fill("#entry");
+  fill("#entry", el("h2", {}, `${e.method} ${e.path}: ${e.status} ${e.code || ""}`),
+    e.diagnosis ? el("p", {class: "diagnosis"}, "Diagnosis: ", e.diagnosis) : "",
+    el("h3", {}, "Canonical message the server computed"),
+    el("pre", {class: "canonical"}, e.canonicalMessage ?? "(none: the request did not reach the signature check)"),
+    el("h3", {}, "Request headers"),
+    table(["Header", "Value"], Object.entries(e.headers).map(([name, value]) => el("tr", {}, cell(name), cell(code(value))))),
+    el("h3", {}, "Request body"), el("pre", {}, e.body || "(empty)"),
+    el("h3", {}, "Response body"), el("pre", {}, e.responseBody));
+}
+
+async function showClock() {
+  const clock = await api("GET", "clock");
+  show("#clock .data", clock, () => [
+    el("p", {}, "Service time: ", el("strong", {id: "clock-now"}, clock.now), clock.frozen ? " (frozen)" : " (running)"),
+    clock.controllable ? "" : el("p", {class: "bad"}, "This service's clock is not controllable.")]);
+}
+
+async function showFaults() {
+  const rules = await api("GET", "faults");
+  const matchers = r => ["query", "headers", "body"].filter(n => r[n]).map(n => `${n} ${JSON.stringify(r[n])}`).join("; ");
+  show("#faults .data", rules, () => rules.length ? table(
+    ["Id", "Action", "Method", "Path", "Code", "Status", "Latency s", "Times", "Fired", "Matchers", ""],
+    rules.map(r => el("tr", {"data-fault": r.id}, cell(r.id), cell(r.action), cell(r.method), cell(code(r.path)),
+      cell(r.code || "-"), cell(r.status ?? "-"), cell(r.latency, "num"), cell(r.times ?? "always"),
+      cell(r.fired, "num"), cell(matchers(r) || "-"),
+      cell(el("button", {onclick: () => act("DELETE", `faults/${id(r.id)}`, undefined, `${r.id} removed.`)}, "Remove")))))
+    : el("p", {}, "No fault rules."));
+}
+
+function faultBody(form) {
+  const values = Object.fromEntries(new FormData(form));
+  const body = {action: values.action, method: values.method || "*", path: values.path || "*"};
+  if (values.code) body.code = values.code;
+  for (const name of ["status", "times"]) if (values[name]) body[name] = parseInt(values[name], 10);
+  if (values.latency) body.latency = parseFloat(values.latency);
+  for (const name of ["query", "headers", "body"]) {
+    if (!values[name]) continue;
+    try { body[name] = JSON.parse(values[name]); }
+    catch (error) { throw new Error(`${name} must be a JSON object: ${error.message}`); }
+  }
+  return body;
+}
+
+async function refresh() {
+  const view = views[location.hash.slice(1)] ? location.hash.slice(1) : "wallets";
+  for (const name of Object.keys(views)) document.getElementById(name).hidden = name !== view;
+  for (const link of document.querySelectorAll("nav a")) link.classList.toggle("here", link.hash === "#" + view);
+  try {
+    const clock = await api("GET", "clock");
+    document.getElementById("now").textContent = `service time ${clock.now}${clock.frozen ? " (frozen)" : ""}`;
+    await views[view]();
+    if (failing) say("");  // the server answers again
+    failing = false;
+  } catch (error) {
+    say(error.message, true);
+    failing = true;
+  }
+}
+
+for (const action of FAULT_ACTIONS) document.querySelector('#fault-form select[name="action"]').append(el("option", {}, action));
+document.getElementById("fault-form").addEventListener("submit", event => {
+  event.preventDefault();
+  try { act("POST", "faults", faultBody(event.target), "Fault rule added."); } catch (error) { say(error.message, true); }
+});
+document.getElementById("clock-freeze").addEventListener("click", () => act("POST", "clock", {freeze: true}, "Clock frozen."));
+document.getElementById("clock-unfreeze").addEventListener("click", () => act("POST", "clock", {freeze: false}, "Clock running."));
+document.getElementById("clock-advance").addEventListener("submit", event => {
+  event.preventDefault();
+  const seconds = parseFloat(new FormData(event.target).get("advance"));
+  act("POST", "clock", {advance: seconds}, `Clock advanced by ${seconds} s.`);
+});
+document.getElementById("clock-set").addEventListener("submit", event => {
+  event.preventDefault();
+  const at = new FormData(event.target).get("at").trim();
+  act("POST", "clock", {at}, `Clock set to ${at}.`);
+});
+document.getElementById("reset").addEventListener("click", () => {
+  if (!confirm("Reset erases every workspace, wallet, transfer, the journal and the fault rules, "
+               + "and returns the sandbox to its starting state. Reset?")) return;
+  selectedWallet = openEntry = null;
+  journal = [];
+  journalPolls = 0;
+  showEntry();
+  act("POST", "reset", undefined, "Reset: the sandbox is back to its starting state.");
+});
+document.getElementById("logout").addEventListener("click", async () => {
+  try {
+    await api("POST", "console/logout");
+    location.reload();
+  } catch (error) {
+    say(error.message, true);
+  }
+});
+window.addEventListener("hashchange", refresh);
+setInterval(async () => {  // every view is live: the journal within a second of a request
+  if (refreshing) return;
+  refreshing = true;
+  try { await refresh(); } finally { refreshing = false; }
+}, 1000);
+refresh();
+""".replace("__FAULT_ACTIONS__", json.dumps(FAULT_ACTIONS))
+
+_CONSOLE_PAGE = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="csrf" content="__CSRF__">
+<link rel="icon" href="data:,">
+<title>walletsvc console</title>
+<style>""" + _CONSOLE_STYLE + """</style>
+</head>
+<body>
+<header>
+  <strong>walletsvc console</strong>
+  <nav><a href="#wallets">Wallets</a> <a href="#transfers">Transfers</a> <a href="#journal">Journal</a>
+    <a href="#clock">Clock</a> <a href="#faults">Faults</a></nav>
+  <span id="now"></span>
+  <button id="reset" class="danger">Reset</button>
+  <button id="logout">Log out</button>
+</header>
+<p id="message" role="status"></p>
+<main>
+<section id="wallets" hidden><h1>Wallets</h1><p class="hint">Every workspace's wallets. Click one for its flows.</p>
+  <div class="data"></div><div id="flows"></div></section>
+<section id="transfers" hidden><h1>Transfers</h1><p class="hint">Transfer orders, newest first.</p>
+  <div class="data"></div></section>
+<section id="journal" hidden><h1>Journal</h1>
+  <p class="hint">Requests to /api/, newest first, live. Click one for its headers, body and signature check.</p>
+  <div class="data"></div><div id="entry"></div></section>
+<section id="clock" hidden><h1>Clock</h1><div class="data"></div>
+  <p><button id="clock-freeze">Freeze</button> <button id="clock-unfreeze">Unfreeze</button></p>
+  <form id="clock-advance"><label>Advance by <input name="advance" type="number" step="any" value="3600"> seconds</label>
+    <button>Advance</button></form>
+  <form id="clock-set"><label>Set to <input name="at" placeholder="2030-01-01T00:00:00Z" required></label>
+    (RFC 3339: 2030-01-01T00:00:00Z, or a date)
+    <button>Set</button></form></section>
+<section id="faults" hidden><h1>Faults</h1><div class="data"></div>
+  <h2>Add a rule</h2>
+  <form id="fault-form">
+    <label>Action <select name="action"></select></label>
+    <label>Method <input name="method" value="*" size="6"></label>
+    <label>Path glob <input name="path" value="/api/v1/*"></label>
+    <label>Code <input name="code" size="8" placeholder="T2001"></label>
+    <label>Status <input name="status" type="number" size="4"></label>
+    <label>Latency s <input name="latency" type="number" step="any" size="4"></label>
+    <label>Times <input name="times" type="number" min="1" size="4" placeholder="always"></label><br>
+    <label>Query <textarea name="query" placeholder='{"size": "5"}'></textarea></label>
+    <label>Headers <textarea name="headers" placeholder='{"X-Locale": "zh-CN"}'></textarea></label>
+    <label>Body fields <textarea name="body" placeholder='{"amount": "13.00"}'></textarea></label>
+    <button>Add rule</button>
+  </form></section>
+</main>
+<script>""" + _CONSOLE_SCRIPT + """</script>
+</body>
+</html>
+"""
+
+_CONSOLE_LOGIN = """<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<link rel="icon" href="data:,">
+<title>walletsvc console: log in</title>
+<style>""" + _CONSOLE_STYLE + """</style>
+</head>
+<body>
+<header><strong>walletsvc console</strong></header>
+<main>
+<h1>Log in</h1>
+<form method="post" action="console">
+  <label>Admin token <input name="token" type="password" autocomplete="current-password" required autofocus></label>
+  <button>Log in</button>
+</form>
+<p class="bad">__MESSAGE__</p>
+<p class="hint">The admin token is the one <code>walletsvc serve</code> printed, or the one you gave it
+(<code>--admin-token</code>).</p>
+</main>
+</body>
+</html>
+"""
+
+
+def _csp_source(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode("utf-8")).digest()).decode("ascii") + "'"
+
+
+# Only this page's own script and style run, it talks only to its own origin, and no
+# other site may frame it (a Reset button under someone else's page).
+_PAGE_HEADERS = {
+    "Content-Security-Policy": f"default-src 'none'; script-src {_csp_source(_CONSOLE_SCRIPT)}; "
+                               f"style-src {_csp_source(_CONSOLE_STYLE)}; connect-src 'self'; img-src data:; "
+                               "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
+    "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
+
+
+# Last, so that a run as a script (python walletsvc.py) has every section defined.
 if __name__ == "__main__":
     sys.exit(main())
