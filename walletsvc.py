@@ -1,6 +1,7 @@
 """walletsvc: a wallet-and-transfer service in one module.
 
-Contents, in the order of the module's sections (each uses only those above it):
+Contents, in the order of the module's sections: each uses only those above it, but for
+the console's page, kept last as bottle keeps its template, which handlers read at run time.
 
   Core
      1. Constants and helpers - ids, times, IP entries, JSON
@@ -15,20 +16,20 @@ Contents, in the order of the module's sections (each uses only those above it):
      9. The ledger's invariants - the audits, as SQL
     10. Wallets and transfers - the Ledger: workspaces, keys, wallets, orders
   The sandbox's state (in the database, shared by every process)
-    11. The sandbox's clock - frozen, set, advanced
-    12. Fault rules - forced errors, latency, commit then fail
-    13. Request journal - what the journal keeps, and its assertions
+    11. The sandbox's clock - frozen, set, advanced; admin times
+    12. Request journal - what the journal keeps, and its assertions
+    13. Fault rules - forced errors, latency, commit then fail or drop
     14. Scenarios and the starting state - WalletService, worlds, reset
   HTTP
     15. HTTP schemas - the JSON shapes, and the request body check
     16. Declared endpoints and the envelope - ``@endpoint``, the envelope
     17. The per-request record - Principal, Call
     18. The authentication pipeline - SPEC.md's steps 1-7, the nonce check
-    19. The one request path - HttpApi: body, pipeline, faults, render, journal, log
-    20. API handlers - the endpoints of SPEC.md
-    21. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal
-    22. Sandbox console - how the console logs in, its session
-    23. OpenAPI document - /openapi.json, from the declarations
+    19. The console's session - how the console logs in
+    20. The one request path - HttpApi: body, pipeline, faults, render, journal, log
+    21. OpenAPI document - /openapi.json, from the declarations
+    22. API handlers - the endpoints of SPEC.md
+    23. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal, console
     24. App factory - create_app, the WSGI app
   Tools
     25. Client - a signing client, typed errors
@@ -199,31 +200,6 @@ def iso_time(ms: int | None) -> str | None:
 @functools.lru_cache(maxsize=4096)  # a page of rows, and each request's now, share few seconds
 def _iso_second(seconds: int) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(seconds))
-
-
-MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is taken for milliseconds
-
-
-def admin_time(value: Any, field: str) -> float | None:
-    """A time given to the admin surface (DESIGN.md §9), as epoch seconds: a JSON number is epoch
-    seconds, a string RFC 3339 (ISO-8601 with an offset, or a date); a value that looks like
-    milliseconds is refused, saying so."""
-    if value is None:
-        return None
-    if isinstance(value, datetime.datetime):  # (a TOML datetime; naive means UTC)
-        return (value if value.tzinfo else value.replace(tzinfo=datetime.UTC)).timestamp()
-    if isinstance(value, (bool, datetime.date, datetime.time)) or not isinstance(value, (int, float, str)):
-        raise invalid(field, "time_iso")
-    if isinstance(value, str):
-        if re.fullmatch(r"[0-9]+", value):
-            raise invalid(field, "time_digits")
-        moment = parse_time(value)
-        if moment is None:
-            raise invalid(field, "time_iso")
-        return moment / 1000
-    if MILLISECONDS_FROM <= value <= CLOCK_RANGE[1] * 1000:
-        raise invalid(field, "time_ms")
-    return value
 
 
 EPOCH_MS_PATTERN = "[0-9]{1,15}"  # a time as epoch milliseconds
@@ -2177,6 +2153,41 @@ class Ledger:
 CLOCK_RANGE = (0.0, 253402300799.0)  # epoch seconds a datetime can hold: 1970-01-01 to 9999-12-31
 
 
+MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is taken for milliseconds
+
+
+def admin_time(value: Any, field: str) -> float | None:
+    """A time given to the admin surface (DESIGN.md §9), as epoch seconds: a JSON number is epoch
+    seconds, a string RFC 3339 (ISO-8601 with an offset, or a date); a value that looks like
+    milliseconds is refused, saying so."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):  # (a TOML datetime; naive means UTC)
+        return (value if value.tzinfo else value.replace(tzinfo=datetime.UTC)).timestamp()
+    if isinstance(value, (bool, datetime.date, datetime.time)) or not isinstance(value, (int, float, str)):
+        raise invalid(field, "time_iso")
+    if isinstance(value, str):
+        if re.fullmatch(r"[0-9]+", value):
+            raise invalid(field, "time_digits")
+        moment = parse_time(value)
+        if moment is None:
+            raise invalid(field, "time_iso")
+        return moment / 1000
+    if MILLISECONDS_FROM <= value <= CLOCK_RANGE[1] * 1000:
+        raise invalid(field, "time_ms")
+    return value
+
+
+def _clock_time(at: float) -> float:
+    try:
+        at = float(at)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ValueError(f"{str(at)[:20]}... is outside the clock's range (1970-01-01 to 9999-12-31)") from None
+    if not CLOCK_RANGE[0] <= at <= CLOCK_RANGE[1]:  # NaN fails both comparisons
+        raise ValueError(f"{at!r} is outside the clock's range (1970-01-01 to 9999-12-31)")
+    return at
+
+
 class Clock:
     """A controllable clock: real time plus an offset, or frozen.
 
@@ -2267,151 +2278,6 @@ class Clock:
         with self._db.atomic(durable=False) as conn:
             start = conn.execute("SELECT clock_frozen_at, clock_offset FROM start_sandbox").fetchone()
             conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", start or self._start)
-
-
-def _clock_time(at: float) -> float:
-    try:
-        at = float(at)
-    except OverflowError:  # an integer of hundreds of digits
-        raise ValueError(f"{str(at)[:20]}... is outside the clock's range (1970-01-01 to 9999-12-31)") from None
-    if not CLOCK_RANGE[0] <= at <= CLOCK_RANGE[1]:  # NaN fails both comparisons
-        raise ValueError(f"{at!r} is outside the clock's range (1970-01-01 to 9999-12-31)")
-    return at
-
-
-###############################################################################
-# Fault rules ##################################################################
-###############################################################################
-
-FAULT_ACTIONS = ("error", "commit_then_fail", "commit_then_drop", "latency")
-
-
-class Faults:
-    """Fault rules applied to authenticated /api/ requests that match them, kept in the
-    database (DESIGN.md §9): every process serving the file applies the same rules, and a
-    rule with ``times`` fires that many times across all of them.
-
-    ``error`` answers a forced code; ``commit_then_fail`` runs the request (a
-    transfer commits) and answers S500; ``commit_then_drop`` runs it and drops
-    the connection mid-response; ``latency`` only delays. Any rule may add
-    ``latency`` seconds. ``times`` fires a rule that many times (None: always).
-    At most MAX_RULES rules are in force at once.
-    """
-
-    MAX_RULES = 100
-    MAX_TIMES = 2**31  # (None: always)
-    MAX_LATENCY = 60  # seconds
-    STATUSES = (400, 599)  # the statuses a rule may force
-
-    def __init__(self, db: Database) -> None:
-        self.db = db
-        # (fault_version, the rules, those seen spent) as this process last read them: spent stays spent
-        self._cache: tuple[int, list[dict], set[int]] = (-1, [], set())
-
-    def add(self, *, action: str = "error", method: str = "*", path: str = "*",
-            workspace_id: str | None = None, code: str | None = None, status: int | None = None,
-            latency: float = 0.0, times: int | None = None, query: Mapping | None = None,
-            headers: Mapping | None = None, body: Mapping | None = None) -> dict:
-        """Add a rule (see the class); the rule as stored, with its ``id``. ``query``,
-        ``headers`` and ``body`` match as in ``request_misses``."""
-        if action not in FAULT_ACTIONS:
-            raise invalid("action", "one_of", choices=", ".join(FAULT_ACTIONS))
-        if action == "error":
-            if isinstance(code, str) and not 1 <= len(code) <= 64:
-                raise invalid("code", "length", maximum=64)
-            code = code or "S500"
-            known = ERRORS_BY_CODE.get(code)
-            if known is None and status is None:
-                raise invalid("status", "required")
-            status = status or known.status
-        for name, value in (("method", method), ("path", path), ("code", code)):
-            if value is not None and not isinstance(value, str):
-                raise invalid(name, "string")
-        if status is not None and not (isinstance(status, int) and self.STATUSES[0] <= status <= self.STATUSES[1]):
-            raise invalid("status", "one_of", choices=f"{self.STATUSES[0]}-{self.STATUSES[1]}")
-        if not isinstance(latency, (int, float)) or not 0 <= latency <= self.MAX_LATENCY:
-            raise invalid("latency", "one_of", choices=f"0-{self.MAX_LATENCY} seconds")
-        if times is not None and not (isinstance(times, int) and not isinstance(times, bool) and times >= 1):
-            raise invalid("times", "minimum", minimum=1)
-        if times is not None and times > self.MAX_TIMES:
-            raise invalid("times", "maximum", maximum=self.MAX_TIMES)
-        for name, value in (("query", query), ("headers", headers), ("body", body)):
-            if value is not None and not isinstance(value, dict):
-                raise invalid(name, "type", kinds="object")
-        rule = {"action": action, "method": method.upper(), "path": path, "workspaceId": workspace_id,
-                "code": code, "status": status, "latency": float(latency), "times": times, "query": query,
-                "headers": headers, "body": body}
-        with self.db.atomic(durable=False) as conn:
-            count, number = conn.execute("SELECT fault_rules, fault_next + 1 FROM sandbox").fetchone()
-            if count >= self.MAX_RULES:
-                raise invalid("faults", "too_many", maximum=self.MAX_RULES)
-            conn.execute("INSERT INTO fault_rules (id, rule, times) VALUES (?, ?, ?)",
-                         (number, json.dumps(rule), times))
-            conn.execute("UPDATE sandbox SET fault_rules = fault_rules + 1, fault_next = ?,"
-                         " fault_version = fault_version + 1", (number,))
-        return {"id": f"fault_{number}", **rule, "fired": 0}
-
-    def rules(self) -> list[dict]:
-        """The rules in force, in the order they are tried, each with how often it ``fired``."""
-        with self.db.connection() as conn:
-            rows = conn.execute("SELECT id, rule, fired FROM fault_rules ORDER BY id").fetchall()
-        return [{"id": f"fault_{number}", **json.loads(rule), "fired": fired} for number, rule, fired in rows]
-
-    def remove(self, fault_id: str) -> None:
-        """Remove one rule; S404 if there is none with that id."""
-        number = fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_") else ""
-        with self.db.atomic(durable=False) as conn:
-            if not number.isdigit() or not conn.execute("DELETE FROM fault_rules WHERE id = ?",
-                                                        (int(number[:18]),)).rowcount:
-                raise not_found("fault rule")
-            conn.execute("UPDATE sandbox SET fault_rules = fault_rules - 1, fault_version = fault_version + 1")
-
-    def clear(self) -> None:
-        """Remove every rule; ids start again from fault_1."""
-        with self.db.atomic(durable=False) as conn:
-            conn.execute("DELETE FROM fault_rules")
-            conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0, fault_version = fault_version + 1")
-
-    def take(self, method: str, path: str, workspace_id: str,
-             request: Callable[[], Mapping[str, Any]] = dict) -> dict | None:
-        """The first rule matching this request that is not spent, counted as fired (once,
-        across processes: the count is taken in the database). A spent rule (fired ``times``
-        times) stays listed with its count."""
-        _, rules, spent = self._rules()
-        for rule in rules:
-            if rule["number"] in spent or not (
-                    rule["method"] in ("*", method) and fnmatch.fnmatchcase(path, rule["path"])
-                    and rule["workspaceId"] in (None, workspace_id)):
-                continue
-            matchers = {"query": rule["query"], "headers": rule["headers"], "body": rule["body"]}
-            if any(value is not None for value in matchers.values()) and request_misses(request(), matchers):
-                continue
-            fired = self.db.write("UPDATE fault_rules SET fired = fired + 1 WHERE id = ?"
-                                  " AND (times IS NULL OR fired < times)", (rule["number"],), durable=False)
-            if fired:
-                return rule
-            spent.add(rule["number"])  # (the set of this version of the rules)
-        return None
-
-    def _rules(self) -> tuple[int, list[dict], set[int]]:
-        """The rules in force, read again only when another change made them stale."""
-        with self.db.snapshot() as conn:
-            version = conn.execute("SELECT fault_version FROM sandbox").fetchone()[0]
-            if version != self._cache[0]:
-                rows = conn.execute("SELECT id, rule FROM fault_rules ORDER BY id").fetchall()
-                rules = [{**json.loads(rule), "id": f"fault_{number}", "number": number} for number, rule in rows]
-                self._cache = (version, rules, set())
-        return self._cache
-
-
-def forced_error(rule: dict) -> WalletError:
-    """The error a fault rule forces: the catalog's, or an ad-hoc code and status."""
-    known = ERRORS_BY_CODE.get(rule["code"])
-    if known is not None and known.status == rule["status"]:
-        return known(text=f"Forced by fault rule {rule['id']}.")
-    cls = type("ForcedError", (WalletError,), {"code": rule["code"], "name": known.name if known else "FORCED_ERROR",
-                                               "status": rule["status"]})
-    return cls(text=f"Forced by fault rule {rule['id']}.")
 
 
 ###############################################################################
@@ -2621,6 +2487,141 @@ def _capped(value: Any, limit: int) -> Any:
         marker = f"...[{len(value) - limit} more]"
         return value[:limit] + (marker.encode() if isinstance(value, bytes) else marker)
     return value
+
+
+###############################################################################
+# Fault rules ##################################################################
+###############################################################################
+
+FAULT_ACTIONS = ("error", "commit_then_fail", "commit_then_drop", "latency")
+
+
+class Faults:
+    """Fault rules applied to authenticated /api/ requests that match them, kept in the
+    database (DESIGN.md §9): every process serving the file applies the same rules, and a
+    rule with ``times`` fires that many times across all of them.
+
+    ``error`` answers a forced code; ``commit_then_fail`` runs the request (a
+    transfer commits) and answers S500; ``commit_then_drop`` runs it and drops
+    the connection mid-response; ``latency`` only delays. Any rule may add
+    ``latency`` seconds. ``times`` fires a rule that many times (None: always).
+    At most MAX_RULES rules are in force at once.
+    """
+
+    MAX_RULES = 100
+    MAX_TIMES = 2**31  # (None: always)
+    MAX_LATENCY = 60  # seconds
+    STATUSES = (400, 599)  # the statuses a rule may force
+
+    def __init__(self, db: Database) -> None:
+        self.db = db
+        # (fault_version, the rules, those seen spent) as this process last read them: spent stays spent
+        self._cache: tuple[int, list[dict], set[int]] = (-1, [], set())
+
+    def add(self, *, action: str = "error", method: str = "*", path: str = "*",
+            workspace_id: str | None = None, code: str | None = None, status: int | None = None,
+            latency: float = 0.0, times: int | None = None, query: Mapping | None = None,
+            headers: Mapping | None = None, body: Mapping | None = None) -> dict:
+        """Add a rule (see the class); the rule as stored, with its ``id``. ``query``,
+        ``headers`` and ``body`` match as in ``request_misses``."""
+        if action not in FAULT_ACTIONS:
+            raise invalid("action", "one_of", choices=", ".join(FAULT_ACTIONS))
+        if action == "error":
+            if isinstance(code, str) and not 1 <= len(code) <= 64:
+                raise invalid("code", "length", maximum=64)
+            code = code or "S500"
+            known = ERRORS_BY_CODE.get(code)
+            if known is None and status is None:
+                raise invalid("status", "required")
+            status = status or known.status
+        for name, value in (("method", method), ("path", path), ("code", code)):
+            if value is not None and not isinstance(value, str):
+                raise invalid(name, "string")
+        if status is not None and not (isinstance(status, int) and self.STATUSES[0] <= status <= self.STATUSES[1]):
+            raise invalid("status", "one_of", choices=f"{self.STATUSES[0]}-{self.STATUSES[1]}")
+        if not isinstance(latency, (int, float)) or not 0 <= latency <= self.MAX_LATENCY:
+            raise invalid("latency", "one_of", choices=f"0-{self.MAX_LATENCY} seconds")
+        if times is not None and not (isinstance(times, int) and not isinstance(times, bool) and times >= 1):
+            raise invalid("times", "minimum", minimum=1)
+        if times is not None and times > self.MAX_TIMES:
+            raise invalid("times", "maximum", maximum=self.MAX_TIMES)
+        for name, value in (("query", query), ("headers", headers), ("body", body)):
+            if value is not None and not isinstance(value, dict):
+                raise invalid(name, "type", kinds="object")
+        rule = {"action": action, "method": method.upper(), "path": path, "workspaceId": workspace_id,
+                "code": code, "status": status, "latency": float(latency), "times": times, "query": query,
+                "headers": headers, "body": body}
+        with self.db.atomic(durable=False) as conn:
+            count, number = conn.execute("SELECT fault_rules, fault_next + 1 FROM sandbox").fetchone()
+            if count >= self.MAX_RULES:
+                raise invalid("faults", "too_many", maximum=self.MAX_RULES)
+            conn.execute("INSERT INTO fault_rules (id, rule, times) VALUES (?, ?, ?)",
+                         (number, json.dumps(rule), times))
+            conn.execute("UPDATE sandbox SET fault_rules = fault_rules + 1, fault_next = ?,"
+                         " fault_version = fault_version + 1", (number,))
+        return {"id": f"fault_{number}", **rule, "fired": 0}
+
+    def rules(self) -> list[dict]:
+        """The rules in force, in the order they are tried, each with how often it ``fired``."""
+        with self.db.connection() as conn:
+            rows = conn.execute("SELECT id, rule, fired FROM fault_rules ORDER BY id").fetchall()
+        return [{"id": f"fault_{number}", **json.loads(rule), "fired": fired} for number, rule, fired in rows]
+
+    def remove(self, fault_id: str) -> None:
+        """Remove one rule; S404 if there is none with that id."""
+        number = fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_") else ""
+        with self.db.atomic(durable=False) as conn:
+            if not number.isdigit() or not conn.execute("DELETE FROM fault_rules WHERE id = ?",
+                                                        (int(number[:18]),)).rowcount:
+                raise not_found("fault rule")
+            conn.execute("UPDATE sandbox SET fault_rules = fault_rules - 1, fault_version = fault_version + 1")
+
+    def clear(self) -> None:
+        """Remove every rule; ids start again from fault_1."""
+        with self.db.atomic(durable=False) as conn:
+            conn.execute("DELETE FROM fault_rules")
+            conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0, fault_version = fault_version + 1")
+
+    def take(self, method: str, path: str, workspace_id: str,
+             request: Callable[[], Mapping[str, Any]] = dict) -> dict | None:
+        """The first rule matching this request that is not spent, counted as fired (once,
+        across processes: the count is taken in the database). A spent rule (fired ``times``
+        times) stays listed with its count."""
+        _, rules, spent = self._rules()
+        for rule in rules:
+            if rule["number"] in spent or not (
+                    rule["method"] in ("*", method) and fnmatch.fnmatchcase(path, rule["path"])
+                    and rule["workspaceId"] in (None, workspace_id)):
+                continue
+            matchers = {"query": rule["query"], "headers": rule["headers"], "body": rule["body"]}
+            if any(value is not None for value in matchers.values()) and request_misses(request(), matchers):
+                continue
+            fired = self.db.write("UPDATE fault_rules SET fired = fired + 1 WHERE id = ?"
+                                  " AND (times IS NULL OR fired < times)", (rule["number"],), durable=False)
+            if fired:
+                return rule
+            spent.add(rule["number"])  # (the set of this version of the rules)
+        return None
+
+    def _rules(self) -> tuple[int, list[dict], set[int]]:
+        """The rules in force, read again only when another change made them stale."""
+        with self.db.snapshot() as conn:
+            version = conn.execute("SELECT fault_version FROM sandbox").fetchone()[0]
+            if version != self._cache[0]:
+                rows = conn.execute("SELECT id, rule FROM fault_rules ORDER BY id").fetchall()
+                rules = [{**json.loads(rule), "id": f"fault_{number}", "number": number} for number, rule in rows]
+                self._cache = (version, rules, set())
+        return self._cache
+
+
+def forced_error(rule: dict) -> WalletError:
+    """The error a fault rule forces: the catalog's, or an ad-hoc code and status."""
+    known = ERRORS_BY_CODE.get(rule["code"])
+    if known is not None and known.status == rule["status"]:
+        return known(text=f"Forced by fault rule {rule['id']}.")
+    cls = type("ForcedError", (WalletError,), {"code": rule["code"], "name": known.name if known else "FORCED_ERROR",
+                                               "status": rule["status"]})
+    return cls(text=f"Forced by fault rule {rule['id']}.")
 
 
 ###############################################################################
@@ -3799,8 +3800,123 @@ def _nonce_forgotten() -> RequestExpired:
 
 
 ###############################################################################
+# The console's session ########################################################
+###############################################################################
+
+class Console:
+    """The sandbox console at /_admin/console (DESIGN.md §9): one HTML page and its session.
+
+    Logging in with the admin token sets an HttpOnly, SameSite=Strict cookie:
+    a random nonce, its expiry and their HMAC under the admin token (a new
+    admin token ends every session; logging out ends one in this process).
+    The cookie alone authorizes nothing: a request must also carry the page's
+    CSRF token (another HMAC of the nonce, readable only by a page of the same
+    origin) and must not come from another site (``Sec-Fetch-Site``, ``Origin``).
+    Its name carries the port: browsers share a host's cookies across its ports,
+    and two sandboxes on 127.0.0.1 must not log each other out.
+    """
+
+    SESSION_SECONDS = 12 * 3600
+
+    def __init__(self, admin_token: str) -> None:
+        self.key = admin_token.encode("utf-8")
+        self._ended: dict[str, float] = {}  # nonce -> when its cookie expires anyway: logged out
+        self._lock = threading.Lock()
+
+    def mac(self, purpose: str, nonce: str) -> str:
+        digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
+        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
+
+    @staticmethod
+    def cookie_name(environ: Mapping[str, Any]) -> str:
+        port = (environ.get("HTTP_HOST") or "").rpartition(":")[2]
+        if not port.isdigit():
+            port = "443" if environ.get("wsgi.url_scheme") == "https" else "80"
+        return f"{CONSOLE_COOKIE}_{port}"
+
+    def session(self, environ: Mapping[str, Any]) -> str | None:
+        """The session's nonce; None without the cookie, "" for one that is not (or no longer) a session."""
+        name = self.cookie_name(environ) + "="
+        value = next((part.strip()[len(name):] for part in environ.get("HTTP_COOKIE", "").split(";")
+                      if part.strip().startswith(name)), None)
+        if value is None:
+            return None
+        nonce, _, expires = value.rpartition(".")[0].partition(".")
+        valid = (self.key and nonce and expires.isdigit() and int(expires) > time.time()
+                 and hmac.compare_digest(value.encode("latin-1", "replace"), self.session_value(nonce, expires).encode())
+                 and nonce not in self._ended)
+        return nonce if valid else ""
+
+    def session_value(self, nonce: str, expires: str) -> str:
+        return f"{nonce}.{expires}.{self.mac('session', f'{nonce}.{expires}')}"
+
+    def end(self, nonce: str) -> None:
+        """Log a session out in this process (its cookie, copied, no longer works here)."""
+        now = time.time()
+        with self._lock:
+            self._ended = {ended: until for ended, until in self._ended.items() if until > now}
+            self._ended[nonce] = now + self.SESSION_SECONDS
+
+    def same_origin(self, environ: Mapping[str, Any], nonce: str) -> bool:
+        """The page's CSRF header is right and the browser does not say another site sent it."""
+        token = environ.get("HTTP_X_CONSOLE_CSRF", "").encode("latin-1", "replace")
+        try:
+            origin = environ.get("HTTP_ORIGIN")
+            origin_host = None if origin is None else urllib.parse.urlsplit(origin).netloc
+        except ValueError:  # not a URL (http://a]): not this origin
+            return False
+        return (hmac.compare_digest(token, self.mac("csrf", nonce).encode())
+                and environ.get("HTTP_SEC_FETCH_SITE", "same-origin") in ("same-origin", "none")
+                and origin_host in (None, environ.get("HTTP_HOST")))
+
+    def cookie(self, call: Call, value: str, max_age: int) -> str:
+        """A Set-Cookie value scoped to the admin surface under whatever prefix the app is mounted
+        (/_admin/ itself when the path as sent does not say it plainly)."""
+        head, found, _ = call.path.decode("latin-1").rpartition("/_admin/")
+        path = head + found if found and re.fullmatch(r"[\w./~-]*", head) else "/_admin/"
+        attributes = [f"{self.cookie_name(call.environ)}={value}", f"Path={path}", f"Max-Age={max_age}", "HttpOnly",
+                      "SameSite=Strict"]
+        if call.environ.get("wsgi.url_scheme") == "https":
+            attributes.append("Secure")
+        return "; ".join(attributes)
+
+    def log_in(self, call: Call) -> str:
+        """The login form's POST: a session cookie and a redirect to the console, or the form again."""
+        try:
+            form = urllib.parse.parse_qs(call.body.decode("utf-8", "replace"), max_num_fields=20)
+        except ValueError:
+            form = {}
+        token = (form.get("token") or [""])[0].strip().encode("utf-8")
+        if not self.key or not hmac.compare_digest(token, self.key):
+            call.status = 401
+            return self.login_form(call, "That is not the admin token.")
+        nonce, expires = secrets.token_urlsafe(18), str(int(time.time()) + self.SESSION_SECONDS)
+        call.status = 303
+        call.headers.update({"Location": "console",
+                             "Set-Cookie": self.cookie(call, self.session_value(nonce, expires), self.SESSION_SECONDS)})
+        return ""
+
+    def log_out(self, call: Call) -> None:
+        nonce = self.session(call.environ)
+        if nonce:
+            self.end(nonce)
+        call.headers["Set-Cookie"] = self.cookie(call, "", 0)
+
+    def login_form(self, call: Call, message: str = "") -> str:
+        call.headers.update(_PAGE_HEADERS)
+        return _CONSOLE_LOGIN.replace("__MESSAGE__", html.escape(message))
+
+    def page(self, call: Call, nonce: str) -> str:
+        call.headers.update(_PAGE_HEADERS)
+        return _CONSOLE_PAGE.replace("__CSRF__", self.mac("csrf", nonce))
+
+
+###############################################################################
 # The one request path #########################################################
 ###############################################################################
+
+ADMIN_PATIENCE = 0.5  # seconds an admin write waits for the lock before S503 (the API waits busy_timeout)
+
 
 class HttpApi:
     """The one request path: every request any host hands the app comes through ``serve``.
@@ -4065,15 +4181,103 @@ class HttpApi:
             bottle.response.set_header(name, value)
         return list(body)
 
-    def openapi(self, base_url: str) -> dict:
-        """The OpenAPI document of the endpoints this app serves, with ``base_url`` as its server."""
-        return {**openapi_document(self.endpoints), "servers": [{"url": base_url}]}
-
 
 def _dropped(body: bytes) -> Iterator[bytes]:
     """Half the body, then an abort: the server closes the connection mid-response."""
     yield body[: len(body) // 2]
     raise ConnectionAbortedError("walletsvc fault rule: connection dropped after the commit")
+
+
+###############################################################################
+# OpenAPI document #############################################################
+###############################################################################
+
+def _schema_ref(schema: str | dict | None) -> dict:
+    if schema is None:
+        return {"type": "null"}
+    return {"$ref": f"#/components/schemas/{schema}"} if isinstance(schema, str) else schema
+
+
+def _error_responses(errors: Iterable[type[WalletError]]) -> dict:
+    """An operation's error answers by status, each with the codes it can carry."""
+    statuses: dict[int, list] = {}
+    for error in errors:
+        statuses.setdefault(error.status, []).append(error)
+    return {str(status): {
+        "description": "; ".join(f"{error.code} {error.name}" for error in errors),
+        "content": {"application/json": {"schema": {"allOf": [
+            {"$ref": "#/components/schemas/Error"},
+            {"properties": {"code": {"enum": [error.code for error in errors]},
+                            "message": {"enum": [error.name for error in errors]}}}]}}}}
+        for status, errors in sorted(statuses.items())}
+
+
+def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
+    """OpenAPI 3.1 of ``endpoints``, from their declarations, with ``base_url`` as the server."""
+    security = {"api": [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
+                "admin": [{"AdminToken": []}, {"ConsoleSession": []}], "console": [], "public": []}
+    paths: dict[str, dict] = {}
+    for declared_endpoint in endpoints:
+        surface = declared_endpoint.surface
+        data_schema = _schema_ref(declared_endpoint.response)
+        success = data_schema if declared_endpoint.media else {
+            "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
+            "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
+                           "success": {"const": True}, "code": {"const": SUCCESS_CODE},
+                           "message": {"const": "SUCCESS"}, "data": data_schema}}
+        operation: dict[str, Any] = {
+            "operationId": declared_endpoint.name if surface != "admin" else f"admin_{declared_endpoint.name}",
+            "summary": declared_endpoint.summary, "tags": [surface],
+            "parameters": [{"name": name, "in": "path", "required": True, "schema": _STRING}
+                           for name in declared_endpoint.path_names] + list(declared_endpoint.query),
+            "responses": {"200": {"description": "SUCCESS", "content": {
+                              (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": success}}},
+                          **_error_responses(declared_endpoint.errors_answered)},
+            "security": security[surface]}
+        if declared_endpoint.links:  # (to an operation of the same surface)
+            operation["responses"]["200"]["links"] = {
+                name: {"operationId": f"admin_{target}" if surface == "admin" else target,
+                       "parameters": parameters}
+                for name, target, parameters in declared_endpoint.links}
+        for status, description in declared_endpoint.answers:
+            operation["responses"][str(status)] = {"description": description, "content": {
+                (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": data_schema}}}
+        if declared_endpoint.form:
+            operation["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {
+                "schema": {"type": "object", "required": list(declared_endpoint.form),
+                           "properties": {field: _STRING for field in declared_endpoint.form}}}}}
+        if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
+            required = surface == "api" or bool(SCHEMAS[declared_endpoint.request]["required"])
+            operation["requestBody"] = {"required": required, "content": {
+                "application/json": {"schema": _schema_ref(declared_endpoint.request)}}}
+        openapi_path = re.sub(r"<(\w+)>", r"{\1}", declared_endpoint.path)
+        paths.setdefault(openapi_path, {})[declared_endpoint.method.lower()] = operation
+    header = {"type": "apiKey", "in": "header"}
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "walletsvc", "version": __version__,
+                 "description": "Wallet and Transfer Service. Every /api/ request is signed: X-Signature ="
+                                " Base64(HMAC-SHA256(secret, METHOD\\nPATH\\nTIMESTAMP\\nNONCE\\nSHA256_HEX(body)))."
+                                " /_admin/ exists only when an admin token is set. Each operation lists every"
+                                " error it answers; in a sandbox, a fault rule (/_admin/faults) can also make an"
+                                " /api/ operation answer any error, wait, or drop the connection."},
+        "servers": [{"url": base_url}],
+        "paths": paths,
+        "components": {
+            "schemas": dict(SCHEMAS),
+            "securitySchemes": {
+                "ApiKey": {**header, "name": "X-Api-Key"},
+                "Timestamp": {**header, "name": "X-Timestamp", "description": "Unix seconds, within 60 s"},
+                "Nonce": {**header, "name": "X-Nonce", "description": "unique per key; UUID v4 recommended"},
+                "Signature": {**header, "name": "X-Signature",
+                              "description": "Base64 HMAC-SHA256 of the canonical message"},
+                "AdminToken": {"type": "http", "scheme": "bearer"},
+                "ConsoleSession": {"type": "apiKey", "in": "cookie", "name": CONSOLE_COOKIE + "_PORT",
+                                   "description": "the console's session (PORT: the server's), with the page's "
+                                                  "X-Console-Csrf header"},
+            },
+        },
+    }
 
 
 ###############################################################################
@@ -4174,7 +4378,7 @@ class WalletApi:
         environ = call.environ
         host = environ.get("HTTP_HOST") or f"{environ.get('SERVER_NAME', 'localhost')}:{environ.get('SERVER_PORT', '80')}"
         prefix = call.path.decode("latin-1")[: -len("/openapi.json")]
-        return self.http.openapi(f"{environ.get('wsgi.url_scheme', 'http')}://{host}{prefix}")
+        return openapi_document(self.http.endpoints, f"{environ.get('wsgi.url_scheme', 'http')}://{host}{prefix}")
 
 
 # Deny by default (SPEC.md Scopes): anything else under /api/ answers 50090201
@@ -4483,209 +4687,6 @@ class AdminApi:
 
 
 ###############################################################################
-# Sandbox console ##############################################################
-###############################################################################
-
-class Console:
-    """The sandbox console at /_admin/console (DESIGN.md §9): one HTML page and its session.
-
-    Logging in with the admin token sets an HttpOnly, SameSite=Strict cookie:
-    a random nonce, its expiry and their HMAC under the admin token (a new
-    admin token ends every session; logging out ends one in this process).
-    The cookie alone authorizes nothing: a request must also carry the page's
-    CSRF token (another HMAC of the nonce, readable only by a page of the same
-    origin) and must not come from another site (``Sec-Fetch-Site``, ``Origin``).
-    Its name carries the port: browsers share a host's cookies across its ports,
-    and two sandboxes on 127.0.0.1 must not log each other out.
-    """
-
-    SESSION_SECONDS = 12 * 3600
-
-    def __init__(self, admin_token: str) -> None:
-        self.key = admin_token.encode("utf-8")
-        self._ended: dict[str, float] = {}  # nonce -> when its cookie expires anyway: logged out
-        self._lock = threading.Lock()
-
-    def mac(self, purpose: str, nonce: str) -> str:
-        digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
-        return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
-
-    @staticmethod
-    def cookie_name(environ: Mapping[str, Any]) -> str:
-        port = (environ.get("HTTP_HOST") or "").rpartition(":")[2]
-        if not port.isdigit():
-            port = "443" if environ.get("wsgi.url_scheme") == "https" else "80"
-        return f"{CONSOLE_COOKIE}_{port}"
-
-    def session(self, environ: Mapping[str, Any]) -> str | None:
-        """The session's nonce; None without the cookie, "" for one that is not (or no longer) a session."""
-        name = self.cookie_name(environ) + "="
-        value = next((part.strip()[len(name):] for part in environ.get("HTTP_COOKIE", "").split(";")
-                      if part.strip().startswith(name)), None)
-        if value is None:
-            return None
-        nonce, _, expires = value.rpartition(".")[0].partition(".")
-        valid = (self.key and nonce and expires.isdigit() and int(expires) > time.time()
-                 and hmac.compare_digest(value.encode("latin-1", "replace"), self.session_value(nonce, expires).encode())
-                 and nonce not in self._ended)
-        return nonce if valid else ""
-
-    def session_value(self, nonce: str, expires: str) -> str:
-        return f"{nonce}.{expires}.{self.mac('session', f'{nonce}.{expires}')}"
-
-    def end(self, nonce: str) -> None:
-        """Log a session out in this process (its cookie, copied, no longer works here)."""
-        now = time.time()
-        with self._lock:
-            self._ended = {ended: until for ended, until in self._ended.items() if until > now}
-            self._ended[nonce] = now + self.SESSION_SECONDS
-
-    def same_origin(self, environ: Mapping[str, Any], nonce: str) -> bool:
-        """The page's CSRF header is right and the browser does not say another site sent it."""
-        token = environ.get("HTTP_X_CONSOLE_CSRF", "").encode("latin-1", "replace")
-        try:
-            origin = environ.get("HTTP_ORIGIN")
-            origin_host = None if origin is None else urllib.parse.urlsplit(origin).netloc
-        except ValueError:  # not a URL (http://a]): not this origin
-            return False
-        return (hmac.compare_digest(token, self.mac("csrf", nonce).encode())
-                and environ.get("HTTP_SEC_FETCH_SITE", "same-origin") in ("same-origin", "none")
-                and origin_host in (None, environ.get("HTTP_HOST")))
-
-    def cookie(self, call: Call, value: str, max_age: int) -> str:
-        """A Set-Cookie value scoped to the admin surface under whatever prefix the app is mounted
-        (/_admin/ itself when the path as sent does not say it plainly)."""
-        head, found, _ = call.path.decode("latin-1").rpartition("/_admin/")
-        path = head + found if found and re.fullmatch(r"[\w./~-]*", head) else "/_admin/"
-        attributes = [f"{self.cookie_name(call.environ)}={value}", f"Path={path}", f"Max-Age={max_age}", "HttpOnly",
-                      "SameSite=Strict"]
-        if call.environ.get("wsgi.url_scheme") == "https":
-            attributes.append("Secure")
-        return "; ".join(attributes)
-
-    def log_in(self, call: Call) -> str:
-        """The login form's POST: a session cookie and a redirect to the console, or the form again."""
-        try:
-            form = urllib.parse.parse_qs(call.body.decode("utf-8", "replace"), max_num_fields=20)
-        except ValueError:
-            form = {}
-        token = (form.get("token") or [""])[0].strip().encode("utf-8")
-        if not self.key or not hmac.compare_digest(token, self.key):
-            call.status = 401
-            return self.login_form(call, "That is not the admin token.")
-        nonce, expires = secrets.token_urlsafe(18), str(int(time.time()) + self.SESSION_SECONDS)
-        call.status = 303
-        call.headers.update({"Location": "console",
-                             "Set-Cookie": self.cookie(call, self.session_value(nonce, expires), self.SESSION_SECONDS)})
-        return ""
-
-    def log_out(self, call: Call) -> None:
-        nonce = self.session(call.environ)
-        if nonce:
-            self.end(nonce)
-        call.headers["Set-Cookie"] = self.cookie(call, "", 0)
-
-    def login_form(self, call: Call, message: str = "") -> str:
-        call.headers.update(_PAGE_HEADERS)
-        return _CONSOLE_LOGIN.replace("__MESSAGE__", html.escape(message))
-
-    def page(self, call: Call, nonce: str) -> str:
-        call.headers.update(_PAGE_HEADERS)
-        return _CONSOLE_PAGE.replace("__CSRF__", self.mac("csrf", nonce))
-
-
-###############################################################################
-# OpenAPI document #############################################################
-###############################################################################
-
-def _schema_ref(schema: str | dict | None) -> dict:
-    if schema is None:
-        return {"type": "null"}
-    return {"$ref": f"#/components/schemas/{schema}"} if isinstance(schema, str) else schema
-
-
-def _error_responses(errors: Iterable[type[WalletError]]) -> dict:
-    """An operation's error answers by status, each with the codes it can carry."""
-    statuses: dict[int, list] = {}
-    for error in errors:
-        statuses.setdefault(error.status, []).append(error)
-    return {str(status): {
-        "description": "; ".join(f"{error.code} {error.name}" for error in errors),
-        "content": {"application/json": {"schema": {"allOf": [
-            {"$ref": "#/components/schemas/Error"},
-            {"properties": {"code": {"enum": [error.code for error in errors]},
-                            "message": {"enum": [error.name for error in errors]}}}]}}}}
-        for status, errors in sorted(statuses.items())}
-
-
-def openapi_document(endpoints: Iterable[Endpoint]) -> dict:
-    """OpenAPI 3.1 of ``endpoints``, from their declarations."""
-    security = {"api": [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
-                "admin": [{"AdminToken": []}, {"ConsoleSession": []}], "console": [], "public": []}
-    paths: dict[str, dict] = {}
-    for declared_endpoint in endpoints:
-        surface = declared_endpoint.surface
-        data_schema = _schema_ref(declared_endpoint.response)
-        success = data_schema if declared_endpoint.media else {
-            "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
-            "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
-                           "success": {"const": True}, "code": {"const": SUCCESS_CODE},
-                           "message": {"const": "SUCCESS"}, "data": data_schema}}
-        operation: dict[str, Any] = {
-            "operationId": declared_endpoint.name if surface != "admin" else f"admin_{declared_endpoint.name}",
-            "summary": declared_endpoint.summary, "tags": [surface],
-            "parameters": [{"name": name, "in": "path", "required": True, "schema": _STRING}
-                           for name in declared_endpoint.path_names] + list(declared_endpoint.query),
-            "responses": {"200": {"description": "SUCCESS", "content": {
-                              (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": success}}},
-                          **_error_responses(declared_endpoint.errors_answered)},
-            "security": security[surface]}
-        if declared_endpoint.links:  # (to an operation of the same surface)
-            operation["responses"]["200"]["links"] = {
-                name: {"operationId": f"admin_{target}" if surface == "admin" else target,
-                       "parameters": parameters}
-                for name, target, parameters in declared_endpoint.links}
-        for status, description in declared_endpoint.answers:
-            operation["responses"][str(status)] = {"description": description, "content": {
-                (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": data_schema}}}
-        if declared_endpoint.form:
-            operation["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {
-                "schema": {"type": "object", "required": list(declared_endpoint.form),
-                           "properties": {field: _STRING for field in declared_endpoint.form}}}}}
-        if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
-            required = surface == "api" or bool(SCHEMAS[declared_endpoint.request]["required"])
-            operation["requestBody"] = {"required": required, "content": {
-                "application/json": {"schema": _schema_ref(declared_endpoint.request)}}}
-        openapi_path = re.sub(r"<(\w+)>", r"{\1}", declared_endpoint.path)
-        paths.setdefault(openapi_path, {})[declared_endpoint.method.lower()] = operation
-    header = {"type": "apiKey", "in": "header"}
-    return {
-        "openapi": "3.1.0",
-        "info": {"title": "walletsvc", "version": __version__,
-                 "description": "Wallet and Transfer Service. Every /api/ request is signed: X-Signature ="
-                                " Base64(HMAC-SHA256(secret, METHOD\\nPATH\\nTIMESTAMP\\nNONCE\\nSHA256_HEX(body)))."
-                                " /_admin/ exists only when an admin token is set. Each operation lists every"
-                                " error it answers; in a sandbox, a fault rule (/_admin/faults) can also make an"
-                                " /api/ operation answer any error, wait, or drop the connection."},
-        "paths": paths,
-        "components": {
-            "schemas": dict(SCHEMAS),
-            "securitySchemes": {
-                "ApiKey": {**header, "name": "X-Api-Key"},
-                "Timestamp": {**header, "name": "X-Timestamp", "description": "Unix seconds, within 60 s"},
-                "Nonce": {**header, "name": "X-Nonce", "description": "unique per key; UUID v4 recommended"},
-                "Signature": {**header, "name": "X-Signature",
-                              "description": "Base64 HMAC-SHA256 of the canonical message"},
-                "AdminToken": {"type": "http", "scheme": "bearer"},
-                "ConsoleSession": {"type": "apiKey", "in": "cookie", "name": CONSOLE_COOKIE + "_PORT",
-                                   "description": "the console's session (PORT: the server's), with the page's "
-                                                  "X-Console-Csrf header"},
-            },
-        },
-    }
-
-
-###############################################################################
 # App factory ##################################################################
 ###############################################################################
 
@@ -4982,7 +4983,6 @@ def _raise_file_limit(needed: int) -> None:
 
 
 CONTROL_THREADS = 2  # waitress threads of their own for /_admin/** and the console (and one for /healthz)
-ADMIN_PATIENCE = 0.5  # seconds an admin write waits for the lock before S503 (the API waits busy_timeout)
 _CONTROL_PATH = re.compile(r"(/(?!api/)[^/]+)*/(_admin/.*|healthz)")  # below any mount prefix but /api/
 
 
@@ -5730,7 +5730,7 @@ def build_parser() -> argparse.ArgumentParser:
     openapi = commands.add_parser("openapi", help="print the OpenAPI 3.1 document (API and admin)")
     openapi.add_argument("--url", default="http://127.0.0.1:8080", help="the server URL the document names")
     openapi.set_defaults(run=lambda args: print(json.dumps(
-        create_app(WalletService(), admin_token="x").http.openapi(args.url.rstrip("/")), indent=2)) or 0)
+        openapi_document(create_app(WalletService(), admin_token="x").http.endpoints, args.url.rstrip("/")), indent=2)) or 0)
     return parser
 
 
@@ -6087,7 +6087,6 @@ _PAGE_HEADERS = {
                                f"style-src {_csp_source(_CONSOLE_STYLE)}; connect-src 'self'; img-src data:; "
                                "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
-
 
 # Last, so that a run as a script (python walletsvc.py) has every section defined.
 if __name__ == "__main__":
