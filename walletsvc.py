@@ -69,6 +69,7 @@ import contextlib
 import dataclasses
 import datetime
 import decimal
+import enum
 import errno
 import fnmatch
 import functools
@@ -146,6 +147,25 @@ TRANSFER_STATUSES = ("PENDING", "COMPLETED", "FAILED")
 FLOW_TYPES = ("DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN")
 FLOW_DIRECTIONS = ("DEBIT", "CREDIT")
 LOCALES = ("en-US", "zh-CN")
+
+
+class Surface(enum.StrEnum):
+    """The surfaces an endpoint can belong to (``Endpoint.surface``), each authenticated its own way."""
+
+    API = "api"  # /api/: SPEC.md's signed pipeline
+    ADMIN = "admin"  # /_admin/: the admin token, or the console's session
+    CONSOLE = "console"  # the console's login page and form
+    PUBLIC = "public"  # /healthz and /openapi.json
+
+
+class FaultAction(enum.StrEnum):
+    """What a fault rule does to a request it matches (``Faults``)."""
+
+    ERROR = "error"  # answers a forced code instead of running the request
+    COMMIT_THEN_FAIL = "commit_then_fail"  # runs the request (a transfer commits), answers S500
+    COMMIT_THEN_DROP = "commit_then_drop"  # runs it and drops the connection mid-response
+    LATENCY = "latency"  # only delays
+
 SCHEMA_VERSION = 3
 
 _BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
@@ -2493,18 +2513,12 @@ def _capped(value: Any, limit: int) -> Any:
 # Fault rules ##################################################################
 ###############################################################################
 
-FAULT_ACTIONS = ("error", "commit_then_fail", "commit_then_drop", "latency")
-
-
 class Faults:
     """Fault rules applied to authenticated /api/ requests that match them, kept in the
     database (DESIGN.md §9): every process serving the file applies the same rules, and a
     rule with ``times`` fires that many times across all of them.
 
-    ``error`` answers a forced code; ``commit_then_fail`` runs the request (a
-    transfer commits) and answers S500; ``commit_then_drop`` runs it and drops
-    the connection mid-response; ``latency`` only delays. Any rule may add
-    ``latency`` seconds. ``times`` fires a rule that many times (None: always).
+    A rule's ``action`` is a FaultAction; any rule may add ``latency`` seconds. ``times`` fires a rule that many times (None: always).
     At most MAX_RULES rules are in force at once.
     """
 
@@ -2524,9 +2538,9 @@ class Faults:
             headers: Mapping | None = None, body: Mapping | None = None) -> dict:
         """Add a rule (see the class); the rule as stored, with its ``id``. ``query``,
         ``headers`` and ``body`` match as in ``request_misses``."""
-        if action not in FAULT_ACTIONS:
-            raise invalid("action", "one_of", choices=", ".join(FAULT_ACTIONS))
-        if action == "error":
+        if action not in tuple(FaultAction):
+            raise invalid("action", "one_of", choices=", ".join(FaultAction))
+        if action == FaultAction.ERROR:
             if isinstance(code, str) and not 1 <= len(code) <= 64:
                 raise invalid("code", "length", maximum=64)
             code = code or "S500"
@@ -3184,7 +3198,7 @@ SCHEMAS: Mapping[str, dict] = {
     "StatusBody": _object({"status": _enum(WALLET_STATUSES)}),
     "AmountBody": _object({"amount": _currency_amount()}),
     "DecisionBody": _object({"workspaceId": _STRING}, []),
-    "FaultBody": {**_object({"action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
+    "FaultBody": {**_object({"action": _enum(FaultAction), "method": _STRING, "path": _STRING,
                           "workspaceId": _STRING, "code": {"type": "string", "minLength": 1, "maxLength": 64},
                           "status": {"type": "integer", "minimum": Faults.STATUSES[0], "maximum": Faults.STATUSES[1]},
                           "latency": {"type": "number", "minimum": 0, "maximum": Faults.MAX_LATENCY},
@@ -3193,14 +3207,14 @@ SCHEMAS: Mapping[str, dict] = {
                   # an error rule names its status, unless its code (S500 by default) is the catalog's
                   "anyOf": [{"required": ["status"]}, {"not": {"required": ["code"]}},
                             {"properties": {"code": {"enum": list(ERRORS_BY_CODE)}}},
-                            {"required": ["action"], "properties": {"action": {"not": {"const": "error"}}}}]},
+                            {"required": ["action"], "properties": {"action": {"not": {"const": FaultAction.ERROR}}}}]},
     "JournalAssertBody": _object({"method": _STRING, "path": _STRING, "query": {"type": "object"},
                                   "headers": {"type": "object"}, "body": {"type": "object"}, "code": _STRING,
                                   "times": {"type": "integer"}, "atLeast": {"type": "integer"},
                                   "never": {"type": "boolean"}}, []),
     "JournalVerdict": _object({"passed": {"type": "boolean"}, "count": {"type": "integer"},
                                "message": {"type": ["string", "null"]}}),
-    "Fault": _object({"id": _STRING, "action": _enum(FAULT_ACTIONS), "method": _STRING, "path": _STRING,
+    "Fault": _object({"id": _STRING, "action": _enum(FaultAction), "method": _STRING, "path": _STRING,
                       "workspaceId": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
                       "status": {"type": ["integer", "null"]}, "latency": {"type": "number"},
                       "times": {"type": ["integer", "null"]}, "query": {"type": ["object", "null"]},
@@ -3322,9 +3336,9 @@ _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in H
 # console session); see Endpoint.
 ANY_REQUEST_ERRORS = (InvalidParameter, PayloadTooLarge, InternalError, ServiceBusy)
 SURFACE_ERRORS = {
-    "api": (ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember,
-            RequestExpired, SignatureInvalid, IpNotWhitelisted, ScopeRequired),
-    "admin": (Unauthorized, CrossSiteRefused), "console": (), "public": ()}
+    Surface.API: (ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember,
+                  RequestExpired, SignatureInvalid, IpNotWhitelisted, ScopeRequired),
+    Surface.ADMIN: (Unauthorized, CrossSiteRefused), Surface.CONSOLE: (), Surface.PUBLIC: ()}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -3350,13 +3364,12 @@ class Endpoint:
     errors: tuple = ()  # the WalletErrors its handler answers besides every operation's (errors_answered)
 
     @property
-    def surface(self) -> str:
-        """api (signed), admin (bearer token or console session), console (its login) or public."""
+    def surface(self) -> Surface:
         if re.match(r"/api(/|<|$)", self.path):
-            return "api"
+            return Surface.API
         if self.path == CONSOLE_PATH:
-            return "console"
-        return "admin" if self.path.startswith("/_admin/") else "public"
+            return Surface.CONSOLE
+        return Surface.ADMIN if self.path.startswith("/_admin/") else Surface.PUBLIC
 
     @property
     def path_names(self) -> list[str]:
@@ -3401,9 +3414,9 @@ def check_declaration(declaration: Endpoint, handler: Callable) -> None:
         problems.append(f"method {declaration.method!r} is not an HTTP method")
     if not declaration.summary:
         problems.append("it has no summary")
-    if declaration.surface == "api" and declaration.scope not in SCOPES:
+    if declaration.surface is Surface.API and declaration.scope not in SCOPES:
         problems.append(f"an /api/ endpoint needs a scope, one of {', '.join(SCOPES)}")
-    if declaration.surface != "api" and declaration.scope is not None:
+    if declaration.surface is not Surface.API and declaration.scope is not None:
         problems.append("only /api/ endpoints take a scope")
     for schema in (declaration.response, declaration.request):
         if isinstance(schema, str) and schema not in SCHEMAS:
@@ -3486,6 +3499,18 @@ class Principal:
     scopes: frozenset
 
 
+def environ_key(header: str) -> str:
+    """A request header's key in the WSGI environ (PEP 3333): HTTP_, the name upper-cased, - as _."""
+    return "HTTP_" + header.upper().replace("-", "_")
+
+
+def received_headers(environ: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The request's headers as (name, value) pairs, each name as HTTP writes it (X-Api-Key)."""
+    pairs = tuple((name[5:].replace("_", "-").title(), value) for name, value in environ.items()
+                  if name.startswith("HTTP_"))
+    return pairs + (("Content-Type", environ["CONTENT_TYPE"]),) if environ.get("CONTENT_TYPE") else pairs
+
+
 class Answer(NamedTuple):
     """A rendered response, and what the journal and the access log say of it."""
 
@@ -3524,14 +3549,14 @@ class Call:
 
     def json(self) -> dict:
         """The body, checked against the endpoint's request schema (an empty admin body is ``{}``)."""
-        if not self.body.strip() and self.endpoint.surface == "admin":
+        if not self.body.strip() and self.endpoint.surface is Surface.ADMIN:
             body = {}
         else:
             body = json_object(self.body)
         return check_body(body, SCHEMAS[self.endpoint.request])
 
     def header(self, name: str) -> str:
-        return self.environ.get("HTTP_" + name.upper().replace("-", "_"), "")
+        return self.environ.get(environ_key(name), "")
 
 
 ###############################################################################
@@ -3576,6 +3601,11 @@ def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
         if network.version == address.version and address in network:
             return True
     return False
+
+
+def _stamp(timestamp: str) -> int:
+    """X-Timestamp as epoch seconds, or -1 for one that is not 1-12 digits (step 4 says why)."""
+    return int(timestamp) if _TIMESTAMP.fullmatch(timestamp) else -1
 
 
 class PendingNonce(NamedTuple):
@@ -3623,76 +3653,101 @@ class Authenticator:
         The nonce, checked at step 5, is left in ``call.nonce`` for the HTTP
         layer to record (``record_nonce``) in the transaction that ends the
         request: its write's, or the one that journals it."""
-        environ = call.environ
-        get = environ.get
-        # Step 1: API key lookup.
-        api_key = get("HTTP_X_API_KEY", "")
+        key = self.api_key(call)
+        self.key_status(key)
+        self.workspace(key)
+        self.timestamp(call)
+        self.nonce(call, key)
+        self.signature(call, key)
+        self.ip_whitelist(call, key)
+        return Principal(key["id"], key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
+
+    def api_key(self, call: Call) -> sqlite3.Row:
+        """Step 1: the key, read with all that the later steps ask of the database (``_key``)."""
+        api_key = call.header("X-Api-Key")
         if not api_key:
             raise ApiKeyMissing()
-        nonce, timestamp = get("HTTP_X_NONCE", ""), get("HTTP_X_TIMESTAMP", "")
-        tolerance = self.settings.timestamp_tolerance
-        stamp = int(timestamp) if _TIMESTAMP.fullmatch(timestamp) else -1
-        key = self._key(api_key, nonce, stamp)  # also answers step 5's questions, asked there
+        key = self._key(api_key, call.header("X-Nonce"), _stamp(call.header("X-Timestamp")))
         if key is None:
             raise ApiKeyNotFound()
-        now = call.now = self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"])
+        call.now = self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"])
         call.fault_rules = key["fault_rules"]
-        # Step 2: key status.
+        return key
+
+    @staticmethod
+    def key_status(key: sqlite3.Row) -> None:
+        """Step 2."""
         if not key["enabled"]:
             raise ApiKeyDisabled()
-        # Step 3: workspace resolution.
+
+    @staticmethod
+    def workspace(key: sqlite3.Row) -> None:
+        """Step 3: the key's workspace, and its member still in it."""
         if key["workspace_deleted"]:
             raise WorkspaceNotFound()
         if key["member_removed"]:
             raise NotWorkspaceMember()
-        # Step 4: timestamp.
-        if stamp < 0:
+
+    def timestamp(self, call: Call) -> None:
+        """Step 4: X-Timestamp within the window of the service clock, in whole seconds (DESIGN.md §5)."""
+        timestamp, tolerance = call.header("X-Timestamp"), self.settings.timestamp_tolerance
+        if _stamp(timestamp) < 0:
             if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
                 raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
                               "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
             raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
-        if abs(math.floor(now) - int(timestamp)) > tolerance:  # whole seconds (DESIGN.md §5)
-            difference = int(timestamp) - math.floor(now)
+        now = math.floor(call.now)
+        if abs(now - int(timestamp)) > tolerance:
+            difference = int(timestamp) - now
             raise expired(f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
-                          f" {math.floor(now)} ({iso_time(math.floor(now) * 1000)}), the request's is"
-                          f" {difference:+d} s from it.",
-                          f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {math.floor(now)}"
-                          f"（{iso_time(math.floor(now) * 1000)}），请求时间与其相差 {difference:+d} 秒。")
-        # Step 5: nonce (checked here, recorded only once the signature passed).
-        if not _NONCE.fullmatch(nonce):
+                          f" {now} ({iso_time(now * 1000)}), the request's is {difference:+d} s from it.",
+                          f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {now}"
+                          f"（{iso_time(now * 1000)}），请求时间与其相差 {difference:+d} 秒。")
+
+    @staticmethod
+    def nonce(call: Call, key: sqlite3.Row) -> None:
+        """Step 5: the nonce check. X-Nonce well formed, not recorded for this key and still
+        in force, and its timestamp not forgotten (DESIGN.md §10); it is recorded only once
+        the signature passed (``record_nonce``)."""
+        if not _NONCE.fullmatch(call.header("X-Nonce")):
             raise expired("X-Nonce must be 1-128 printable ASCII characters.",
                           "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
-        now_ms = int(now * 1000)
+        now_ms, stamp = int(call.now * 1000), _stamp(call.header("X-Timestamp"))
         if key["nonce_expires"] is not None and (key["nonce_expires"] > now_ms or key["nonce_ts"] == stamp):
             raise _nonce_used()
         if key["forgotten"]:
             raise _nonce_forgotten()
-        # Step 6: signature.
-        call.canonical = message = canonical_message(environ["REQUEST_METHOD"], call.path, timestamp, nonce,
+
+    def signature(self, call: Call, key: sqlite3.Row) -> None:
+        """Step 6: X-Signature against the canonical message the server computes; a sandbox
+        with ``debug_signatures`` shows the message and the signing mistake it matches.
+        Passed, the nonce is pending: it outlives the last moment this timestamp passes
+        step 4, in any process's window."""
+        timestamp, nonce, provided = call.header("X-Timestamp"), call.header("X-Nonce"), call.header("X-Signature")
+        call.canonical = message = canonical_message(call.environ["REQUEST_METHOD"], call.path, timestamp, nonce,
                                                      body_hash(call.body))
         call.verdict = "invalid"
-        if not self._signature_matches(key["secret"], message, get("HTTP_X_SIGNATURE", "")):
+        if not self._signature_matches(key["secret"], message, provided):
             if not self.settings.debug_signatures:
                 raise SignatureInvalid()
             # A sandbox aid: the message and what matched, never the secret or the expected signature.
             shown = message.decode("latin-1").replace("\n", "\\n")
             english = f"Canonical message: {shown} ({len(call.body)} body bytes received)."
             chinese = f"规范消息：{shown}（收到请求体 {len(call.body)} 字节）。"
-            call.diagnosis = diagnose_signature(key["secret"], call, timestamp, nonce, get("HTTP_X_SIGNATURE", ""))
+            call.diagnosis = diagnose_signature(key["secret"], call, timestamp, nonce, provided)
             if call.diagnosis:
                 english += f" The signature matches a common mistake: {call.diagnosis[0]}."
                 chinese += f"签名符合一个常见错误：{call.diagnosis[1]}。"
             raise SignatureInvalid(extra=english, zh_extra=chinese)
         call.verdict = "valid"
-        # The record outlives the last moment this timestamp passes step 4, in any process's window.
-        widest = max(tolerance, key["nonce_tolerance"])
-        call.nonce = PendingNonce(api_key, nonce, now_ms, (stamp + widest + 1) * 1000, stamp)
-        # Step 7: IP whitelist, only when configured.
-        if key["ip_whitelist"]:
-            whitelist = json.loads(key["ip_whitelist"])
-            if whitelist and not ip_allowed(client_ip(environ, self.settings.trusted_proxies), whitelist):
-                raise IpNotWhitelisted()
-        return Principal(api_key, key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
+        stamp, widest = int(timestamp), max(self.settings.timestamp_tolerance, key["nonce_tolerance"])
+        call.nonce = PendingNonce(key["id"], nonce, int(call.now * 1000), (stamp + widest + 1) * 1000, stamp)
+
+    def ip_whitelist(self, call: Call, key: sqlite3.Row) -> None:
+        """Step 7, only when the key has a whitelist."""
+        whitelist = json.loads(key["ip_whitelist"]) if key["ip_whitelist"] else None
+        if whitelist and not ip_allowed(client_ip(call.environ, self.settings.trusted_proxies), whitelist):
+            raise IpNotWhitelisted()
 
     def _key(self, api_key: str, nonce: str, stamp: int) -> sqlite3.Row | None:
         """The key with its workspace and member state, the nonce's record (its expiry and
@@ -3701,7 +3756,7 @@ class Authenticator:
         if len(api_key) > 128:
             return None
         return self.db.one(
-            "SELECT k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
+            "SELECT k.id, k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
             "       w.deleted_at IS NOT NULL AS workspace_deleted,"
             "       m.removed_at IS NOT NULL AS member_removed,"
             "       n.expires_at AS nonce_expires, n.ts AS nonce_ts,"
@@ -3959,10 +4014,10 @@ class HttpApi:
         call = self.begin(environ, declaration)
         try:
             call.body = self.read_body(environ)
-            if declaration.surface == "api":
+            if declaration.surface is Surface.API:
                 data = self.call_api(call, route, url_args, handler)
             else:
-                if declaration.surface == "admin":
+                if declaration.surface is Surface.ADMIN:
                     self.check_admin(call)
                 with self.svc.db.patience(ADMIN_PATIENCE):
                     data = handler(call, **url_args)
@@ -3989,37 +4044,45 @@ class HttpApi:
         return Call(environ, declaration, self.locale(environ), time.perf_counter(), raw_request_path(environ))
 
     def finish(self, call: Call, data: Any, error: WalletError | None) -> tuple[int, list, Iterable[bytes]]:
-        """End a request: record its nonce if it is still pending (a replay becomes GA2013),
-        render the answer and journal it, in one transaction without a disk sync; then the
-        access log line."""
-        journal = call.endpoint is not None and call.endpoint.surface == "api" and self.svc.journal.enabled
-        if call.nonce is not None and not journal:  # one statement, its own transaction (measured: 20 us less)
-            try:
-                self.auth.record_nonce(call)
-            except (sqlite3.Error, WalletError) as exc:
-                data, error = None, self.as_wallet_error(exc)
-        if not journal:
-            answer = self.render(call, data, error)
+        """End a request: render its answer, after recording its nonce if still pending, and
+        journal it (an /api/ request, when the journal is on); then the access log line."""
+        if call.endpoint is not None and call.endpoint.surface is Surface.API and self.svc.journal.enabled:
+            answer = self.render_journaled(call, data, error)
         else:
-            nonce_pending = call.nonce is not None
-            try:
-                with self.svc.db.atomic(durable=False) as conn:
-                    if call.nonce is not None:
-                        try:
-                            self.auth.record_nonce(call, conn)
-                        except WalletError as lost:
-                            data, error = None, lost
-                    answer = self.render(call, data, error)
-                    if journal:
-                        self.svc.journal.record(self.journal_entry(call, answer), conn)
-            except (sqlite3.Error, WalletError) as exc:
-                if nonce_pending:  # the storage refused: a nonce not recorded cannot be trusted
-                    answer = self.render(call, None, self.as_wallet_error(exc))
-                else:  # what was done is done (a transfer committed): its answer stands, unjournaled
-                    log.warning("request not journaled: %s", exc)
-                    answer = self.render(call, data, error)
+            answer = self.render(call, *self.nonce_recorded(call, data, error))
         self.log(call, answer)
         return answer.status, answer.headers, _dropped(answer.body) if call.drop else [answer.body]
+
+    def nonce_recorded(self, call: Call, data: Any, error: WalletError | None) -> tuple[Any, WalletError | None]:
+        """The answer once the call's pending nonce is recorded, in one statement of its own
+        (measured: 20 us less than a transaction): the error if it was a replay or the
+        database refused."""
+        if call.nonce is None:
+            return data, error
+        try:
+            self.auth.record_nonce(call)
+        except (sqlite3.Error, WalletError) as exc:
+            return None, self.as_wallet_error(exc)
+        return data, error
+
+    def render_journaled(self, call: Call, data: Any, error: WalletError | None) -> Answer:
+        """Record the pending nonce, render and journal, in one transaction without a disk sync."""
+        nonce_pending = call.nonce is not None
+        try:
+            with self.svc.db.atomic(durable=False) as conn:
+                if nonce_pending:
+                    try:
+                        self.auth.record_nonce(call, conn)
+                    except WalletError as lost:
+                        data, error = None, lost
+                answer = self.render(call, data, error)
+                self.svc.journal.record(self.journal_entry(call, answer), conn)
+        except (sqlite3.Error, WalletError) as exc:
+            if nonce_pending:  # the storage refused: a nonce not recorded cannot be trusted
+                return self.render(call, None, self.as_wallet_error(exc))
+            log.warning("request not journaled: %s", exc)  # what was done is done (a transfer committed)
+            return self.render(call, data, error)
+        return answer
 
     def render(self, call: Call, data: Any, error: WalletError | None) -> Answer:
         """The one renderer: the envelope (or a bare document), its status and headers."""
@@ -4044,14 +4107,10 @@ class HttpApi:
     @staticmethod
     def journal_entry(call: Call, answer: Answer) -> JournalEntry:
         environ = call.environ
-        received = tuple((name[5:].replace("_", "-").title(), value)
-                         for name, value in environ.items() if name.startswith("HTTP_"))
-        if environ.get("CONTENT_TYPE"):
-            received += (("Content-Type", environ["CONTENT_TYPE"]),)
         return JournalEntry(
             answer.now, environ["REQUEST_METHOD"], call.path, environ.get("QUERY_STRING", ""),
             environ.get("HTTP_X_API_KEY") or None, answer.status, answer.code, call.canonical, call.verdict,
-            "Idempotent-Replayed" in call.headers, received, call.body, answer.body,
+            "Idempotent-Replayed" in call.headers, received_headers(environ), call.body, answer.body,
             round((time.perf_counter() - call.started) * 1000, 3), call.diagnosis and call.diagnosis[0])
 
     def log(self, call: Call, answer: Answer) -> None:
@@ -4083,37 +4142,48 @@ class HttpApi:
         return body
 
     def call_api(self, call: Call, route: bottle.Route, url_args: dict, handler: Callable) -> Any:
-        """The pipeline, the scope, the fault rules, then the endpoint."""
-        method, scope = call.environ["REQUEST_METHOD"], call.endpoint.scope
-        call.principal = principal = self.auth.authenticate(call)
-        if scope is None or method != call.endpoint.method:  # deny by default (SPEC.md Scopes)
-            raise ApiAccessDenied()
-        if scope not in principal.scopes:  # pipeline step 8
-            raise ScopeRequired(scope=scope)
-        fault = self.take_fault(call, route) if call.fault_rules else None
-        if fault is not None and fault["latency"]:
-            time.sleep(fault["latency"])  # outside any transaction: other requests go on
-        if fault is not None and fault["action"] == "error":
-            raise forced_error(fault)
-        data = self.run(call, handler, url_args)
+        """SPEC.md's pipeline (steps 1-8), the fault rules, then the endpoint."""
+        call.principal = self.auth.authenticate(call)
+        self.check_scope(call)
+        fault = self.take_fault(call) if call.fault_rules else None
         if fault is None:
-            return data
-        if fault["action"] == "commit_then_fail":
-            raise InternalError(text=f"Forced by fault rule {fault['id']} after the request was applied.")
-        call.drop = fault["action"] == "commit_then_drop"
-        return data
+            return self.run(call, handler, url_args)
+        return self.run_with_fault(call, fault, lambda: self.run(call, handler, url_args))
 
-    def take_fault(self, call: Call, route: bottle.Route) -> dict | None:
-        """The fault rule this authenticated request fires, if any."""
+    @staticmethod
+    def check_scope(call: Call) -> None:
+        """Step 8: the endpoint's scope. A path or method no endpoint declares is denied by
+        default (SPEC.md Scopes)."""
+        scope = call.endpoint.scope
+        if scope is None or call.environ["REQUEST_METHOD"] != call.endpoint.method:
+            raise ApiAccessDenied()
+        if scope not in call.principal.scopes:
+            raise ScopeRequired(scope=scope)
+
+    def take_fault(self, call: Call) -> dict | None:
+        """The fault rule this authenticated request fires, if any. Rules name the app's own
+        paths: PATH_INFO's last segments, as many as the endpoint's path has, leave out any
+        prefix a mount put there."""
         environ = call.environ
-        path = environ.get("PATH_INFO", "")
-        prefix = route.app.config.get("_mount.prefix")  # mounted by merging routes: PATH_INFO has it
-        if prefix and path.startswith(prefix):
-            path = path[len(prefix) - 1:]
+        depth = call.endpoint.path.count("/")
+        path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-depth:])
         return self.svc.faults.take(environ["REQUEST_METHOD"], path, call.principal.workspace_id, lambda: {
             "query": environ.get("QUERY_STRING", ""), "body": call.body.decode("utf-8", "replace"),
-            "headers": {name[5:].replace("_", "-"): value for name, value in environ.items()
-                        if name.startswith("HTTP_")} | {"Content-Type": environ.get("CONTENT_TYPE", "")}})
+            "headers": dict(received_headers(environ))})
+
+    @staticmethod
+    def run_with_fault(call: Call, fault: dict, run: Callable[[], Any]) -> Any:
+        """What a fault rule makes of the request: its latency first (outside any transaction:
+        other requests go on), then a forced error instead of ``run``, or after it."""
+        if fault["latency"]:
+            time.sleep(fault["latency"])
+        if fault["action"] == FaultAction.ERROR:
+            raise forced_error(fault)
+        data = run()
+        if fault["action"] == FaultAction.COMMIT_THEN_FAIL:
+            raise InternalError(text=f"Forced by fault rule {fault['id']} after the request was applied.")
+        call.drop = fault["action"] == FaultAction.COMMIT_THEN_DROP
+        return data
 
     def run(self, call: Call, handler: Callable, url_args: dict) -> Any:
         """The handler; a write runs in one transaction with its nonce record (one commit,
@@ -4214,8 +4284,8 @@ def _error_responses(errors: Iterable[type[WalletError]]) -> dict:
 
 def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
     """OpenAPI 3.1 of ``endpoints``, from their declarations, with ``base_url`` as the server."""
-    security = {"api": [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
-                "admin": [{"AdminToken": []}, {"ConsoleSession": []}], "console": [], "public": []}
+    security = {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
+                Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}], Surface.CONSOLE: [], Surface.PUBLIC: []}
     paths: dict[str, dict] = {}
     for declared_endpoint in endpoints:
         surface = declared_endpoint.surface
@@ -4226,7 +4296,7 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
                            "success": {"const": True}, "code": {"const": SUCCESS_CODE},
                            "message": {"const": "SUCCESS"}, "data": data_schema}}
         operation: dict[str, Any] = {
-            "operationId": declared_endpoint.name if surface != "admin" else f"admin_{declared_endpoint.name}",
+            "operationId": declared_endpoint.name if surface is not Surface.ADMIN else f"admin_{declared_endpoint.name}",
             "summary": declared_endpoint.summary, "tags": [surface],
             "parameters": [{"name": name, "in": "path", "required": True, "schema": _STRING}
                            for name in declared_endpoint.path_names] + list(declared_endpoint.query),
@@ -4236,7 +4306,7 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
             "security": security[surface]}
         if declared_endpoint.links:  # (to an operation of the same surface)
             operation["responses"]["200"]["links"] = {
-                name: {"operationId": f"admin_{target}" if surface == "admin" else target,
+                name: {"operationId": f"admin_{target}" if surface is Surface.ADMIN else target,
                        "parameters": parameters}
                 for name, target, parameters in declared_endpoint.links}
         for status, description in declared_endpoint.answers:
@@ -4247,7 +4317,7 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
                 "schema": {"type": "object", "required": list(declared_endpoint.form),
                            "properties": {field: _STRING for field in declared_endpoint.form}}}}}
         if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
-            required = surface == "api" or bool(SCHEMAS[declared_endpoint.request]["required"])
+            required = surface is Surface.API or bool(SCHEMAS[declared_endpoint.request]["required"])
             operation["requestBody"] = {"required": required, "content": {
                 "application/json": {"schema": _schema_ref(declared_endpoint.request)}}}
         openapi_path = re.sub(r"<(\w+)>", r"{\1}", declared_endpoint.path)
@@ -4872,7 +4942,7 @@ class Client:
                    "wsgi.url_scheme": "http", "wsgi.multithread": True,
                    "wsgi.multiprocess": False, "wsgi.run_once": False}
         for name, value in headers.items():
-            environ["HTTP_" + name.upper().replace("-", "_")] = value
+            environ[environ_key(name)] = value
         started: list = []
         chunks = self.target(environ, lambda status, response_headers, exc_info=None:
                              started.extend((status, response_headers)))
@@ -4922,7 +4992,7 @@ def _client_method(declaration: Endpoint) -> Callable:
 
 
 for _declaration, _handler in declared(WalletApi):
-    if _declaration.surface == "api":
+    if _declaration.surface is Surface.API:
         setattr(Client, _declaration.name, _client_method(_declaration))
 
 
@@ -5992,7 +6062,7 @@ setInterval(async () => {  // every view is live: the journal within a second of
   try { await refresh(); } finally { refreshing = false; }
 }, 1000);
 refresh();
-""".replace("__FAULT_ACTIONS__", json.dumps(FAULT_ACTIONS))
+""".replace("__FAULT_ACTIONS__", json.dumps(list(FaultAction)))
 
 _CONSOLE_PAGE = """<!doctype html>
 <html lang="en">
