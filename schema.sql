@@ -1,7 +1,7 @@
 -- walletsvc schema. Applied by WalletService on first use, idempotently, in one
 -- BEGIN IMMEDIATE transaction. Times are epoch milliseconds (UTC); money is
 -- integer minor units of the row's currency (ISO 4217 exponent), never a float.
--- Bump schema_version (and walletsvc.SCHEMA_VERSION) with every change.
+-- Bump schema_version with every change (walletsvc reads the version it expects from here).
 
 CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL

@@ -166,9 +166,8 @@ class FaultAction(enum.StrEnum):
     COMMIT_THEN_DROP = "commit_then_drop"  # runs it and drops the connection mid-response
     LATENCY = "latency"  # only delays
 
-SCHEMA_VERSION = 3
 
-_BIZ_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a bizId, or an id a scenario fixes (after its prefix)
 ID_MAX = 64  # characters of a wallet id a request may name
 
 
@@ -851,6 +850,17 @@ def _schema_sql() -> str:
 
 
 @functools.lru_cache(maxsize=1)
+def schema_version() -> int:
+    """The schema version schema.sql makes (its schema_version row): the one place it is written."""
+    conn = sqlite3.connect(":memory:")
+    try:
+        conn.deserialize(_schema_image())
+        return conn.execute("SELECT version FROM schema_version").fetchone()[0]
+    finally:
+        conn.close()
+
+
+@functools.lru_cache(maxsize=1)
 def _schema_image() -> bytes:
     """An empty database with the schema applied, serialized (immutable, made once)."""
     conn = sqlite3.connect(":memory:", isolation_level=None)
@@ -966,18 +976,19 @@ class Database:
             row = conn.execute("SELECT version FROM schema_version").fetchone()
         except sqlite3.OperationalError:
             row = None
-        if row is None or row[0] < SCHEMA_VERSION:  # new, or older: the script is idempotent
+        version = schema_version()
+        if row is None or row[0] < version:  # new, or older: the script is idempotent
             columns = [column[1] for column in conn.execute("PRAGMA table_info(nonces)")]
             # Version 3 keeps each nonce's timestamp; an older record's is its expiry less the
             # default window then used (60 s, and the second past it).
             upgrade = ("ALTER TABLE nonces ADD COLUMN ts INTEGER NOT NULL DEFAULT 0;\n"
                        "UPDATE nonces SET ts = expires_at / 1000 - 61;\n") if columns and "ts" not in columns else ""
             conn.executescript(f"BEGIN IMMEDIATE;\n{upgrade}{_schema_sql()}\n{_LEDGER_CLOCK_FROM_DATA}\n"
-                               f"UPDATE schema_version SET version = {SCHEMA_VERSION};\nCOMMIT;")
+                               f"UPDATE schema_version SET version = {version};\nCOMMIT;")
             row = conn.execute("SELECT version FROM schema_version").fetchone()
-        if row[0] != SCHEMA_VERSION:
+        if row[0] != version:
             raise RuntimeError(f"{self.path} has schema version {row[0]}; "
-                               f"this walletsvc expects {SCHEMA_VERSION}")
+                               f"this walletsvc expects {version}")
 
     def connection(self) -> _Held:
         """``with db.connection() as conn``: this thread's connection (the shared
@@ -1345,6 +1356,56 @@ def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest
     return PageRequest(number, size, tuple(order) or (("created_at", "DESC"),))
 
 
+class ListQuery:
+    """One list's query, built the one way (as sqlite-utils' ``rows_where`` serves every
+    caller): the rows of ``table`` that a workspace or wallet owns (in any of ``columns``),
+    narrowed by ``where``, counted (``total``), then one page of them ordered and cut (``page``)."""
+
+    def __init__(self, table: str, owner_id: str, *columns: str, counter: str | None = None) -> None:
+        self.table, self.owner_id, self.columns, self.counter = table, owner_id, columns, counter
+        self.clauses: list[str] = []
+        self.params: list = []
+        self.counted: list[str] = []  # values of the filters the counters are kept by
+        self.uncounted = False  # a filter no counter is kept by: SQLite counts
+
+    def where(self, clause: str, value: Any, *, counted: bool = False) -> None:
+        """Keep the rows that match ``clause`` (one ?) for ``value``; a value of None filters nothing.
+        ``counted``: the triggers keep a count per value of this filter (``counter:value``)."""
+        if value is None:
+            return
+        self.clauses.append(clause)
+        self.params.append(value)
+        if counted:
+            self.counted.append(str(value))
+        else:
+            self.uncounted = True
+
+    def select(self) -> tuple[str, list]:
+        """The matching rows as SQL and its parameters: a SELECT per owner column, merged by
+        SQLite (a wallet is either side of a transfer, never both: two index-ordered halves)."""
+        selects = [" AND ".join([f"SELECT * FROM {self.table} WHERE {column} = ?", *self.clauses])
+                   for column in self.columns]
+        return " UNION ALL ".join(selects), [p for _ in self.columns for p in (self.owner_id, *self.params)]
+
+    def total(self, conn: sqlite3.Connection) -> int:
+        """How many rows match: the count the triggers keep when only counted filters are
+        used, else SQLite's count."""
+        if self.counter is not None and not self.uncounted:
+            row = conn.execute("SELECT n FROM counters WHERE owner_id = ? AND name = ?",
+                               (self.owner_id, ":".join([self.counter, *self.counted]))).fetchone()
+            return row[0] if row else 0
+        sql, params = self.select()
+        return conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
+
+    def page(self, conn: sqlite3.Connection, page: PageRequest, total: int) -> list:
+        """The rows of ``page``, in its order."""
+        if page.offset >= total:  # past the last page: no query, no OFFSET overflow
+            return []
+        sql, params = self.select()
+        return conn.execute(f"{sql} ORDER BY {page.order_by()} LIMIT ? OFFSET ?",
+                            [*params, page.size, page.offset]).fetchall()
+
+
 def page_response(items: list, request: PageRequest, total: int) -> dict:
     """The page object of SPEC.md: content plus accurate page metadata."""
     return {
@@ -1535,7 +1596,7 @@ def _text(value: Any, field: str, maximum: int, minimum: int = 1) -> str:
 def _biz_id(value: Any, field: str = "bizId") -> str:
     if not isinstance(value, str):
         raise invalid(field, "string")
-    if not _BIZ_ID.fullmatch(value):
+    if not _ID.fullmatch(value):
         raise invalid(field, "biz_id")
     return value
 
@@ -1762,20 +1823,15 @@ class Ledger:
         self.settle_due()
         query = normalize_query(query)
         page = parse_page_request(query, WALLET_SORTS)
-        where, params = ["workspace_id = ?"], [workspace_id]
+        wallets = ListQuery("wallets", workspace_id, "workspace_id")
         currency = first(query, "currency")
         if currency is not None:
             currency_exponent(currency)
-            where.append("currency = ?")
-            params.append(currency)
-        status = filter_choice(query, "status", WALLET_STATUSES)
-        if status is not None:
-            where.append("status = ?")
-            params.append(status)
-        sql = "SELECT * FROM wallets WHERE " + " AND ".join(where)
+        wallets.where("currency = ?", currency)
+        wallets.where("status = ?", filter_choice(query, "status", WALLET_STATUSES))
         with self.db.snapshot() as conn:
-            total = conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
-            rows = self._page_rows(conn, sql, params, page, total)
+            total = wallets.total(conn)
+            rows = wallets.page(conn, page, total)
         resource = balance_resource if balances else wallet_resource
         return page_response([resource(row) for row in rows], page, total)
 
@@ -1811,23 +1867,15 @@ class Ledger:
         self.settle_due()
         query = normalize_query(query)
         page = parse_page_request(query, FLOW_SORTS)
-        where, params = ["wallet_id = ?"], [wallet_id]
-        flow_type = filter_choice(query, "type", FLOW_TYPES)
-        direction = filter_choice(query, "direction", FLOW_DIRECTIONS)
-        created_from, created_to = filter_time(query, "createdFrom"), filter_time(query, "createdTo")
-        for clause, value in (("type = ?", flow_type), ("direction = ?", direction),
-                              ("created_at >= ?", created_from), ("created_at < ?", created_to)):
-            if value is not None:
-                where.append(clause)
-                params.append(value)
-        sql = "SELECT * FROM flows WHERE " + " AND ".join(where)
+        flows = ListQuery("flows", wallet_id, "wallet_id", counter="flows")
+        flows.where("type = ?", filter_choice(query, "type", FLOW_TYPES), counted=True)
+        flows.where("direction = ?", filter_choice(query, "direction", FLOW_DIRECTIONS))
+        flows.where("created_at >= ?", filter_time(query, "createdFrom"))
+        flows.where("created_at < ?", filter_time(query, "createdTo"))
         with self.db.snapshot() as conn:
             wallet = self._wallet(conn, wallet_id, workspace_id)
-            if len(where) == 1 or (len(where) == 2 and flow_type is not None):
-                total = self._counter(conn, wallet_id, f"flows:{flow_type}" if flow_type else "flows")
-            else:
-                total = conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
-            rows = self._page_rows(conn, sql, params, page, total)
+            total = flows.total(conn)
+            rows = flows.page(conn, page, total)
         return page_response([flow_resource(row, wallet["currency"]) for row in rows], page, total)
 
     # Transfers ###############################################################
@@ -2000,7 +2048,7 @@ class Ledger:
 
     def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
                        wallet_id: str | None = None) -> dict:
-        """One page of the workspace's transfer orders (or of one wallet's).
+        """One page of the workspace's transfer orders (or of one wallet's: either side).
 
         Filters: status, createdFrom (inclusive), createdTo (exclusive),
         bizIdPrefix.
@@ -2008,39 +2056,24 @@ class Ledger:
         self.settle_due()
         query = normalize_query(query)
         page = parse_page_request(query, TRANSFER_SORTS)
-        where, params = [], []
-        status = filter_choice(query, "status", TRANSFER_STATUSES)
-        created_from, created_to = filter_time(query, "createdFrom"), filter_time(query, "createdTo")
+        if wallet_id is None:
+            transfers = ListQuery("transfers", workspace_id, "workspace_id", counter="transfers")
+        else:
+            transfers = ListQuery("transfers", wallet_id, "source_wallet_id", "target_wallet_id",
+                                  counter="transfers")
+        transfers.where("status = ?", filter_choice(query, "status", TRANSFER_STATUSES), counted=True)
+        transfers.where("created_at >= ?", filter_time(query, "createdFrom"))
+        transfers.where("created_at < ?", filter_time(query, "createdTo"))
         prefix = first(query, "bizIdPrefix")
         if prefix is not None:
             _biz_id(prefix, "bizIdPrefix")
-        for clause, value in (("status = ?", status), ("created_at >= ?", created_from),
-                              ("created_at < ?", created_to), ("biz_id >= ?", prefix),
-                              ("biz_id < ?", prefix and prefix + "\x7f")):
-            if value is not None:
-                where.append(clause)
-                params.append(value)
-        counted = not where or where == ["status = ?"]
-        counter = f"transfers:{status}" if status else "transfers"
+        transfers.where("biz_id >= ?", prefix)
+        transfers.where("biz_id < ?", prefix and prefix + "\x7f")
         with self.db.snapshot() as conn:
-            if wallet_id is None:
-                sql = " AND ".join(["SELECT * FROM transfers WHERE workspace_id = ?"] + where)
-                params = [workspace_id] + params
-                owner = workspace_id
-            else:
+            if wallet_id is not None:
                 self._wallet(conn, wallet_id, workspace_id)
-                # Two index-ordered halves merged by SQLite: a wallet is either
-                # side of a transfer, never both.
-                sql = " UNION ALL ".join(
-                    " AND ".join([f"SELECT * FROM transfers WHERE {side} = ?"] + where)
-                    for side in ("source_wallet_id", "target_wallet_id"))
-                params = [wallet_id] + params + [wallet_id] + params
-                owner = wallet_id
-            if counted:
-                total = self._counter(conn, owner, counter)
-            else:
-                total = conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
-            rows = self._page_rows(conn, sql, params, page, total)
+            total = transfers.total(conn)
+            rows = transfers.page(conn, page, total)
         return page_response([transfer_resource(row) for row in rows], page, total)
 
     # The auditor ############################################################
@@ -2077,20 +2110,6 @@ class Ledger:
             raise AssertionError(f"walletsvc's ledger audit found {len(violations)} violation(s):\n{shown}")
 
     # Row access ##############################################################
-
-    @staticmethod
-    def _page_rows(conn: sqlite3.Connection, sql: str, params: list, page: PageRequest,
-                   total: int) -> list:
-        if page.offset >= total:  # past the last page: no query, no OFFSET overflow
-            return []
-        return conn.execute(f"{sql} ORDER BY {page.order_by()} LIMIT ? OFFSET ?",
-                            [*params, page.size, page.offset]).fetchall()
-
-    @staticmethod
-    def _counter(conn: sqlite3.Connection, owner_id: str, name: str) -> int:
-        row = conn.execute("SELECT n FROM counters WHERE owner_id = ? AND name = ?",
-                           (owner_id, name)).fetchone()
-        return row[0] if row else 0
 
     @staticmethod
     def _workspace(conn: sqlite3.Connection, workspace_id: str) -> sqlite3.Row:
@@ -2648,7 +2667,6 @@ _STARTING_STATE = ("workspaces", "members", "api_keys", "wallets", "transfers", 
 
 # Scenarios (DESIGN.md §9): a declared world, as a dict (from TOML, JSON or Python). Each
 # object's fields and what each holds; a field not listed is refused.
-_ID = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 _SCENARIO_OBJECTS: Mapping[str, Mapping[str, str]] = {
     "scenario": {"workspaces": "list", "clock": "object", "settings": "object"},
     "clock": {"at": "time", "frozen": "boolean"},
@@ -3076,7 +3094,7 @@ def _first_key(world: list[dict]) -> dict:
 # against its endpoint's schema (fields and JSON types) before a handler runs.
 
 _STRING = {"type": "string"}
-_BIZ_ID_SCHEMA = {"type": "string", "pattern": f"^{_BIZ_ID.pattern}$"}
+_BIZ_ID_SCHEMA = {"type": "string", "pattern": f"^{_ID.pattern}$"}
 _ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": ID_MAX, "pattern": "^[^\\x00]*$"}  # no NUL
 _NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": NAME_MAX, "pattern": "^[^\\x00]*$"}
 _CURRENCY_SCHEMA = {"type": "string", "enum": sorted(CURRENCY_EXPONENTS)}
@@ -3858,6 +3876,13 @@ def _nonce_forgotten() -> RequestExpired:
 # The console's session ########################################################
 ###############################################################################
 
+class ConsoleSession(NamedTuple):
+    """The console session a request's cookie names."""
+
+    nonce: str  # the session's random part
+    valid: bool  # signed under this admin token, not expired, not logged out here
+
+
 class Console:
     """The sandbox console at /_admin/console (DESIGN.md §9): one HTML page and its session.
 
@@ -3889,8 +3914,8 @@ class Console:
             port = "443" if environ.get("wsgi.url_scheme") == "https" else "80"
         return f"{CONSOLE_COOKIE}_{port}"
 
-    def session(self, environ: Mapping[str, Any]) -> str | None:
-        """The session's nonce; None without the cookie, "" for one that is not (or no longer) a session."""
+    def session(self, environ: Mapping[str, Any]) -> ConsoleSession | None:
+        """The session the request's cookie names (None: no cookie), valid or not."""
         name = self.cookie_name(environ) + "="
         value = next((part.strip()[len(name):] for part in environ.get("HTTP_COOKIE", "").split(";")
                       if part.strip().startswith(name)), None)
@@ -3900,7 +3925,7 @@ class Console:
         valid = (self.key and nonce and expires.isdigit() and int(expires) > time.time()
                  and hmac.compare_digest(value.encode("latin-1", "replace"), self.session_value(nonce, expires).encode())
                  and nonce not in self._ended)
-        return nonce if valid else ""
+        return ConsoleSession(nonce, bool(valid))
 
     def session_value(self, nonce: str, expires: str) -> str:
         return f"{nonce}.{expires}.{self.mac('session', f'{nonce}.{expires}')}"
@@ -3952,9 +3977,9 @@ class Console:
         return ""
 
     def log_out(self, call: Call) -> None:
-        nonce = self.session(call.environ)
-        if nonce:
-            self.end(nonce)
+        session = self.session(call.environ)
+        if session is not None and session.valid:
+            self.end(session.nonce)
         call.headers["Set-Cookie"] = self.cookie(call, "", 0)
 
     def login_form(self, call: Call, message: str = "") -> str:
@@ -4211,9 +4236,9 @@ class HttpApi:
         session = self.console.session(call.environ)
         if session is None or "HTTP_AUTHORIZATION" in call.environ:
             self.check_admin_token(call.environ)
-        elif not session:
+        elif not session.valid:
             raise Unauthorized()
-        elif not self.console.same_origin(call.environ, session):
+        elif not self.console.same_origin(call.environ, session.nonce):
             raise CrossSiteRefused()
         else:  # the console's own polling stays out of the access log; its actions do not
             call.quiet = call.environ["REQUEST_METHOD"] == "GET"
@@ -4417,7 +4442,7 @@ class WalletApi:
               links=(("Order", "get_transfer", {"biz_id": "$response.body#/data/bizId"}),
                      ("Completed", "transfer_completed", {"biz_id": "$response.body#/data/bizId"})),
               query=({"name": "Idempotency-Key", "in": "header",
-                      "schema": {"type": "string", "pattern": f"^({_BIZ_ID.pattern})?$"},
+                      "schema": {"type": "string", "pattern": f"^({_ID.pattern})?$"},
                       "description": "unsigned: accepted only equal to the body's bizId (empty: as if absent)"},),
               errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance, CurrencyMismatch,
                       SameWallet, IdempotencyConflict))
@@ -4474,7 +4499,9 @@ class AdminApi:
               response={"type": "string"}, media=HTML_CONTENT_TYPE)
     def console_page(self, call: Call) -> str:
         session = self.console.session(call.environ)
-        return self.console.page(call, session) if session else self.console.login_form(call)
+        if session is None or not session.valid:
+            return self.console.login_form(call)
+        return self.console.page(call, session.nonce)
 
     @endpoint("POST", CONSOLE_PATH, "Log in to the console: the form field token, the admin token",
               response={"type": "string"}, media=HTML_CONTENT_TYPE, form=("token",),
