@@ -41,7 +41,8 @@ import bottle
 
 import walletsvc
 
-SETTINGS: dict = {}  # walletsvc's defaults, as users get them (synchronous=FULL); the floor follows the same policy
+# walletsvc's defaults, as users get them (synchronous=FULL); the floor follows the same policy
+SETTINGS: dict = {}
 SERVER_THREADS = int(os.environ.get("BENCH_THREADS", "4"))  # waitress threads, bare and walletsvc alike
 TRANSFER = "/api/v1/transfer/command/create"
 
@@ -117,12 +118,14 @@ CREATE TABLE api_keys (id TEXT PRIMARY KEY, secret TEXT NOT NULL, workspace_id T
                        enabled INTEGER NOT NULL);
 CREATE TABLE nonces (api_key TEXT NOT NULL, nonce TEXT NOT NULL, expires_at INTEGER NOT NULL,
                      PRIMARY KEY (api_key, nonce)) WITHOUT ROWID;
-CREATE TABLE wallets (id TEXT PRIMARY KEY, workspace_id TEXT NOT NULL, name TEXT NOT NULL, currency TEXT NOT NULL,
+CREATE TABLE wallets (id TEXT PRIMARY KEY, workspace_id TEXT NOT NULL, name TEXT NOT NULL, \
+currency TEXT NOT NULL,
                       status TEXT NOT NULL, balance INTEGER NOT NULL CHECK (balance >= 0),
                       pending INTEGER NOT NULL, created_at INTEGER NOT NULL, updated_at INTEGER NOT NULL);
 CREATE INDEX wallets_by_created ON wallets (workspace_id, created_at, id);
 CREATE TABLE transfers (id TEXT PRIMARY KEY, workspace_id TEXT NOT NULL, biz_id TEXT NOT NULL,
-                        source_wallet_id TEXT NOT NULL, target_wallet_id TEXT NOT NULL, amount INTEGER NOT NULL,
+                        source_wallet_id TEXT NOT NULL, target_wallet_id TEXT NOT NULL, \
+amount INTEGER NOT NULL,
                         currency TEXT NOT NULL, status TEXT NOT NULL, created_at INTEGER NOT NULL,
                         updated_at INTEGER NOT NULL, completed_at INTEGER, UNIQUE (workspace_id, biz_id));
 CREATE INDEX transfers_by_created ON transfers (workspace_id, created_at, id);
@@ -146,9 +149,10 @@ class Floor:
         self.conn.execute("PRAGMA synchronous = FULL")
         self.conn.executescript(MINIMAL_SCHEMA)
         self.conn.execute("ATTACH ? AS service", (service_path,))
-        self.conn.execute("INSERT INTO api_keys SELECT id, secret, workspace_id, enabled FROM service.api_keys")
-        self.conn.execute("INSERT INTO wallets SELECT id, workspace_id, name, currency, status, balance, pending,"
-                          " created_at, updated_at FROM service.wallets")
+        self.conn.execute("INSERT INTO api_keys SELECT id, secret, workspace_id, enabled"
+                          " FROM service.api_keys")
+        self.conn.execute("INSERT INTO wallets SELECT id, workspace_id, name, currency, status, balance,"
+                          " pending, created_at, updated_at FROM service.wallets")
         self.conn.execute("DETACH service")
 
     def __call__(self, environ: dict, start_response) -> list:
@@ -156,7 +160,8 @@ class Floor:
             payload = self.get_wallet(environ["PATH_INFO"], environ)
         else:
             payload = self.transfer(environ["wsgi.input"].read(int(environ["CONTENT_LENGTH"])), environ)
-        start_response("200 OK", [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
+        start_response("200 OK",
+                       [("Content-Type", "application/json"), ("Content-Length", str(len(payload)))])
         return [payload]
 
     def authenticate(self, method: str, path: str, body: bytes, environ: dict) -> tuple:
@@ -205,21 +210,26 @@ class Floor:
                                            " WHERE id = ? AND workspace_id = ?",
                                            (request[k], workspace_id)).fetchone()
                               for k in ("sourceWalletId", "targetWalletId"))
-            if source[0] < amount or {source[1], target[1]} != {"ACTIVE"} or {source[2], target[2]} != {"USD"}:
+            if (source[0] < amount or {source[1], target[1]} != {"ACTIVE"}
+                    or {source[2], target[2]} != {"USD"}):
                 raise RuntimeError("rejected")
             transfer_id = "tr_" + uuid.uuid4().hex
             balance_out = conn.execute("UPDATE wallets SET balance = balance - ?, updated_at = ? WHERE id = ?"
-                                       " RETURNING balance", (amount, now_ms, request["sourceWalletId"])).fetchall()
+                                       " RETURNING balance",
+                                       (amount, now_ms, request["sourceWalletId"])).fetchall()
             balance_in = conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?"
-                                      " RETURNING balance", (amount, now_ms, request["targetWalletId"])).fetchall()
-            conn.execute("INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id,"
-                         " amount, currency, status, created_at, updated_at, completed_at)"
+                                      " RETURNING balance",
+                                      (amount, now_ms, request["targetWalletId"])).fetchall()
+            conn.execute("INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id,"
+                         " target_wallet_id, amount, currency, status, created_at, updated_at, completed_at)"
                          " VALUES (?, ?, ?, ?, ?, ?, 'USD', 'COMPLETED', ?, ?, ?)",
                          (transfer_id, workspace_id, transfer_id, request["sourceWalletId"],
                           request["targetWalletId"], amount, now_ms, now_ms, now_ms))
             for wallet, kind, direction, balance, other in (
-                    (request["sourceWalletId"], "TRANSFER_OUT", "DEBIT", balance_out, request["targetWalletId"]),
-                    (request["targetWalletId"], "TRANSFER_IN", "CREDIT", balance_in, request["sourceWalletId"])):
+                    (request["sourceWalletId"], "TRANSFER_OUT", "DEBIT", balance_out,
+                     request["targetWalletId"]),
+                    (request["targetWalletId"], "TRANSFER_IN", "CREDIT", balance_in,
+                     request["sourceWalletId"])):
                 conn.execute("INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after,"
                              " transfer_id, biz_id, counterparty_wallet_id, created_at)"
                              " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
@@ -231,7 +241,8 @@ class Floor:
             raise
         return json.dumps({"version": "v1", "timestamp": now_ms, "success": True, "code": "2000",
                            "message": "SUCCESS", "data": {"transferId": transfer_id, "status": "COMPLETED",
-                                                          "amount": request["amount"], "currency": "USD"}}).encode()
+                                                          "amount": request["amount"],
+                                                          "currency": "USD"}}).encode()
 
 
 ###############################################################################
@@ -390,8 +401,8 @@ def wrk_requests_per_second(port: int, plan: dict, seconds: float) -> tuple[floa
     with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as script:
         script.write(_WRK_SCRIPT % (",".join(json.dumps(r) for r in raw), 2))
     try:
-        out = subprocess.run([WRK, "-t2", "-c8", "--latency", f"-d{max(1, round(seconds))}s", "-s", script.name,
-                              f"http://127.0.0.1:{port}/"],
+        out = subprocess.run([WRK, "-t2", "-c8", "--latency", f"-d{max(1, round(seconds))}s", "-s",
+                              script.name, f"http://127.0.0.1:{port}/"],
                              capture_output=True, text=True, timeout=seconds + 60, check=True).stdout
     finally:
         os.unlink(script.name)
@@ -447,13 +458,15 @@ def over_http(tmp: str, seconds: float, rounds: int) -> list:
                 for kind in ("bare", "walletsvc"):
                     measured[kind].append(requests_per_second(ports[kind], plan, seconds))
                 if peer:
-                    measured["localstripe"].append(requests_per_second(peer["port"], {**plan, **peer}, seconds))
+                    measured["localstripe"].append(requests_per_second(peer["port"], {**plan, **peer},
+                                                                       seconds))
             (bare, bare_p99), (ours, p99) = (_median_pair(measured[kind]) for kind in ("bare", "walletsvc"))
             name = "GET /api/v1/wallets/{id}" if method == "GET" else "POST create transfer"
             rows.append((f"HTTP {name}", f"{ours:.0f} req/s", f"bare {bare:.0f} req/s", ours / bare,
                          f">= {target:.2f}x bare"))
             if p99 is not None:
-                rows.append((f"HTTP {name} p99", f"{p99:.1f} ms", f"bare {bare_p99:.1f} ms", None, "<= 25 ms"))
+                rows.append((f"HTTP {name} p99", f"{p99:.1f} ms", f"bare {bare_p99:.1f} ms", None,
+                             "<= 25 ms"))
             if peer:
                 theirs, their_p99 = _median_pair(measured["localstripe"])
                 what = "GET a customer" if method == "GET" else "POST create a customer"
@@ -552,13 +565,14 @@ def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
         UNION ALL
         SELECT 'fl_d' || substr(id, 5), id, 'DEPOSIT', 'CREDIT', 1000000000000, 1, NULL, NULL, NULL,
                {base} - 1 FROM wallets""")
-    conn.execute("CREATE TEMP TABLE running (id TEXT PRIMARY KEY, wallet_id TEXT, balance INTEGER) WITHOUT ROWID")
+    conn.execute("CREATE TEMP TABLE running (id TEXT PRIMARY KEY, wallet_id TEXT, balance INTEGER)"
+                 " WITHOUT ROWID")
     conn.execute("INSERT INTO running SELECT id, wallet_id, sum(CASE direction WHEN 'CREDIT' THEN amount"
                  " ELSE -amount END) OVER (PARTITION BY wallet_id ORDER BY created_at, id) FROM flows")
     conn.execute("UPDATE flows SET balance_after = running.balance FROM running WHERE running.id = flows.id")
     conn.execute("UPDATE wallets SET balance = last.balance FROM (SELECT wallet_id, sum(CASE direction"
-                 " WHEN 'CREDIT' THEN amount ELSE -amount END) AS balance FROM flows GROUP BY wallet_id) AS last"
-                 " WHERE last.wallet_id = wallets.id")
+                 " WHEN 'CREDIT' THEN amount ELSE -amount END) AS balance FROM flows GROUP BY wallet_id)"
+                 " AS last WHERE last.wallet_id = wallets.id")
     conn.execute("DELETE FROM counters")
     for owner in ("workspace_id", "source_wallet_id", "target_wallet_id"):
         conn.execute(f"INSERT INTO counters SELECT {owner}, 'transfers', count(*) FROM transfers GROUP BY 1"
@@ -584,8 +598,8 @@ def list_timings(path: str, key: dict, wallet_id: str, calls: int, rounds: int) 
 
     def timing(request_path: str, query: str) -> float:
         def run():
-            call_wsgi(app, "GET", request_path, b"", walletsvc.sign_request("GET", request_path, b"",
-                                                                            key["apiKey"], key["secret"]), query)
+            call_wsgi(app, "GET", request_path, b"",
+                      walletsvc.sign_request("GET", request_path, b"", key["apiKey"], key["secret"]), query)
         run()
         return median_of_rounds(run, calls, rounds)
 
@@ -649,7 +663,8 @@ def scale(tmp: str, transfers: int, calls: int, rounds: int) -> list:
                      big_t[name] / small_t[name], target))
     rows.append(audit_row(big, label))
     rss = peak_rss_kib(big, big_key, big_ids[3])
-    rows.append((f"peak RSS of a server holding {label} transfers", f"{rss / 1024:.0f} MiB", "", None, "report"))
+    rows.append((f"peak RSS of a server holding {label} transfers", f"{rss / 1024:.0f} MiB", "", None,
+                 "report"))
     return rows
 
 
@@ -669,7 +684,8 @@ def nonce_table(requests: int) -> list:
     step = 300 / requests  # spread over 300 s of service clock: five 60 s windows
     largest = 0
     for n in range(requests):
-        headers = walletsvc.sign_request("GET", path, b"", key["apiKey"], key["secret"], timestamp=int(clock()))
+        headers = walletsvc.sign_request("GET", path, b"", key["apiKey"], key["secret"],
+                                         timestamp=int(clock()))
         call_wsgi(app, "GET", path, b"", headers)
         clock.advance(step)
         if n % 1000 == 0:
@@ -705,8 +721,8 @@ def startup(rounds: int) -> list:
     overhead_ms = (median_of_rounds(per_test, 200, rounds) - median_of_rounds(empty_test, 200, rounds)) / 1000
     rows = [("fresh in-memory service + app + seed", f"{fresh_ms:.2f} ms", "", None, "<= 3 ms"),
             ("Sandbox.reset (restore the saved start)", f"{reset_ms:.2f} ms", "", None, "<= 3 ms"),
-            ("walletsvc_sandbox per test (reset + audit) over an empty test", f"{overhead_ms:.2f} ms", "", None,
-             "<= 0.5 ms")]
+            ("walletsvc_sandbox per test (reset + audit) over an empty test", f"{overhead_ms:.2f} ms", "",
+             None, "<= 0.5 ms")]
     return rows + live_teardown_and_world_reset(rounds)
 
 
@@ -737,10 +753,10 @@ def live_teardown_and_world_reset(rounds: int) -> list:
     reset_ms = median_of_rounds(reset_world, 50, rounds) / 1000
     connection.close()
     server.stop()
-    return [("live fixture teardown (LiveServer.stop, a keep-alive client)", f"{statistics.median(stops):.1f} ms",
-             "", None, "<= 100 ms"),
-            ("reset of a world over HTTP (POST /_admin/workspaces/{id}/reset)", f"{reset_ms:.2f} ms", "", None,
-             "<= 5 ms")]
+    return [("live fixture teardown (LiveServer.stop, a keep-alive client)",
+             f"{statistics.median(stops):.1f} ms", "", None, "<= 100 ms"),
+            ("reset of a world over HTTP (POST /_admin/workspaces/{id}/reset)", f"{reset_ms:.2f} ms", "",
+             None, "<= 5 ms")]
 
 
 ###############################################################################
@@ -775,7 +791,8 @@ def against_previous(tmp: str, rev: str, calls: int, rounds: int) -> list:
     runs: dict = {}
     for settings, label in (({}, "defaults"), ({"journal_size": 1000}, "journal on")):
         for version, module in (("now", walletsvc), ("previous", previous)):
-            svc = module.WalletService(os.path.join(tmp, f"{version}-{len(runs)}.db"), **{**SETTINGS, **settings})
+            svc = module.WalletService(os.path.join(tmp, f"{version}-{len(runs)}.db"),
+                                       **{**SETTINGS, **settings})
             ws = svc.create_workspace("bench")
             key = svc.create_api_key(ws["id"])
             wallets = [svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2)]
@@ -784,8 +801,8 @@ def against_previous(tmp: str, rev: str, calls: int, rounds: int) -> list:
             path = f"/api/v1/wallets/{wallets[0]}"
             body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "0.01",
                                "currency": "USD"}).encode()
-            runs[(label, "GET /api/v1/wallets/{id}", version)] = lambda app=app, path=path, key=key: call_wsgi(
-                app, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"]))
+            runs[(label, "GET /api/v1/wallets/{id}", version)] = lambda app=app, path=path, key=key: (
+                call_wsgi(app, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"])))
             runs[(label, "POST create transfer", version)] = lambda app=app, body=body, key=key: call_wsgi(
                 app, "POST", TRANSFER, body, sign("POST", TRANSFER, body, key["apiKey"], key["secret"]))
     rows = []
@@ -861,11 +878,11 @@ def workers_over_http(tmp: str, seconds: float, rounds: int) -> list:
             (one, two) = ([statistics.median(values) if None not in values else None
                            for values in zip(*measured[workers])] for workers in (1, 2))
             name = "GET /api/v1/wallets/{id}" if method == "GET" else "POST create transfer"
-            rows.append((f"HTTP {name}, --workers 2 vs 1", f"{two[0]:.0f} req/s", f"1 worker {one[0]:.0f} req/s",
-                         two[0] / one[0], "report"))
+            rows.append((f"HTTP {name}, --workers 2 vs 1", f"{two[0]:.0f} req/s",
+                         f"1 worker {one[0]:.0f} req/s", two[0] / one[0], "report"))
             if one[1] is not None:
-                rows.append((f"HTTP {name} p99, --workers 2 vs 1", f"{two[1]:.1f} ms", f"1 worker {one[1]:.1f} ms",
-                             two[1] / one[1], "report"))
+                rows.append((f"HTTP {name} p99, --workers 2 vs 1", f"{two[1]:.1f} ms",
+                             f"1 worker {one[1]:.1f} ms", two[1] / one[1], "report"))
             rows.append((f"HTTP {name} CPU per request, --workers 2 vs 1", f"{two[2] * 1e6:.0f} us",
                          f"1 worker {one[2] * 1e6:.0f} us", two[2] / one[2], "~1x: scales with cores"))
     finally:
@@ -900,7 +917,8 @@ def main() -> int:
                     "workers": lambda: workers_over_http(tmp, 1.0 if quick else 3.0, 3 if quick else 5),
                     "http": lambda: over_http(tmp, 1.0 if quick else 3.0, 3 if quick else 5),
                     "nonce": lambda: nonce_table(20_000 if quick else 200_000),
-                    "scale": lambda: scale(tmp, 100_000 if quick else 1_000_000, 50 if quick else 200, rounds)}
+                    "scale": lambda: scale(tmp, 100_000 if quick else 1_000_000, 50 if quick else 200,
+                                           rounds)}
         for name in args.only or SECTIONS:
             for row in sections[name]():
                 rows.append(row)

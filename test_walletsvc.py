@@ -4,6 +4,23 @@ Grouped under banners that mirror SPEC.md's sections. Time-dependent rules
 run on a frozen clock.
 """
 
+# Layout. The preamble (imports, the literal error catalog, the SPEC.md signers, fixtures and the
+# helpers several sections share), then one banner per feature: a test sits under the banner of the
+# feature it tests. SPEC.md's sections first, in its order, then DESIGN.md's:
+#
+#   SPEC.md    Response envelope; Page object; Transfer order; Wallet, balance and flow; Endpoints;
+#              Create transfer order; Query endpoints; Pagination rules; Authentication (request
+#              headers, signature computation, the validation pipeline, scopes, workspace isolation);
+#              Errors.
+#   DESIGN.md  §2 Python API (settings, storage, Client); §3 HTTP surfaces (/healthz and the admin
+#              surface, /openapi.json, one request path whatever hosts the app); §4 Envelope and
+#              errors; §5 Authentication details (path, client IP, nonces, time; what a refusal says);
+#              §6 Resources; §7 Transfers (idempotency, settlement, money under concurrency, the ledger
+#              and its auditor); §8 Lists; §9 Sandbox (serve, the command line, any language over HTTP,
+#              one sandbox for many processes, reset, scenarios, the pytest plugin, clock, ids, fault
+#              rules, journal, magic values, console); §10 Serving (durability, hostile networks,
+#              storage that fails, --workers, replay protection, nothing lost under load).
+
 from __future__ import annotations
 
 import base64
@@ -38,9 +55,11 @@ import webtest
 import walletsvc
 
 NOW = 1_800_000_000  # a frozen epoch second
+T0 = "2027-01-15T08:00:00.000Z"  # NOW as ISO-8601
 SCOPES = ["wallet:read", "transfer:read", "transfer:create"]  # SPEC.md "Scopes"
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # SHA-256 of b"", hex
 TRANSFER_PATH = "/api/v1/transfer/command/create"
+ADMIN = {"Authorization": "Bearer walletsvc-test-admin"}  # the Sandbox's admin token (README)
 
 
 class Clock:
@@ -66,7 +85,19 @@ def spec_signature(secret: str, method: str, path: str, timestamp: str, nonce: s
     joined by LF, the secret)), the body hashed as lowercase hex SHA-256 of its exact bytes."""
     message = "\n".join((method, path, timestamp, nonce, hashlib.sha256(body).hexdigest()))
     # (a path on the wire is ASCII: a test that puts other characters in one cannot sign it)
-    return base64.b64encode(hmac.new(secret.encode(), message.encode("ascii"), hashlib.sha256).digest()).decode()
+    return base64.b64encode(hmac.new(secret.encode(), message.encode("ascii"),
+                                     hashlib.sha256).digest()).decode()
+
+
+def _signed(method: str, path: str, key: str, secret: str, body: bytes = b"", timestamp: int | None = None,
+            nonce: str | None = None) -> dict:
+    """The four headers of SPEC.md, computed here from its rules (no walletsvc import): a captured
+    request is these headers sent again."""
+    ts, nonce = str(int(time.time()) if timestamp is None else timestamp), nonce or str(uuid.uuid4())
+    message = "\n".join((method, path, ts, nonce, hashlib.sha256(body).hexdigest())).encode()
+    signature = base64.b64encode(hmac.new(secret.encode(), message, hashlib.sha256).digest()).decode()
+    headers = {"X-Api-Key": key, "X-Timestamp": ts, "X-Nonce": nonce, "X-Signature": signature}
+    return {**headers, "Content-Type": "application/json"} if body else headers
 
 
 class Api:
@@ -80,8 +111,8 @@ class Api:
         timestamp = overrides.get("X-Timestamp") or str(int(self.clock()))
         nonce = overrides.get("X-Nonce") or str(uuid.uuid4())
         try:
-            signature = spec_signature(self.key["secret"], method, (self.prefix + path).split("?")[0], timestamp,
-                                       nonce, body)
+            signature = spec_signature(self.key["secret"], method, (self.prefix + path).split("?")[0],
+                                       timestamp, nonce, body)
         except UnicodeEncodeError:
             signature = "unsignable"
         headers = {"X-Api-Key": self.key["apiKey"], "X-Timestamp": timestamp, "X-Nonce": nonce,
@@ -132,7 +163,8 @@ CATALOG = {
     "T2003": ("SAME_WALLET", 422),
     "T2004": ("IDEMPOTENCY_CONFLICT", 409),
 }
-ADMIN_CATALOG = {"S401": ("UNAUTHORIZED", 401), "S403": ("FORBIDDEN", 403), "S405": ("METHOD_NOT_ALLOWED", 405)}
+ADMIN_CATALOG = {"S401": ("UNAUTHORIZED", 401), "S403": ("FORBIDDEN", 403),
+                 "S405": ("METHOD_NOT_ALLOWED", 405)}
 ENVELOPE_HEADERS = {"Content-Type": "application/json; charset=utf-8", "Cache-Control": "no-store"}
 
 
@@ -197,12 +229,245 @@ def api(app: webtest.TestApp, world: dict, clock: Clock) -> Api:
     return Api(app, world["key"], clock)
 
 
+@pytest.fixture
+def many(svc, world, clock):
+    """25 transfers a->b of 1.00 .. 25.00 cents, one per second."""
+    for n in range(1, 26):
+        clock.advance(1)
+        svc.create_transfer(world["ws"]["id"], source_wallet_id=world["a"],
+                            target_wallet_id=world["b"], amount=f"0.{n:02d}" if n < 100 else "1",
+                            currency="USD", biz_id=f"biz-{n:02d}")
+    clock.advance(1)
+    return world
+
+
 def key_api(api: Api, key: dict) -> Api:
     return Api(api.app, key, api.clock, api.prefix)
 
 
 def balances(svc: walletsvc.WalletService, *wallet_ids: str) -> list[str]:
     return [svc.get_wallet(wallet_id)["balance"] for wallet_id in wallet_ids]
+
+
+def transfer_body(world: dict, **changes) -> dict:
+    body = {"sourceWalletId": world["a"], "targetWalletId": world["b"], "amount": "25.50",
+            "currency": "USD"}
+    body.update(changes)
+    return {name: value for name, value in body.items() if value is not ...}
+
+
+def order_in_another_workspace(svc: walletsvc.WalletService, biz_id: str) -> dict:
+    other = svc.create_workspace("Other")
+    source, target = (svc.create_wallet(other["id"], "USD") for _ in range(2))
+    svc.deposit(source["id"], "5.00")
+    return svc.create_transfer(other["id"], source_wallet_id=source["id"], target_wallet_id=target["id"],
+                               amount="1.00", currency="USD", biz_id=biz_id)
+
+
+def ledger_invariants(path: str) -> dict:
+    """Check conservation, non-negativity, sum(flows) == balance and the ledger's commit
+    order (DESIGN.md §7) from the file, then walletsvc's own audit."""
+    conn = sqlite3.connect(path)
+    try:
+        rows = conn.execute(
+            "SELECT w.id, w.balance, coalesce(sum(CASE f.direction WHEN 'CREDIT' THEN f.amount"
+            " ELSE -f.amount END), 0) FROM wallets w LEFT JOIN flows f ON f.wallet_id = w.id"
+            " GROUP BY w.id").fetchall()
+        for wallet_id, balance, flow_sum in rows:
+            assert balance >= 0, wallet_id
+            assert flow_sum == balance, wallet_id
+        deposits = conn.execute("SELECT coalesce(sum(amount), 0) FROM flows WHERE type = 'DEPOSIT'"
+                                ).fetchone()[0]
+        assert sum(balance for _, balance, _ in rows) == deposits
+        transfers = conn.execute("SELECT count(*), count(DISTINCT biz_id) FROM transfers").fetchone()
+        assert transfers[0] == transfers[1]
+        assert conn.execute("SELECT count(*) FROM flows WHERE transfer_id IS NOT NULL").fetchone()[0] == (
+            2 * transfers[0])
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        for wallet_id, balance, _ in rows:
+            assert running_balance_breaks(conn, wallet_id) == [], wallet_id
+    finally:
+        conn.close()
+    svc = walletsvc.WalletService(path)
+    try:
+        assert svc.audit() == []
+    finally:
+        svc.close()
+    return {"transfers": transfers[0], "total": deposits}
+
+
+def running_balance_breaks(conn: sqlite3.Connection, wallet_id: str) -> list:
+    """Flows of a wallet oldest first (createdAt, then id) whose balanceAfter is not the previous
+    one ± the amount, or a last one that is not the balance."""
+    breaks, before = [], 0
+    for flow_id, direction, amount, after in conn.execute(
+            "SELECT id, direction, amount, balance_after FROM flows WHERE wallet_id = ?"
+            " ORDER BY created_at, id", (wallet_id,)):
+        if before + (amount if direction == "CREDIT" else -amount) != after:
+            breaks.append((flow_id, before, direction, amount, after))
+        before = after
+    if before != conn.execute("SELECT balance FROM wallets WHERE id = ?", (wallet_id,)).fetchone()[0]:
+        breaks.append(("newest flow", before))
+    return breaks
+
+
+def _shared_ledger(tmp_path) -> tuple[str, str, list]:
+    path = str(tmp_path / "bank.db")
+    svc = walletsvc.WalletService(path)
+    ws = svc.create_workspace("Bank")
+    wallets = [svc.create_wallet(ws["id"], "USD")["id"] for _ in range(4)]
+    for wallet_id in wallets:
+        svc.deposit(wallet_id, "1000.00")
+    svc.close()
+    return path, ws["id"], wallets
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = walletsvc.main(list(argv))
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def _cli(*argv: str, cwd: pathlib.Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "walletsvc", *argv], capture_output=True, text=True,
+                          timeout=60, check=False, cwd=cwd, env=env)
+
+
+def admin_app(svc, token: str | None = "s3cret") -> webtest.TestApp:
+    return webtest.TestApp(walletsvc.create_app(svc, admin_token=token))
+
+
+@pytest.fixture
+def live(tmp_path, svc, world):
+    """The app on waitress on a free port, in a thread, stopped afterwards."""
+    import waitress
+
+    server = waitress.create_server(walletsvc.create_app(svc, admin_token="tok"), host="127.0.0.1", port=0)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.effective_port}"
+    server.close()
+    thread.join(timeout=5)
+
+
+README = pathlib.Path(__file__).parent / "README.md"
+
+
+def readme_blocks(section: str, language: str) -> list[str]:
+    """The ```language blocks of one README section, as printed."""
+    text = README.read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
+    return [block.split("```", 1)[0] for block in text.split(f"```{language}\n")[1:]]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """One ``walletsvc serve`` child on a port of its own: kill -9, restart."""
+
+    def __init__(self, db_path: str, log_path: pathlib.Path, *options: str) -> None:
+        self.db_path, self.log_path, self.port, self.options = db_path, log_path, _free_port(), options
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.process: subprocess.Popen | None = None
+
+    def start(self) -> None:
+        with open(self.log_path, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "walletsvc", "serve", "--db", self.db_path, "--port", str(self.port),
+                 *self.options],
+                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.log_path.read_text()[-2000:]
+            try:
+                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
+                    return
+            except requests.RequestException:
+                time.sleep(0.05)
+        raise AssertionError(f"{self.url} did not start")
+
+    def kill(self) -> None:
+        self.process.kill()  # SIGKILL: no cleanup, no rollback but SQLite's own
+        self.process.wait()
+
+    def stop(self) -> None:
+        if self.process and self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait(timeout=30)
+
+
+@pytest.fixture
+def demo_server(tmp_path):
+    """``walletsvc serve --demo`` and the environment a user has after reading its banner."""
+    server = ServerProcess(str(tmp_path / "demo.db"), tmp_path / "demo.log", "--demo")
+    server.start()
+    printed = (tmp_path / "demo.log").read_text()
+    env = {**os.environ, **{name: re.search(rf"{label}\s*: (\S+)", printed).group(1)
+                            for name, label in (("KEY", "API key"), ("SECRET", "secret"),
+                                                ("TOKEN", "admin token"))}}
+    yield server, env
+    server.stop()
+
+
+def _keyed_database(path: str) -> dict:
+    """A database file with one workspace and a full-scope key, closed again."""
+    svc = walletsvc.WalletService(path)
+    key = svc.create_api_key(svc.create_workspace("Acme")["id"])
+    svc.close()
+    return key
+
+
+def _list_wallets(server: ServerProcess, key: dict, skew: int = 0) -> requests.Response:
+    headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"],
+                                     timestamp=int(time.time()) + skew)
+    return requests.get(server.url + "/api/v1/wallets", headers=headers, timeout=10)
+
+
+def _demo_of(log_path: pathlib.Path) -> tuple[str, str, dict, list[str]]:
+    """Key, secret, admin headers and wallet ids, as `serve --demo` printed them."""
+    printed = log_path.read_text()
+    key, secret, token, wallets = (re.search(rf"{label}\s*: (.+)", printed).group(1).strip()
+                                   for label in ("API key", "secret", "admin token", "wallets"))
+    return key, secret, {"Authorization": f"Bearer {token}"}, wallets.split(", ")
+
+
+@pytest.fixture
+def two_servers(tmp_path):
+    """Two `walletsvc serve --demo` processes on one database file."""
+    path = str(tmp_path / "shared.db")
+    servers = [ServerProcess(path, tmp_path / f"server{n}.log", "--demo") for n in range(2)]
+    try:
+        for server in servers:  # one after the other: the first seeds the demo, the second finds it
+            server.start()
+        yield servers, _demo_of(tmp_path / "server0.log")
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _balances_over_http(url: str, key: str, secret: str, timestamp: int | None = None) -> dict:
+    answer = requests.get(url + "/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
+                                                                   timestamp=timestamp), timeout=10).json()
+    return {wallet["name"]: wallet["balance"] for wallet in answer["data"]["content"]}
+
+
+def _clock(url: str, admin: dict, **change: Any) -> dict:
+    if change:
+        return requests.post(url + "/_admin/clock", json=change, headers=admin, timeout=10).json()["data"]
+    return requests.get(url + "/_admin/clock", headers=admin, timeout=10).json()["data"]
+
+
+def _transfer_of(sandbox, amount: str, biz_id: str, **headers: str) -> None:
+    body = json.dumps({"sourceWalletId": sandbox.wallets["alice"]["id"],
+                       "targetWalletId": sandbox.wallets["bob"]["id"],
+                       "amount": amount, "currency": "USD", "bizId": biz_id}).encode()
+    webtest.TestApp(sandbox.app).post(TRANSFER_PATH + "?trace=on", body, expect_errors=True, headers={
+        **sandbox.headers("POST", TRANSFER_PATH, body), "Content-Type": "application/json", **headers})
 
 
 ###############################################################################
@@ -227,81 +492,301 @@ def test_error_envelope_has_every_field_and_a_detail(api: Api) -> None:
     assert response.headers["Content-Language"] == "en-US"
 
 
-@pytest.mark.parametrize("locale_headers, expected", [
-    ({"X-LOCALE": "zh-CN"}, "zh-CN"),
-    ({"X-LOCALE": "zh"}, "zh-CN"),
-    ({"X-LOCALE": "zh_CN"}, "zh-CN"),
-    ({"Accept-Language": "fr-FR, zh-CN;q=0.9, en;q=0.5"}, "zh-CN"),
-    ({"X-LOCALE": "en-US", "Accept-Language": "zh-CN"}, "en-US"),
-    ({"X-LOCALE": "tlh"}, "en-US"),
-    ({}, "en-US"),
-])
-def test_error_detail_is_localized(api: Api, locale_headers: dict, expected: str) -> None:
-    response = api.get("/api/v1/wallets", **{"X-Api-Key": "ak_nope"}, **locale_headers)
-    assert response.headers["Content-Language"] == expected
-    detail = response.json["detail"]
-    assert detail == ("API 密钥不存在。" if expected == "zh-CN" else "The API key does not exist.")
-
-
-def test_default_locale_setting_applies_without_a_language(svc, world, clock) -> None:
-    zh_app = webtest.TestApp(walletsvc.create_app(svc, default_locale="zh-CN"))
-    response = Api(zh_app, world["key"], clock).get("/api/v1/wallets/wal_missing")
-    assert error(response, "W1001", 404)["detail"] == "钱包 wal_missing 不存在。"
-
-
 def test_bottle_404_and_405_use_the_envelope(app: webtest.TestApp) -> None:
     error(app.get("/nothing/here", expect_errors=True), "S404", 404)
     error(app.post("/healthz", expect_errors=True), "S405", 405)
 
 
-def test_healthz_answers_without_auth(app: webtest.TestApp) -> None:
-    assert data(app.get("/healthz")) == {"status": "ok", "version": walletsvc.__version__}
-
-
-def test_unexpected_failure_is_s500_without_traceback(svc, api: Api, monkeypatch) -> None:
-    def explode(*args, **kwargs):
-        raise RuntimeError("secret internals")
-    monkeypatch.setattr(svc, "list_wallets", explode)
-    body = error(api.get("/api/v1/wallets"), "S500", 500)
-    assert "secret" not in json.dumps(body) and "Traceback" not in json.dumps(body)
+def test_every_envelope_carries_the_same_headers(svc, api: Api, world, monkeypatch) -> None:
+    answers = {
+        "success": api.get(f"/api/v1/wallets/{world['a']}"),
+        "WalletError": api.get("/api/v1/wallets/wal_missing"),
+        "bottle 404": api.app.get("/nowhere", expect_errors=True),
+        "bottle 405": api.app.post("/healthz", expect_errors=True),
+        "public": api.app.get("/healthz"),
+    }
+    monkeypatch.setattr(walletsvc.WalletService, "get_wallet", lambda *args, **kwargs: 1 / 0)
+    answers["S500"] = api.get(f"/api/v1/wallets/{world['a']}")
+    expected = {**ENVELOPE_HEADERS, "Content-Language": "en-US"}
+    for name, response in answers.items():
+        assert {header: response.headers.get(header) for header in expected} == expected, name
+        assert int(response.headers["Content-Length"]) == len(response.body), name
+    assert [answers[name].json["code"] for name in ("bottle 404", "bottle 405", "S500")] == [
+        "S404", "S405", "S500"]
 
 
 ###############################################################################
-# Authentication: the validation pipeline #####################################
+# Page object ##################################################################
 ###############################################################################
 
 
-def test_missing_api_key_is_ga2001(api: Api) -> None:
-    error(api.get("/api/v1/wallets", **{"X-Api-Key": None}), "GA2001", 401)
+def test_empty_collection_has_accurate_page_metadata(svc, api: Api, world: dict) -> None:
+    page = data(api.get("/api/v1/transfer/query/orders"))
+    assert page == {"content": [], "page": {"size": 20, "number": 0, "totalElements": 0,
+                                            "totalPages": 0}}
 
 
-def test_empty_api_key_is_ga2001(api: Api) -> None:
-    error(api.get("/api/v1/wallets", **{"X-Api-Key": ""}), "GA2001", 401)
+###############################################################################
+# Transfer order ###############################################################
+###############################################################################
 
 
-def test_unknown_api_key_is_ga2011(api: Api) -> None:
-    error(api.get("/api/v1/wallets", **{"X-Api-Key": "ak_unknown"}), "GA2011", 401)
+def test_create_transfer_moves_money_and_returns_the_order(svc, api: Api, world: dict) -> None:
+    order = data(api.transfer(transfer_body(world, bizId="inv-7", description="rent")))
+    assert order == {"transferId": order["transferId"], "bizId": "inv-7", "sourceWalletId": world["a"],
+                     "targetWalletId": world["b"], "amount": "25.50", "currency": "USD",
+                     "status": "COMPLETED", "description": "rent", "createdAt": T0, "updatedAt": T0,
+                     "completedAt": T0}
+    assert order["transferId"].startswith("tr_")
+    assert balances(svc, world["a"], world["b"]) == ["74.50", "25.50"]
 
 
-def test_disabled_key_is_ga2021_and_reenabled_key_works(svc, api: Api, world: dict) -> None:
-    svc.set_api_key_enabled(world["key"]["apiKey"], False)
-    error(api.get("/api/v1/wallets"), "GA2021", 403)
-    svc.set_api_key_enabled(world["key"]["apiKey"], True)
-    data(api.get("/api/v1/wallets"))
+def test_order_without_biz_id_is_addressed_by_its_transfer_id(api: Api, world: dict) -> None:
+    order = data(api.transfer(transfer_body(world)))
+    assert order["bizId"] == order["transferId"]
+    assert data(api.get(f"/api/v1/transfer/query/orders/{order['bizId']}")) == order
 
 
-def test_deleted_workspace_is_ga2032(svc, api: Api, world: dict) -> None:
-    svc.delete_workspace(world["ws"]["id"])
-    error(api.get("/api/v1/wallets"), "GA2032", 404)
+###############################################################################
+# Wallet, balance and flow #####################################################
+###############################################################################
 
 
-def test_removed_member_is_ga2034(svc, api: Api, world: dict) -> None:
-    member = svc.add_member(world["ws"]["id"], "alice")
-    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], member_id=member["id"])
-    data(key_api(api, key).get("/api/v1/wallets"))
-    svc.remove_member(world["ws"]["id"], member["id"])
-    error(key_api(api, key).get("/api/v1/wallets"), "GA2034", 403)
-    data(api.get("/api/v1/wallets"))  # the owner's key is unaffected
+def test_wallet_endpoint_shape(api: Api, world: dict) -> None:
+    assert data(api.get(f"/api/v1/wallets/{world['a']}")) == {
+        "id": world["a"], "workspaceId": world["ws"]["id"], "name": "a", "currency": "USD",
+        "status": "ACTIVE", "balance": "100.00", "createdAt": T0, "updatedAt": T0}
+
+
+def test_balance_endpoint_shape(api: Api, world: dict) -> None:
+    assert data(api.get(f"/api/v1/wallets/{world['jpy']}/balance")) == {
+        "walletId": world["jpy"], "currency": "JPY", "balance": "5000", "available": "5000",
+        "pending": "0", "updatedAt": T0}
+
+
+def test_flow_endpoint_shape_and_balance_after(api: Api, world: dict) -> None:
+    order = data(api.transfer({"sourceWalletId": world["a"], "targetWalletId": world["b"],
+                               "amount": "30.00", "currency": "USD", "bizId": "inv-1"}))
+    flows = data(api.get(f"/api/v1/wallets/{world['a']}/flows", query="sort=createdAt,asc"))
+    deposit, out = flows["content"]
+    assert deposit == {"id": deposit["id"], "walletId": world["a"], "type": "DEPOSIT",
+                       "direction": "CREDIT", "amount": "100.00", "balanceAfter": "100.00",
+                       "transferId": None, "bizId": None, "counterpartyWalletId": None, "createdAt": T0}
+    assert out == {"id": out["id"], "walletId": world["a"], "type": "TRANSFER_OUT",
+                   "direction": "DEBIT", "amount": "30.00", "balanceAfter": "70.00",
+                   "transferId": order["transferId"], "bizId": "inv-1",
+                   "counterpartyWalletId": world["b"], "createdAt": T0}
+    (incoming,) = data(api.get(f"/api/v1/wallets/{world['b']}/flows"))["content"]
+    assert (incoming["type"], incoming["direction"], incoming["balanceAfter"],
+            incoming["counterpartyWalletId"]) == ("TRANSFER_IN", "CREDIT", "30.00", world["a"])
+
+
+def test_list_wallets_shape(api: Api, world: dict) -> None:
+    page = data(api.get("/api/v1/wallets"))
+    assert page["page"] == {"size": 20, "number": 0, "totalElements": 3, "totalPages": 1}
+    assert sorted(w["id"] for w in page["content"]) == sorted([world["a"], world["b"], world["jpy"]])
+
+
+###############################################################################
+# Endpoints ####################################################################
+###############################################################################
+
+
+@pytest.mark.parametrize("path, code", [
+    ("/api/v1/transfer/query/orders/wallet/completed", "W1001"),  # orders of wallet "completed"
+    ("/api/v1/transfer/query/orders/wallet", "T1001"),  # the order whose bizId is "wallet"
+    ("/api/v1/transfer/query/orders/completed", "T1001"),
+    ("/api/v1/wallets/balance", "W1001"),  # the wallet whose id is "balance"
+])
+def test_ambiguous_paths_go_to_the_first_route_declared(svc, world: dict, clock: Clock, path: str,
+                                                        code: str) -> None:
+    """The direct path's route table answers as bottle's router does (bottle as the control)."""
+    plugged = walletsvc.create_app(svc)
+    plugged.add_hook("before_request", lambda: None)  # no direct path: bottle routes
+    for app in (walletsvc.create_app(svc), plugged):
+        error(Api(webtest.TestApp(app), world["key"], clock).get(path), code, 404)
+
+
+###############################################################################
+# Create transfer order ########################################################
+###############################################################################
+
+
+BAD_TRANSFERS = [  # (case, changes, code, status, field named in the detail)
+    ("missing source", {"sourceWalletId": ...}, "S012", 400, "sourceWalletId"),
+    ("missing target", {"targetWalletId": ...}, "S012", 400, "targetWalletId"),
+    ("missing amount", {"amount": ...}, "S012", 400, "amount"),
+    ("missing currency", {"currency": ...}, "S012", 400, "currency"),
+    ("null amount", {"amount": None}, "S012", 400, "amount"),
+    ("unknown field", {"memo": "x"}, "S012", 400, "memo"),
+    ("numeric amount", {"amount": 25.5}, "S012", 400, "amount"),
+    ("integer amount", {"amount": 25}, "S012", 400, "amount"),
+    ("zero amount", {"amount": "0.00"}, "S012", 400, "amount"),
+    ("negative amount", {"amount": "-1.00"}, "S012", 400, "amount"),
+    ("exponent", {"amount": "1e2"}, "S012", 400, "amount"),
+    ("too many decimals", {"amount": "1.005"}, "S012", 400, "amount"),
+    ("decimals on JPY", {"amount": "1.5", "currency": "JPY"}, "S012", 400, "amount"),
+    ("too many digits", {"amount": "1234567890123456.00"}, "S012", 400, "amount"),
+    ("unknown currency", {"currency": "ABC"}, "S012", 400, "currency"),
+    ("lowercase currency", {"currency": "usd"}, "S012", 400, "currency"),
+    ("numeric wallet id", {"sourceWalletId": 7}, "S012", 400, "sourceWalletId"),
+    ("bad bizId", {"bizId": "has space"}, "S012", 400, "bizId"),
+    ("long bizId", {"bizId": "b" * 65}, "S012", 400, "bizId"),
+    ("long description", {"description": "d" * 256}, "S012", 400, "description"),
+    ("numeric description", {"description": 5}, "S012", 400, "description"),
+    ("same wallet", {"targetWalletId": "@a"}, "T2003", 422, None),
+    ("unknown source", {"sourceWalletId": "wal_nope"}, "W1001", 404, "wal_nope"),
+    ("unknown target", {"targetWalletId": "wal_nope"}, "W1001", 404, "wal_nope"),
+    ("other workspace's wallet", {"targetWalletId": "@other"}, "W1001", 404, None),
+    ("frozen target", {"targetWalletId": "@frozen"}, "W1002", 422, None),
+    ("currency mismatch with both", {"currency": "EUR"}, "T2002", 422, None),
+    ("currency mismatch with target", {"targetWalletId": "@jpy"}, "T2002", 422, None),
+    ("insufficient balance", {"amount": "100.01"}, "T2001", 422, None),
+]
+
+
+@pytest.mark.parametrize("case, changes, code, status, field", BAD_TRANSFERS,
+                         ids=[row[0] for row in BAD_TRANSFERS])
+def test_rejected_transfer_leaves_no_trace(svc, api, world, case, changes, code, status, field) -> None:
+    other = svc.create_wallet(svc.create_workspace("Other")["id"], "USD")
+    frozen = svc.create_wallet(world["ws"]["id"], "USD", name="frozen")
+    svc.set_wallet_status(frozen["id"], "FROZEN")
+    named = {"@a": world["a"], "@other": other["id"], "@frozen": frozen["id"], "@jpy": world["jpy"]}
+    changes = {k: named.get(v, v) if isinstance(v, str) else v for k, v in changes.items()}
+    before = balances(svc, world["a"], world["b"], world["jpy"])
+    body = error(api.transfer(transfer_body(world, **changes)), code, status)
+    if field:
+        assert field in body["detail"]
+    assert balances(svc, world["a"], world["b"], world["jpy"]) == before
+    assert data(api.get("/api/v1/transfer/query/orders"))["page"]["totalElements"] == 0
+    for wallet in (world["a"], world["b"]):
+        assert data(api.get(f"/api/v1/wallets/{wallet}/flows"))["page"]["totalElements"] == (
+            1 if wallet == world["a"] else 0)
+
+
+@pytest.mark.parametrize("amount", ["1" * 5000, "0" * 5000 + "1", "1" * 4301 + ".5", "1" * 16])
+def test_an_amount_of_too_many_digits_is_s012_however_many(api: Api, world: dict, amount: str) -> None:
+    body = error(api.transfer(transfer_body(world, amount=amount)), "S012", 400)
+    assert "'amount'" in body["detail"]
+
+
+@pytest.mark.parametrize("raw", [b"", b"not json", b"[1, 2]", b'"text"', b"\xff\xfe",
+                                 b'{"amount": "1.00", "amount": "2.00"}', b"{" * 5000])
+def test_unparsable_body_is_s012(api: Api, raw: bytes) -> None:
+    error(api.transfer(raw), "S012", 400)
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
+def test_non_json_content_type_is_s415_after_authentication(api, world, content_type) -> None:
+    body = transfer_body(world)
+    error(api.transfer(body, **{"Content-Type": content_type}), "S415", 415)
+    error(api.transfer(body, **{"Content-Type": content_type, "X-Signature": "AAAA"}), "GA2012", 401)
+
+
+def test_json_content_type_with_charset_is_accepted(api: Api, world: dict) -> None:
+    data(api.transfer(transfer_body(world), **{"Content-Type": "application/json; charset=utf-8"}))
+
+
+###############################################################################
+# Query endpoints ##############################################################
+###############################################################################
+
+
+def test_get_order_and_completion_check(api: Api, world: dict) -> None:
+    order = data(api.transfer(transfer_body(world, bizId="inv-9")))
+    assert data(api.get("/api/v1/transfer/query/orders/inv-9")) == order
+    assert data(api.get("/api/v1/transfer/query/orders/inv-9/completed")) == {
+        "bizId": "inv-9", "transferId": order["transferId"], "status": "COMPLETED", "completed": True}
+
+
+def test_transfers_of_a_wallet_cover_both_sides(svc, api: Api, many: dict) -> None:
+    svc.deposit(many["b"], "5.00")
+    svc.create_transfer(many["ws"]["id"], source_wallet_id=many["b"], target_wallet_id=many["a"],
+                        amount="2.00", currency="USD", biz_id="back")
+    page = data(api.get(f"/api/v1/transfer/query/orders/wallet/{many['b']}", query="size=3"))
+    assert page["page"] == {"size": 3, "number": 0, "totalElements": 26, "totalPages": 9}
+    assert [o["bizId"] for o in page["content"]] == ["back", "biz-25", "biz-24"]
+    filtered = data(api.get(f"/api/v1/transfer/query/orders/wallet/{many['b']}",
+                            query="bizIdPrefix=back"))
+    assert filtered["page"]["totalElements"] == 1
+    assert data(api.get(f"/api/v1/transfer/query/orders/wallet/{many['jpy']}"))["page"]["totalElements"] == 0
+
+
+###############################################################################
+# Pagination rules #############################################################
+###############################################################################
+
+
+@pytest.mark.parametrize("query, size, number, count", [
+    ("", 20, 0, 20),
+    ("page=1", 20, 1, 5),
+    ("size=5&page=4", 5, 4, 5),
+    ("size=5&page=5", 5, 5, 0),  # beyond the last page: empty, totals accurate
+    ("page=999999999999", 20, 999999999999, 0),
+    ("size=100", 100, 0, 25),
+    ("size=101", 100, 0, 25),  # capped silently
+    ("size=100000", 100, 0, 25),
+    ("size=1", 1, 0, 1),
+    ("page=0&size=20", 20, 0, 20),
+])
+def test_pagination_table(api: Api, many: dict, query: str, size: int, number: int, count: int) -> None:
+    page = data(api.get("/api/v1/transfer/query/orders", query=query))
+    assert page["page"] == {"size": size, "number": number, "totalElements": 25,
+                            "totalPages": -(-25 // size)}
+    assert len(page["content"]) == count
+
+
+@pytest.mark.parametrize("query", ["page=-1", "size=-1", "size=0", "size=abc", "page=1.5",
+                                   "size=", "page=", "page=1e2", "size=+5", "page=0x1"])
+@pytest.mark.parametrize("path", ["/api/v1/wallets", "/api/v1/transfer/query/orders",
+                                  "/api/v1/wallets/{a}/flows", "/api/v1/transfer/query/orders/wallet/{a}"])
+def test_bad_page_or_size_is_s012(api: Api, world: dict, path: str, query: str) -> None:
+    body = error(api.get(path.format(a=world["a"]), query=query), "S012", 400)
+    assert query.split("=")[0] in body["detail"]
+
+
+@pytest.mark.parametrize("page", ["9223372036854775808", "1" + "0" * 40, "0" * 30 + "1"])
+def test_page_numbers_have_no_upper_bound(api: Api, world, page: str) -> None:
+    body = data(api.get("/api/v1/wallets", query=f"page={page}&size=2"))
+    assert body == {"content": [] if int(page) > 1 else body["content"],
+                    "page": {"size": 2, "number": int(page), "totalElements": 3, "totalPages": 2}}
+
+
+@pytest.mark.parametrize("sort, expected", [
+    (["createdAt,asc"], ["biz-01", "biz-02", "biz-03"]),
+    (["createdAt,desc"], ["biz-25", "biz-24", "biz-23"]),
+    (["createdAt"], ["biz-01", "biz-02", "biz-03"]),  # direction defaults to asc
+    (["amount,desc"], ["biz-25", "biz-24", "biz-23"]),
+    (["amount,ASC"], ["biz-01", "biz-02", "biz-03"]),
+    (["status,asc", "amount,desc"], ["biz-25", "biz-24", "biz-23"]),  # second key breaks ties
+    (["updatedAt,asc", "amount,desc"], ["biz-01", "biz-02", "biz-03"]),
+])
+def test_sort_keys_primary_first(api: Api, many: dict, sort: list, expected: list) -> None:
+    query = "&".join(f"sort={s}" for s in sort) + "&size=3"
+    biz_ids = [o["bizId"] for o in data(api.get("/api/v1/transfer/query/orders", query=query))["content"]]
+    assert biz_ids == expected
+
+
+@pytest.mark.parametrize("path, sort", [
+    ("/api/v1/wallets", "amount,asc"),  # sortable for transfers, not wallets
+    ("/api/v1/transfer/query/orders", "balance,asc"),
+    ("/api/v1/transfer/query/orders", "bizId,asc"),
+    ("/api/v1/wallets/{a}/flows", "status,asc"),
+    ("/api/v1/transfer/query/orders", "createdAt,sideways"),
+    ("/api/v1/transfer/query/orders", ""),
+    ("/api/v1/transfer/query/orders", "createdat,asc"),  # field names are exact
+    ("/api/v1/transfer/query/orders/wallet/{a}", "id,asc"),
+    ("/api/v1/transfer/query/orders", "createdAt, desc"),  # no spaces, as the document's pattern says
+    ("/api/v1/transfer/query/orders", "createdAt,"),
+])
+def test_unsortable_field_or_bad_direction_is_s012(api: Api, world: dict, path: str, sort: str) -> None:
+    body = error(api.get(path.format(a=world["a"]), query=f"sort={sort}"), "S012", 400)
+    assert "sort" in body["detail"]
+
+
+###############################################################################
+# Authentication: request headers ##############################################
+###############################################################################
 
 
 @pytest.mark.parametrize("skew", [-61, 61, -3600, 3600])
@@ -313,9 +798,7 @@ def test_timestamp_outside_60_seconds_is_ga2013(api: Api, skew: int) -> None:
 @pytest.mark.parametrize("skew", [-60, 60, 0])
 def test_timestamp_exactly_60_seconds_away_passes(api: Api, world: dict, skew: int) -> None:
     path = "/api/v1/wallets"
-    headers = walletsvc.sign_request("GET", path, b"", world["key"]["apiKey"],
-                                     world["key"]["secret"], timestamp=NOW + skew)
-    data(api.request("GET", path, headers=headers))
+    data(api.request("GET", path, headers=api.headers("GET", path, **{"X-Timestamp": str(NOW + skew)})))
 
 
 @pytest.mark.parametrize("timestamp", [None, "", "abc", "1.5", "-1", "1800000000000000", " 1800000000"])
@@ -340,31 +823,39 @@ def test_nonces_are_unique_per_key(svc, api: Api, world: dict) -> None:
     data(key_api(api, other).get("/api/v1/wallets", **{"X-Nonce": "shared-nonce"}))
 
 
-def test_bad_signature_does_not_burn_the_nonce(api: Api) -> None:
-    error(api.get("/api/v1/wallets", **{"X-Nonce": "n-1", "X-Signature": "AAAA"}), "GA2012", 401)
-    data(api.get("/api/v1/wallets", **{"X-Nonce": "n-1"}))
+MALFORMED_VALUES = {
+    "empty": "",
+    "non-ascii": "clé-ünï",
+    "very long": "k" * 20000,
+    "non-numeric": "12ab",
+    "invalid base64": "@@@==",
+    "control characters": "a\tb",
+}
 
 
-def test_nonce_records_expire_and_are_purged(svc, api: Api, clock: Clock) -> None:
-    for _ in range(5):
-        data(api.get("/api/v1/wallets"))
-    headers = api.headers("GET", "/api/v1/wallets", **{"X-Nonce": "again"})
-    data(api.request("GET", "/api/v1/wallets", headers=headers))
-    clock.advance(121)  # past twice the window
-    data(api.get("/api/v1/wallets", **{"X-Nonce": "again"}))  # an expired record is reusable
-    with svc.db.connection() as conn:
-        assert conn.execute("SELECT count(*) FROM nonces").fetchone()[0] == 1
+@pytest.mark.parametrize("header", ["X-Api-Key", "X-Timestamp", "X-Nonce", "X-Signature",
+                                    "X-LOCALE", "Accept-Language", "X-Forwarded-For",
+                                    "Content-Type", "Idempotency-Key"])
+@pytest.mark.parametrize("value_name", list(MALFORMED_VALUES))
+def test_malformed_headers_never_cause_a_500(api: Api, world, header, value_name) -> None:
+    value = MALFORMED_VALUES[value_name]
+    body = json.dumps({"sourceWalletId": world["a"], "targetWalletId": world["b"],
+                       "amount": "1.00", "currency": "USD"}).encode()
+    for method, path, payload in (("GET", "/api/v1/wallets", b""), ("POST", TRANSFER_PATH, body)):
+        headers = {"Content-Type": "application/json", **api.headers(method, path, payload)}
+        headers[header] = value
+        environ = {"HTTP_" + header.upper().replace("-", "_"): value}
+        if header == "Content-Type":
+            environ = {"CONTENT_TYPE": value}
+        response = api.request(method, path, payload, headers={k: v for k, v in headers.items()
+                                                               if k != header}, **environ)
+        assert response.status_int < 500, response.text
+        assert response.json["code"] in set(CATALOG) | {"2000"}
 
 
-def test_nonce_table_stays_bounded_over_many_windows(svc, api: Api, clock: Clock) -> None:
-    sizes = []
-    for _ in range(12):
-        for _ in range(20):
-            data(api.get("/api/v1/wallets"))
-        clock.advance(30)
-        with svc.db.connection() as conn:
-            sizes.append(conn.execute("SELECT count(*) FROM nonces").fetchone()[0])
-    assert max(sizes) <= 20 * 6  # requests of at most 2 windows plus one purge interval
+###############################################################################
+# Authentication: signature computation ########################################
+###############################################################################
 
 
 def test_wrong_signature_is_ga2012(api: Api) -> None:
@@ -440,148 +931,42 @@ def test_query_string_is_not_signed(api: Api) -> None:
     error(api.request("GET", path, query="size=5", headers=headers), "GA2012", 401)
 
 
-def test_signed_path_is_the_raw_path_the_client_sent(api: Api, world: dict) -> None:
-    raw = f"/api/v1/wallets/{world['a']}".replace("_", "%5F")
-    headers = api.headers("GET", raw)
-    data(api.request("GET", f"/api/v1/wallets/{world['a']}", headers=headers, REQUEST_URI=raw))
-    decoded_signature = api.headers("GET", f"/api/v1/wallets/{world['a']}")
-    error(api.request("GET", f"/api/v1/wallets/{world['a']}", headers=decoded_signature,
-                      REQUEST_URI=raw + "?x=1"), "GA2012", 401)
+###############################################################################
+# Authentication: the validation pipeline ######################################
+###############################################################################
 
 
-def _mistaken_signature(key: dict, mistake: str, method: str, path: str, timestamp: str, nonce: str,
-                        body: bytes, query: str, prefix: str) -> str:
-    """X-Signature as a client making ``mistake`` computes it (the test's own HMAC, not walletsvc's)."""
-    digest = hashlib.sha256(body).hexdigest()
-    signed_path, secret, tail = prefix + path, key["secret"], ""
-    if mistake == "query string signed":
-        signed_path += "?" + query
-    elif mistake == "mount prefix left out":
-        signed_path = path
-    elif mistake == "body re-serialised":
-        digest = hashlib.sha256(json.dumps(json.loads(body)).encode()).hexdigest()
-    elif mistake == "empty-body hash on a POST":
-        digest = hashlib.sha256(b"").hexdigest()
-    elif mistake == "trailing line feed":
-        tail = "\n"
-    elif mistake == "lowercase method":
-        method = method.lower()
-    elif mistake == "secret with surrounding whitespace":
-        secret = secret + "\n"
-    message = f"{method}\n{signed_path}\n{timestamp}\n{nonce}\n{digest}{tail}"
-    mac = hmac.new(secret.encode(), message.encode(), hashlib.sha256).digest()
-    return mac.hex() if mistake == "hex instead of Base64" else base64.b64encode(mac).decode()
+def test_missing_api_key_is_ga2001(api: Api) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Api-Key": None}), "GA2001", 401)
 
 
-@pytest.mark.parametrize("mistake, named, named_zh", [
-    ("query string signed", "the query string was signed", "签名包含了查询字符串"),
-    ("mount prefix left out", "the mount prefix '/payments' was left out", "签名路径缺少挂载前缀"),
-    ("body re-serialised", "the body was re-serialised after hashing", "请求体被重新序列化"),
-    ("empty-body hash on a POST", "the empty-body hash was signed on a request with a body", "空请求体的哈希"),
-    ("trailing line feed", "the canonical message ended with a line feed", "末尾多了换行符"),
-    ("lowercase method", "the method was signed in lower case", "方法名以小写签名"),
-    ("hex instead of Base64", "the signature is hex, not Base64", "十六进制"),
-    ("secret with surrounding whitespace", "the secret was used with surrounding whitespace", "首尾空白"),
-])
-def test_a_signing_mistake_is_named_in_the_ga2012_detail(svc, world, clock, mistake, named, named_zh) -> None:
-    parent = bottle.Bottle()
-    parent.mount("/payments/", walletsvc.create_app(svc, debug_signatures=True))
-    app = webtest.TestApp(parent)
-    body = b'{"sourceWalletId":"%s","targetWalletId":"%s","amount":"1.00","currency":"USD"}' % (
-        world["a"].encode(), world["b"].encode())  # compact: json.dumps would re-serialise it with spaces
-    timestamp, nonce, query = str(NOW), str(uuid.uuid4()), "trace=1"
-    signature = _mistaken_signature(world["key"], mistake, "POST", TRANSFER_PATH, timestamp, nonce, body, query,
-                                    "/payments")
-    headers = {"X-Api-Key": world["key"]["apiKey"], "X-Timestamp": timestamp, "X-Nonce": nonce,
-               "X-Signature": signature, "Content-Type": "application/json"}
-    for locale, expected in (("en-US", named), ("zh-CN", named_zh)):
-        headers["X-Nonce"] = str(uuid.uuid4()) if locale == "zh-CN" else nonce
-        if locale == "zh-CN":
-            headers["X-Signature"] = _mistaken_signature(world["key"], mistake, "POST", TRANSFER_PATH, timestamp,
-                                                         headers["X-Nonce"], body, query, "/payments")
-        response = app.post(f"/payments{TRANSFER_PATH}?{query}", body, headers={**headers, "X-LOCALE": locale},
-                            expect_errors=True)
-        detail = error(response, "GA2012", 401)["detail"]
-        assert expected in detail, detail
-        assert world["key"]["secret"] not in detail
-    assert svc.get_balance(world["b"])["balance"] == "0.00"
+def test_empty_api_key_is_ga2001(api: Api) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Api-Key": ""}), "GA2001", 401)
 
 
-def test_a_right_signature_with_a_wrong_secret_names_no_mistake(api: Api, world) -> None:
-    detail = error(api.get("/api/v1/wallets", **{"X-Signature": base64.b64encode(b"\1" * 32).decode()}),
-                   "GA2012", 401)["detail"]
-    assert "Canonical message: GET\\n/api/v1/wallets\\n" in detail and "0 body bytes received" in detail
-    assert "common mistake" not in detail
+def test_unknown_api_key_is_ga2011(api: Api) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Api-Key": "ak_unknown"}), "GA2011", 401)
 
 
-def test_a_timestamp_in_milliseconds_is_named(api: Api) -> None:
-    detail = error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW * 1000)}), "GA2013", 401)["detail"]
-    assert "looks like milliseconds" in detail
+def test_disabled_key_is_ga2021_and_reenabled_key_works(svc, api: Api, world: dict) -> None:
+    svc.set_api_key_enabled(world["key"]["apiKey"], False)
+    error(api.get("/api/v1/wallets"), "GA2021", 403)
+    svc.set_api_key_enabled(world["key"]["apiKey"], True)
+    data(api.get("/api/v1/wallets"))
 
 
-def test_app_mounted_under_a_prefix_signs_the_full_path(svc, world: dict, clock: Clock) -> None:
-    parent = bottle.Bottle()
-    parent.mount("/payments/", walletsvc.create_app(svc))
-    client = webtest.TestApp(parent)
-    mounted = Api(client, world["key"], clock, prefix="/payments")
-    assert data(mounted.get(f"/api/v1/wallets/{world['a']}"))["id"] == world["a"]
-    unprefixed = Api(client, world["key"], clock).headers("GET", f"/api/v1/wallets/{world['a']}")
-    response = mounted.request("GET", f"/api/v1/wallets/{world['a']}", headers=unprefixed)
-    error(response, "GA2012", 401)
+def test_deleted_workspace_is_ga2032(svc, api: Api, world: dict) -> None:
+    svc.delete_workspace(world["ws"]["id"])
+    error(api.get("/api/v1/wallets"), "GA2032", 404)
 
 
-def test_hooks_and_plugins_added_to_the_app_see_api_requests(svc, world: dict, clock: Clock) -> None:
-    """/api/ GET and POST skip bottle's request objects unless someone else needs them."""
-    seen: list = []
-
-    class Recorder:
-        api = 2
-
-        def apply(self, callback, route):
-            def wrapper(*args, **kwargs):
-                seen.append(("plugin", route.rule))
-                return callback(*args, **kwargs)
-            return wrapper
-
-    apps = {"direct": walletsvc.create_app(svc), "hooked": walletsvc.create_app(svc),
-            "plugged": walletsvc.create_app(svc)}
-    apps["hooked"].add_hook("after_request", lambda: seen.append(("hook", bottle.request.path)))
-    apps["plugged"].install(Recorder())
-    answers = {}
-    for name, app in apps.items():
-        api = Api(webtest.TestApp(app), world["key"], clock)
-        answers[name] = (data(api.get(f"/api/v1/wallets/{world['a']}")),
-                         error(api.get("/api/v1/wallets/wal_missing"), "W1001", 404),
-                         error(api.transfer(b"{"), "S012", 400)["detail"])
-    assert answers["direct"] == answers["hooked"] == answers["plugged"]
-    assert ("hook", f"/api/v1/wallets/{world['a']}") in seen
-    assert ("plugin", "/api/v1/wallets/<wallet_id>") in seen
-    assert len(seen) == 6
-
-
-@pytest.mark.parametrize("path, code", [
-    ("/api/v1/transfer/query/orders/wallet/completed", "W1001"),  # orders of wallet "completed"
-    ("/api/v1/transfer/query/orders/wallet", "T1001"),  # the order whose bizId is "wallet"
-    ("/api/v1/transfer/query/orders/completed", "T1001"),
-    ("/api/v1/wallets/balance", "W1001"),  # the wallet whose id is "balance"
-])
-def test_ambiguous_paths_go_to_the_first_route_declared(svc, world: dict, clock: Clock, path: str,
-                                                        code: str) -> None:
-    """The direct path's route table answers as bottle's router does (bottle as the control)."""
-    plugged = walletsvc.create_app(svc)
-    plugged.add_hook("before_request", lambda: None)  # no direct path: bottle routes
-    for app in (walletsvc.create_app(svc), plugged):
-        error(Api(webtest.TestApp(app), world["key"], clock).get(path), code, 404)
-
-
-def test_a_route_added_after_create_app_takes_its_place_among_the_api_routes(svc, world: dict,
-                                                                             clock: Clock) -> None:
-    """A plain bottle route someone adds is bottle's to serve, as bottle serves it."""
-    app = walletsvc.create_app(svc)
-    app.route("/api/v1/wallets/special", "GET", lambda: {"special": True})  # static: before <wallet_id>
-    api = Api(webtest.TestApp(app), world["key"], clock)
-    assert api.get("/api/v1/wallets/special").json == {"special": True}
-    assert data(api.get(f"/api/v1/wallets/{world['a']}"))["id"] == world["a"]
+def test_removed_member_is_ga2034(svc, api: Api, world: dict) -> None:
+    member = svc.add_member(world["ws"]["id"], "alice")
+    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], member_id=member["id"])
+    data(key_api(api, key).get("/api/v1/wallets"))
+    svc.remove_member(world["ws"]["id"], member["id"])
+    error(key_api(api, key).get("/api/v1/wallets"), "GA2034", 403)
+    data(api.get("/api/v1/wallets"))  # the owner's key is unaffected
 
 
 @pytest.mark.parametrize("whitelist, remote, allowed", [
@@ -606,25 +991,58 @@ def test_ip_whitelist(svc, api: Api, world: dict, whitelist, remote, allowed) ->
         error(response, "GA2022", 403)
 
 
-@pytest.mark.parametrize("trusted, forwarded, allowed", [
-    (True, "198.51.100.9", True),  # believed: the client is whitelisted
-    (False, "198.51.100.9", False),  # an untrusted peer cannot claim an address
-    (True, "198.51.100.9, 127.0.0.1", True),  # trusted hops on the right are skipped
-    (True, "198.51.100.9, 203.0.113.50", False),  # the first untrusted hop from the right decides
-    (True, "garbage", False),
-])
-def test_x_forwarded_for_only_from_trusted_proxies(svc, world, clock, trusted, forwarded,
-                                                   allowed) -> None:
-    app = webtest.TestApp(walletsvc.create_app(svc, trusted_proxies="127.0.0.0/8" if trusted else ""))
-    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], ip_whitelist=["198.51.100.0/24"])
-    client = Api(app, key, clock)
-    path = "/api/v1/wallets"
-    headers = {**client.headers("GET", path), "X-Forwarded-For": forwarded}
-    response = client.request("GET", path, headers=headers, REMOTE_ADDR="127.0.0.1")
-    if allowed:
-        data(response)
-    else:
-        error(response, "GA2022", 403)
+# Pipeline order: each row fails at its step and would fail at every later one
+# too; the first failure must win (SPEC.md: "the first failure ends processing").
+PIPELINE_ORDER = [
+    ("key missing beats everything", "no_key", "GA2001", 401),
+    ("unknown key beats a disabled state and a stale timestamp", "unknown_key", "GA2011", 401),
+    ("disabled key wins over a stale timestamp", "disabled", "GA2021", 403),
+    ("deleted workspace wins over a stale timestamp", "deleted_workspace", "GA2032", 404),
+    ("removed member wins over a stale timestamp", "removed_member", "GA2034", 403),
+    ("stale timestamp wins over a bad signature", "stale", "GA2013", 401),
+    ("reused nonce wins over a bad signature", "reused_nonce", "GA2013", 401),
+    ("bad signature wins over the whitelist", "bad_signature", "GA2012", 401),
+    ("whitelist wins over a missing scope", "not_whitelisted", "GA2022", 403),
+    ("missing scope last", "no_scope", "GA2024", 403),
+]
+
+
+@pytest.mark.parametrize("case, failing_step, code, status", PIPELINE_ORDER,
+                         ids=[row[0] for row in PIPELINE_ORDER])
+def test_pipeline_order(svc, api, world, case, failing_step, code, status) -> None:
+    steps = [row[1] for row in PIPELINE_ORDER]
+    fails = set(steps[steps.index(failing_step):])
+    member = svc.add_member(world["ws"]["id"], "m")
+    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], member_id=member["id"],
+                             ip_whitelist=["203.0.113.0/24"] if "not_whitelisted" in fails else None)
+    client = key_api(api, key)
+    path = "/api/v1/transfer/query/orders" if "no_scope" in fails else "/api/v1/wallets"
+    overrides = {}
+    if "reused_nonce" in fails:
+        first = client.headers("GET", "/api/v1/wallets", **{"X-Nonce": "used"})
+        data(client.request("GET", "/api/v1/wallets", headers=first, REMOTE_ADDR="203.0.113.5"))
+        overrides["X-Nonce"] = "used"
+    if "stale" in fails:
+        overrides["X-Timestamp"] = str(NOW - 120)
+    if "bad_signature" in fails:
+        overrides["X-Signature"] = base64.b64encode(b"0" * 32).decode()
+    if "unknown_key" in fails:
+        overrides["X-Api-Key"] = "ak_missing"
+    if "no_key" in fails:
+        overrides["X-Api-Key"] = None
+    if "disabled" in fails:
+        svc.set_api_key_enabled(key["apiKey"], False)
+    if "removed_member" in fails:
+        svc.remove_member(world["ws"]["id"], member["id"])
+    if "deleted_workspace" in fails:
+        svc.delete_workspace(world["ws"]["id"])
+    headers = client.headers("GET", path, **overrides)
+    error(client.request("GET", path, headers=headers, REMOTE_ADDR="198.51.100.1"), code, status)
+
+
+###############################################################################
+# Authentication: scopes #######################################################
+###############################################################################
 
 
 ENDPOINTS = [  # (method, path template, required scope)
@@ -689,107 +1107,33 @@ def test_full_scope_key_gets_50090201_not_ga2024_for_undeclared(svc, api, world)
     error(narrow.get("/api/v1/nowhere"), "50090201", 403)
 
 
-# Pipeline order: each row fails at its step and would fail at every later one
-# too; the first failure must win (SPEC.md: "the first failure ends processing").
-PIPELINE_ORDER = [
-    ("key missing beats everything", "no_key", "GA2001", 401),
-    ("unknown key beats a disabled state and a stale timestamp", "unknown_key", "GA2011", 401),
-    ("disabled key wins over a stale timestamp", "disabled", "GA2021", 403),
-    ("deleted workspace wins over a stale timestamp", "deleted_workspace", "GA2032", 404),
-    ("removed member wins over a stale timestamp", "removed_member", "GA2034", 403),
-    ("stale timestamp wins over a bad signature", "stale", "GA2013", 401),
-    ("reused nonce wins over a bad signature", "reused_nonce", "GA2013", 401),
-    ("bad signature wins over the whitelist", "bad_signature", "GA2012", 401),
-    ("whitelist wins over a missing scope", "not_whitelisted", "GA2022", 403),
-    ("missing scope last", "no_scope", "GA2024", 403),
-]
+###############################################################################
+# Authentication: workspace isolation ##########################################
+###############################################################################
 
 
-@pytest.mark.parametrize("case, failing_step, code, status", PIPELINE_ORDER,
-                         ids=[row[0] for row in PIPELINE_ORDER])
-def test_pipeline_order(svc, api, world, case, failing_step, code, status) -> None:
-    steps = [row[1] for row in PIPELINE_ORDER]
-    fails = set(steps[steps.index(failing_step):])
-    member = svc.add_member(world["ws"]["id"], "m")
-    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], member_id=member["id"],
-                             ip_whitelist=["203.0.113.0/24"] if "not_whitelisted" in fails else None)
-    client = key_api(api, key)
-    path = "/api/v1/transfer/query/orders" if "no_scope" in fails else "/api/v1/wallets"
-    overrides = {}
-    if "reused_nonce" in fails:
-        first = client.headers("GET", "/api/v1/wallets", **{"X-Nonce": "used"})
-        data(client.request("GET", "/api/v1/wallets", headers=first, REMOTE_ADDR="203.0.113.5"))
-        overrides["X-Nonce"] = "used"
-    if "stale" in fails:
-        overrides["X-Timestamp"] = str(NOW - 120)
-    if "bad_signature" in fails:
-        overrides["X-Signature"] = base64.b64encode(b"0" * 32).decode()
-    if "unknown_key" in fails:
-        overrides["X-Api-Key"] = "ak_missing"
-    if "no_key" in fails:
-        overrides["X-Api-Key"] = None
-    if "disabled" in fails:
-        svc.set_api_key_enabled(key["apiKey"], False)
-    if "removed_member" in fails:
-        svc.remove_member(world["ws"]["id"], member["id"])
-    if "deleted_workspace" in fails:
-        svc.delete_workspace(world["ws"]["id"])
-    headers = client.headers("GET", path, **overrides)
-    error(client.request("GET", path, headers=headers, REMOTE_ADDR="198.51.100.1"), code, status)
+@pytest.mark.parametrize("path", ["/api/v1/wallets/{x}", "/api/v1/wallets/{x}/balance",
+                                  "/api/v1/wallets/{x}/flows",
+                                  "/api/v1/transfer/query/orders/wallet/{x}"])
+def test_wallet_of_another_workspace_is_w1001(svc, api: Api, path: str) -> None:
+    other = svc.create_wallet(svc.create_workspace("Other")["id"], "USD")
+    error(api.get(path.format(x=other["id"])), "W1001", 404)
+    error(api.get(path.format(x="wal_does_not_exist")), "W1001", 404)
 
 
-MALFORMED_VALUES = {
-    "empty": "",
-    "non-ascii": "clé-ünï",
-    "very long": "k" * 20000,
-    "non-numeric": "12ab",
-    "invalid base64": "@@@==",
-    "control characters": "a\tb",
-}
-
-
-@pytest.mark.parametrize("header", ["X-Api-Key", "X-Timestamp", "X-Nonce", "X-Signature",
-                                    "X-LOCALE", "Accept-Language", "X-Forwarded-For",
-                                    "Content-Type", "Idempotency-Key"])
-@pytest.mark.parametrize("value_name", list(MALFORMED_VALUES))
-def test_malformed_headers_never_cause_a_500(api: Api, world, header, value_name) -> None:
-    value = MALFORMED_VALUES[value_name]
-    body = json.dumps({"sourceWalletId": world["a"], "targetWalletId": world["b"],
-                       "amount": "1.00", "currency": "USD"}).encode()
-    for method, path, payload in (("GET", "/api/v1/wallets", b""), ("POST", TRANSFER_PATH, body)):
-        headers = {"Content-Type": "application/json", **api.headers(method, path, payload)}
-        headers[header] = value
-        environ = {"HTTP_" + header.upper().replace("-", "_"): value}
-        if header == "Content-Type":
-            environ = {"CONTENT_TYPE": value}
-        response = api.request(method, path, payload, headers={k: v for k, v in headers.items()
-                                                               if k != header}, **environ)
-        assert response.status_int < 500, response.text
-        assert response.json["code"] in set(CATALOG) | {"2000"}
-
-
-def test_body_over_the_limit_is_413_before_authentication(app: webtest.TestApp) -> None:
-    response = app.post(TRANSFER_PATH, b"x" * 65537, expect_errors=True)
-    assert error(response, "S413", 413)["detail"] == "The request body exceeds 65536 bytes."
-
-
-def test_body_limit_is_a_setting(svc, api: Api, world: dict) -> None:
-    small = Api(webtest.TestApp(walletsvc.create_app(svc, max_body_bytes=10)), world["key"], api.clock)
-    error(small.transfer({"sourceWalletId": world["a"]}), "S413", 413)
-    data(small.get("/api/v1/wallets"))
-
-
-def test_two_services_in_one_process_share_nothing(clock: Clock) -> None:
-    first_svc = walletsvc.WalletService(":memory:", clock=clock)
-    second_svc = walletsvc.WalletService(":memory:", clock=clock)
-    key = first_svc.create_api_key(first_svc.create_workspace("one")["id"], ["wallet:read"])
-    second = Api(webtest.TestApp(walletsvc.create_app(second_svc)), key, clock)
-    error(second.get("/api/v1/wallets"), "GA2011", 401)
-    assert second_svc.list_workspaces() == []
+@pytest.mark.parametrize("path", ["/api/v1/transfer/query/orders/{biz}",
+                                  "/api/v1/transfer/query/orders/{biz}/completed"])
+def test_order_of_another_workspace_is_t1001(svc, api: Api, path: str) -> None:
+    order_in_another_workspace(svc, "theirs")
+    body = error(api.get(path.format(biz="theirs")), "T1001", 404)
+    assert body == error(api.get(path.format(biz="never-existed")), "T1001", 404) | {
+        "detail": body["detail"], "timestamp": body["timestamp"]}
+    assert data(api.get("/api/v1/transfer/query/orders"))["page"]["totalElements"] == 0
+    assert data(api.get("/api/v1/transfer/query/orders", query="bizIdPrefix=the"))["content"] == []
 
 
 ###############################################################################
-# The error catalog (DESIGN.md §4) #############################################
+# Errors: the catalog, row by row (SPEC.md, DESIGN.md §4) ######################
 ###############################################################################
 
 
@@ -861,8 +1205,922 @@ def test_every_catalog_row_is_what_a_real_response_carries(code, clock, monkeypa
 
 
 ###############################################################################
-# Embedding: one request path, whatever hosts the app ##########################
+# Python API (DESIGN.md §2) ####################################################
 ###############################################################################
+
+
+def test_admin_api_returns_camel_case_dicts(svc) -> None:
+    ws = svc.create_workspace("Acme")
+    assert ws == {"id": ws["id"], "name": "Acme", "ownerMemberId": ws["ownerMemberId"],
+                  "createdAt": "2027-01-15T08:00:00.000Z"}
+    assert ws["id"].startswith("ws_") and ws["ownerMemberId"].startswith("mem_")
+    member = svc.add_member(ws["id"], "alice")
+    assert member == {"id": member["id"], "workspaceId": ws["id"], "name": "alice", "role": "MEMBER",
+                      "createdAt": "2027-01-15T08:00:00.000Z"}
+    key = svc.create_api_key(ws["id"], ["wallet:read"], member_id=member["id"],
+                             ip_whitelist=["10.0.0.1", "2001:db8::/48"])
+    assert key == {"apiKey": key["apiKey"], "secret": key["secret"], "workspaceId": ws["id"],
+                   "memberId": member["id"], "scopes": ["wallet:read"], "enabled": True,
+                   "ipWhitelist": ["10.0.0.1/32", "2001:db8::/48"],
+                   "createdAt": "2027-01-15T08:00:00.000Z"}
+    listed = svc.list_api_keys(ws["id"])
+    assert [k["apiKey"] for k in listed] == [key["apiKey"]]
+    assert "secret" not in listed[0]  # returned once, at creation
+    wallet = svc.create_wallet(ws["id"], "EUR", name="ops")
+    assert wallet == {"id": wallet["id"], "workspaceId": ws["id"], "name": "ops", "currency": "EUR",
+                      "status": "ACTIVE", "balance": "0.00", "createdAt": "2027-01-15T08:00:00.000Z",
+                      "updatedAt": "2027-01-15T08:00:00.000Z"}
+
+
+def test_default_key_belongs_to_the_owner(svc) -> None:
+    ws = svc.create_workspace("Acme")
+    assert svc.create_api_key(ws["id"])["memberId"] == ws["ownerMemberId"]
+    assert [m["role"] for m in svc.list_members(ws["id"])] == ["OWNER"]
+
+
+@pytest.mark.parametrize("call, code, status", [
+    (lambda svc, ws: svc.create_wallet("ws_missing", "USD"), "GA2032", 404),
+    (lambda svc, ws: svc.create_wallet(ws["id"], "XYZ"), "S012", 400),
+    (lambda svc, ws: svc.create_api_key(ws["id"], ["wallet:write"]), "S012", 400),
+    (lambda svc, ws: svc.create_api_key(ws["id"], []), "S012", 400),
+    (lambda svc, ws: svc.create_api_key(ws["id"], ip_whitelist=["10.0.0.300"]), "S012", 400),
+    (lambda svc, ws: svc.create_api_key(ws["id"], member_id="mem_missing"), "S404", 404),
+    (lambda svc, ws: svc.set_api_key_enabled("ak_missing", False), "S404", 404),
+    (lambda svc, ws: svc.remove_member(ws["id"], "mem_missing"), "S404", 404),
+    (lambda svc, ws: svc.delete_workspace("ws_missing"), "GA2032", 404),
+    (lambda svc, ws: svc.create_workspace(""), "S012", 400),
+    (lambda svc, ws: svc.set_wallet_status("wal_missing", "FROZEN"), "W1001", 404),
+    (lambda svc, ws: svc.deposit("wal_missing", "1.00"), "W1001", 404),
+])
+def test_admin_errors_carry_the_catalog_code(svc, call, code: str, status: int) -> None:
+    ws = svc.create_workspace("Acme")
+    with pytest.raises(walletsvc.WalletError) as raised:
+        call(svc, ws)
+    assert (raised.value.code, raised.value.status) == (code, status)
+
+
+def test_deleted_workspace_is_gone_from_the_admin_api(svc) -> None:
+    ws = svc.create_workspace("Acme")
+    svc.delete_workspace(ws["id"])
+    assert svc.list_workspaces() == []
+    with pytest.raises(walletsvc.WalletError, match="workspace does not exist"):
+        svc.create_wallet(ws["id"], "USD")
+
+
+def test_service_takes_amounts_as_str_or_decimal_and_refuses_floats(svc, world) -> None:
+    import decimal
+
+    ws = world["ws"]["id"]
+    order = svc.create_transfer(ws, world["a"], world["b"], decimal.Decimal("1.25"), "USD")
+    assert order["amount"] == "1.25"
+    assert svc.create_transfer(ws, world["a"], world["b"], "0.75", "USD")["amount"] == "0.75"
+    with pytest.raises(walletsvc.WalletError) as refused:
+        svc.create_transfer(ws, world["a"], world["b"], 1.5, "USD")
+    assert (refused.value.code, "'amount'" in str(refused.value)) == ("S012", True)
+    assert svc.get_balance(world["b"])["balance"] == "2.00"
+
+
+def test_python_api_transfer_matches_http(svc, world: dict) -> None:
+    order = svc.create_transfer(world["ws"]["id"], source_wallet_id=world["a"],
+                                target_wallet_id=world["b"], amount="1.25", currency="USD")
+    assert svc.get_transfer(world["ws"]["id"], order["bizId"]) == order
+    assert svc.transfer_completion(world["ws"]["id"], order["bizId"])["completed"] is True
+    assert svc.list_transfers(world["ws"]["id"], {"size": 1})["content"] == [order]
+
+
+def test_two_services_in_one_process_share_nothing(clock: Clock) -> None:
+    first_svc = walletsvc.WalletService(":memory:", clock=clock)
+    second_svc = walletsvc.WalletService(":memory:", clock=clock)
+    key = first_svc.create_api_key(first_svc.create_workspace("one")["id"], ["wallet:read"])
+    second = Api(webtest.TestApp(walletsvc.create_app(second_svc)), key, clock)
+    error(second.get("/api/v1/wallets"), "GA2011", 401)
+    assert second_svc.list_workspaces() == []
+
+
+def test_in_memory_service_works_from_many_threads(svc, world) -> None:
+    def deposit_many() -> None:
+        for _ in range(25):
+            svc.deposit(world["b"], "0.01")
+    threads = [threading.Thread(target=deposit_many) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert balances(svc, world["b"]) == ["2.00"]
+
+
+def test_every_readme_python_block_runs_in_the_suite() -> None:
+    """A new Python block in README needs a test that runs it; these are the tested sections."""
+    sections = re.findall(r"^## (.+)$", README.read_text(encoding="utf-8"), flags=re.MULTILINE)
+    with_python = {section for section in sections if readme_blocks(section, "python")}
+    assert with_python == {"A signed request", "Embedding", "Clients", "Using walletsvc in your tests",
+                           "Adding an endpoint", "One sandbox, however many processes"}
+
+
+###############################################################################
+# Python API: settings (DESIGN.md §2) ##########################################
+###############################################################################
+
+
+def test_unknown_setting_is_an_error(svc) -> None:
+    with pytest.raises(ValueError, match="unknown setting"):
+        walletsvc.create_app(svc, timestamp_tolerence=30)
+    with pytest.raises(ValueError, match="unknown setting"):
+        walletsvc.WalletService(":memory:", bogus=True)
+
+
+@pytest.mark.parametrize("name, value", [("timestamp_tolerance", 0), ("max_body_bytes", -1),
+                                         ("default_locale", "fr-FR"), ("debug_signatures", "maybe"),
+                                         ("trusted_proxies", "not-an-ip"), ("busy_timeout", 0)])
+def test_invalid_setting_values_are_errors(name: str, value) -> None:
+    with pytest.raises(ValueError, match=name):
+        walletsvc.Settings(**{name: value})
+
+
+def test_settings_convert_strings() -> None:
+    settings = walletsvc.Settings(timestamp_tolerance="30", debug_signatures="true",
+                                  trusted_proxies="10.0.0.0/8, ::1")
+    assert settings.timestamp_tolerance == 30 and settings.debug_signatures is True
+    assert [str(net) for net in settings.trusted_proxies] == ["10.0.0.0/8", "::1/128"]
+
+
+def test_create_app_takes_only_http_settings_and_the_service_only_its_own() -> None:
+    svc = walletsvc.WalletService(":memory:")
+    for name, value in [("settlement", "manual"), ("magic_values", True), ("journal_size", 5)]:
+        with pytest.raises(ValueError, match=r"WalletService\(path"):
+            walletsvc.create_app(svc, **{name: value})
+    for name, value in [("admin_token", "t"), ("debug_signatures", True), ("max_body_bytes", 10)]:
+        with pytest.raises(ValueError, match=r"create_app\(svc"):
+            walletsvc.WalletService(":memory:", **{name: value})
+
+
+def test_timestamp_tolerance_setting_changes_the_window(svc, world, clock) -> None:
+    strict = Api(webtest.TestApp(walletsvc.create_app(svc, timestamp_tolerance=5)), world["key"], clock)
+    error(strict.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 6)}), "GA2013", 401)
+    data(strict.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 5)}))
+
+
+def test_readme_settings_table_lists_every_setting() -> None:
+    readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Settings", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(\w+)` \| (service|HTTP) \|", section, flags=re.MULTILINE)
+    assert sorted(name for name, _ in rows) == sorted(walletsvc.Settings.names())
+    for name, layer in rows:
+        assert walletsvc.Settings.names("http" if layer == "HTTP" else "service").count(name) == 1, name
+
+
+###############################################################################
+# Python API: storage (DESIGN.md §2) ###########################################
+###############################################################################
+
+
+def test_file_database_uses_wal_and_a_schema_version(tmp_path) -> None:
+    path = str(tmp_path / "wallet.db")
+    first = walletsvc.WalletService(path)
+    ws = first.create_workspace("Acme")
+    first.close()
+    second = walletsvc.WalletService(path)  # schema applied again: idempotent, data kept
+    assert [w["id"] for w in second.list_workspaces()] == [ws["id"]]
+    with second.db.connection() as conn:
+        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
+        assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
+        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(3,)]
+
+
+def test_schema_sql_applies_idempotently(tmp_path) -> None:
+    schema = (pathlib.Path(walletsvc.__file__).parent / "schema.sql").read_text()
+    with sqlite3.connect(tmp_path / "raw.db") as conn:
+        conn.executescript(schema)
+        conn.executescript(schema)
+        assert conn.execute("SELECT count(*) FROM schema_version").fetchone()[0] == 1
+
+
+def test_database_of_another_schema_version_is_refused(tmp_path) -> None:
+    path = str(tmp_path / "wallet.db")
+    walletsvc.WalletService(path).close()
+    with sqlite3.connect(path) as conn:
+        conn.execute("UPDATE schema_version SET version = 99")
+    with pytest.raises(RuntimeError, match="schema version 99"):
+        walletsvc.WalletService(path)
+
+
+@pytest.mark.parametrize("statement", [
+    "UPDATE wallets SET balance = -1",
+    "UPDATE wallets SET balance = 1.5",
+    "UPDATE wallets SET pending = balance + 1",
+])
+def test_schema_checks_are_the_last_line_of_defence(svc, world, statement: str) -> None:
+    with pytest.raises(sqlite3.IntegrityError), svc.db.atomic() as conn:
+        conn.execute(statement)
+    assert balances(svc, world["a"]) == ["100.00"]
+
+
+###############################################################################
+# Python API: Client, HmacAuth, sign_request (DESIGN.md §2) ####################
+###############################################################################
+
+
+@pytest.mark.parametrize("target", ["live", "wsgi"])
+def test_client_covers_the_nine_endpoints(svc, world, live, clock, target) -> None:
+    import time as real_time
+
+    clock.now = real_time.time()
+    app = walletsvc.create_app(svc)
+    client = walletsvc.Client(live if target == "live" else app, world["key"]["apiKey"],
+                              world["key"]["secret"])
+    order = client.create_transfer(world["a"], world["b"], "2.00", "USD", biz_id="c-1", description="x")
+    assert client.create_transfer(world["a"], world["b"], "2.00", "USD", biz_id="c-1",
+                                  description="x") == order
+    assert client.last_headers["Idempotent-Replayed"] == "true"
+    assert client.list_wallets(size=1, sort=["name,asc"])["content"][0]["name"] == "a"
+    assert client.get_wallet(world["a"])["balance"] == "98.00"
+    assert client.get_balance(world["b"])["available"] == "2.00"
+    assert client.list_flows(world["a"], type="TRANSFER_OUT")["page"]["totalElements"] == 1
+    assert client.list_transfers(status="COMPLETED")["content"] == [order]
+    assert client.list_wallet_transfers(world["b"])["content"] == [order]
+    assert client.get_transfer("c-1") == order
+    assert client.transfer_completed("c-1")["completed"] is True
+    with pytest.raises(walletsvc.WalletError) as raised:
+        client.create_transfer(world["a"], world["b"], "1000.00", "USD")
+    assert (type(raised.value).__name__, raised.value.code, raised.value.status) == (
+        "InsufficientBalance", "T2001", 422)
+    assert "below the amount" in str(raised.value)
+    with pytest.raises(walletsvc.WalletError) as raised:
+        client.get_transfer("no-such-order")
+    assert raised.value.code == "T1001"
+
+
+def test_client_methods_come_from_the_declarations() -> None:
+    import inspect
+
+    document = webtest.TestApp(walletsvc.create_app(walletsvc.WalletService())).get("/openapi.json").json
+    api_operations = {operation["operationId"] for path, operations in document["paths"].items()
+                      if path.startswith("/api/") for operation in operations.values()}
+    assert len(api_operations) == 9
+    assert all(callable(getattr(walletsvc.Client, name)) for name in api_operations)
+    assert str(inspect.signature(walletsvc.Client.create_transfer)) == (
+        "(self, source_wallet_id, target_wallet_id, amount, currency, *, biz_id=None, description=None)")
+    assert str(inspect.signature(walletsvc.Client.list_flows)) == "(self, wallet_id, **query)"
+
+
+def test_the_client_takes_a_decimal_amount(walletsvc_sandbox) -> None:
+    import decimal
+
+    sandbox = walletsvc_sandbox
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           decimal.Decimal("1.50"), "USD")
+    assert order["amount"] == "1.50"
+    assert sandbox.service.get_wallet(sandbox.wallets["bob"]["id"])["balance"] == "1001.50"
+
+
+def test_clients_sign_the_prefix_of_their_base_url(svc, world, clock, capsys, monkeypatch) -> None:
+    import time as real_time
+
+    clock.now = real_time.time()
+    parent = bottle.Bottle()
+    parent.mount("/payments/", walletsvc.create_app(svc))
+    key, secret = world["key"]["apiKey"], world["key"]["secret"]
+    in_process = walletsvc.Client(parent, key, secret, prefix="/payments", clock=clock)
+    assert in_process.get_wallet(world["a"])["id"] == world["a"]
+    server = walletsvc.LiveServer(parent)
+    try:
+        over_http = walletsvc.Client(server.url + "/payments/", key, secret)
+        assert over_http.create_transfer(world["a"], world["b"], "1.00", "USD")["status"] == "COMPLETED"
+        monkeypatch.setenv("WALLETSVC_KEY", key)
+        monkeypatch.setenv("WALLETSVC_SECRET", secret)
+        code, out, _ = run_cli(capsys, "request", "GET", f"/api/v1/wallets/{world['b']}",
+                               "--url", server.url + "/payments")
+        assert code == 0 and json.loads(out)["data"]["balance"] == "1.00"
+    finally:
+        server.stop()
+
+
+def test_hmac_auth_signs_requests_and_httpx(svc, live, world, clock) -> None:
+    import time as real_time
+
+    import httpx
+    import requests
+
+    clock.now = real_time.time()
+    auth = walletsvc.HmacAuth(world["key"]["apiKey"], world["key"]["secret"])
+    response = requests.get(live + "/api/v1/wallets", params={"size": 1}, auth=auth, timeout=5)
+    assert response.json()["data"]["page"]["size"] == 1
+    body = {"sourceWalletId": world["a"], "targetWalletId": world["b"], "amount": "1.00", "currency": "USD"}
+    assert requests.post(live + TRANSFER_PATH, json=body, auth=auth, timeout=5).json()["success"] is True
+    with httpx.Client(auth=auth, timeout=5) as client:
+        assert client.get(live + "/api/v1/wallets", params={"size": 2}).json()["data"]["page"]["size"] == 2
+        assert client.post(live + TRANSFER_PATH, json=body).json()["success"] is True
+    assert balances(svc, world["b"]) == ["2.00"]
+
+
+@pytest.mark.parametrize("section", ["A signed request", "Clients"])
+def test_readme_python_blocks_run_as_printed_against_the_demo(demo_server, section, tmp_path) -> None:
+    server, env = demo_server
+    for block in readme_blocks(section, "python"):
+        done = subprocess.run([sys.executable, "-c", block.replace("http://127.0.0.1:8080", server.url)],
+                              env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+    if section == "A signed request":
+        assert done.stdout == "3 wallets\n"
+    else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 1000.00
+        reply = walletsvc.Client(server.url, env["KEY"], env["SECRET"]).list_wallets(sort=["name,asc"])
+        assert [wallet["balance"] for wallet in reply["content"]] == ["989.00", "1011.00", "100000"]
+
+
+###############################################################################
+# HTTP surfaces: /healthz and the admin surface (DESIGN.md §3) #################
+###############################################################################
+
+
+def test_healthz_answers_without_auth(app: webtest.TestApp) -> None:
+    import importlib.metadata
+
+    assert data(app.get("/healthz")) == {"status": "ok", "version": importlib.metadata.version("walletsvc")}
+
+
+def admin_routes(svc) -> list[tuple[str, str]]:
+    """Every admin (method, path) an app with a token documents, parameters filled with "x"."""
+    document = admin_app(svc).get("/openapi.json").json
+    routes = [(method.upper(), re.sub(r"\{\w+\}", "x", path))
+              for path, operations in document["paths"].items()
+              for method in operations if path.startswith("/_admin/")]
+    assert len(routes) >= 27
+    return routes
+
+
+def test_admin_surface_is_404_without_a_token(svc) -> None:
+    app = admin_app(svc, None)
+    for method, path in admin_routes(svc):
+        response = app.request(path, method=method, headers={"Authorization": "Bearer anything"},
+                               expect_errors=True)
+        error(response, "S404", 404)
+
+
+@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer wrong", "Basic czNjcmV0",
+                                           "Bearer s3cret-and-more", "bearer s3cre"])
+def test_admin_surface_refuses_a_wrong_token(svc, authorization) -> None:
+    app = admin_app(svc)
+    headers = {"Authorization": authorization} if authorization is not None else {}
+    for method, path in admin_routes(svc):
+        if path == "/_admin/console":  # the console's login form (DESIGN.md §9), tested below
+            continue
+        response = app.request(path, method=method, headers=headers, expect_errors=True)
+        error(response, "S401", 401)
+
+
+def test_admin_surface_mirrors_the_python_api(svc, clock) -> None:
+    app = admin_app(svc)
+    auth = {"Authorization": "Bearer s3cret"}
+
+    def call(method: str, path: str, body: dict | None = None):
+        response = app.request(path, method=method, headers=auth, expect_errors=True,
+                               body=json.dumps(body).encode() if body is not None else b"",
+                               content_type="application/json")
+        return data(response)
+
+    ws = call("POST", "/_admin/workspaces", {"name": "Acme"})
+    assert call("GET", f"/_admin/workspaces/{ws['id']}") == ws
+    member = call("POST", f"/_admin/workspaces/{ws['id']}/members", {"name": "bob"})
+    assert len(call("GET", f"/_admin/workspaces/{ws['id']}/members")) == 2
+    key = call("POST", f"/_admin/workspaces/{ws['id']}/keys",
+               {"scopes": ["wallet:read"], "memberId": member["id"]})
+    assert key["secret"] and call("GET", f"/_admin/workspaces/{ws['id']}/keys")[0]["apiKey"] == key["apiKey"]
+    assert call("POST", f"/_admin/keys/{key['apiKey']}/disable")["enabled"] is False
+    assert call("POST", f"/_admin/keys/{key['apiKey']}/enable")["enabled"] is True
+    a = call("POST", f"/_admin/workspaces/{ws['id']}/wallets", {"currency": "USD", "name": "a"})
+    b = call("POST", f"/_admin/workspaces/{ws['id']}/wallets", {"currency": "USD"})
+    assert call("POST", f"/_admin/wallets/{a['id']}/deposit", {"amount": "9.00"})["balanceAfter"] == "9.00"
+    assert call("POST", f"/_admin/wallets/{a['id']}/withdraw", {"amount": "1.00"})["balanceAfter"] == "8.00"
+    assert call("POST", f"/_admin/wallets/{b['id']}/status", {"status": "FROZEN"})["status"] == "FROZEN"
+    assert call("GET", f"/_admin/wallets/{a['id']}")["balance"] == "8.00"
+    assert call("GET", f"/_admin/workspaces/{ws['id']}/wallets")["page"]["totalElements"] == 2
+    call("POST", f"/_admin/wallets/{b['id']}/status", {"status": "ACTIVE"})
+    manual = walletsvc.WalletService(":memory:", settlement="manual")
+    svc.settings = manual.settings  # the same service, now settling manually
+    svc.create_transfer(ws["id"], source_wallet_id=a["id"], target_wallet_id=b["id"], amount="1.00",
+                        currency="USD", biz_id="t-1")
+    svc.create_transfer(ws["id"], source_wallet_id=a["id"], target_wallet_id=b["id"], amount="1.00",
+                        currency="USD", biz_id="t-2")
+    assert call("POST", "/_admin/transfers/t-1/complete")["status"] == "COMPLETED"
+    assert call("POST", "/_admin/transfers/t-2/fail", {"workspaceId": ws["id"]})["status"] == "FAILED"
+    assert call("GET", f"/_admin/wallets/{a['id']}/balance")["available"] == "7.00"  # 9 - 1 - t-1
+    balances = call("GET", f"/_admin/workspaces/{ws['id']}/balances?sort=createdAt,asc&size=1")
+    assert (balances["content"], balances["page"]["totalElements"]) == (
+        [{"walletId": a["id"], "currency": "USD", "balance": "7.00", "available": "7.00", "pending": "0.00",
+          "updatedAt": balances["content"][0]["updatedAt"]}], 2)
+    flows = call("GET", f"/_admin/wallets/{a['id']}/flows?size=2")
+    assert flows["page"]["totalElements"] == 3 and flows["content"][0]["balanceAfter"] == "7.00"
+    assert [order["bizId"] for order in call("GET", f"/_admin/workspaces/{ws['id']}/transfers?status=FAILED")[
+        "content"]] == ["t-2"]
+    assert call("DELETE", f"/_admin/workspaces/{ws['id']}/members/{member['id']}") is None
+    assert call("DELETE", f"/_admin/workspaces/{ws['id']}") is None
+    assert call("GET", "/_admin/workspaces") == []
+    assert call("POST", "/_admin/reset") is None
+
+
+@pytest.mark.parametrize("path, body, code", [
+    ("/_admin/workspaces", {"nam": "x"}, "S012"),
+    ("/_admin/workspaces", {}, "S012"),
+    ("/_admin/workspaces", [], "S012"),
+    ("/_admin/workspaces/ws_missing/wallets", {"currency": "USD"}, "GA2032"),
+    ("/_admin/wallets/wal_missing/deposit", {"amount": "1.00"}, "W1001"),
+    ("/_admin/transfers/none/complete", {}, "T1001"),
+])
+def test_admin_errors_use_the_envelope(svc, path, body, code) -> None:
+    response = admin_app(svc).post(path, json.dumps(body), headers={"Authorization": "Bearer s3cret"},
+                                   content_type="application/json", expect_errors=True)
+    assert response.json["code"] == code and response.json["success"] is False
+
+
+ADMIN_INPUTS = [
+    ("POST", "/_admin/workspaces", {"name": 5}, "name"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"scopes": 5}, "scopes"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"scopes": [5]}, "scopes"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": 5}, "ipWhitelist"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"memberId": [1]}, "memberId"),
+    ("POST", "/_admin/transfers/x/complete", {"workspaceId": [1]}, "workspaceId"),
+    ("POST", "/_admin/transfers/x/fail", {"workspaceId": [1]}, "workspaceId"),
+    ("POST", "/_admin/clock", {"at": None}, "at"),
+    ("POST", "/_admin/clock", {"at": 1e308}, "at"),
+    ("POST", "/_admin/clock", {"at": -1e308}, "at"),
+    ("POST", "/_admin/clock", {"advance": 1e308}, "advance"),
+    ("POST", "/_admin/clock", {"advance": -1e308}, "advance"),
+    ("POST", "/_admin/clock", {"at": "0001-01-01T00:00:00"}, "at"),
+    ("POST", "/_admin/faults", {"latency": "slow"}, "latency"),
+    ("POST", "/_admin/faults", {"times": True}, "times"),
+    ("POST", "/_admin/wallets/{wallet}/deposit", {"amount": 5}, "amount"),
+    ("POST", "/_admin/wallets/{wallet}/deposit", {"amount": "007.50"}, "amount"),  # no leading zero
+    # an address or a CIDR block, as the document's pattern states: no netmask, no spaces, no zone
+    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": ["10.0.0.1/255.0.0.0"]}, "ipWhitelist"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": [" 10.0.0.1"]}, "ipWhitelist"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": ["fe80::1%eth0"]}, "ipWhitelist"),
+    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": ["10.0.0.0/33"]}, "ipWhitelist"),
+    ("POST", "/_admin/ids", {}, "seed"),  # required, though it may be null
+    ("POST", "/_admin/faults", {"code": "X999"}, "status"),  # a code of its own needs a status
+    ("POST", "/_admin/faults", {"times": 1.5}, "times"),
+    ("POST", "/_admin/faults", {"code": ""}, "code"),
+    ("POST", "/_admin/faults", {"code": "X" * 65, "status": 400}, "code"),
+    ("POST", "/_admin/scenarios", {"scenario": "demo", "workspaces": []}, "scenario"),
+]
+
+
+def test_json_integers_may_be_written_with_a_zero_fraction_and_nullable_fields_take_null(
+        walletsvc_sandbox) -> None:
+    """JSON Schema (the document's language): 3.0 is an integer; a required field whose type allows null
+    may be null."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    rule = app.post_json("/_admin/faults", {"code": "X999", "status": 418.0, "times": 3.0},
+                         headers=ADMIN).json["data"]
+    assert (rule["status"], rule["times"]) == (418, 3)
+    assert app.post_json("/_admin/ids", {"seed": None}, headers=ADMIN).json["success"] is True
+    keys = [app.post_json(f"/_admin/workspaces/{walletsvc_sandbox.workspace['id']}/keys",
+                          {"ipWhitelist": [entry]}, headers=ADMIN).json["data"]["ipWhitelist"]
+            for entry in ("10.0.0.0/8", "2001:db8::/32", "::1")]
+    assert keys == [["10.0.0.0/8"], ["2001:db8::/32"], ["::1/128"]]
+
+
+@pytest.mark.parametrize("method, path, body, field", ADMIN_INPUTS)
+def test_the_admin_surface_answers_bad_input_with_s012(walletsvc_sandbox, method, path, body, field) -> None:
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    auth = {"Authorization": f"Bearer {sandbox.service and 'walletsvc-test-admin'}"}
+    url = path.format(ws=sandbox.workspace["id"], wallet=sandbox.wallets["alice"]["id"])
+    response = app.request(url, method=method, body=json.dumps(body).encode(), headers=auth,
+                           content_type="application/json", expect_errors=True)
+    refused = error(response, "S012", 400)
+    assert f"'{field}'" in refused["detail"]
+    assert error(app.get("/api/v1/wallets", expect_errors=True), "GA2001", 401)  # every surface still answers
+    assert app.get("/_admin/clock", headers=auth).json["data"]["now"].startswith("20")
+
+
+@pytest.mark.parametrize("path", ["/_admin/workspaces", "/_admin/workspaces/{ws}/members",
+                                  "/_admin/workspaces/{ws}/wallets"])
+def test_names_with_nul_are_refused_with_s012(walletsvc_sandbox, path: str) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    auth = {"Authorization": "Bearer walletsvc-test-admin"}
+    body = {"name": "a\x00b", **({"currency": "USD"} if path.endswith("wallets") else {})}
+    response = app.post_json(path.format(ws=walletsvc_sandbox.workspace["id"]), body, headers=auth,
+                             expect_errors=True)
+    assert "'name'" in error(response, "S012", 400)["detail"]
+
+
+@pytest.mark.parametrize("body", [b'{"name": "\\ud800"}', b'{"\\udfff": 1}', b'{"name": "a\\udc00b"}'])
+def test_a_lone_surrogate_is_s012_not_a_failure(walletsvc_sandbox, body: bytes) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    answer = app.post("/_admin/workspaces", body, headers=ADMIN, content_type="application/json",
+                      expect_errors=True)
+    assert "surrogate" in error(answer, "S012", 400)["detail"]
+    pair = app.post("/_admin/workspaces", b'{"name": "\\ud83d\\ude00"}', headers=ADMIN,
+                    content_type="application/json")
+    assert pair.json["data"]["name"] == "\U0001F600"  # a pair is one character
+
+
+def test_a_405_says_which_methods_are_allowed(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    refused = app.put("/healthz", expect_errors=True)
+    error(refused, "S405", 405)
+    assert refused.headers["Allow"] == "GET"
+    assert app.delete("/_admin/clock", headers=ADMIN, expect_errors=True).headers["Allow"] == "GET,POST"
+
+
+###############################################################################
+# HTTP surfaces: /openapi.json (DESIGN.md §3) ##################################
+###############################################################################
+
+
+def test_openapi_document_is_valid_and_covers_every_route(svc) -> None:
+    from openapi_spec_validator import validate
+
+    app = walletsvc.create_app(svc, admin_token="s3cret")
+    document = webtest.TestApp(app).get("/openapi.json").json  # the bare document (DESIGN.md §3)
+    validate(document)
+    documented = {(method.upper(), path) for path, operations in document["paths"].items()
+                  for method in operations}
+    served = {(route.method, re.sub(r"<(\w+)>", r"{\1}", route.rule)) for route in app.routes
+              if route.rule != "/api<rest:re:(/.*)?>"}
+    assert documented == served
+    create = document["paths"][TRANSFER_PATH]["post"]
+    assert create["security"] == [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}]
+    described = " ".join(response["description"] for operations in document["paths"].values()
+                         for operation in operations.values() for response in operation["responses"].values())
+    answered = {**CATALOG, **ADMIN_CATALOG}
+    # what a path answers to a method, or /api/ to a path, it does not serve
+    for code in ("S405", "50090201"):
+        del answered[code]
+    assert all(f"{code} {name}" in described for code, (name, _) in answered.items())
+    for name in ("Wallet", "Balance", "Flow", "TransferOrder", "Completion", "Workspace", "Member", "ApiKey"):
+        assert name in document["components"]["schemas"]
+
+
+def test_each_operation_states_every_error_it_answers(svc) -> None:
+    """DESIGN.md §3: every status an operation can answer, with its error codes (Schemathesis then checks
+    each answer against them)."""
+    document = webtest.TestApp(walletsvc.create_app(svc, admin_token="s3cret")).get("/openapi.json").json
+
+    def errors(path: str, method: str) -> dict:
+        answers = document["paths"][path][method]["responses"]
+        return {status: sorted(answer["content"]["application/json"]["schema"]["allOf"][1]
+                               ["properties"]["code"]["enum"])
+                for status, answer in answers.items() if status != "200"}
+
+    signed = {"401": ["GA2001", "GA2011", "GA2012", "GA2013"],
+              "403": ["GA2021", "GA2022", "GA2024", "GA2034"]}
+    # any request: a Content-Length that is no number, an oversized body, a failure, the database
+    always = {"400": ["S012"], "413": ["S413"], "500": ["S500"], "503": ["S503"]}
+    assert errors(TRANSFER_PATH, "post") == {
+        **signed, **always, "404": ["GA2032", "W1001"], "409": ["T2004"], "415": ["S415"],
+        "422": ["T2001", "T2002", "T2003", "W1002"]}
+    assert errors("/api/v1/wallets/{wallet_id}", "get") == {**signed, **always, "404": ["GA2032", "W1001"]}
+    assert errors("/api/v1/wallets", "get") == {**signed, **always, "404": ["GA2032"]}
+    assert errors("/api/v1/transfer/query/orders/{biz_id}", "get") == {**signed, **always,
+                                                                       "404": ["GA2032", "T1001"]}
+    assert errors("/_admin/wallets/{wallet_id}/withdraw", "post") == {
+        **always, "401": ["S401"], "403": ["S403"], "404": ["W1001"], "422": ["T2001", "W1002"]}
+    assert errors("/healthz", "get") == always
+
+
+def test_openapi_without_admin_token_documents_only_what_is_served(svc) -> None:
+    document = webtest.TestApp(walletsvc.create_app(svc)).get("/openapi.json").json
+    assert not [path for path in document["paths"] if path.startswith("/_admin")]
+
+
+def test_openapi_command_prints_the_raw_document(capsys) -> None:
+    code, out, _ = run_cli(capsys, "openapi")
+    assert code == 0 and json.loads(out)["openapi"] == "3.1.0"
+
+
+def test_the_document_states_what_the_server_enforces(walletsvc_sandbox) -> None:
+    """DESIGN.md §3, §7, §8: patterns, lengths, enums, ranges and required bodies, as the server \
+checks them."""
+    document = webtest.TestApp(walletsvc_sandbox.app).get("/openapi.json").json
+    schemas, paths = document["components"]["schemas"], document["paths"]
+    transfer = schemas["CreateTransfer"]["properties"]
+    assert transfer["bizId"]["pattern"] == "^[A-Za-z0-9._:-]{1,64}$"
+    assert transfer["description"]["maxLength"] == 255
+    assert ({"USD", "JPY", "KWD"} <= set(transfer["currency"]["enum"])
+            and "ABC" not in transfer["currency"]["enum"])
+
+    def query(path: str) -> dict:
+        return {p["name"]: p["schema"] for p in paths[path]["get"]["parameters"] if p["in"] == "query"}
+    orders, flows, wallets = (query(path) for path in ("/api/v1/transfer/query/orders",
+                                                       "/api/v1/wallets/{wallet_id}/flows",
+                                                       "/api/v1/wallets"))
+    assert orders["status"]["enum"] == ["PENDING", "COMPLETED", "FAILED"]
+    direction = "(,([aA][sS][cC]|[dD][eE][sS][cC]))?$"  # asc or desc, in any case (DESIGN.md §8)
+    assert orders["sort"]["items"]["pattern"] == "^(createdAt|updatedAt|amount|status)" + direction
+    assert wallets["sort"]["items"]["pattern"] == (
+        "^(createdAt|updatedAt|name|currency|status|balance)" + direction)
+    assert orders["bizIdPrefix"]["pattern"] == "^[A-Za-z0-9._:-]{1,64}$"
+    assert flows["type"]["enum"] == ["DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN"]
+    assert flows["direction"]["enum"] == ["DEBIT", "CREDIT"]
+    assert (wallets["status"]["enum"] == ["ACTIVE", "FROZEN", "CLOSED"]
+            and "EUR" in wallets["currency"]["enum"])
+    fault = schemas["FaultBody"]["properties"]
+    assert (fault["status"]["minimum"], fault["status"]["maximum"]) == (400, 599)
+    assert (fault["latency"]["minimum"], fault["latency"]["maximum"], fault["times"]["minimum"]) == (0, 60, 1)
+    assert schemas["NewKeyBody"]["properties"]["scopes"]["minItems"] == 1
+    assert paths["/_admin/workspaces"]["post"]["requestBody"]["required"] is True  # {"name"} is required
+    assert paths["/_admin/transfers/{biz_id}/complete"]["post"]["requestBody"]["required"] is False
+
+
+def _transfer_schema(document: dict) -> dict:
+    return document["components"]["schemas"]["CreateTransfer"]
+
+
+@hypothesis.settings(max_examples=300, deadline=None, database=None,
+                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
+@hypothesis.given(currency=st.sampled_from(["JPY", "USD", "BHD", "CLF"]),  # ISO 4217: 0, 2, 3 and 4 decimals
+                  amount=st.one_of(st.text("0123456789.", max_size=22),
+                                   st.from_regex(r"[0-9]{1,16}(\.[0-9]{1,5})?", fullmatch=True)))
+def test_the_document_states_each_currencys_amounts(app: webtest.TestApp, api: Api, currency: str,
+                                                    amount: str) -> None:
+    """DESIGN.md §3: an amount the document's pattern for its currency allows is taken (the transfer then
+    fails on its unknown wallets, W1001), and one it does not is S012 naming the amount."""
+    document = app.get("/openapi.json").json
+    pattern = next(branch["properties"]["amount"]["pattern"] for branch in _transfer_schema(document)["anyOf"]
+                   if currency in branch["properties"]["currency"]["enum"])
+    answer = api.transfer({"sourceWalletId": "wal_nope", "targetWalletId": "wal_nope2", "amount": amount,
+                           "currency": currency}).json
+    allowed = re.fullmatch(pattern.strip("^$"), amount) is not None
+    assert (answer["code"], "'amount'" in answer.get("detail", "")) == (
+        ("W1001", False) if allowed else ("S012", True))
+    if allowed:  # and the pattern is what DESIGN.md §6 says: positive, at most the currency's decimals
+        whole, _, fraction = amount.partition(".")
+        assert 0 < float(amount) < 10**18 / 10**{"JPY": 0, "USD": 2, "BHD": 3, "CLF": 4}[currency]
+        assert len(fraction) <= {"JPY": 0, "USD": 2, "BHD": 3, "CLF": 4}[currency]
+        assert whole == "0" or not whole.startswith("0")  # no leading zero
+
+
+def test_the_document_links_answers_to_later_requests_and_states_the_console_login(walletsvc_sandbox) -> None:
+    """DESIGN.md §3: a created transfer's bizId to the order queries, a wallet's id to its balance and
+    flows; the console's form login, its 303 and its HTML."""
+    document = webtest.TestApp(walletsvc_sandbox.app).get("/openapi.json").json
+    operations = {operation["operationId"]: operation for methods in document["paths"].values()
+                  for operation in methods.values()}
+    links = {(source, name): (link["operationId"], link["parameters"])
+             for source, operation in operations.items()
+             for name, link in operation["responses"]["200"].get("links", {}).items()}
+    assert links == {
+        ("create_transfer", "Order"): ("get_transfer", {"biz_id": "$response.body#/data/bizId"}),
+        ("create_transfer", "Completed"): ("transfer_completed", {"biz_id": "$response.body#/data/bizId"}),
+        ("get_wallet", "Balance"): ("get_balance", {"wallet_id": "$response.body#/data/id"}),
+        ("get_wallet", "Flows"): ("list_flows", {"wallet_id": "$response.body#/data/id"}),
+        ("list_wallets", "Wallet"): ("get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),
+        ("list_transfers", "Order"): ("get_transfer", {"biz_id": "$response.body#/data/content/0/bizId"}),
+        **{("admin_create_workspace", name): (f"admin_{name}", {"workspace_id": "$response.body#/data/id"})
+           for name in ("get_workspace", "list_members", "create_api_key", "create_wallet")},
+        **{("admin_create_wallet", name): (f"admin_{name}", {"wallet_id": "$response.body#/data/id"})
+           for name in ("get_wallet", "deposit", "withdraw", "set_wallet_status")}}
+    for target, parameters in links.values():  # each names a real operation and its real parameters
+        assert set(parameters) <= {p["name"] for p in operations[target]["parameters"]}
+    login = document["paths"]["/_admin/console"]["post"]
+    assert login["requestBody"]["content"]["application/x-www-form-urlencoded"]["schema"]["required"] == [
+        "token"]
+    assert "Set-Cookie" in login["responses"]["303"]["description"]
+    assert list(login["responses"]["401"]["content"]) == ["text/html"]
+
+
+SIGN_ME = "sign-me"  # the X-Signature Schemathesis sends; SchemathesisSigner puts the real one in its place
+
+
+class SchemathesisSigner:
+    """WSGI middleware in front of the app on a live server. Schemathesis sends the sandbox's key with
+    ``X-Signature: sign-me``; this signs the request as it arrived (the raw path, the exact body bytes,
+    the sandbox clock, a fresh nonce). Requests without the placeholder (its probes with missing or
+    wrong credentials) pass as they are."""
+
+    def __init__(self, app: Callable, key: dict, clock: Callable[[], float]) -> None:
+        self.app, self.key, self.clock = app, key, clock
+
+    def __call__(self, environ: dict, start_response: Callable) -> Any:
+        if environ.get("HTTP_X_SIGNATURE") == SIGN_ME and environ.get("HTTP_X_API_KEY") == self.key["apiKey"]:
+            body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
+            environ["wsgi.input"] = io.BytesIO(body)
+            timestamp, nonce = str(int(self.clock())), str(uuid.uuid4())
+            environ.update(HTTP_X_TIMESTAMP=timestamp, HTTP_X_NONCE=nonce, HTTP_X_SIGNATURE=spec_signature(
+                self.key["secret"], environ["REQUEST_METHOD"], environ["REQUEST_URI"].split("?")[0],
+                timestamp, nonce, body))
+        return self.app(environ, start_response)
+
+
+# What a request the document allows may still answer, and why no JSON Schema can say so in advance.
+# Everything else Schemathesis generates as valid must be accepted (DESIGN.md §3).
+BUSINESS_RULES = {  # 422, whatever the operation
+    "T2001": "the source's available balance is below the amount: the ledger decides, not the request",
+    "T2002": "the wallet holds another currency: the wallet decides, not the request",
+    "T2003": "the source and the target are the same wallet: JSON Schema cannot compare two fields",
+    "W1002": "the wallet is FROZEN or CLOSED: its state decides, not the request",
+}
+BEYOND_SCHEMAS = {  # (operation, code, the field the detail names): why
+    ("POST /api/v1/transfer/command/create", "S012", "Idempotency-Key"):
+        "the unsigned header is accepted only equal to the signed body's bizId: a rule across header "
+        "and body",
+    ("POST /_admin/scenarios", "S012", "member"):
+        "a key's member names a member of its workspace: a reference",
+    ("POST /_admin/scenarios", "S012", "id"):
+        "the fixed ids of a scenario differ from each other: uniqueness across nested objects",
+    ("POST /_admin/clock", "S012", "advance"):
+        "the clock stays between 1970 and 9999: how far it may move depends on where it is",
+    ("POST /_admin/clock", "S012", "at"):
+        "the clock stays between 1970 and 9999 UTC: the document bounds the year, and an offset at either "
+        "edge can cross it",
+    ("POST /_admin/transfers/{biz_id}/complete", "S012", "bizId"):
+        "only a PENDING order is decided: its state",
+    ("POST /_admin/transfers/{biz_id}/fail", "S012", "bizId"):
+        "only a PENDING order is decided: its state",
+    ("POST /_admin/wallets/{wallet_id}/deposit", "S012", "amount"):
+        "the decimals (and the balance's limit) are the wallet's currency's",
+    ("POST /_admin/wallets/{wallet_id}/withdraw", "S012", "amount"):
+        "the decimals are the wallet's currency's",
+    ("POST /_admin/wallets/{wallet_id}/status", "S012", "status"):
+        "a CLOSED wallet stays CLOSED: its state decides",
+    ("POST /_admin/faults", "S012", "faults"):
+        "at most 100 rules at a time: how many are left is the sandbox's",
+}
+
+
+def positive_data_accepted_or_a_stated_rule(ctx: Any, response: Any, case: Any) -> None:
+    """Schemathesis's positive_data_acceptance, with BUSINESS_RULES and BEYOND_SCHEMAS as its only \
+exceptions."""
+    if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code in (
+            200, 303, 401, 403, 404, 409):  # its defaults: credentials and resources the document cannot know
+        return
+    try:
+        answer = response.json()
+    except ValueError:
+        answer = {}
+    code, detail = answer.get("code"), answer.get("detail", "")
+    if response.status_code == 422 and code in BUSINESS_RULES:
+        return
+    named = re.search(r"'(?:[\w\[\]]+\.)*([\w-]+)'", detail)
+    if (case.operation.label, code, named and named.group(1)) not in BEYOND_SCHEMAS:
+        raise AssertionError(f"a request the document allows was refused: {response.status_code} {code} "
+                             f"{detail}")
+
+
+# Examples per operation (the API's 11 get more than the admin surface's 40), and a fixed seed, so that
+# CI is repeatable: about 30 s together.
+SCHEMATHESIS_EXAMPLES, SCHEMATHESIS_SEED = {"api": 25, "admin": 6}, 1
+
+
+@pytest.mark.parametrize("surface", ["api", "admin"])
+def test_schemathesis_finds_no_gap_between_the_document_and_the_server(tmp_path, surface: str) -> None:
+    """DESIGN.md §3, judged by Schemathesis (all its phases and checks): every response matches the
+    document (statuses, error codes, headers, bodies), and the server refuses nothing the document
+    allows but BUSINESS_RULES and BEYOND_SCHEMAS. The admin surface runs on a sandbox of its own: its
+    fault rules and clock would otherwise reach the API's requests."""
+    import click.testing
+    import schemathesis
+    import schemathesis.cli
+
+    if positive_data_accepted_or_a_stated_rule.__name__ not in schemathesis.checks.CHECKS.get_all_names():
+        schemathesis.check(positive_data_accepted_or_a_stated_rule)
+    sandbox = walletsvc.Sandbox.create()
+    server = walletsvc.LiveServer(SchemathesisSigner(sandbox.app, sandbox.key, sandbox.clock))
+    wallets = sandbox.wallets
+    (tmp_path / "schemathesis.toml").write_text(f"""
+[cache]
+enabled = false
+[auth.openapi.ApiKey]
+api_key = "{sandbox.key['apiKey']}"
+[auth.openapi.Timestamp]
+api_key = "0"
+[auth.openapi.Nonce]
+api_key = "n"
+[auth.openapi.Signature]
+api_key = "{SIGN_ME}"
+[auth.openapi.AdminToken]
+bearer = "{sandbox.admin_token}"
+# The demo's wallets, so that requests reach them and not only W1001, and transfers between them that
+# can succeed (alice to bob, USD). The currency and the amount are bound together, always: bound apart,
+# one would break the rule tying the amount's decimals to the currency, which
+# test_the_document_states_each_currencys_amounts checks instead.
+[dictionaries.wallets]
+values = {json.dumps([wallet["id"] for wallet in wallets.values()])}
+[dictionaries.sources]
+values = ["{wallets['alice']['id']}"]
+[dictionaries.targets]
+values = ["{wallets['bob']['id']}"]
+[dictionaries.currencies]
+values = ["USD"]
+[dictionaries.amounts]
+values = ["0.01", "1.00", "10", "250.50", "999999999999999.99"]
+[parameters]
+"body.currency" = {{ dictionary = "currencies", probability = 1.0 }}
+"body.amount" = {{ dictionary = "amounts", probability = 1.0 }}
+"path.wallet_id" = {{ dictionary = "wallets", probability = 0.7 }}
+"body.sourceWalletId" = {{ dictionary = "sources", probability = 0.8 }}
+"body.targetWalletId" = {{ dictionary = "targets", probability = 0.8 }}
+""")
+    tags = ["api", "public"] if surface == "api" else ["admin", "console"]
+    report = tmp_path / "report.json"
+    try:
+        result = click.testing.CliRunner().invoke(schemathesis.cli.schemathesis, [
+            "--no-color", "--config-file", str(tmp_path / "schemathesis.toml"), "run",
+            f"{server.url}/openapi.json", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+            "--max-examples", str(SCHEMATHESIS_EXAMPLES[surface]), "--seed", str(SCHEMATHESIS_SEED),
+            "--workers", "1", "--report", "json", "--report-json-path", str(report),
+            *(option for tag in tags for option in ("--include-tag", tag))])
+    finally:
+        server.stop()
+    assert result.exit_code == 0, result.output[-30000:]
+    figures = json.loads(report.read_text())
+    print(json.dumps(figures["valid_rates"]))
+    print(f"Schemathesis, {surface}: {figures['operations']['tested']} operations, "
+          f"{figures['test_cases']['generated']} cases, {figures['running_time']:.1f} s")
+    assert figures["operations"]["tested"] == figures["operations"]["selected"] > 10
+    assert all(phase["status"] == "success" for phase in figures["phases"].values()), figures["phases"]
+    sandbox.audit()  # and the money held
+
+
+###############################################################################
+# HTTP surfaces: one request path, whatever hosts the app (DESIGN.md §3) #######
+###############################################################################
+
+
+def test_hooks_and_plugins_added_to_the_app_see_api_requests(svc, world: dict, clock: Clock) -> None:
+    """/api/ GET and POST skip bottle's request objects unless someone else needs them."""
+    seen: list = []
+
+    class Recorder:
+        api = 2
+
+        def apply(self, callback, route):
+            def wrapper(*args, **kwargs):
+                seen.append(("plugin", route.rule))
+                return callback(*args, **kwargs)
+            return wrapper
+
+    apps = {"direct": walletsvc.create_app(svc), "hooked": walletsvc.create_app(svc),
+            "plugged": walletsvc.create_app(svc)}
+    apps["hooked"].add_hook("after_request", lambda: seen.append(("hook", bottle.request.path)))
+    apps["plugged"].install(Recorder())
+    answers = {}
+    for name, app in apps.items():
+        api = Api(webtest.TestApp(app), world["key"], clock)
+        answers[name] = (data(api.get(f"/api/v1/wallets/{world['a']}")),
+                         error(api.get("/api/v1/wallets/wal_missing"), "W1001", 404),
+                         error(api.transfer(b"{"), "S012", 400)["detail"])
+    assert answers["direct"] == answers["hooked"] == answers["plugged"]
+    assert ("hook", f"/api/v1/wallets/{world['a']}") in seen
+    assert ("plugin", "/api/v1/wallets/<wallet_id>") in seen
+    assert len(seen) == 6
+
+
+def test_a_route_added_after_create_app_takes_its_place_among_the_api_routes(svc, world: dict,
+                                                                             clock: Clock) -> None:
+    """A plain bottle route someone adds is bottle's to serve, as bottle serves it."""
+    app = walletsvc.create_app(svc)
+    app.route("/api/v1/wallets/special", "GET", lambda: {"special": True})  # static: before <wallet_id>
+    api = Api(webtest.TestApp(app), world["key"], clock)
+    assert api.get("/api/v1/wallets/special").json == {"special": True}
+    assert data(api.get(f"/api/v1/wallets/{world['a']}"))["id"] == world["a"]
+
+
+def test_an_incomplete_declaration_fails_when_the_app_is_created(svc, monkeypatch) -> None:
+    def handler(self, call):
+        return None
+
+    for declaration, complaint in [
+        (walletsvc.endpoint("GET", "/api/v1/thing", "A thing", response="Wallet"), "needs a scope"),
+        (walletsvc.endpoint("GET", "/api/v1/thing", "", scope="wallet:read", response="Wallet"),
+         "no summary"),
+        (walletsvc.endpoint("GET", "/api/v1/thing", "A thing", scope="wallet:read", response="Walet"),
+         "'Walet'"),
+        (walletsvc.endpoint("GET", "/api/v1/thing/<thing_id>", "A thing", scope="wallet:read", response=None),
+         "path names ['thing_id']"),
+    ]:
+        monkeypatch.setattr(walletsvc.WalletApi, "thing", declaration(handler), raising=False)
+        with pytest.raises(ValueError, match=re.escape(complaint)):
+            walletsvc.create_app(svc)
+
+
+def test_readme_adding_an_endpoint_block_serves_an_endpoint(svc, world, clock, monkeypatch) -> None:
+    """README, "Adding an endpoint": the three pieces, as printed, are all the HTTP layer needs."""
+    import textwrap
+
+    (block,) = readme_blocks("Adding an endpoint", "python")
+    handler, service, resource = (textwrap.dedent(piece.split("\n", 1)[1])
+                                  for piece in re.split(r"^# \d\. ", block, flags=re.MULTILINE)[1:])
+    resource, schema = resource.split("\n\n")
+    pieces, scope = {}, dict(vars(walletsvc))  # as if written in walletsvc.py
+    for name, piece in (("handler", handler), ("service", service), ("resource", resource)):
+        exec(compile(piece, f"README.md (Adding an endpoint: {name})", "exec"), scope)  # noqa: S102 - ours
+        pieces[name] = scope["limits_resource" if name == "resource" else "get_limits"]
+    monkeypatch.setattr(walletsvc.WalletApi, "get_limits", pieces["handler"], raising=False)
+    monkeypatch.setattr(walletsvc.WalletService, "get_limits", pieces["service"], raising=False)
+    monkeypatch.setattr(walletsvc, "limits_resource", pieces["resource"], raising=False)
+    monkeypatch.setattr(walletsvc, "SCHEMAS",
+                        {**walletsvc.SCHEMAS, **eval("{" + schema + "}", vars(walletsvc))})
+
+    app = webtest.TestApp(walletsvc.create_app(svc))
+    assert data(Api(app, world["key"], clock).get(f"/api/v1/wallets/{world['a']}/limits")) == {
+        "walletId": world["a"], "largestTransfer": "100.00"}
+    reader = Api(app, svc.create_api_key(world["ws"]["id"], ["transfer:read"]), clock)
+    error(reader.get(f"/api/v1/wallets/{world['a']}/limits"), "GA2024", 403)
+    operation = app.get("/openapi.json").json["paths"]["/api/v1/wallets/{wallet_id}/limits"]["get"]
+    assert operation["summary"] == "Get a wallet's limits"
+    assert "largestTransfer" in json.dumps([operation, app.get("/openapi.json").json["components"]])
 
 
 def _hosted(kind: str, app) -> tuple:
@@ -895,7 +2153,8 @@ IN_PROCESS_HOSTS = ["direct WSGI call", "bottle mount('/payments/') (routes merg
 
 
 @pytest.mark.parametrize("kind", IN_PROCESS_HOSTS)
-def test_every_host_signs_reads_the_body_limits_it_and_documents_its_base_url(svc, world, clock, kind) -> None:
+def test_every_host_signs_reads_the_body_limits_it_and_documents_its_base_url(svc, world, clock,
+                                                                              kind) -> None:
     host, prefix = _hosted(kind, walletsvc.create_app(svc, max_body_bytes=4096))
     api = Api(webtest.TestApp(host), world["key"], clock, prefix=prefix)
     order = data(api.transfer(transfer_body(world, bizId="hosted")))
@@ -970,7 +2229,8 @@ def test_wsgiref_which_gives_no_raw_path_serves_the_same(tmp_path) -> None:
 
     path = str(tmp_path / "wsgiref.db")
     key = _funded_database(path)
-    server = make_server("127.0.0.1", 0, walletsvc.create_app(walletsvc.WalletService(path)), handler_class=Quiet)
+    server = make_server("127.0.0.1", 0, walletsvc.create_app(walletsvc.WalletService(path)),
+                         handler_class=Quiet)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     base_url = f"http://127.0.0.1:{server.server_port}"
@@ -983,7 +2243,8 @@ def test_wsgiref_which_gives_no_raw_path_serves_the_same(tmp_path) -> None:
         debug = walletsvc.create_app(walletsvc.WalletService(path), debug_signatures=True)
         answer = webtest.TestApp(debug).get("/api/v1/transfer/query/orders/inv%3A1.a", headers=over,
                                             expect_errors=True)
-        assert "the path was percent-encoded where this server cannot see the encoding" in answer.json["detail"]
+        assert ("the path was percent-encoded where this server cannot see the encoding"
+                in answer.json["detail"])
     finally:
         server.shutdown()
         server.server_close()
@@ -997,7 +2258,8 @@ def _django_project(tmp_path: pathlib.Path) -> dict:
     (site / "wsgi.py").write_text(block)
     (site / "urls.py").write_text("urlpatterns = []\n")
     (site / "settings.py").write_text('SECRET_KEY = "test"\nDEBUG = False\nALLOWED_HOSTS = ["*"]\n'
-                                      'ROOT_URLCONF = "mysite.urls"\nWSGI_APPLICATION = "mysite.wsgi.application"\n'
+                                      'ROOT_URLCONF = "mysite.urls"\n'
+                                      'WSGI_APPLICATION = "mysite.wsgi.application"\n'
                                       "INSTALLED_APPS = []\nDATABASES = {}\n")
     return {**os.environ, "PYTHONPATH": str(tmp_path)}
 
@@ -1009,7 +2271,8 @@ def test_readme_django_recipe_serves_walletsvc_below_payments(tmp_path, host: st
     port = _free_port()
     command = {"runserver": [sys.executable, "-m", "django", "runserver", f"127.0.0.1:{port}", "--noreload",
                              "--settings", "mysite.settings"],
-               "gunicorn": [sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}", "mysite.wsgi:application"]}
+               "gunicorn": [sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}",
+                            "mysite.wsgi:application"]}
     process = subprocess.Popen(command[host], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}/payments"
@@ -1027,8 +2290,9 @@ def test_readme_asgi_recipe_serves_walletsvc_on_uvicorn(tmp_path) -> None:
     (tmp_path / "asgi.py").write_text(block)
     key = _funded_database(str(tmp_path / "payments.db"))
     port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "asgi:app", "--port", str(port), "--log-level",
-                                "warning"], cwd=tmp_path, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "asgi:app", "--port", str(port),
+                                "--log-level", "warning"], cwd=tmp_path, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}/payments"
     try:
         _wait_for(base_url + "/healthz", process)
@@ -1053,12 +2317,14 @@ def test_gunicorn_serves_the_same_path(tmp_path) -> None:
 
     path = str(tmp_path / "gunicorn.db")
     key = _funded_database(path)
-    (tmp_path / "hosted.py").write_text(f"import walletsvc\napp = walletsvc.create_app(walletsvc.WalletService({path!r}))\n")
+    (tmp_path / "hosted.py").write_text("import walletsvc\n"
+                                        f"app = walletsvc.create_app(walletsvc.WalletService({path!r}))\n")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     process = subprocess.Popen([sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}", "--chdir",
-                                str(tmp_path), "hosted:app"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                str(tmp_path), "hosted:app"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
     base_url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 20
@@ -1074,84 +2340,6 @@ def test_gunicorn_serves_the_same_path(tmp_path) -> None:
         process.wait(timeout=10)
 
 
-def test_clients_sign_the_prefix_of_their_base_url(svc, world, clock, capsys, monkeypatch) -> None:
-    import time as real_time
-
-    clock.now = real_time.time()
-    parent = bottle.Bottle()
-    parent.mount("/payments/", walletsvc.create_app(svc))
-    key, secret = world["key"]["apiKey"], world["key"]["secret"]
-    in_process = walletsvc.Client(parent, key, secret, prefix="/payments", clock=clock)
-    assert in_process.get_wallet(world["a"])["id"] == world["a"]
-    server = walletsvc.LiveServer(parent)
-    try:
-        over_http = walletsvc.Client(server.url + "/payments/", key, secret)
-        assert over_http.create_transfer(world["a"], world["b"], "1.00", "USD")["status"] == "COMPLETED"
-        monkeypatch.setenv("WALLETSVC_KEY", key)
-        monkeypatch.setenv("WALLETSVC_SECRET", secret)
-        code, out, _ = run_cli(capsys, "request", "GET", f"/api/v1/wallets/{world['b']}",
-                               "--url", server.url + "/payments")
-        assert code == 0 and json.loads(out)["data"]["balance"] == "1.00"
-    finally:
-        server.stop()
-
-
-def test_client_methods_come_from_the_declarations() -> None:
-    import inspect
-
-    document = webtest.TestApp(walletsvc.create_app(walletsvc.WalletService())).get("/openapi.json").json
-    api_operations = {operation["operationId"] for path, operations in document["paths"].items()
-                      if path.startswith("/api/") for operation in operations.values()}
-    assert len(api_operations) == 9
-    assert all(callable(getattr(walletsvc.Client, name)) for name in api_operations)
-    assert str(inspect.signature(walletsvc.Client.create_transfer)) == (
-        "(self, source_wallet_id, target_wallet_id, amount, currency, *, biz_id=None, description=None)")
-    assert str(inspect.signature(walletsvc.Client.list_flows)) == "(self, wallet_id, **query)"
-
-
-def test_every_envelope_carries_the_same_headers(svc, api: Api, world, monkeypatch) -> None:
-    answers = {
-        "success": api.get(f"/api/v1/wallets/{world['a']}"),
-        "WalletError": api.get("/api/v1/wallets/wal_missing"),
-        "bottle 404": api.app.get("/nowhere", expect_errors=True),
-        "bottle 405": api.app.post("/healthz", expect_errors=True),
-        "public": api.app.get("/healthz"),
-    }
-    monkeypatch.setattr(walletsvc.WalletService, "get_wallet", lambda *args, **kwargs: 1 / 0)
-    answers["S500"] = api.get(f"/api/v1/wallets/{world['a']}")
-    expected = {**ENVELOPE_HEADERS, "Content-Language": "en-US"}
-    for name, response in answers.items():
-        assert {header: response.headers.get(header) for header in expected} == expected, name
-        assert int(response.headers["Content-Length"]) == len(response.body), name
-    assert [answers[name].json["code"] for name in ("bottle 404", "bottle 405", "S500")] == ["S404", "S405", "S500"]
-
-
-def test_an_incomplete_declaration_fails_when_the_app_is_created(svc, monkeypatch) -> None:
-    def handler(self, call):
-        return None
-
-    for declaration, complaint in [
-        (walletsvc.endpoint("GET", "/api/v1/thing", "A thing", response="Wallet"), "needs a scope"),
-        (walletsvc.endpoint("GET", "/api/v1/thing", "", scope="wallet:read", response="Wallet"), "no summary"),
-        (walletsvc.endpoint("GET", "/api/v1/thing", "A thing", scope="wallet:read", response="Walet"), "'Walet'"),
-        (walletsvc.endpoint("GET", "/api/v1/thing/<thing_id>", "A thing", scope="wallet:read", response=None),
-         "path names ['thing_id']"),
-    ]:
-        monkeypatch.setattr(walletsvc.WalletApi, "thing", declaration(handler), raising=False)
-        with pytest.raises(ValueError, match=re.escape(complaint)):
-            walletsvc.create_app(svc)
-
-
-def test_create_app_takes_only_http_settings_and_the_service_only_its_own() -> None:
-    svc = walletsvc.WalletService(":memory:")
-    for name, value in [("settlement", "manual"), ("magic_values", True), ("journal_size", 5)]:
-        with pytest.raises(ValueError, match=r"WalletService\(path"):
-            walletsvc.create_app(svc, **{name: value})
-    for name, value in [("admin_token", "t"), ("debug_signatures", True), ("max_body_bytes", 10)]:
-        with pytest.raises(ValueError, match=r"create_app\(svc"):
-            walletsvc.WalletService(":memory:", **{name: value})
-
-
 def test_readme_embedding_block_runs_as_printed(tmp_path, monkeypatch) -> None:
     readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
     block = readme.split("## Embedding", 1)[1].split("```python", 1)[1].split("```", 1)[0]
@@ -1164,30 +2352,628 @@ def test_readme_embedding_block_runs_as_printed(tmp_path, monkeypatch) -> None:
     assert manual.audit() == []
 
 
-def test_readme_settings_table_lists_every_setting() -> None:
-    readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Settings", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(\w+)` \| (service|HTTP) \|", section, flags=re.MULTILINE)
-    assert sorted(name for name, _ in rows) == sorted(walletsvc.Settings.names())
-    for name, layer in rows:
-        assert walletsvc.Settings.names("http" if layer == "HTTP" else "service").count(name) == 1, name
+def _twin_app(tmp_path: pathlib.Path, name: str) -> tuple[walletsvc.WalletApp, dict, dict]:
+    """A service made the same way each time (seeded ids, frozen clock): its answers match byte for byte."""
+    svc = walletsvc.WalletService(str(tmp_path / f"{name}.db"), clock=walletsvc.Clock(NOW), id_seed=7)
+    workspace = svc.create_workspace("twins")
+    key = svc.create_api_key(workspace["id"], scopes=SCOPES)
+    wallets = {name: svc.create_wallet(workspace["id"], "USD", name=name)["id"] for name in ("a", "b")}
+    svc.deposit(wallets["a"], "100.00")
+    return walletsvc.create_app(svc, admin_token="t" * 32), key, wallets
 
 
-def test_service_takes_amounts_as_str_or_decimal_and_refuses_floats(svc, world) -> None:
-    import decimal
+def _environ(method: str, path: str, body: bytes = b"", headers: dict | None = None) -> dict:
+    environ = {"REQUEST_METHOD": method, "PATH_INFO": path, "QUERY_STRING": "", "SCRIPT_NAME": "",
+               "SERVER_NAME": "localhost", "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1",
+               "REMOTE_ADDR": "127.0.0.1", "wsgi.input": io.BytesIO(body), "wsgi.url_scheme": "http",
+               "wsgi.errors": sys.stderr, "CONTENT_LENGTH": str(len(body))}
+    for name, value in (headers or {}).items():
+        if name == "Content-Type":
+            environ["CONTENT_TYPE"] = value
+        else:
+            environ["HTTP_" + name.upper().replace("-", "_")] = value
+    return environ
 
-    ws = world["ws"]["id"]
-    order = svc.create_transfer(ws, world["a"], world["b"], decimal.Decimal("1.25"), "USD")
-    assert order["amount"] == "1.25"
-    assert svc.create_transfer(ws, world["a"], world["b"], "0.75", "USD")["amount"] == "0.75"
-    with pytest.raises(walletsvc.WalletError) as refused:
-        svc.create_transfer(ws, world["a"], world["b"], 1.5, "USD")
-    assert (refused.value.code, "'amount'" in str(refused.value)) == ("S012", True)
-    assert svc.get_balance(world["b"])["balance"] == "2.00"
+
+def test_the_fast_path_answers_as_bottles_own_dispatch(tmp_path) -> None:
+    """WalletApp.__call__ skips bottle's _handle for speed; every kind of request must get bottle's answer."""
+    fast, key, wallets = _twin_app(tmp_path, "fast")
+    slow, _, _ = _twin_app(tmp_path, "slow")
+    slow.add_hook("before_request", lambda: None)  # a hook someone added: bottle's own dispatch
+    transfer = json.dumps({"sourceWalletId": wallets["a"], "targetWalletId": wallets["b"], "amount": "1.00",
+                           "currency": "USD", "bizId": "twin-1"}).encode()
+
+    def signed(method: str, path: str, body: bytes = b"", nonce: str = "n") -> dict:
+        return {"X-Api-Key": key["apiKey"], "X-Timestamp": str(NOW), "X-Nonce": nonce,
+                "X-Signature": spec_signature(key["secret"], method, path, str(NOW), nonce, body),
+                "Content-Type": "application/json"}
+    wallet = f"/api/v1/wallets/{wallets['a']}"
+    requests_made = [
+        ("GET", wallet, b"", signed("GET", wallet, nonce="n1")),
+        ("GET", wallet, b"", signed("GET", wallet, nonce="n1")),  # a replay: GA2013
+        ("GET", "/api/v1/wallets", b"", {}),  # GA2001
+        ("POST", TRANSFER_PATH, transfer, signed("POST", TRANSFER_PATH, transfer, nonce="n2")),
+        ("POST", TRANSFER_PATH, transfer, signed("POST", TRANSFER_PATH, transfer, nonce="n3")),  # replayed
+        ("GET", "/api/v1/nowhere", b"", signed("GET", "/api/v1/nowhere", nonce="n4")),  # 50090201
+        ("GET", "/nowhere", b"", {}),  # 404
+        ("DELETE", "/healthz", b"", {}),  # 405 with Allow
+        ("GET", "/api/v1/wallets/wal_\xc3\xa9", b"",  # UTF-8 in the path, as WSGI hands it over: W1001
+         signed("GET", "/api/v1/wallets/wal_%C3%A9", nonce="n5")),
+        ("GET", "/api/v1/wallets/wal_\xff", b"", {}),  # not UTF-8
+        ("GET", "/healthz", b"", {}),
+        ("GET", "/openapi.json", b"", {}),
+        ("GET", "/_admin/workspaces", b"", {"Authorization": "Bearer " + "t" * 32}),
+        ("GET", "/_admin/workspaces", b"", {}),  # S401
+        ("POST", "/_admin/workspaces", b"{" * 70_000, {"Content-Type": "application/json"}),  # S413
+    ]
+    for method, path, body, headers in requests_made:
+        answers = []
+        for app in (fast, slow):
+            started = []
+            chunks = app(_environ(method, path, body, headers), lambda status, pairs, exc_info=None:
+                         started.extend((status, sorted(pairs))))
+            answers.append((*started, b"".join(chunks)))
+        assert answers[0] == answers[1], (method, path)
+    assert fast.hooks_added == [] and slow.hooks_added == ["before_request"]
 
 
 ###############################################################################
-# The ledger in commit order, and its auditor ##################################
+# Envelope and errors: language, failures, body size (DESIGN.md §4) ############
+###############################################################################
+
+
+@pytest.mark.parametrize("locale_headers, expected", [
+    ({"X-LOCALE": "zh-CN"}, "zh-CN"),
+    ({"X-LOCALE": "zh"}, "zh-CN"),
+    ({"X-LOCALE": "zh_CN"}, "zh-CN"),
+    ({"Accept-Language": "fr-FR, zh-CN;q=0.9, en;q=0.5"}, "zh-CN"),
+    ({"X-LOCALE": "en-US", "Accept-Language": "zh-CN"}, "en-US"),
+    ({"X-LOCALE": "tlh"}, "en-US"),
+    ({}, "en-US"),
+])
+def test_error_detail_is_localized(api: Api, locale_headers: dict, expected: str) -> None:
+    response = api.get("/api/v1/wallets", **{"X-Api-Key": "ak_nope"}, **locale_headers)
+    assert response.headers["Content-Language"] == expected
+    detail = response.json["detail"]
+    assert detail == ("API 密钥不存在。" if expected == "zh-CN" else "The API key does not exist.")
+
+
+def test_default_locale_setting_applies_without_a_language(svc, world, clock) -> None:
+    zh_app = webtest.TestApp(walletsvc.create_app(svc, default_locale="zh-CN"))
+    response = Api(zh_app, world["key"], clock).get("/api/v1/wallets/wal_missing")
+    assert error(response, "W1001", 404)["detail"] == "钱包 wal_missing 不存在。"
+
+
+def test_unexpected_failure_is_s500_without_traceback(svc, api: Api, monkeypatch) -> None:
+    def explode(*args, **kwargs):
+        raise RuntimeError("secret internals")
+    monkeypatch.setattr(svc, "list_wallets", explode)
+    body = error(api.get("/api/v1/wallets"), "S500", 500)
+    assert "secret" not in json.dumps(body) and "Traceback" not in json.dumps(body)
+
+
+def test_body_over_the_limit_is_413_before_authentication(app: webtest.TestApp) -> None:
+    response = app.post(TRANSFER_PATH, b"x" * 65537, expect_errors=True)
+    assert error(response, "S413", 413)["detail"] == "The request body exceeds 65536 bytes."
+
+
+def test_body_limit_is_a_setting(svc, api: Api, world: dict) -> None:
+    small = Api(webtest.TestApp(walletsvc.create_app(svc, max_body_bytes=10)), world["key"], api.clock)
+    error(small.transfer({"sourceWalletId": world["a"]}), "S413", 413)
+    data(small.get("/api/v1/wallets"))
+
+
+@pytest.mark.parametrize("method, path",
+                         [("POST", "/nowhere"), ("PUT", "/healthz"), ("POST", "/api/nowhere")])
+def test_an_oversized_body_is_s413_whatever_the_path(app: webtest.TestApp, method: str, path: str) -> None:
+    """DESIGN.md §4: the size limit is checked before anything else, a 404 or a 405 too."""
+    answer = app.request(path, method=method, body=b"x" * 70_000,
+                         headers={"Content-Type": "application/json"}, expect_errors=True)
+    error(answer, "S413", 413)
+
+
+def test_a_content_length_that_is_no_number_is_s012_as_the_document_says(walletsvc_sandbox) -> None:
+    from wsgiref.util import setup_testing_defaults
+
+    environ = {"PATH_INFO": "/healthz", "CONTENT_LENGTH": "abc", "wsgi.input": io.BytesIO(b"")}
+    setup_testing_defaults(environ)  # (webtest will not send such a header; a WSGI host may pass it on)
+    started = []
+    answer = json.loads(b"".join(walletsvc_sandbox.app(
+        environ, lambda status, headers: started.append(status))))
+    assert ((started, answer["code"]) == (["400 Bad Request"], "S012")
+            and "'Content-Length'" in answer["detail"])
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    documented = app.get("/openapi.json").json["paths"]["/healthz"]["get"]["responses"]["400"]
+    assert "S012 INVALID_PARAMETER" in documented["description"]
+
+
+###############################################################################
+# Authentication details: path, client IP, nonces, time (DESIGN.md §5) #########
+###############################################################################
+
+
+def test_signed_path_is_the_raw_path_the_client_sent(api: Api, world: dict) -> None:
+    raw = f"/api/v1/wallets/{world['a']}".replace("_", "%5F")
+    headers = api.headers("GET", raw)
+    data(api.request("GET", f"/api/v1/wallets/{world['a']}", headers=headers, REQUEST_URI=raw))
+    decoded_signature = api.headers("GET", f"/api/v1/wallets/{world['a']}")
+    error(api.request("GET", f"/api/v1/wallets/{world['a']}", headers=decoded_signature,
+                      REQUEST_URI=raw + "?x=1"), "GA2012", 401)
+
+
+def test_app_mounted_under_a_prefix_signs_the_full_path(svc, world: dict, clock: Clock) -> None:
+    parent = bottle.Bottle()
+    parent.mount("/payments/", walletsvc.create_app(svc))
+    client = webtest.TestApp(parent)
+    mounted = Api(client, world["key"], clock, prefix="/payments")
+    assert data(mounted.get(f"/api/v1/wallets/{world['a']}"))["id"] == world["a"]
+    unprefixed = Api(client, world["key"], clock).headers("GET", f"/api/v1/wallets/{world['a']}")
+    response = mounted.request("GET", f"/api/v1/wallets/{world['a']}", headers=unprefixed)
+    error(response, "GA2012", 401)
+
+
+@pytest.mark.parametrize("trusted, forwarded, allowed", [
+    (True, "198.51.100.9", True),  # believed: the client is whitelisted
+    (False, "198.51.100.9", False),  # an untrusted peer cannot claim an address
+    (True, "198.51.100.9, 127.0.0.1", True),  # trusted hops on the right are skipped
+    (True, "198.51.100.9, 203.0.113.50", False),  # the first untrusted hop from the right decides
+    (True, "garbage", False),
+])
+def test_x_forwarded_for_only_from_trusted_proxies(svc, world, clock, trusted, forwarded,
+                                                   allowed) -> None:
+    app = webtest.TestApp(walletsvc.create_app(svc, trusted_proxies="127.0.0.0/8" if trusted else ""))
+    key = svc.create_api_key(world["ws"]["id"], ["wallet:read"], ip_whitelist=["198.51.100.0/24"])
+    client = Api(app, key, clock)
+    path = "/api/v1/wallets"
+    headers = {**client.headers("GET", path), "X-Forwarded-For": forwarded}
+    response = client.request("GET", path, headers=headers, REMOTE_ADDR="127.0.0.1")
+    if allowed:
+        data(response)
+    else:
+        error(response, "GA2022", 403)
+
+
+def test_bad_signature_does_not_burn_the_nonce(api: Api) -> None:
+    error(api.get("/api/v1/wallets", **{"X-Nonce": "n-1", "X-Signature": "AAAA"}), "GA2012", 401)
+    data(api.get("/api/v1/wallets", **{"X-Nonce": "n-1"}))
+
+
+def test_nonce_records_expire_and_are_purged(svc, api: Api, clock: Clock) -> None:
+    for _ in range(5):
+        data(api.get("/api/v1/wallets"))
+    headers = api.headers("GET", "/api/v1/wallets", **{"X-Nonce": "again"})
+    data(api.request("GET", "/api/v1/wallets", headers=headers))
+    clock.advance(121)  # past twice the window
+    data(api.get("/api/v1/wallets", **{"X-Nonce": "again"}))  # an expired record is reusable
+    with svc.db.connection() as conn:
+        assert conn.execute("SELECT count(*) FROM nonces").fetchone()[0] == 1
+
+
+def test_nonce_table_stays_bounded_over_many_windows(svc, api: Api, clock: Clock) -> None:
+    sizes = []
+    for _ in range(12):
+        for _ in range(20):
+            data(api.get("/api/v1/wallets"))
+        clock.advance(30)
+        with svc.db.connection() as conn:
+            sizes.append(conn.execute("SELECT count(*) FROM nonces").fetchone()[0])
+    assert max(sizes) <= 20 * 6  # requests of at most 2 windows plus one purge interval
+
+
+def test_time_is_compared_in_whole_seconds(svc, api: Api, clock: Clock) -> None:
+    clock.now = NOW + 0.3
+    data(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 60)}))
+    data(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW + 60)}))
+    error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 61)}), "GA2013", 401)
+    clock.now = NOW + 0.999
+    error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW + 61)}), "GA2013", 401)
+
+
+@pytest.mark.parametrize("later", [0.0, 60.0, 119.999, 120.0, 120.5, 120.999])
+def test_no_replay_at_any_edge_of_the_window(svc, api: Api, clock: Clock, later: float) -> None:
+    """Signed with ts = T+60 and first used at T: refused at every later moment it would pass step 4."""
+    headers = api.headers("GET", "/api/v1/wallets", **{"X-Timestamp": str(NOW + 60)})
+    data(api.request("GET", "/api/v1/wallets", headers=headers))
+    clock.now = NOW + later
+    error(api.request("GET", "/api/v1/wallets", headers=headers), "GA2013", 401)
+
+
+def test_a_nonce_is_usable_again_once_its_timestamp_is_stale(svc, api: Api, clock: Clock) -> None:
+    first = api.headers("GET", "/api/v1/wallets", **{"X-Nonce": "reused"})
+    data(api.request("GET", "/api/v1/wallets", headers=first))
+    clock.now = NOW + 121
+    data(api.get("/api/v1/wallets", **{"X-Nonce": "reused"}))  # a new timestamp, a new signature
+
+
+###############################################################################
+# Authentication details: what a refusal says (DESIGN.md §5) ###################
+###############################################################################
+
+
+def _mistaken_signature(key: dict, mistake: str, method: str, path: str, timestamp: str, nonce: str,
+                        body: bytes, query: str, prefix: str) -> str:
+    """X-Signature as a client making ``mistake`` computes it (the test's own HMAC, not walletsvc's)."""
+    digest = hashlib.sha256(body).hexdigest()
+    signed_path, secret, tail = prefix + path, key["secret"], ""
+    if mistake == "query string signed":
+        signed_path += "?" + query
+    elif mistake == "mount prefix left out":
+        signed_path = path
+    elif mistake == "body re-serialised":
+        digest = hashlib.sha256(json.dumps(json.loads(body)).encode()).hexdigest()
+    elif mistake == "empty-body hash on a POST":
+        digest = hashlib.sha256(b"").hexdigest()
+    elif mistake == "trailing line feed":
+        tail = "\n"
+    elif mistake == "lowercase method":
+        method = method.lower()
+    elif mistake == "secret with surrounding whitespace":
+        secret = secret + "\n"
+    message = f"{method}\n{signed_path}\n{timestamp}\n{nonce}\n{digest}{tail}"
+    mac = hmac.new(secret.encode(), message.encode(), hashlib.sha256).digest()
+    return mac.hex() if mistake == "hex instead of Base64" else base64.b64encode(mac).decode()
+
+
+@pytest.mark.parametrize("mistake, named, named_zh", [
+    ("query string signed", "the query string was signed", "签名包含了查询字符串"),
+    ("mount prefix left out", "the mount prefix '/payments' was left out", "签名路径缺少挂载前缀"),
+    ("body re-serialised", "the body was re-serialised after hashing", "请求体被重新序列化"),
+    ("empty-body hash on a POST", "the empty-body hash was signed on a request with a body",
+     "空请求体的哈希"),
+    ("trailing line feed", "the canonical message ended with a line feed", "末尾多了换行符"),
+    ("lowercase method", "the method was signed in lower case", "方法名以小写签名"),
+    ("hex instead of Base64", "the signature is hex, not Base64", "十六进制"),
+    ("secret with surrounding whitespace", "the secret was used with surrounding whitespace", "首尾空白"),
+])
+def test_a_signing_mistake_is_named_in_the_ga2012_detail(svc, world, clock, mistake, named, named_zh) -> None:
+    parent = bottle.Bottle()
+    parent.mount("/payments/", walletsvc.create_app(svc, debug_signatures=True))
+    app = webtest.TestApp(parent)
+    body = b'{"sourceWalletId":"%s","targetWalletId":"%s","amount":"1.00","currency":"USD"}' % (
+        world["a"].encode(), world["b"].encode())  # compact: json.dumps would re-serialise it with spaces
+    timestamp, nonce, query = str(NOW), str(uuid.uuid4()), "trace=1"
+    signature = _mistaken_signature(world["key"], mistake, "POST", TRANSFER_PATH, timestamp, nonce, body,
+                                    query, "/payments")
+    headers = {"X-Api-Key": world["key"]["apiKey"], "X-Timestamp": timestamp, "X-Nonce": nonce,
+               "X-Signature": signature, "Content-Type": "application/json"}
+    for locale, expected in (("en-US", named), ("zh-CN", named_zh)):
+        headers["X-Nonce"] = str(uuid.uuid4()) if locale == "zh-CN" else nonce
+        if locale == "zh-CN":
+            headers["X-Signature"] = _mistaken_signature(world["key"], mistake, "POST", TRANSFER_PATH,
+                                                         timestamp, headers["X-Nonce"], body, query,
+                                                         "/payments")
+        response = app.post(f"/payments{TRANSFER_PATH}?{query}", body,
+                            headers={**headers, "X-LOCALE": locale}, expect_errors=True)
+        detail = error(response, "GA2012", 401)["detail"]
+        assert expected in detail, detail
+        assert world["key"]["secret"] not in detail
+    assert svc.get_balance(world["b"])["balance"] == "0.00"
+
+
+def test_a_right_signature_with_a_wrong_secret_names_no_mistake(api: Api, world) -> None:
+    detail = error(api.get("/api/v1/wallets", **{"X-Signature": base64.b64encode(b"\1" * 32).decode()}),
+                   "GA2012", 401)["detail"]
+    assert "Canonical message: GET\\n/api/v1/wallets\\n" in detail and "0 body bytes received" in detail
+    assert "common mistake" not in detail
+
+
+def test_a_timestamp_in_milliseconds_is_named(api: Api) -> None:
+    detail = error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW * 1000)}), "GA2013", 401)["detail"]
+    assert "looks like milliseconds" in detail
+
+
+def test_a_signature_over_a_millisecond_timestamp_is_diagnosed(api: Api, world: dict) -> None:
+    """DESIGN.md §5: the header in seconds, the signed message in milliseconds."""
+    nonce = str(uuid.uuid4())
+    message = "\n".join(("GET", "/api/v1/wallets", f"{NOW}123", nonce,
+                         hashlib.sha256(b"").hexdigest())).encode()
+    detail = error(api.get("/api/v1/wallets", **{"X-Nonce": nonce, "X-Signature": _manual_signature(
+        world["key"], message)}), "GA2012", 401)["detail"]
+    assert "timestamp was signed in milliseconds" in detail
+
+
+def test_signature_detail_hides_canonical_message_unless_debug(svc, world, clock) -> None:
+    quiet = Api(webtest.TestApp(walletsvc.create_app(svc)), world["key"], clock)
+    body = error(quiet.get("/api/v1/wallets", **{"X-Signature": "AAAA"}), "GA2012", 401)
+    assert body["detail"] == "The request signature is invalid."
+
+
+def test_a_stale_timestamp_says_the_servers_time(api: Api) -> None:
+    detail = error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 300)}), "GA2013", 401)["detail"]
+    assert f"the server's time is {NOW} (2027-01-15T08:00:00.000Z)" in detail and "-300 s" in detail
+
+
+###############################################################################
+# Resources: amounts and wallet states (DESIGN.md §6) ##########################
+###############################################################################
+
+
+@pytest.mark.parametrize("currency, amount, shown", [
+    ("USD", "10", "10.00"),
+    ("USD", "10.5", "10.50"),
+    ("USD", "0.01", "0.01"),
+    ("USD", "999999999999999.99", "999999999999999.99"),
+    ("JPY", "10", "10"),
+    ("KWD", "1.234", "1.234"),
+    ("CLF", "1.0001", "1.0001"),
+])
+def test_amounts_are_exact_in_the_currency_exponent(svc, currency, amount, shown) -> None:
+    wallet = svc.create_wallet(svc.create_workspace("Acme")["id"], currency)
+    flow = svc.deposit(wallet["id"], amount)
+    assert (flow["amount"], flow["balanceAfter"], svc.get_wallet(wallet["id"])["balance"]) == (
+        shown, shown, shown)
+
+
+@pytest.mark.parametrize("currency, amount", [
+    ("USD", "10.001"), ("JPY", "10.5"), ("KWD", "1.2345"), ("USD", "1e3"), ("USD", "-1.00"),
+    ("USD", "0"), ("USD", "0.00"), ("USD", "+1"), ("USD", " 1"), ("USD", "1,000"), ("USD", ""),
+    ("USD", "1."), ("USD", ".5"), ("USD", "1234567890123456"), ("USD", "NaN"), ("USD", 1.5),
+    ("USD", True), ("USD", None), ("USD", "１"),
+])
+def test_bad_amounts_are_refused_never_rounded(svc, currency, amount) -> None:
+    wallet = svc.create_wallet(svc.create_workspace("Acme")["id"], currency)
+    with pytest.raises(walletsvc.WalletError) as raised:
+        svc.deposit(wallet["id"], amount)
+    assert raised.value.code == "S012" and "amount" in str(raised.value)
+    assert svc.get_wallet(wallet["id"])["balance"] in ("0", "0.00", "0.000", "0.0000")
+
+
+def test_withdraw_never_goes_below_zero(svc, world) -> None:
+    with pytest.raises(walletsvc.WalletError) as raised:
+        svc.withdraw(world["a"], "100.01")
+    assert raised.value.code == "T2001"
+    assert svc.withdraw(world["a"], "100.00")["balanceAfter"] == "0.00"
+
+
+def test_frozen_wallet_moves_no_money(svc, world) -> None:
+    svc.set_wallet_status(world["a"], "FROZEN")
+    for move in (svc.deposit, svc.withdraw):
+        with pytest.raises(walletsvc.WalletError) as raised:
+            move(world["a"], "1.00")
+        assert (raised.value.code, raised.value.status) == ("W1002", 422)
+
+
+def test_a_closed_wallet_stays_closed(tmp_path, walletsvc_sandbox) -> None:
+    """DESIGN.md §6: ACTIVE and FROZEN go back and forth; CLOSED is final."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    wallet = walletsvc_sandbox.wallets["yen"]["id"]
+    app.post_json(f"/_admin/wallets/{wallet}/status", {"status": "CLOSED"}, headers=ADMIN)
+    for status in ("ACTIVE", "FROZEN"):
+        refused = app.post_json(f"/_admin/wallets/{wallet}/status", {"status": status}, headers=ADMIN,
+                                expect_errors=True)
+        assert "CLOSED" in error(refused, "S012", 400)["detail"]
+    assert app.post_json(f"/_admin/wallets/{wallet}/status", {"status": "CLOSED"},
+                         headers=ADMIN).json["success"]
+    path = str(tmp_path / "cli.db")
+    svc = walletsvc.WalletService(path)
+    closed = svc.create_wallet(svc.create_workspace("w")["id"], "USD")["id"]
+    svc.set_wallet_status(closed, "CLOSED")
+    svc.close()
+    done = subprocess.run([sys.executable, "-m", "walletsvc", "wallet", "unfreeze", closed, "--db", path],
+                          capture_output=True, text=True, timeout=60, check=False)
+    assert done.returncode == 1 and "CLOSED" in done.stderr and "Traceback" not in done.stderr
+    assert walletsvc.WalletService(path).get_wallet(closed)["status"] == "CLOSED"
+
+
+###############################################################################
+# Transfers: idempotency (DESIGN.md §7) ########################################
+###############################################################################
+
+
+def test_idempotent_replay_moves_money_once(svc, api: Api, world: dict) -> None:
+    body = transfer_body(world, bizId="pay-1")
+    first = api.transfer(body)
+    assert "Idempotent-Replayed" not in first.headers
+    second = api.transfer(body)
+    assert second.headers["Idempotent-Replayed"] == "true"
+    assert data(second) == data(first)
+    assert balances(svc, world["a"], world["b"]) == ["74.50", "25.50"]
+    assert data(api.get("/api/v1/transfer/query/orders"))["page"]["totalElements"] == 1
+
+
+def test_replay_returns_the_original_even_when_it_could_not_run_again(svc, api, world) -> None:
+    body = transfer_body(world, bizId="pay-2", amount="100.00")
+    original = data(api.transfer(body))
+    svc.set_wallet_status(world["a"], "FROZEN")
+    assert data(api.transfer(body)) == original
+
+
+@pytest.mark.parametrize("changes", [{"amount": "1.00"}, {"targetWalletId": "@jpy"},
+                                     {"description": "other"}])
+def test_biz_id_reused_with_different_parameters_is_t2004(svc, api, world, changes) -> None:
+    data(api.transfer(transfer_body(world, bizId="pay-3")))
+    changes = {k: world["jpy"] if v == "@jpy" else v for k, v in changes.items()}
+    error(api.transfer(transfer_body(world, bizId="pay-3", **changes)), "T2004", 409)
+    assert balances(svc, world["a"], world["b"]) == ["74.50", "25.50"]
+
+
+def test_idempotency_key_header_is_accepted_only_equal_to_the_signed_biz_id(svc, api: Api,
+                                                                            world: dict) -> None:
+    """DESIGN.md §7: the header is outside the signature, so it can never change what a request does."""
+    original = data(api.transfer(transfer_body(world, bizId="rent-2026-10")))
+    data(api.transfer(transfer_body(world, bizId="hdr-1"), **{"Idempotency-Key": "hdr-1"}))
+    for body, key in [(transfer_body(world), "rent-2026-10"),  # would have replayed the older order
+                      (transfer_body(world), "hdr-2"), (transfer_body(world, bizId="hdr-3"), "hdr-1"),
+                      (transfer_body(world), "bad key!")]:
+        refused = error(api.transfer(body, **{"Idempotency-Key": key}), "S012", 400)
+        assert "'Idempotency-Key'" in refused["detail"] and "bizId in the signed body" in refused["detail"]
+    data(api.transfer(transfer_body(world, amount="1.00"), **{"Idempotency-Key": ""}))  # empty: as if absent
+    assert balances(svc, world["a"]) == ["48.00"]  # 100.00 - 2 x 25.50 - 1.00: nothing else written
+    assert svc.list_transfers(world["ws"]["id"])["page"]["totalElements"] == 3
+    assert original["bizId"] == "rent-2026-10"
+
+
+def test_biz_ids_are_unique_per_workspace_not_globally(svc, api: Api, world: dict) -> None:
+    order_in_another_workspace(svc, "shared")
+    assert data(api.transfer(transfer_body(world, bizId="shared")))["amount"] == "25.50"
+
+
+###############################################################################
+# Transfers: settlement modes (DESIGN.md §7) ###################################
+###############################################################################
+
+
+@pytest.fixture
+def manual(clock):
+    svc = walletsvc.WalletService(":memory:", clock=clock, settlement="manual")
+    ws = svc.create_workspace("Acme")
+    key = svc.create_api_key(ws["id"])
+    a, b = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
+    svc.deposit(a, "100.00")
+    api = Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock)
+    return svc, api, {"ws": ws, "a": a, "b": b}
+
+
+def test_manual_settlement_holds_then_completes(manual) -> None:
+    svc, api, w = manual
+    order = data(api.transfer(transfer_body(w, bizId="m-1", amount="30.00")))
+    assert (order["status"], order["completedAt"]) == ("PENDING", None)
+    balance = data(api.get(f"/api/v1/wallets/{w['a']}/balance"))
+    assert (balance["balance"], balance["available"], balance["pending"]) == ("100.00", "70.00", "30.00")
+    assert data(api.get("/api/v1/transfer/query/orders/m-1/completed"))["completed"] is False
+    assert data(api.get(f"/api/v1/wallets/{w['a']}/flows"))["page"]["totalElements"] == 1
+    # held money is not available
+    error(api.transfer(transfer_body(w, bizId="m-2", amount="70.01")), "T2001", 422)
+    done = svc.complete_transfer("m-1")
+    assert (done["status"], done["completedAt"]) == ("COMPLETED", T0)
+    balance = data(api.get(f"/api/v1/wallets/{w['a']}/balance"))
+    assert (balance["balance"], balance["available"], balance["pending"]) == ("70.00", "70.00", "0.00")
+    assert balances(svc, w["b"]) == ["30.00"]
+    assert data(api.get("/api/v1/transfer/query/orders/m-1/completed"))["completed"] is True
+    assert data(api.get(f"/api/v1/wallets/{w['a']}/flows"))["content"][0]["type"] == "TRANSFER_OUT"
+    with pytest.raises(walletsvc.WalletError, match="COMPLETED"):
+        svc.fail_transfer("m-1")
+
+
+def test_manual_settlement_failure_releases_the_hold(manual) -> None:
+    svc, api, w = manual
+    data(api.transfer(transfer_body(w, bizId="m-3", amount="100.00")))
+    failed = svc.fail_transfer("m-3", workspace_id=w["ws"]["id"])
+    assert (failed["status"], failed["completedAt"]) == ("FAILED", None)
+    balance = data(api.get(f"/api/v1/wallets/{w['a']}/balance"))
+    assert (balance["balance"], balance["available"], balance["pending"]) == ("100.00", "100.00", "0.00")
+    assert data(api.get("/api/v1/transfer/query/orders", query="status=FAILED"))["page"]["totalElements"] == 1
+    assert data(api.get("/api/v1/transfer/query/orders",
+                        query="status=PENDING"))["page"]["totalElements"] == 0
+    assert data(api.get(f"/api/v1/wallets/{w['b']}/flows"))["page"]["totalElements"] == 0
+
+
+def test_delayed_settlement_completes_on_the_service_clock(clock) -> None:
+    svc = walletsvc.WalletService(":memory:", clock=clock, settlement="delayed", settlement_delay=10)
+    ws = svc.create_workspace("Acme")
+    a, b = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
+    svc.deposit(a, "5.00")
+    order = svc.create_transfer(ws["id"], source_wallet_id=a, target_wallet_id=b, amount="5.00",
+                                currency="USD")
+    assert order["status"] == "PENDING"
+    clock.advance(9.999)
+    assert svc.get_transfer(ws["id"], order["bizId"])["status"] == "PENDING"
+    clock.advance(0.001)
+    assert svc.transfer_completion(ws["id"], order["bizId"])["completed"] is True
+    assert balances(svc, a, b) == ["0.00", "5.00"]
+
+
+@pytest.mark.walletsvc(settlement="delayed", settlement_delay=5)
+def test_delayed_settlement_counts_from_the_clock_reading_after_the_clock_moved(walletsvc_sandbox) -> None:
+    """Defect: after the clock was a day ahead and came back, a 5 s order stayed PENDING a minute later."""
+    sandbox = walletsvc_sandbox
+    svc = sandbox.service
+    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
+    sandbox.clock.freeze(at=NOW)
+    sandbox.clock.advance(86400)
+    svc.deposit(alice, "1.00")  # the ledger's time is now a day ahead
+    sandbox.clock.advance(-86400)
+    order = svc.create_transfer(sandbox.workspace["id"], alice, bob, "1.00", "USD")
+    assert order["status"] == "PENDING"
+    sandbox.clock.advance(4.9)
+    assert svc.get_transfer(sandbox.workspace["id"], order["bizId"])["status"] == "PENDING"
+    sandbox.clock.advance(0.1)
+    assert svc.get_transfer(sandbox.workspace["id"], order["bizId"])["status"] == "COMPLETED"
+
+
+###############################################################################
+# Transfers: money under concurrency (DESIGN.md §7) ############################
+###############################################################################
+
+
+def _hammer(path: str, workspace_id: str, wallet_ids: list, worker: int, count: int) -> list:
+    """Random transfers among the wallets, each also retried once with its bizId."""
+    import random
+
+    svc = walletsvc.WalletService(path, busy_timeout=30)
+    rng = random.Random(worker)
+    done = []
+    for n in range(count):
+        source, target = rng.sample(wallet_ids, 2)
+        biz_id, amount = f"w{worker}-{n}", f"{rng.randint(1, 900)}.{rng.randint(0, 99):02d}"
+        for _ in range(2):  # the retry must not move money twice
+            try:
+                order = svc.create_transfer(workspace_id, source_wallet_id=source,
+                                            target_wallet_id=target, amount=amount, currency="USD",
+                                            biz_id=biz_id)
+                done.append((biz_id, order["transferId"]))
+            except walletsvc.WalletError as exc:
+                assert exc.code == "T2001", exc  # rejected without a trace: a retry may succeed
+    svc.close()
+    return done
+
+
+def test_eight_threads_hammering_transfers_conserve_money(tmp_path) -> None:
+    path, workspace_id, wallets = _shared_ledger(tmp_path)
+    results: list = []
+    threads = [
+        threading.Thread(target=lambda w=w: results.extend(_hammer(path, workspace_id, wallets, w, 40)))
+        for w in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    facts = ledger_invariants(path)
+    assert facts["total"] == 4 * 100000
+    transfer_ids = dict(results)  # an acknowledged bizId always answers the same order
+    assert len(set(results)) == len(transfer_ids) == facts["transfers"] > 0
+
+
+def test_two_processes_sharing_one_file_conserve_money(tmp_path) -> None:
+    path, workspace_id, wallets = _shared_ledger(tmp_path)
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(2) as pool:
+        runs = pool.starmap(_hammer, [(path, workspace_id, wallets, w, 60) for w in range(2)])
+    facts = ledger_invariants(path)
+    assert facts["total"] == 4 * 100000
+    acknowledged = {pair for run in runs for pair in run}
+    assert len(acknowledged) == len(dict(acknowledged)) == facts["transfers"] > 0
+
+
+def test_a_forked_child_opens_its_own_connection(tmp_path) -> None:
+    """A service made before os.fork works in the child on a connection of its own."""
+    path, _, wallets = _shared_ledger(tmp_path)
+    svc = walletsvc.WalletService(path)
+    svc.deposit(wallets[0], "1.00")  # the parent's connection exists before the fork
+    with svc.db.connection() as conn:
+        parent_connection = id(conn)
+    context = multiprocessing.get_context("fork")
+    answers = context.Queue()
+
+    def child() -> None:
+        svc.deposit(wallets[0], "1.00")
+        with svc.db.connection() as conn:
+            answers.put(id(conn) != parent_connection)
+
+    children = [context.Process(target=child) for _ in range(4)]
+    for process in children:
+        process.start()
+    own = [answers.get(timeout=60) for _ in children]
+    for process in children:
+        process.join(timeout=60)
+    assert own == [True] * 4 and all(process.exitcode == 0 for process in children)
+    svc.deposit(wallets[0], "1.00")  # and the parent's still works
+    assert balances(svc, wallets[0]) == ["1006.00"]
+    ledger_invariants(path)
+
+
+###############################################################################
+# Transfers: the ledger in commit order, and its auditor (DESIGN.md §7) ########
 ###############################################################################
 
 
@@ -1225,7 +3011,8 @@ def test_ledger_reads_in_commit_order_under_concurrent_transfers(tmp_path) -> No
     for wallet_id in wallets:  # and through the API's own order: createdAt ascending
         flows = svc.list_flows(wallet_id, {"sort": "createdAt,asc", "size": 100})
         pages = flows["page"]["totalPages"]
-        last = svc.list_flows(wallet_id, {"sort": "createdAt,asc", "size": 100, "page": pages - 1})["content"][-1]
+        last = svc.list_flows(wallet_id,
+                              {"sort": "createdAt,asc", "size": 100, "page": pages - 1})["content"][-1]
         assert last["balanceAfter"] == svc.get_balance(wallet_id)["balance"]
     assert svc.audit() == []
 
@@ -1263,6 +3050,30 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path) -> None:
     assert upgraded.create_workspace("new")["name"] == "new"
     with upgraded.db.connection() as conn:
         assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 3
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_an_upgrade_orders_new_rows_after_every_old_one(tmp_path, version: int) -> None:
+    """Defect: the v1 -> v2 upgrade set the ledger clock to 0; rows written with a clock ahead sorted after
+    the first new ones and `walletsvc audit` exited 1."""
+    path = str(tmp_path / "old.db")
+    ahead = walletsvc.WalletService(path, clock=lambda: NOW + 86400 * 365)  # a clock a year ahead
+    world_ = make_world(ahead)
+    ahead.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "1.00", "USD")
+    ahead.close()
+    conn = sqlite3.connect(path)
+    if version == 1:
+        conn.executescript("DROP TABLE ledger_clock; UPDATE schema_version SET version = 1;")
+    else:  # as the faulty upgrade left it
+        conn.executescript("UPDATE ledger_clock SET last_ms = 0, last_id = ''; "
+                           "UPDATE schema_version SET version = 2;")
+    conn.close()
+    upgraded = walletsvc.WalletService(path, clock=lambda: NOW)
+    upgraded.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "2.00", "USD")
+    assert upgraded.audit() == []
+    result = subprocess.run([sys.executable, "-m", "walletsvc", "audit", "--db", path], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_audit_is_clean_after_every_kind_of_movement(svc, world, clock) -> None:
@@ -1328,441 +3139,13 @@ def test_the_plugin_audit_says_a_violation_is_a_walletsvc_bug() -> None:
 
 
 ###############################################################################
-# Time edges (DESIGN.md §5) ####################################################
+# Lists: default order, sortable fields, filters (DESIGN.md §8) ################
 ###############################################################################
-
-
-def test_time_is_compared_in_whole_seconds(svc, api: Api, clock: Clock) -> None:
-    clock.now = NOW + 0.3
-    data(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 60)}))
-    data(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW + 60)}))
-    error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 61)}), "GA2013", 401)
-    clock.now = NOW + 0.999
-    error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW + 61)}), "GA2013", 401)
-
-
-@pytest.mark.parametrize("later", [0.0, 60.0, 119.999, 120.0, 120.5, 120.999])
-def test_no_replay_at_any_edge_of_the_window(svc, api: Api, clock: Clock, later: float) -> None:
-    """Signed with ts = T+60 and first used at T: refused at every later moment it would pass step 4."""
-    headers = api.headers("GET", "/api/v1/wallets", **{"X-Timestamp": str(NOW + 60)})
-    data(api.request("GET", "/api/v1/wallets", headers=headers))
-    clock.now = NOW + later
-    error(api.request("GET", "/api/v1/wallets", headers=headers), "GA2013", 401)
-
-
-def test_a_nonce_is_usable_again_once_its_timestamp_is_stale(svc, api: Api, clock: Clock) -> None:
-    first = api.headers("GET", "/api/v1/wallets", **{"X-Nonce": "reused"})
-    data(api.request("GET", "/api/v1/wallets", headers=first))
-    clock.now = NOW + 121
-    data(api.get("/api/v1/wallets", **{"X-Nonce": "reused"}))  # a new timestamp, a new signature
-
-
-###############################################################################
-# Hostile input ################################################################
-###############################################################################
-
-
-@pytest.mark.parametrize("page", ["9223372036854775808", "1" + "0" * 40, "0" * 30 + "1"])
-def test_page_numbers_have_no_upper_bound(api: Api, world, page: str) -> None:
-    body = data(api.get("/api/v1/wallets", query=f"page={page}&size=2"))
-    assert body == {"content": [] if int(page) > 1 else body["content"],
-                    "page": {"size": 2, "number": int(page), "totalElements": 3, "totalPages": 2}}
-
-
-ADMIN_INPUTS = [
-    ("POST", "/_admin/workspaces", {"name": 5}, "name"),
-    ("POST", "/_admin/workspaces/{ws}/keys", {"scopes": 5}, "scopes"),
-    ("POST", "/_admin/workspaces/{ws}/keys", {"scopes": [5]}, "scopes"),
-    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": 5}, "ipWhitelist"),
-    ("POST", "/_admin/workspaces/{ws}/keys", {"memberId": [1]}, "memberId"),
-    ("POST", "/_admin/transfers/x/complete", {"workspaceId": [1]}, "workspaceId"),
-    ("POST", "/_admin/transfers/x/fail", {"workspaceId": [1]}, "workspaceId"),
-    ("POST", "/_admin/clock", {"at": None}, "at"),
-    ("POST", "/_admin/clock", {"at": 1e308}, "at"),
-    ("POST", "/_admin/clock", {"at": -1e308}, "at"),
-    ("POST", "/_admin/clock", {"advance": 1e308}, "advance"),
-    ("POST", "/_admin/clock", {"advance": -1e308}, "advance"),
-    ("POST", "/_admin/clock", {"at": "0001-01-01T00:00:00"}, "at"),
-    ("POST", "/_admin/faults", {"latency": "slow"}, "latency"),
-    ("POST", "/_admin/faults", {"times": True}, "times"),
-    ("POST", "/_admin/wallets/{wallet}/deposit", {"amount": 5}, "amount"),
-    ("POST", "/_admin/wallets/{wallet}/deposit", {"amount": "007.50"}, "amount"),  # no leading zero
-    # an address or a CIDR block, as the document's pattern states: no netmask, no spaces, no zone
-    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": ["10.0.0.1/255.0.0.0"]}, "ipWhitelist"),
-    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": [" 10.0.0.1"]}, "ipWhitelist"),
-    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": ["fe80::1%eth0"]}, "ipWhitelist"),
-    ("POST", "/_admin/workspaces/{ws}/keys", {"ipWhitelist": ["10.0.0.0/33"]}, "ipWhitelist"),
-    ("POST", "/_admin/ids", {}, "seed"),  # required, though it may be null
-    ("POST", "/_admin/faults", {"code": "X999"}, "status"),  # a code of its own needs a status
-    ("POST", "/_admin/faults", {"times": 1.5}, "times"),
-    ("POST", "/_admin/faults", {"code": ""}, "code"),
-    ("POST", "/_admin/faults", {"code": "X" * 65, "status": 400}, "code"),
-    ("POST", "/_admin/scenarios", {"scenario": "demo", "workspaces": []}, "scenario"),
-]
-
-
-def test_json_integers_may_be_written_with_a_zero_fraction_and_nullable_fields_take_null(walletsvc_sandbox) -> None:
-    """JSON Schema (the document's language): 3.0 is an integer; a required field whose type allows null
-    may be null."""
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    rule = app.post_json("/_admin/faults", {"code": "X999", "status": 418.0, "times": 3.0}, headers=ADMIN).json["data"]
-    assert (rule["status"], rule["times"]) == (418, 3)
-    assert app.post_json("/_admin/ids", {"seed": None}, headers=ADMIN).json["success"] is True
-    keys = [app.post_json(f"/_admin/workspaces/{walletsvc_sandbox.workspace['id']}/keys", {"ipWhitelist": [entry]},
-                          headers=ADMIN).json["data"]["ipWhitelist"] for entry in ("10.0.0.0/8", "2001:db8::/32", "::1")]
-    assert keys == [["10.0.0.0/8"], ["2001:db8::/32"], ["::1/128"]]
-
-
-@pytest.mark.parametrize("method, path, body, field", ADMIN_INPUTS)
-def test_the_admin_surface_answers_bad_input_with_s012(walletsvc_sandbox, method, path, body, field) -> None:
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    auth = {"Authorization": f"Bearer {sandbox.service and 'walletsvc-test-admin'}"}
-    url = path.format(ws=sandbox.workspace["id"], wallet=sandbox.wallets["alice"]["id"])
-    response = app.request(url, method=method, body=json.dumps(body).encode(), headers=auth,
-                           content_type="application/json", expect_errors=True)
-    refused = error(response, "S012", 400)
-    assert f"'{field}'" in refused["detail"]
-    assert error(app.get("/api/v1/wallets", expect_errors=True), "GA2001", 401)  # every surface still answers
-    assert app.get("/_admin/clock", headers=auth).json["data"]["now"].startswith("20")
-
-
-@pytest.mark.parametrize("path", ["/_admin/workspaces", "/_admin/workspaces/{ws}/members",
-                                  "/_admin/workspaces/{ws}/wallets"])
-def test_names_with_nul_are_refused_with_s012(walletsvc_sandbox, path: str) -> None:
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    auth = {"Authorization": "Bearer walletsvc-test-admin"}
-    body = {"name": "a\x00b", **({"currency": "USD"} if path.endswith("wallets") else {})}
-    response = app.post_json(path.format(ws=walletsvc_sandbox.workspace["id"]), body, headers=auth,
-                             expect_errors=True)
-    assert "'name'" in error(response, "S012", 400)["detail"]
-
-
-###############################################################################
-# Settings #####################################################################
-###############################################################################
-
-
-def test_unknown_setting_is_an_error(svc) -> None:
-    with pytest.raises(ValueError, match="unknown setting"):
-        walletsvc.create_app(svc, timestamp_tolerence=30)
-    with pytest.raises(ValueError, match="unknown setting"):
-        walletsvc.WalletService(":memory:", bogus=True)
-
-
-@pytest.mark.parametrize("name, value", [("timestamp_tolerance", 0), ("max_body_bytes", -1),
-                                         ("default_locale", "fr-FR"), ("debug_signatures", "maybe"),
-                                         ("trusted_proxies", "not-an-ip"), ("busy_timeout", 0)])
-def test_invalid_setting_values_are_errors(name: str, value) -> None:
-    with pytest.raises(ValueError, match=name):
-        walletsvc.Settings(**{name: value})
-
-
-def test_settings_convert_strings() -> None:
-    settings = walletsvc.Settings(timestamp_tolerance="30", debug_signatures="true",
-                                  trusted_proxies="10.0.0.0/8, ::1")
-    assert settings.timestamp_tolerance == 30 and settings.debug_signatures is True
-    assert [str(net) for net in settings.trusted_proxies] == ["10.0.0.0/8", "::1/128"]
-
-
-def test_timestamp_tolerance_setting_changes_the_window(svc, world, clock) -> None:
-    strict = Api(webtest.TestApp(walletsvc.create_app(svc, timestamp_tolerance=5)), world["key"], clock)
-    error(strict.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 6)}), "GA2013", 401)
-    data(strict.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 5)}))
-
-
-def test_signature_detail_hides_canonical_message_unless_debug(svc, world, clock) -> None:
-    quiet = Api(webtest.TestApp(walletsvc.create_app(svc)), world["key"], clock)
-    body = error(quiet.get("/api/v1/wallets", **{"X-Signature": "AAAA"}), "GA2012", 401)
-    assert body["detail"] == "The request signature is invalid."
-
-
-###############################################################################
-# Python admin API and storage #################################################
-###############################################################################
-
-
-def test_admin_api_returns_camel_case_dicts(svc) -> None:
-    ws = svc.create_workspace("Acme")
-    assert ws == {"id": ws["id"], "name": "Acme", "ownerMemberId": ws["ownerMemberId"],
-                  "createdAt": "2027-01-15T08:00:00.000Z"}
-    assert ws["id"].startswith("ws_") and ws["ownerMemberId"].startswith("mem_")
-    member = svc.add_member(ws["id"], "alice")
-    assert member == {"id": member["id"], "workspaceId": ws["id"], "name": "alice", "role": "MEMBER",
-                      "createdAt": "2027-01-15T08:00:00.000Z"}
-    key = svc.create_api_key(ws["id"], ["wallet:read"], member_id=member["id"],
-                             ip_whitelist=["10.0.0.1", "2001:db8::/48"])
-    assert key == {"apiKey": key["apiKey"], "secret": key["secret"], "workspaceId": ws["id"],
-                   "memberId": member["id"], "scopes": ["wallet:read"], "enabled": True,
-                   "ipWhitelist": ["10.0.0.1/32", "2001:db8::/48"],
-                   "createdAt": "2027-01-15T08:00:00.000Z"}
-    listed = svc.list_api_keys(ws["id"])
-    assert [k["apiKey"] for k in listed] == [key["apiKey"]]
-    assert "secret" not in listed[0]  # returned once, at creation
-    wallet = svc.create_wallet(ws["id"], "EUR", name="ops")
-    assert wallet == {"id": wallet["id"], "workspaceId": ws["id"], "name": "ops", "currency": "EUR",
-                      "status": "ACTIVE", "balance": "0.00", "createdAt": "2027-01-15T08:00:00.000Z",
-                      "updatedAt": "2027-01-15T08:00:00.000Z"}
-
-
-def test_default_key_belongs_to_the_owner(svc) -> None:
-    ws = svc.create_workspace("Acme")
-    assert svc.create_api_key(ws["id"])["memberId"] == ws["ownerMemberId"]
-    assert [m["role"] for m in svc.list_members(ws["id"])] == ["OWNER"]
-
-
-@pytest.mark.parametrize("call, code, status", [
-    (lambda svc, ws: svc.create_wallet("ws_missing", "USD"), "GA2032", 404),
-    (lambda svc, ws: svc.create_wallet(ws["id"], "XYZ"), "S012", 400),
-    (lambda svc, ws: svc.create_api_key(ws["id"], ["wallet:write"]), "S012", 400),
-    (lambda svc, ws: svc.create_api_key(ws["id"], []), "S012", 400),
-    (lambda svc, ws: svc.create_api_key(ws["id"], ip_whitelist=["10.0.0.300"]), "S012", 400),
-    (lambda svc, ws: svc.create_api_key(ws["id"], member_id="mem_missing"), "S404", 404),
-    (lambda svc, ws: svc.set_api_key_enabled("ak_missing", False), "S404", 404),
-    (lambda svc, ws: svc.remove_member(ws["id"], "mem_missing"), "S404", 404),
-    (lambda svc, ws: svc.delete_workspace("ws_missing"), "GA2032", 404),
-    (lambda svc, ws: svc.create_workspace(""), "S012", 400),
-    (lambda svc, ws: svc.set_wallet_status("wal_missing", "FROZEN"), "W1001", 404),
-    (lambda svc, ws: svc.deposit("wal_missing", "1.00"), "W1001", 404),
-])
-def test_admin_errors_carry_the_catalog_code(svc, call, code: str, status: int) -> None:
-    ws = svc.create_workspace("Acme")
-    with pytest.raises(walletsvc.WalletError) as raised:
-        call(svc, ws)
-    assert (raised.value.code, raised.value.status) == (code, status)
-
-
-def test_deleted_workspace_is_gone_from_the_admin_api(svc) -> None:
-    ws = svc.create_workspace("Acme")
-    svc.delete_workspace(ws["id"])
-    assert svc.list_workspaces() == []
-    with pytest.raises(walletsvc.WalletError, match="workspace does not exist"):
-        svc.create_wallet(ws["id"], "USD")
-
-
-def test_file_database_uses_wal_and_a_schema_version(tmp_path) -> None:
-    path = str(tmp_path / "wallet.db")
-    first = walletsvc.WalletService(path)
-    ws = first.create_workspace("Acme")
-    first.close()
-    second = walletsvc.WalletService(path)  # schema applied again: idempotent, data kept
-    assert [w["id"] for w in second.list_workspaces()] == [ws["id"]]
-    with second.db.connection() as conn:
-        assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
-        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(3,)]
-
-
-def test_schema_sql_applies_idempotently(tmp_path) -> None:
-    schema = (pathlib.Path(walletsvc.__file__).parent / "schema.sql").read_text()
-    with sqlite3.connect(tmp_path / "raw.db") as conn:
-        conn.executescript(schema)
-        conn.executescript(schema)
-        assert conn.execute("SELECT count(*) FROM schema_version").fetchone()[0] == 1
-
-
-def test_database_of_another_schema_version_is_refused(tmp_path) -> None:
-    path = str(tmp_path / "wallet.db")
-    walletsvc.WalletService(path).close()
-    with sqlite3.connect(path) as conn:
-        conn.execute("UPDATE schema_version SET version = 99")
-    with pytest.raises(RuntimeError, match="schema version 99"):
-        walletsvc.WalletService(path)
-
-
-@pytest.mark.parametrize("statement", [
-    "UPDATE wallets SET balance = -1",
-    "UPDATE wallets SET balance = 1.5",
-    "UPDATE wallets SET pending = balance + 1",
-])
-def test_schema_checks_are_the_last_line_of_defence(svc, world, statement: str) -> None:
-    with pytest.raises(sqlite3.IntegrityError), svc.db.atomic() as conn:
-        conn.execute(statement)
-    assert balances(svc, world["a"]) == ["100.00"]
-
-
-def test_in_memory_service_works_from_many_threads(svc, world) -> None:
-    def deposit_many() -> None:
-        for _ in range(25):
-            svc.deposit(world["b"], "0.01")
-    threads = [threading.Thread(target=deposit_many) for _ in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    assert balances(svc, world["b"]) == ["2.00"]
-
-
-###############################################################################
-# Money ########################################################################
-###############################################################################
-
-
-@pytest.mark.parametrize("currency, amount, shown", [
-    ("USD", "10", "10.00"),
-    ("USD", "10.5", "10.50"),
-    ("USD", "0.01", "0.01"),
-    ("USD", "999999999999999.99", "999999999999999.99"),
-    ("JPY", "10", "10"),
-    ("KWD", "1.234", "1.234"),
-    ("CLF", "1.0001", "1.0001"),
-])
-def test_amounts_are_exact_in_the_currency_exponent(svc, currency, amount, shown) -> None:
-    wallet = svc.create_wallet(svc.create_workspace("Acme")["id"], currency)
-    flow = svc.deposit(wallet["id"], amount)
-    assert (flow["amount"], flow["balanceAfter"], svc.get_wallet(wallet["id"])["balance"]) == (
-        shown, shown, shown)
-
-
-@pytest.mark.parametrize("currency, amount", [
-    ("USD", "10.001"), ("JPY", "10.5"), ("KWD", "1.2345"), ("USD", "1e3"), ("USD", "-1.00"),
-    ("USD", "0"), ("USD", "0.00"), ("USD", "+1"), ("USD", " 1"), ("USD", "1,000"), ("USD", ""),
-    ("USD", "1."), ("USD", ".5"), ("USD", "1234567890123456"), ("USD", "NaN"), ("USD", 1.5),
-    ("USD", True), ("USD", None), ("USD", "１"),
-])
-def test_bad_amounts_are_refused_never_rounded(svc, currency, amount) -> None:
-    wallet = svc.create_wallet(svc.create_workspace("Acme")["id"], currency)
-    with pytest.raises(walletsvc.WalletError) as raised:
-        svc.deposit(wallet["id"], amount)
-    assert raised.value.code == "S012" and "amount" in str(raised.value)
-    assert svc.get_wallet(wallet["id"])["balance"] in ("0", "0.00", "0.000", "0.0000")
-
-
-def test_withdraw_never_goes_below_zero(svc, world) -> None:
-    with pytest.raises(walletsvc.WalletError) as raised:
-        svc.withdraw(world["a"], "100.01")
-    assert raised.value.code == "T2001"
-    assert svc.withdraw(world["a"], "100.00")["balanceAfter"] == "0.00"
-
-
-def test_frozen_wallet_moves_no_money(svc, world) -> None:
-    svc.set_wallet_status(world["a"], "FROZEN")
-    for move in (svc.deposit, svc.withdraw):
-        with pytest.raises(walletsvc.WalletError) as raised:
-            move(world["a"], "1.00")
-        assert (raised.value.code, raised.value.status) == ("W1002", 422)
-
-
-###############################################################################
-# Wallets, balances and flows ##################################################
-###############################################################################
-
-T0 = "2027-01-15T08:00:00.000Z"  # NOW as ISO-8601
-
-
-def test_wallet_endpoint_shape(api: Api, world: dict) -> None:
-    assert data(api.get(f"/api/v1/wallets/{world['a']}")) == {
-        "id": world["a"], "workspaceId": world["ws"]["id"], "name": "a", "currency": "USD",
-        "status": "ACTIVE", "balance": "100.00", "createdAt": T0, "updatedAt": T0}
-
-
-def test_balance_endpoint_shape(api: Api, world: dict) -> None:
-    assert data(api.get(f"/api/v1/wallets/{world['jpy']}/balance")) == {
-        "walletId": world["jpy"], "currency": "JPY", "balance": "5000", "available": "5000",
-        "pending": "0", "updatedAt": T0}
-
-
-def test_flow_endpoint_shape_and_balance_after(api: Api, world: dict) -> None:
-    order = data(api.transfer({"sourceWalletId": world["a"], "targetWalletId": world["b"],
-                               "amount": "30.00", "currency": "USD", "bizId": "inv-1"}))
-    flows = data(api.get(f"/api/v1/wallets/{world['a']}/flows", query="sort=createdAt,asc"))
-    deposit, out = flows["content"]
-    assert deposit == {"id": deposit["id"], "walletId": world["a"], "type": "DEPOSIT",
-                       "direction": "CREDIT", "amount": "100.00", "balanceAfter": "100.00",
-                       "transferId": None, "bizId": None, "counterpartyWalletId": None, "createdAt": T0}
-    assert out == {"id": out["id"], "walletId": world["a"], "type": "TRANSFER_OUT",
-                   "direction": "DEBIT", "amount": "30.00", "balanceAfter": "70.00",
-                   "transferId": order["transferId"], "bizId": "inv-1",
-                   "counterpartyWalletId": world["b"], "createdAt": T0}
-    (incoming,) = data(api.get(f"/api/v1/wallets/{world['b']}/flows"))["content"]
-    assert (incoming["type"], incoming["direction"], incoming["balanceAfter"],
-            incoming["counterpartyWalletId"]) == ("TRANSFER_IN", "CREDIT", "30.00", world["a"])
-
-
-def test_list_wallets_shape(api: Api, world: dict) -> None:
-    page = data(api.get("/api/v1/wallets"))
-    assert page["page"] == {"size": 20, "number": 0, "totalElements": 3, "totalPages": 1}
-    assert sorted(w["id"] for w in page["content"]) == sorted([world["a"], world["b"], world["jpy"]])
-
-
-@pytest.mark.parametrize("path", ["/api/v1/wallets/{x}", "/api/v1/wallets/{x}/balance",
-                                  "/api/v1/wallets/{x}/flows",
-                                  "/api/v1/transfer/query/orders/wallet/{x}"])
-def test_wallet_of_another_workspace_is_w1001(svc, api: Api, path: str) -> None:
-    other = svc.create_wallet(svc.create_workspace("Other")["id"], "USD")
-    error(api.get(path.format(x=other["id"])), "W1001", 404)
-    error(api.get(path.format(x="wal_does_not_exist")), "W1001", 404)
-
-
-###############################################################################
-# Pagination rules #############################################################
-###############################################################################
-
-
-@pytest.fixture
-def many(svc, world, clock):
-    """25 transfers a->b of 1.00 .. 25.00 cents, one per second."""
-    for n in range(1, 26):
-        clock.advance(1)
-        svc.create_transfer(world["ws"]["id"], source_wallet_id=world["a"],
-                            target_wallet_id=world["b"], amount=f"0.{n:02d}" if n < 100 else "1",
-                            currency="USD", biz_id=f"biz-{n:02d}")
-    clock.advance(1)
-    return world
-
-
-@pytest.mark.parametrize("query, size, number, count", [
-    ("", 20, 0, 20),
-    ("page=1", 20, 1, 5),
-    ("size=5&page=4", 5, 4, 5),
-    ("size=5&page=5", 5, 5, 0),  # beyond the last page: empty, totals accurate
-    ("page=999999999999", 20, 999999999999, 0),
-    ("size=100", 100, 0, 25),
-    ("size=101", 100, 0, 25),  # capped silently
-    ("size=100000", 100, 0, 25),
-    ("size=1", 1, 0, 1),
-    ("page=0&size=20", 20, 0, 20),
-])
-def test_pagination_table(api: Api, many: dict, query: str, size: int, number: int, count: int) -> None:
-    page = data(api.get("/api/v1/transfer/query/orders", query=query))
-    assert page["page"] == {"size": size, "number": number, "totalElements": 25,
-                            "totalPages": -(-25 // size)}
-    assert len(page["content"]) == count
-
-
-@pytest.mark.parametrize("query", ["page=-1", "size=-1", "size=0", "size=abc", "page=1.5",
-                                   "size=", "page=", "page=1e2", "size=+5", "page=0x1"])
-@pytest.mark.parametrize("path", ["/api/v1/wallets", "/api/v1/transfer/query/orders",
-                                  "/api/v1/wallets/{a}/flows", "/api/v1/transfer/query/orders/wallet/{a}"])
-def test_bad_page_or_size_is_s012(api: Api, world: dict, path: str, query: str) -> None:
-    body = error(api.get(path.format(a=world["a"]), query=query), "S012", 400)
-    assert query.split("=")[0] in body["detail"]
-
-
-def test_empty_collection_has_accurate_page_metadata(svc, api: Api, world: dict) -> None:
-    page = data(api.get("/api/v1/transfer/query/orders"))
-    assert page == {"content": [], "page": {"size": 20, "number": 0, "totalElements": 0,
-                                            "totalPages": 0}}
 
 
 def test_default_order_is_newest_first(api: Api, many: dict) -> None:
     biz_ids = [o["bizId"] for o in data(api.get("/api/v1/transfer/query/orders", query="size=3"))["content"]]
     assert biz_ids == ["biz-25", "biz-24", "biz-23"]
-
-
-@pytest.mark.parametrize("sort, expected", [
-    (["createdAt,asc"], ["biz-01", "biz-02", "biz-03"]),
-    (["createdAt,desc"], ["biz-25", "biz-24", "biz-23"]),
-    (["createdAt"], ["biz-01", "biz-02", "biz-03"]),  # direction defaults to asc
-    (["amount,desc"], ["biz-25", "biz-24", "biz-23"]),
-    (["amount,ASC"], ["biz-01", "biz-02", "biz-03"]),
-    (["status,asc", "amount,desc"], ["biz-25", "biz-24", "biz-23"]),  # second key breaks ties
-    (["updatedAt,asc", "amount,desc"], ["biz-01", "biz-02", "biz-03"]),
-])
-def test_sort_keys_primary_first(api: Api, many: dict, sort: list, expected: list) -> None:
-    query = "&".join(f"sort={s}" for s in sort) + "&size=3"
-    biz_ids = [o["bizId"] for o in data(api.get("/api/v1/transfer/query/orders", query=query))["content"]]
-    assert biz_ids == expected
 
 
 def test_tie_break_on_id_keeps_pages_stable(svc, api: Api, world: dict) -> None:
@@ -1775,23 +3158,6 @@ def test_tie_break_on_id_keeps_pages_stable(svc, api: Api, world: dict) -> None:
         seen += [o["transferId"] for o in page["content"]]
     assert len(seen) == len(set(seen)) == 12
     assert seen == sorted(seen, reverse=True)
-
-
-@pytest.mark.parametrize("path, sort", [
-    ("/api/v1/wallets", "amount,asc"),  # sortable for transfers, not wallets
-    ("/api/v1/transfer/query/orders", "balance,asc"),
-    ("/api/v1/transfer/query/orders", "bizId,asc"),
-    ("/api/v1/wallets/{a}/flows", "status,asc"),
-    ("/api/v1/transfer/query/orders", "createdAt,sideways"),
-    ("/api/v1/transfer/query/orders", ""),
-    ("/api/v1/transfer/query/orders", "createdat,asc"),  # field names are exact
-    ("/api/v1/transfer/query/orders/wallet/{a}", "id,asc"),
-    ("/api/v1/transfer/query/orders", "createdAt, desc"),  # no spaces, as the document's pattern says
-    ("/api/v1/transfer/query/orders", "createdAt,"),
-])
-def test_unsortable_field_or_bad_direction_is_s012(api: Api, world: dict, path: str, sort: str) -> None:
-    body = error(api.get(path.format(a=world["a"]), query=f"sort={sort}"), "S012", 400)
-    assert "sort" in body["detail"]
 
 
 @pytest.mark.parametrize("sort, expected", [
@@ -1877,351 +3243,44 @@ def test_flow_sorts(api: Api, many: dict, sort: str, first_type: str) -> None:
     assert page["content"][0]["type"] == first_type
 
 
-def test_transfers_of_a_wallet_cover_both_sides(svc, api: Api, many: dict) -> None:
-    svc.deposit(many["b"], "5.00")
-    svc.create_transfer(many["ws"]["id"], source_wallet_id=many["b"], target_wallet_id=many["a"],
-                        amount="2.00", currency="USD", biz_id="back")
-    page = data(api.get(f"/api/v1/transfer/query/orders/wallet/{many['b']}", query="size=3"))
-    assert page["page"] == {"size": 3, "number": 0, "totalElements": 26, "totalPages": 9}
-    assert [o["bizId"] for o in page["content"]] == ["back", "biz-25", "biz-24"]
-    filtered = data(api.get(f"/api/v1/transfer/query/orders/wallet/{many['b']}",
-                            query="bizIdPrefix=back"))
-    assert filtered["page"]["totalElements"] == 1
-    assert data(api.get(f"/api/v1/transfer/query/orders/wallet/{many['jpy']}"))["page"]["totalElements"] == 0
+@pytest.mark.parametrize("moment, epoch_ms", [
+    ("2016-12-31T23:59:60Z", 1483228800000),  # a leap second ends a UTC day
+    ("2017-01-01T08:59:60+09:00", 1483228800000),
+    ("2027-01-15T08:00:00.123456789Z", 1800000000123),
+])
+def test_a_time_filter_takes_what_rfc_3339_allows(api: Api, world: dict, moment: str, epoch_ms: int) -> None:
+    """DESIGN.md §6: a time filter is RFC 3339 or epoch ms; each of these is the instant given."""
+    at = urllib.parse.quote(moment)
+    assert data(api.get("/api/v1/transfer/query/orders", query=f"createdFrom={at}&createdTo={epoch_ms}")) \
+        == data(api.get("/api/v1/transfer/query/orders",
+                        query=f"createdFrom={epoch_ms}&createdTo={epoch_ms}"))
+    assert data(api.get("/api/v1/transfer/query/orders",
+                        query=f"createdFrom={at}&createdTo={epoch_ms + 1}")) \
+        == data(api.get("/api/v1/transfer/query/orders",
+                        query=f"createdFrom={epoch_ms}&createdTo={epoch_ms + 1}"))
+
+
+@pytest.mark.parametrize("moment", ["0000-01-01", "0000-02-29T23:59:59.999+23:59"])
+def test_a_time_filter_takes_the_year_0000(api: Api, world: dict, moment: str) -> None:
+    """RFC 3339 has a year 0000 (proleptic Gregorian, a leap year): long before every order."""
+    at = urllib.parse.quote(moment)
+    assert data(api.get("/api/v1/transfer/query/orders",
+                        query=f"createdFrom={at}"))["page"]["totalElements"] == \
+        data(api.get("/api/v1/transfer/query/orders", query="createdFrom=0"))["page"]["totalElements"]
+    assert data(api.get("/api/v1/transfer/query/orders",
+                        query=f"createdTo={at}"))["page"]["totalElements"] == 0
+
+
+@pytest.mark.parametrize("moment",
+                         ["2027-01-15T08:00:60Z", "2016-12-31T23:59:60+01:00", "2027-01-15T08:00:00+24:00"])
+def test_a_time_filter_refuses_what_rfc_3339_does_not(api: Api, moment: str) -> None:
+    body = error(api.get("/api/v1/transfer/query/orders", query=f"createdFrom={urllib.parse.quote(moment)}"),
+                 "S012", 400)
+    assert "'createdFrom'" in body["detail"]
 
 
 ###############################################################################
-# Transfer orders ##############################################################
-###############################################################################
-
-
-def transfer_body(world: dict, **changes) -> dict:
-    body = {"sourceWalletId": world["a"], "targetWalletId": world["b"], "amount": "25.50",
-            "currency": "USD"}
-    body.update(changes)
-    return {name: value for name, value in body.items() if value is not ...}
-
-
-def test_create_transfer_moves_money_and_returns_the_order(svc, api: Api, world: dict) -> None:
-    order = data(api.transfer(transfer_body(world, bizId="inv-7", description="rent")))
-    assert order == {"transferId": order["transferId"], "bizId": "inv-7", "sourceWalletId": world["a"],
-                     "targetWalletId": world["b"], "amount": "25.50", "currency": "USD",
-                     "status": "COMPLETED", "description": "rent", "createdAt": T0, "updatedAt": T0,
-                     "completedAt": T0}
-    assert order["transferId"].startswith("tr_")
-    assert balances(svc, world["a"], world["b"]) == ["74.50", "25.50"]
-
-
-def test_order_without_biz_id_is_addressed_by_its_transfer_id(api: Api, world: dict) -> None:
-    order = data(api.transfer(transfer_body(world)))
-    assert order["bizId"] == order["transferId"]
-    assert data(api.get(f"/api/v1/transfer/query/orders/{order['bizId']}")) == order
-
-
-def test_get_order_and_completion_check(api: Api, world: dict) -> None:
-    order = data(api.transfer(transfer_body(world, bizId="inv-9")))
-    assert data(api.get("/api/v1/transfer/query/orders/inv-9")) == order
-    assert data(api.get("/api/v1/transfer/query/orders/inv-9/completed")) == {
-        "bizId": "inv-9", "transferId": order["transferId"], "status": "COMPLETED", "completed": True}
-
-
-def order_in_another_workspace(svc: walletsvc.WalletService, biz_id: str) -> dict:
-    other = svc.create_workspace("Other")
-    source, target = (svc.create_wallet(other["id"], "USD") for _ in range(2))
-    svc.deposit(source["id"], "5.00")
-    return svc.create_transfer(other["id"], source_wallet_id=source["id"], target_wallet_id=target["id"],
-                               amount="1.00", currency="USD", biz_id=biz_id)
-
-
-@pytest.mark.parametrize("path", ["/api/v1/transfer/query/orders/{biz}",
-                                  "/api/v1/transfer/query/orders/{biz}/completed"])
-def test_order_of_another_workspace_is_t1001(svc, api: Api, path: str) -> None:
-    order_in_another_workspace(svc, "theirs")
-    body = error(api.get(path.format(biz="theirs")), "T1001", 404)
-    assert body == error(api.get(path.format(biz="never-existed")), "T1001", 404) | {
-        "detail": body["detail"], "timestamp": body["timestamp"]}
-    assert data(api.get("/api/v1/transfer/query/orders"))["page"]["totalElements"] == 0
-    assert data(api.get("/api/v1/transfer/query/orders", query="bizIdPrefix=the"))["content"] == []
-
-
-BAD_TRANSFERS = [  # (case, changes, code, status, field named in the detail)
-    ("missing source", {"sourceWalletId": ...}, "S012", 400, "sourceWalletId"),
-    ("missing target", {"targetWalletId": ...}, "S012", 400, "targetWalletId"),
-    ("missing amount", {"amount": ...}, "S012", 400, "amount"),
-    ("missing currency", {"currency": ...}, "S012", 400, "currency"),
-    ("null amount", {"amount": None}, "S012", 400, "amount"),
-    ("unknown field", {"memo": "x"}, "S012", 400, "memo"),
-    ("numeric amount", {"amount": 25.5}, "S012", 400, "amount"),
-    ("integer amount", {"amount": 25}, "S012", 400, "amount"),
-    ("zero amount", {"amount": "0.00"}, "S012", 400, "amount"),
-    ("negative amount", {"amount": "-1.00"}, "S012", 400, "amount"),
-    ("exponent", {"amount": "1e2"}, "S012", 400, "amount"),
-    ("too many decimals", {"amount": "1.005"}, "S012", 400, "amount"),
-    ("decimals on JPY", {"amount": "1.5", "currency": "JPY"}, "S012", 400, "amount"),
-    ("too many digits", {"amount": "1234567890123456.00"}, "S012", 400, "amount"),
-    ("unknown currency", {"currency": "ABC"}, "S012", 400, "currency"),
-    ("lowercase currency", {"currency": "usd"}, "S012", 400, "currency"),
-    ("numeric wallet id", {"sourceWalletId": 7}, "S012", 400, "sourceWalletId"),
-    ("bad bizId", {"bizId": "has space"}, "S012", 400, "bizId"),
-    ("long bizId", {"bizId": "b" * 65}, "S012", 400, "bizId"),
-    ("long description", {"description": "d" * 256}, "S012", 400, "description"),
-    ("numeric description", {"description": 5}, "S012", 400, "description"),
-    ("same wallet", {"targetWalletId": "@a"}, "T2003", 422, None),
-    ("unknown source", {"sourceWalletId": "wal_nope"}, "W1001", 404, "wal_nope"),
-    ("unknown target", {"targetWalletId": "wal_nope"}, "W1001", 404, "wal_nope"),
-    ("other workspace's wallet", {"targetWalletId": "@other"}, "W1001", 404, None),
-    ("frozen target", {"targetWalletId": "@frozen"}, "W1002", 422, None),
-    ("currency mismatch with both", {"currency": "EUR"}, "T2002", 422, None),
-    ("currency mismatch with target", {"targetWalletId": "@jpy"}, "T2002", 422, None),
-    ("insufficient balance", {"amount": "100.01"}, "T2001", 422, None),
-]
-
-
-@pytest.mark.parametrize("case, changes, code, status, field", BAD_TRANSFERS,
-                         ids=[row[0] for row in BAD_TRANSFERS])
-def test_rejected_transfer_leaves_no_trace(svc, api, world, case, changes, code, status, field) -> None:
-    other = svc.create_wallet(svc.create_workspace("Other")["id"], "USD")
-    frozen = svc.create_wallet(world["ws"]["id"], "USD", name="frozen")
-    svc.set_wallet_status(frozen["id"], "FROZEN")
-    named = {"@a": world["a"], "@other": other["id"], "@frozen": frozen["id"], "@jpy": world["jpy"]}
-    changes = {k: named.get(v, v) if isinstance(v, str) else v for k, v in changes.items()}
-    before = balances(svc, world["a"], world["b"], world["jpy"])
-    body = error(api.transfer(transfer_body(world, **changes)), code, status)
-    if field:
-        assert field in body["detail"]
-    assert balances(svc, world["a"], world["b"], world["jpy"]) == before
-    assert data(api.get("/api/v1/transfer/query/orders"))["page"]["totalElements"] == 0
-    for wallet in (world["a"], world["b"]):
-        assert data(api.get(f"/api/v1/wallets/{wallet}/flows"))["page"]["totalElements"] == (
-            1 if wallet == world["a"] else 0)
-
-
-@pytest.mark.parametrize("raw", [b"", b"not json", b"[1, 2]", b'"text"', b"\xff\xfe",
-                                 b'{"amount": "1.00", "amount": "2.00"}', b"{" * 5000])
-def test_unparsable_body_is_s012(api: Api, raw: bytes) -> None:
-    error(api.transfer(raw), "S012", 400)
-
-
-@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded", ""])
-def test_non_json_content_type_is_s415_after_authentication(api, world, content_type) -> None:
-    body = transfer_body(world)
-    error(api.transfer(body, **{"Content-Type": content_type}), "S415", 415)
-    error(api.transfer(body, **{"Content-Type": content_type, "X-Signature": "AAAA"}), "GA2012", 401)
-
-
-def test_json_content_type_with_charset_is_accepted(api: Api, world: dict) -> None:
-    data(api.transfer(transfer_body(world), **{"Content-Type": "application/json; charset=utf-8"}))
-
-
-def test_idempotent_replay_moves_money_once(svc, api: Api, world: dict) -> None:
-    body = transfer_body(world, bizId="pay-1")
-    first = api.transfer(body)
-    assert "Idempotent-Replayed" not in first.headers
-    second = api.transfer(body)
-    assert second.headers["Idempotent-Replayed"] == "true"
-    assert data(second) == data(first)
-    assert balances(svc, world["a"], world["b"]) == ["74.50", "25.50"]
-    assert data(api.get("/api/v1/transfer/query/orders"))["page"]["totalElements"] == 1
-
-
-def test_replay_returns_the_original_even_when_it_could_not_run_again(svc, api, world) -> None:
-    body = transfer_body(world, bizId="pay-2", amount="100.00")
-    original = data(api.transfer(body))
-    svc.set_wallet_status(world["a"], "FROZEN")
-    assert data(api.transfer(body)) == original
-
-
-@pytest.mark.parametrize("changes", [{"amount": "1.00"}, {"targetWalletId": "@jpy"},
-                                     {"description": "other"}])
-def test_biz_id_reused_with_different_parameters_is_t2004(svc, api, world, changes) -> None:
-    data(api.transfer(transfer_body(world, bizId="pay-3")))
-    changes = {k: world["jpy"] if v == "@jpy" else v for k, v in changes.items()}
-    error(api.transfer(transfer_body(world, bizId="pay-3", **changes)), "T2004", 409)
-    assert balances(svc, world["a"], world["b"]) == ["74.50", "25.50"]
-
-
-def test_idempotency_key_header_is_accepted_only_equal_to_the_signed_biz_id(svc, api: Api, world: dict) -> None:
-    """DESIGN.md §7: the header is outside the signature, so it can never change what a request does."""
-    original = data(api.transfer(transfer_body(world, bizId="rent-2026-10")))
-    data(api.transfer(transfer_body(world, bizId="hdr-1"), **{"Idempotency-Key": "hdr-1"}))
-    for body, key in [(transfer_body(world), "rent-2026-10"),  # would have replayed the older order
-                      (transfer_body(world), "hdr-2"), (transfer_body(world, bizId="hdr-3"), "hdr-1"),
-                      (transfer_body(world), "bad key!")]:
-        refused = error(api.transfer(body, **{"Idempotency-Key": key}), "S012", 400)
-        assert "'Idempotency-Key'" in refused["detail"] and "bizId in the signed body" in refused["detail"]
-    data(api.transfer(transfer_body(world, amount="1.00"), **{"Idempotency-Key": ""}))  # empty: as if absent
-    assert balances(svc, world["a"]) == ["48.00"]  # 100.00 - 2 x 25.50 - 1.00: nothing else written
-    assert svc.list_transfers(world["ws"]["id"])["page"]["totalElements"] == 3
-    assert original["bizId"] == "rent-2026-10"
-
-
-def test_biz_ids_are_unique_per_workspace_not_globally(svc, api: Api, world: dict) -> None:
-    order_in_another_workspace(svc, "shared")
-    assert data(api.transfer(transfer_body(world, bizId="shared")))["amount"] == "25.50"
-
-
-def test_python_api_transfer_matches_http(svc, world: dict) -> None:
-    order = svc.create_transfer(world["ws"]["id"], source_wallet_id=world["a"],
-                                target_wallet_id=world["b"], amount="1.25", currency="USD")
-    assert svc.get_transfer(world["ws"]["id"], order["bizId"]) == order
-    assert svc.transfer_completion(world["ws"]["id"], order["bizId"])["completed"] is True
-    assert svc.list_transfers(world["ws"]["id"], {"size": 1})["content"] == [order]
-
-
-###############################################################################
-# Money under concurrency ######################################################
-###############################################################################
-
-
-def ledger_invariants(path: str) -> dict:
-    """Check conservation, non-negativity, sum(flows) == balance and the ledger's commit
-    order (DESIGN.md §7) from the file, then walletsvc's own audit."""
-    conn = sqlite3.connect(path)
-    try:
-        rows = conn.execute(
-            "SELECT w.id, w.balance, coalesce(sum(CASE f.direction WHEN 'CREDIT' THEN f.amount"
-            " ELSE -f.amount END), 0) FROM wallets w LEFT JOIN flows f ON f.wallet_id = w.id"
-            " GROUP BY w.id").fetchall()
-        for wallet_id, balance, flow_sum in rows:
-            assert balance >= 0, wallet_id
-            assert flow_sum == balance, wallet_id
-        deposits = conn.execute("SELECT coalesce(sum(amount), 0) FROM flows WHERE type = 'DEPOSIT'"
-                                ).fetchone()[0]
-        assert sum(balance for _, balance, _ in rows) == deposits
-        transfers = conn.execute("SELECT count(*), count(DISTINCT biz_id) FROM transfers").fetchone()
-        assert transfers[0] == transfers[1]
-        assert conn.execute("SELECT count(*) FROM flows WHERE transfer_id IS NOT NULL").fetchone()[0] == (
-            2 * transfers[0])
-        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        for wallet_id, balance, _ in rows:
-            assert running_balance_breaks(conn, wallet_id) == [], wallet_id
-    finally:
-        conn.close()
-    svc = walletsvc.WalletService(path)
-    try:
-        assert svc.audit() == []
-    finally:
-        svc.close()
-    return {"transfers": transfers[0], "total": deposits}
-
-
-def running_balance_breaks(conn: sqlite3.Connection, wallet_id: str) -> list:
-    """Flows of a wallet oldest first (createdAt, then id) whose balanceAfter is not the previous
-    one ± the amount, or a last one that is not the balance."""
-    breaks, before = [], 0
-    for flow_id, direction, amount, after in conn.execute(
-            "SELECT id, direction, amount, balance_after FROM flows WHERE wallet_id = ?"
-            " ORDER BY created_at, id", (wallet_id,)):
-        if before + (amount if direction == "CREDIT" else -amount) != after:
-            breaks.append((flow_id, before, direction, amount, after))
-        before = after
-    if before != conn.execute("SELECT balance FROM wallets WHERE id = ?", (wallet_id,)).fetchone()[0]:
-        breaks.append(("newest flow", before))
-    return breaks
-
-
-
-
-def _hammer(path: str, workspace_id: str, wallet_ids: list, worker: int, count: int) -> list:
-    """Random transfers among the wallets, each also retried once with its bizId."""
-    import random
-
-    svc = walletsvc.WalletService(path, busy_timeout=30)
-    rng = random.Random(worker)
-    done = []
-    for n in range(count):
-        source, target = rng.sample(wallet_ids, 2)
-        biz_id, amount = f"w{worker}-{n}", f"{rng.randint(1, 900)}.{rng.randint(0, 99):02d}"
-        for _ in range(2):  # the retry must not move money twice
-            try:
-                order = svc.create_transfer(workspace_id, source_wallet_id=source,
-                                            target_wallet_id=target, amount=amount, currency="USD",
-                                            biz_id=biz_id)
-                done.append((biz_id, order["transferId"]))
-            except walletsvc.WalletError as exc:
-                assert exc.code == "T2001", exc  # rejected without a trace: a retry may succeed
-    svc.close()
-    return done
-
-
-def _shared_ledger(tmp_path) -> tuple[str, str, list]:
-    path = str(tmp_path / "bank.db")
-    svc = walletsvc.WalletService(path)
-    ws = svc.create_workspace("Bank")
-    wallets = [svc.create_wallet(ws["id"], "USD")["id"] for _ in range(4)]
-    for wallet_id in wallets:
-        svc.deposit(wallet_id, "1000.00")
-    svc.close()
-    return path, ws["id"], wallets
-
-
-def test_eight_threads_hammering_transfers_conserve_money(tmp_path) -> None:
-    path, workspace_id, wallets = _shared_ledger(tmp_path)
-    results: list = []
-    threads = [threading.Thread(target=lambda w=w: results.extend(_hammer(path, workspace_id, wallets, w, 40)))
-               for w in range(8)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    facts = ledger_invariants(path)
-    assert facts["total"] == 4 * 100000
-    transfer_ids = dict(results)  # an acknowledged bizId always answers the same order
-    assert len(set(results)) == len(transfer_ids) == facts["transfers"] > 0
-
-
-def test_two_processes_sharing_one_file_conserve_money(tmp_path) -> None:
-    path, workspace_id, wallets = _shared_ledger(tmp_path)
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(2) as pool:
-        runs = pool.starmap(_hammer, [(path, workspace_id, wallets, w, 60) for w in range(2)])
-    facts = ledger_invariants(path)
-    assert facts["total"] == 4 * 100000
-    acknowledged = {pair for run in runs for pair in run}
-    assert len(acknowledged) == len(dict(acknowledged)) == facts["transfers"] > 0
-
-
-def test_a_forked_child_opens_its_own_connection(tmp_path) -> None:
-    """A service made before os.fork works in the child on a connection of its own."""
-    path, _, wallets = _shared_ledger(tmp_path)
-    svc = walletsvc.WalletService(path)
-    svc.deposit(wallets[0], "1.00")  # the parent's connection exists before the fork
-    with svc.db.connection() as conn:
-        parent_connection = id(conn)
-    context = multiprocessing.get_context("fork")
-    answers = context.Queue()
-
-    def child() -> None:
-        svc.deposit(wallets[0], "1.00")
-        with svc.db.connection() as conn:
-            answers.put(id(conn) != parent_connection)
-
-    children = [context.Process(target=child) for _ in range(4)]
-    for process in children:
-        process.start()
-    own = [answers.get(timeout=60) for _ in children]
-    for process in children:
-        process.join(timeout=60)
-    assert own == [True] * 4 and all(process.exitcode == 0 for process in children)
-    svc.deposit(wallets[0], "1.00")  # and the parent's still works
-    assert balances(svc, wallets[0]) == ["1006.00"]
-    ledger_invariants(path)
-
-
-def test_a_nonce_recorded_by_one_process_is_rejected_by_another(tmp_path, clock) -> None:
-    path, workspace_id, _ = _shared_ledger(tmp_path)
-    first_svc = walletsvc.WalletService(path, clock=clock)
-    key = first_svc.create_api_key(workspace_id, ["wallet:read"])
-    first = Api(webtest.TestApp(walletsvc.create_app(first_svc)), key, clock)
-    second_svc = walletsvc.WalletService(path, clock=clock)
-    second = Api(webtest.TestApp(walletsvc.create_app(second_svc)), key, clock)
-    headers = first.headers("GET", "/api/v1/wallets")
-    data(first.request("GET", "/api/v1/wallets", headers=headers))
-    error(second.request("GET", "/api/v1/wallets", headers=headers), "GA2013", 401)
-
-
-###############################################################################
-# Built for a big workspace ####################################################
+# Lists: built for a big workspace (DESIGN.md §8) ##############################
 ###############################################################################
 
 
@@ -2242,7 +3301,8 @@ def test_every_lookup_and_list_is_served_by_an_index(svc, api: Api, many: dict) 
             ("/api/v1/transfer/query/orders", "sort=amount,desc"),
             (f"/api/v1/transfer/query/orders/wallet/{a}", ""),
             (f"/api/v1/transfer/query/orders/wallet/{a}", "status=COMPLETED&createdFrom=0"),
-            ("/api/v1/transfer/query/orders/biz-01", ""), ("/api/v1/transfer/query/orders/biz-01/completed", ""),
+            ("/api/v1/transfer/query/orders/biz-01", ""),
+            ("/api/v1/transfer/query/orders/biz-01/completed", ""),
         ]:
             data(api.get(path, query=query))
         data(api.transfer(transfer_body(many, bizId="indexed")))
@@ -2276,203 +3336,12 @@ def test_totals_come_from_counters_not_scans(svc, api: Api, many: dict) -> None:
     finally:
         with svc.db.connection() as conn:
             conn.set_trace_callback(None)
-    assert not [s for s in statements if "count(*)" in s and "transfers" in s or "count(*)" in s and "flows" in s]
+    assert not [s for s in statements
+                if "count(*)" in s and "transfers" in s or "count(*)" in s and "flows" in s]
 
 
 ###############################################################################
-# Command line #################################################################
-###############################################################################
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _storage_world(tmp_path, clock, **settings) -> tuple[walletsvc.WalletService, Api, str, str]:
-    """A file database: a workspace, a full key, a wallet with 1000.00 USD and an empty one."""
-    svc = walletsvc.WalletService(str(tmp_path / "storage.db"), clock=clock, **settings)
-    ws = svc.create_workspace("Acme")
-    key = svc.create_api_key(ws["id"])
-    source, target = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
-    svc.deposit(source, "1000.00")
-    return svc, Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock), source, target
-
-
-def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
-    svc, api, source, target = _storage_world(tmp_path, clock, busy_timeout=0.2)
-    path = svc.db.path
-    body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD"}
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN IMMEDIATE")
-    try:
-        started = time.monotonic()
-        error(api.transfer(body), "S503", 503)
-        error(api.get(f"/api/v1/wallets/{source}"), "S503", 503)  # its nonce cannot be recorded
-        assert time.monotonic() - started < 2 * 0.2 + 2  # the busy timeout, not a hang
-    finally:
-        blocker.execute("ROLLBACK")
-        blocker.close()
-    assert balances(svc, source, target) == ["1000.00", "0.00"]
-    data(api.transfer(body))
-    assert balances(svc, source, target) == ["999.00", "1.00"]
-
-
-def test_read_only_storage_answers_s503_and_applies_nothing(tmp_path, clock) -> None:
-    svc, api, source, target = _storage_world(tmp_path, clock)
-    body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
-            "bizId": "ro-1"}
-    with svc.db.connection() as conn:  # the connection this thread's requests use
-        conn.execute("PRAGMA query_only = ON")  # every write fails as on a read-only file
-    error(api.transfer(body), "S503", 503)
-    error(api.get(f"/api/v1/wallets/{source}"), "S503", 503)  # a read must still record its nonce
-    with svc.db.connection() as conn:
-        conn.execute("PRAGMA query_only = OFF")
-    assert balances(svc, source, target) == ["1000.00", "0.00"]
-    assert svc.list_transfers(api.key["workspaceId"], {})["content"] == []
-    data(api.transfer(body))
-    assert balances(svc, source, target) == ["999.00", "1.00"]
-
-
-def test_full_disk_answers_s503_and_never_half_applies(tmp_path, clock) -> None:
-    svc, api, source, target = _storage_world(tmp_path, clock)
-    with svc.db.connection() as conn:
-        conn.execute("VACUUM")
-        pages = conn.execute("PRAGMA page_count").fetchone()[0]
-        conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full at the current size
-    done = 0
-    for n in range(500):
-        body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
-                "bizId": f"full-{n}", "description": "x" * 100}
-        response = api.transfer(body)
-        if response.status_int != 200:
-            error(response, "S503", 503)
-            break
-        done += 1
-    else:
-        pytest.fail("the database never filled up")
-    assert balances(svc, source, target) == [usd(100000 - 100 * done),
-                                             usd(100 * done)]
-    ledger_invariants(svc.db.path)
-    with svc.db.connection() as conn:
-        conn.execute("PRAGMA max_page_count = 1073741823")
-    data(api.transfer(body))  # the same bizId, retried once there is room: applied once
-    assert balances(svc, source, target)[1] == usd(100 * (done + 1))
-    ledger_invariants(svc.db.path)
-
-
-def _as_unprivileged(command: list) -> list:
-    """``command`` run so that file permissions bind it (root ignores them)."""
-    import shutil
-
-    if os.geteuid() != 0:
-        return command
-    if not shutil.which("setpriv"):
-        pytest.skip("running as root without setpriv: a read-only file cannot be simulated")
-    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *command]
-
-
-@pytest.mark.parametrize("read_only", ["file", "directory", "directory, new file"])
-def test_serve_refuses_unwritable_storage_at_start(tmp_path, read_only: str) -> None:
-    folder = tmp_path / "data"
-    folder.mkdir()
-    path = folder / "wallets.db"
-    walletsvc.WalletService(str(path)).close()
-    before = path.read_bytes()
-    if read_only == "file":
-        path.chmod(0o444)
-    else:
-        for leftover in folder.glob("wallets.db-*"):
-            leftover.unlink()
-        folder.chmod(0o555)
-    target = folder / "new.db" if read_only == "directory, new file" else path
-    try:
-        finished = subprocess.run(_as_unprivileged(
-            [sys.executable, "-m", "walletsvc", "serve", "--db", str(target), "--port", "0"]),
-            check=False, capture_output=True, text=True, timeout=60)
-    finally:
-        folder.chmod(0o755)
-        path.chmod(0o644)
-    assert finished.returncode == 2, finished.stderr
-    assert f"walletsvc: cannot serve {target}:" in finished.stderr
-    assert "must be writable" in finished.stderr and "Traceback" not in finished.stderr
-    assert path.read_bytes() == before
-    assert not list(folder.glob("*.db-*"))  # nothing left behind (read-only -wal/-shm blocked the next start)
-    server = ServerProcess(str(target), tmp_path / "after.log")  # writable again: it starts
-    try:
-        server.start()
-    finally:
-        server.stop()
-
-
-###############################################################################
-# Settlement modes #############################################################
-###############################################################################
-
-
-@pytest.fixture
-def manual(clock):
-    svc = walletsvc.WalletService(":memory:", clock=clock, settlement="manual")
-    ws = svc.create_workspace("Acme")
-    key = svc.create_api_key(ws["id"])
-    a, b = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
-    svc.deposit(a, "100.00")
-    api = Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock)
-    return svc, api, {"ws": ws, "a": a, "b": b}
-
-
-def test_manual_settlement_holds_then_completes(manual) -> None:
-    svc, api, w = manual
-    order = data(api.transfer(transfer_body(w, bizId="m-1", amount="30.00")))
-    assert (order["status"], order["completedAt"]) == ("PENDING", None)
-    balance = data(api.get(f"/api/v1/wallets/{w['a']}/balance"))
-    assert (balance["balance"], balance["available"], balance["pending"]) == ("100.00", "70.00", "30.00")
-    assert data(api.get("/api/v1/transfer/query/orders/m-1/completed"))["completed"] is False
-    assert data(api.get(f"/api/v1/wallets/{w['a']}/flows"))["page"]["totalElements"] == 1
-    error(api.transfer(transfer_body(w, bizId="m-2", amount="70.01")), "T2001", 422)  # held money is not available
-    done = svc.complete_transfer("m-1")
-    assert (done["status"], done["completedAt"]) == ("COMPLETED", T0)
-    balance = data(api.get(f"/api/v1/wallets/{w['a']}/balance"))
-    assert (balance["balance"], balance["available"], balance["pending"]) == ("70.00", "70.00", "0.00")
-    assert balances(svc, w["b"]) == ["30.00"]
-    assert data(api.get("/api/v1/transfer/query/orders/m-1/completed"))["completed"] is True
-    assert data(api.get(f"/api/v1/wallets/{w['a']}/flows"))["content"][0]["type"] == "TRANSFER_OUT"
-    with pytest.raises(walletsvc.WalletError, match="COMPLETED"):
-        svc.fail_transfer("m-1")
-
-
-def test_manual_settlement_failure_releases_the_hold(manual) -> None:
-    svc, api, w = manual
-    data(api.transfer(transfer_body(w, bizId="m-3", amount="100.00")))
-    failed = svc.fail_transfer("m-3", workspace_id=w["ws"]["id"])
-    assert (failed["status"], failed["completedAt"]) == ("FAILED", None)
-    balance = data(api.get(f"/api/v1/wallets/{w['a']}/balance"))
-    assert (balance["balance"], balance["available"], balance["pending"]) == ("100.00", "100.00", "0.00")
-    assert data(api.get("/api/v1/transfer/query/orders", query="status=FAILED"))["page"]["totalElements"] == 1
-    assert data(api.get("/api/v1/transfer/query/orders", query="status=PENDING"))["page"]["totalElements"] == 0
-    assert data(api.get(f"/api/v1/wallets/{w['b']}/flows"))["page"]["totalElements"] == 0
-
-
-def test_delayed_settlement_completes_on_the_service_clock(clock) -> None:
-    svc = walletsvc.WalletService(":memory:", clock=clock, settlement="delayed", settlement_delay=10)
-    ws = svc.create_workspace("Acme")
-    a, b = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
-    svc.deposit(a, "5.00")
-    order = svc.create_transfer(ws["id"], source_wallet_id=a, target_wallet_id=b, amount="5.00",
-                                currency="USD")
-    assert order["status"] == "PENDING"
-    clock.advance(9.999)
-    assert svc.get_transfer(ws["id"], order["bizId"])["status"] == "PENDING"
-    clock.advance(0.001)
-    assert svc.transfer_completion(ws["id"], order["bizId"])["completed"] is True
-    assert balances(svc, a, b) == ["0.00", "5.00"]
-
-
-###############################################################################
-# Sandbox: demo server, CLI, admin surface, OpenAPI, clients ###################
+# Sandbox: walletsvc serve (DESIGN.md §9) ######################################
 ###############################################################################
 
 
@@ -2517,12 +3386,12 @@ def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
     server, banner = _start_demo(tmp_path / "demo.db")
     try:
         base_url = re.search(r"sandbox at (\S+)", banner).group(1)
-        curl = subprocess.run(["bash", "-c", _block(banner, "(openssl + curl):")], capture_output=True, check=False,
-                              text=True, timeout=30)
+        curl = subprocess.run(["bash", "-c", _block(banner, "(openssl + curl):")], capture_output=True,
+                              check=False, text=True, timeout=30)
         answer = json.loads(curl.stdout)
         assert answer["success"] is True and answer["data"]["page"]["totalElements"] == 3
-        python = subprocess.run([sys.executable, "-c", _block(banner, "From Python:")], capture_output=True, check=False,
-                                text=True, timeout=30)
+        python = subprocess.run([sys.executable, "-c", _block(banner, "From Python:")], capture_output=True,
+                                check=False, text=True, timeout=30)
         assert "'success': True" in python.stdout, python.stderr
         token = re.search(r"admin token : (\S+)", banner).group(1)
         import urllib.request
@@ -2544,10 +3413,89 @@ def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
     assert re.search(credentials, banner).group(0) == re.search(credentials, second_banner).group(0)
 
 
-def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
-    code = walletsvc.main(list(argv))
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
+def test_serve_takes_settings(tmp_path, capsys) -> None:
+    path = str(tmp_path / "set.db")
+    key = _keyed_database(path)
+    server = ServerProcess(path, tmp_path / "server.log", "--set", "timestamp_tolerance=5", "--set",
+                           "default_locale=zh-CN")
+    server.start()
+    try:
+        assert _list_wallets(server, key).json()["success"] is True
+        late = _list_wallets(server, key, skew=10).json()
+        assert late["code"] == "GA2013" and "5" in late["detail"] and "服务器" in late["detail"]
+    finally:
+        server.stop()
+    with pytest.raises(SystemExit):
+        walletsvc.main(["serve", "--db", path, "--set", "no_such_setting=1"])
+    assert "NAME one of timestamp_tolerance" in capsys.readouterr().err
+    assert run_cli(capsys, "serve", "--db", path, "--set", "busy_timeout=soon")[0] == 2
+
+
+@pytest.mark.parametrize("token", [None, "t0ken"])
+def test_serve_without_demo_says_how_to_make_a_key(tmp_path, token) -> None:
+    server = ServerProcess(str(tmp_path / "plain.db"), tmp_path / "plain.log",
+                           *(["--admin-token", token] if token else []))
+    server.start()
+    try:
+        time.sleep(0.2)
+        printed = (tmp_path / "plain.log").read_text()
+    finally:
+        server.stop()
+    assert "walletsvc key create WORKSPACE_ID" in printed and "--demo" in printed
+    console = f"Sandbox console: {server.url}/_admin/console"  # only where there is one
+    assert (console in printed) is (token is not None)
+
+
+def test_restarting_without_demo_names_the_keys_it_holds(tmp_path) -> None:
+    """Defect: restarting a demo database without --demo said "you need a key" though keys existed."""
+    path = str(tmp_path / "again.db")
+    for options in (["--demo"], []):
+        server = ServerProcess(path, tmp_path / f"again{len(options)}.log", *options)
+        server.start()
+        server.stop()
+    printed = (tmp_path / "again0.log").read_text()
+    assert "It holds 1 API key(s) in 1 workspace(s)" in printed and "you need a key" not in printed
+
+
+@pytest.mark.parametrize("options, says", [
+    (["--threads", "0"], "at least 1"), (["--workers", "0"], "at least 1"),
+    (["--port", "99999"], "not a TCP port"), (["--port", "-1"], "not a TCP port")])
+def test_serve_refuses_what_it_cannot_serve_in_one_line(tmp_path, options: list, says: str) -> None:
+    """Defects: `serve --threads 0` printed "serving" and never answered; `--port 99999` served on \
+another port."""
+    done = _cli("serve", "--db", str(tmp_path / "s.db"), *options)
+    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
+    assert "serving" not in done.stdout
+
+
+def test_the_ready_file_says_everything_a_suite_needs(tmp_path) -> None:
+    ready = tmp_path / "ready.json"
+    process = subprocess.Popen([sys.executable, "-m", "walletsvc", "serve", "--demo", "--port", "0", "--db",
+                                str(tmp_path / "r.db"), "--ready-file", str(ready)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        facts = json.loads(ready.read_text())
+        assert facts["url"] == f"http://127.0.0.1:{facts['port']}"
+        (key,) = facts["keys"]
+        assert sorted(key["scopes"]) == ["transfer:create", "transfer:read", "wallet:read"]
+        assert [(w["name"], w["currency"]) for w in facts["wallets"]] == [("alice", "USD"), ("bob", "USD"),
+                                                                          ("yen", "JPY")]
+        answer = requests.get(facts["url"] + "/api/v1/wallets", timeout=10, headers=_signed(
+            "GET", "/api/v1/wallets", key["apiKey"], key["secret"])).json()
+        assert {w["id"] for w in answer["data"]["content"]} == {w["id"] for w in facts["wallets"]}
+        assert requests.get(facts["url"] + "/_admin/clock", timeout=10, headers={
+            "Authorization": f"Bearer {facts['adminToken']}"}).status_code == 200
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+
+
+###############################################################################
+# Sandbox: the command line (DESIGN.md §9) #####################################
+###############################################################################
 
 
 def test_every_cli_verb(tmp_path, capsys) -> None:
@@ -2562,8 +3510,10 @@ def test_every_cli_verb(tmp_path, capsys) -> None:
     assert [w["id"] for w in ok("workspace", "list")] == [ws["id"]]
     member = ok("member", "add", ws["id"], "alice")
     assert {m["name"] for m in ok("member", "list", ws["id"])} == {"owner", "alice"}
-    key = ok("key", "create", ws["id"], "--scope", "wallet:read", "--ip", "10.0.0.0/8", "--member", member["id"])
-    assert (key["scopes"], key["ipWhitelist"], key["memberId"]) == (["wallet:read"], ["10.0.0.0/8"], member["id"])
+    key = ok("key", "create", ws["id"], "--scope", "wallet:read", "--ip", "10.0.0.0/8", "--member",
+             member["id"])
+    assert (key["scopes"], key["ipWhitelist"], key["memberId"]) == (
+        ["wallet:read"], ["10.0.0.0/8"], member["id"])
     assert "secret" in key and "secret" not in ok("key", "list", ws["id"])[0]
     assert ok("key", "disable", key["apiKey"])["enabled"] is False
     assert ok("key", "enable", key["apiKey"])["enabled"] is True
@@ -2633,21 +3583,38 @@ def test_cli_reset_needs_confirmation(tmp_path, capsys) -> None:
 
 
 def test_cli_unopenable_database_is_a_clear_error(tmp_path, capsys) -> None:
-    code, _, err = run_cli(capsys, "workspace", "create", "x", "--db", str(tmp_path / "missing" / "dir" / "x.db"))
+    code, _, err = run_cli(capsys, "workspace", "create", "x", "--db",
+                           str(tmp_path / "missing" / "dir" / "x.db"))
     assert code == 2 and "unable to open database" in err
 
 
-@pytest.fixture
-def live(tmp_path, svc, world):
-    """The app on waitress on a free port, in a thread, stopped afterwards."""
-    import waitress
+@pytest.mark.parametrize("argv", [["audit"], ["workspace", "list"], ["member", "list", "ws_x"],
+                                  ["key", "list", "ws_x"], ["wallet", "list", "ws_x"],
+                                  ["wallet", "get", "wal_x"]])
+def test_a_command_that_only_reads_never_makes_a_database(tmp_path, argv: list) -> None:
+    """Defect: `walletsvc --db typo.db audit` answered [], exit 0, and left a 160 KB database."""
+    done = _cli("--db", str(tmp_path / "typo.db"), *argv)
+    assert done.returncode == 2 and "no database at" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "typo.db").exists()
 
-    server = waitress.create_server(walletsvc.create_app(svc, admin_token="tok"), host="127.0.0.1", port=0)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.effective_port}"
-    server.close()
-    thread.join(timeout=5)
+
+def test_global_options_go_before_or_after_the_subcommand(tmp_path, capsys) -> None:
+    path = str(tmp_path / "cli.db")
+    assert run_cli(capsys, "--db", path, "workspace", "create", "first")[0] == 0
+    assert run_cli(capsys, "workspace", "create", "second", "--db", path)[0] == 0
+    code, out, _ = run_cli(capsys, "--table", "workspace", "list", "--db", path)
+    assert code == 0 and "first" in out and "second" in out and not out.lstrip().startswith("[")
+
+
+def test_table_shows_lists_and_booleans_as_people_write_them(tmp_path, capsys) -> None:
+    path = str(tmp_path / "cli.db")
+    workspace = json.loads(run_cli(capsys, "workspace", "create", "w", "--db", path)[1])
+    run_cli(capsys, "key", "create", workspace["id"], "--scope", "wallet:read", "--scope", "transfer:read",
+            "--db", path)
+    code, out, _ = run_cli(capsys, "key", "list", workspace["id"], "--db", path, "--table")
+    assert (code == 0 and "wallet:read, transfer:read" in out and "true" in out and "['" not in out
+            and "True" not in out)
 
 
 def test_cli_request_and_sign_against_a_live_server(live, world, capsys, monkeypatch, clock) -> None:
@@ -2674,55 +3641,14 @@ def test_cli_request_and_sign_against_a_live_server(live, world, capsys, monkeyp
                                                                  "X-Signature"]
 
 
-def test_serve_takes_settings(tmp_path, capsys) -> None:
-    path = str(tmp_path / "set.db")
-    key = _keyed_database(path)
-    server = ServerProcess(path, tmp_path / "server.log", "--set", "timestamp_tolerance=5", "--set",
-                           "default_locale=zh-CN")
-    server.start()
-    try:
-        assert _list_wallets(server, key).json()["success"] is True
-        late = _list_wallets(server, key, skew=10).json()
-        assert late["code"] == "GA2013" and "5" in late["detail"] and "服务器" in late["detail"]
-    finally:
-        server.stop()
-    with pytest.raises(SystemExit):
-        walletsvc.main(["serve", "--db", path, "--set", "no_such_setting=1"])
-    assert "NAME one of timestamp_tolerance" in capsys.readouterr().err
-    assert run_cli(capsys, "serve", "--db", path, "--set", "busy_timeout=soon")[0] == 2
+def test_cli_request_prints_the_http_status(live, world, capsys, monkeypatch, clock) -> None:
+    import time as real_time
 
-
-def _keyed_database(path: str) -> dict:
-    """A database file with one workspace and a full-scope key, closed again."""
-    svc = walletsvc.WalletService(path)
-    key = svc.create_api_key(svc.create_workspace("Acme")["id"])
-    svc.close()
-    return key
-
-
-def _list_wallets(server: ServerProcess, key: dict, skew: int = 0) -> requests.Response:
-    headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"],
-                                     timestamp=int(time.time()) + skew)
-    return requests.get(server.url + "/api/v1/wallets", headers=headers, timeout=10)
-
-
-def test_server_started_on_a_locked_database_answers_s503_until_it_is_free(tmp_path) -> None:
-    path = str(tmp_path / "locked.db")
-    key = _keyed_database(path)
-    blocker = sqlite3.connect(path, isolation_level=None)
-    blocker.execute("BEGIN IMMEDIATE")
-    server = ServerProcess(path, tmp_path / "server.log", "--set", "busy_timeout=0.2")
-    try:
-        server.start()  # a lock held by another writer is not unwritable storage
-        started = time.monotonic()
-        busy = _list_wallets(server, key)
-        assert (busy.status_code, busy.json()["code"]) == (503, "S503")
-        assert time.monotonic() - started < 5
-        blocker.execute("ROLLBACK")
-        assert _list_wallets(server, key).json()["success"] is True
-    finally:
-        blocker.close()
-        server.stop()
+    clock.now = real_time.time()
+    monkeypatch.setenv("WALLETSVC_KEY", world["key"]["apiKey"])
+    monkeypatch.setenv("WALLETSVC_SECRET", world["key"]["secret"])
+    code, out, err = run_cli(capsys, "request", "GET", "/api/v1/wallets/wal_missing", "--url", live)
+    assert (code, err.strip(), json.loads(out)["code"]) == (1, "HTTP 404 Not Found", "W1001")
 
 
 def test_cli_request_without_credentials_is_a_usage_error(capsys, monkeypatch) -> None:
@@ -2732,435 +3658,564 @@ def test_cli_request_without_credentials_is_a_usage_error(capsys, monkeypatch) -
     assert exited.value.code == 2
 
 
-def admin_app(svc, token: str | None = "s3cret") -> webtest.TestApp:
-    return webtest.TestApp(walletsvc.create_app(svc, admin_token=token))
+def test_request_takes_paths_queries_and_urls_as_people_type_them(demo_server) -> None:
+    """Defects: a path without / and a query with a space printed tracebacks; a URL without http:// failed."""
+    server, env = demo_server
+    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"]}
+    host = server.url.removeprefix("http://")
+    missing = _cli("request", "GET", "api/v1/wallets", "--url", host, env=env)
+    assert (missing.returncode == 2 and "must start with /" in missing.stderr
+            and "Traceback" not in missing.stderr)
+    spaced = _cli("request", "GET", "/api/v1/wallets?sort=name,asc&currency=USD&x=a b", "--url", host,
+                  env=env)
+    assert spaced.returncode == 0, spaced.stderr
+    assert [w["name"] for w in json.loads(spaced.stdout)["data"]["content"]] == ["alice", "bob"]
 
 
-def admin_routes(svc) -> list[tuple[str, str]]:
-    """Every admin (method, path) an app with a token documents, parameters filled with "x"."""
-    document = admin_app(svc).get("/openapi.json").json
-    routes = [(method.upper(), re.sub(r"\{\w+\}", "x", path)) for path, operations in document["paths"].items()
-              for method in operations if path.startswith("/_admin/")]
-    assert len(routes) >= 27
-    return routes
+@pytest.mark.parametrize("url", ["http://h:abc", "127.0.0.1:1/pay?x=1", "ftp://h/", "http://h/#frag"])
+def test_request_refuses_a_url_it_cannot_use_in_one_line(url: str) -> None:
+    done = _cli("request", "GET", "/api/v1/wallets", "--url", url, "--key", "k", "--secret", "s")
+    assert done.returncode == 2 and "--url" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_admin_surface_is_404_without_a_token(svc) -> None:
-    app = admin_app(svc, None)
-    for method, path in admin_routes(svc):
-        response = app.request(path, method=method, headers={"Authorization": "Bearer anything"},
-                               expect_errors=True)
-        error(response, "S404", 404)
+def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_server) -> None:
+    """Defect: for a POST it printed headers only, and the README's pattern then sent a GET (GA2012)."""
+    server, env = demo_server
+    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"], "WALLETSVC_URL": server.url}
+    listed = json.loads(subprocess.run(
+        ["bash", "-c", 'eval "$(walletsvc sign GET /api/v1/wallets --format curl)"'],
+        capture_output=True, text=True, env=env, timeout=60, check=True).stdout)
+    alice, bob = sorted(listed["data"]["content"], key=lambda wallet: wallet["name"])[:2]
+    body = json.dumps({"sourceWalletId": alice["id"], "targetWalletId": bob["id"], "amount": "1.00",
+                       "currency": "USD", "description": "it's paid"})  # a quote and spaces survive the shell
+    command = (f"eval \"$(walletsvc sign POST /api/v1/transfer/command/create --data {shlex.quote(body)} "
+               "--format curl)\"")
+    posted = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=60,
+                            check=True)
+    assert json.loads(posted.stdout)["data"]["description"] == "it's paid"
 
 
-@pytest.mark.parametrize("authorization", [None, "", "Bearer", "Bearer wrong", "Basic czNjcmV0",
-                                           "Bearer s3cret-and-more", "bearer s3cre"])
-def test_admin_surface_refuses_a_wrong_token(svc, authorization) -> None:
-    app = admin_app(svc)
-    headers = {"Authorization": authorization} if authorization is not None else {}
-    for method, path in admin_routes(svc):
-        if path == "/_admin/console":  # the console's login form (DESIGN.md §9), tested below
-            continue
-        response = app.request(path, method=method, headers=headers, expect_errors=True)
-        error(response, "S401", 401)
+def test_sign_curl_sends_a_body_that_starts_with_at_as_written(demo_server) -> None:
+    """Review: with --data-binary, a body starting with @ made curl send a file instead."""
+    server, env = demo_server
+    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"], "WALLETSVC_URL": server.url}
+    command = ('eval "$(walletsvc sign POST /api/v1/transfer/command/create --data @/etc/hostname '
+               '--format curl)"')
+    answer = json.loads(subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env,
+                                       timeout=60, check=True).stdout)
+    assert answer["code"] == "S012" and "body" in answer["detail"]  # the 14 bytes signed arrived, not a file
 
 
-def test_admin_surface_mirrors_the_python_api(svc, clock) -> None:
-    app = admin_app(svc)
-    auth = {"Authorization": "Bearer s3cret"}
-
-    def call(method: str, path: str, body: dict | None = None):
-        response = app.request(path, method=method, headers=auth, expect_errors=True,
-                               body=json.dumps(body).encode() if body is not None else b"",
-                               content_type="application/json")
-        return data(response)
-
-    ws = call("POST", "/_admin/workspaces", {"name": "Acme"})
-    assert call("GET", f"/_admin/workspaces/{ws['id']}") == ws
-    member = call("POST", f"/_admin/workspaces/{ws['id']}/members", {"name": "bob"})
-    assert len(call("GET", f"/_admin/workspaces/{ws['id']}/members")) == 2
-    key = call("POST", f"/_admin/workspaces/{ws['id']}/keys", {"scopes": ["wallet:read"], "memberId": member["id"]})
-    assert key["secret"] and call("GET", f"/_admin/workspaces/{ws['id']}/keys")[0]["apiKey"] == key["apiKey"]
-    assert call("POST", f"/_admin/keys/{key['apiKey']}/disable")["enabled"] is False
-    assert call("POST", f"/_admin/keys/{key['apiKey']}/enable")["enabled"] is True
-    a = call("POST", f"/_admin/workspaces/{ws['id']}/wallets", {"currency": "USD", "name": "a"})
-    b = call("POST", f"/_admin/workspaces/{ws['id']}/wallets", {"currency": "USD"})
-    assert call("POST", f"/_admin/wallets/{a['id']}/deposit", {"amount": "9.00"})["balanceAfter"] == "9.00"
-    assert call("POST", f"/_admin/wallets/{a['id']}/withdraw", {"amount": "1.00"})["balanceAfter"] == "8.00"
-    assert call("POST", f"/_admin/wallets/{b['id']}/status", {"status": "FROZEN"})["status"] == "FROZEN"
-    assert call("GET", f"/_admin/wallets/{a['id']}")["balance"] == "8.00"
-    assert call("GET", f"/_admin/workspaces/{ws['id']}/wallets")["page"]["totalElements"] == 2
-    call("POST", f"/_admin/wallets/{b['id']}/status", {"status": "ACTIVE"})
-    manual = walletsvc.WalletService(":memory:", settlement="manual")
-    svc.settings = manual.settings  # the same service, now settling manually
-    svc.create_transfer(ws["id"], source_wallet_id=a["id"], target_wallet_id=b["id"], amount="1.00",
-                        currency="USD", biz_id="t-1")
-    svc.create_transfer(ws["id"], source_wallet_id=a["id"], target_wallet_id=b["id"], amount="1.00",
-                        currency="USD", biz_id="t-2")
-    assert call("POST", "/_admin/transfers/t-1/complete")["status"] == "COMPLETED"
-    assert call("POST", "/_admin/transfers/t-2/fail", {"workspaceId": ws["id"]})["status"] == "FAILED"
-    assert call("GET", f"/_admin/wallets/{a['id']}/balance")["available"] == "7.00"  # 9 - 1 - t-1
-    balances = call("GET", f"/_admin/workspaces/{ws['id']}/balances?sort=createdAt,asc&size=1")
-    assert (balances["content"], balances["page"]["totalElements"]) == (
-        [{"walletId": a["id"], "currency": "USD", "balance": "7.00", "available": "7.00", "pending": "0.00",
-          "updatedAt": balances["content"][0]["updatedAt"]}], 2)
-    flows = call("GET", f"/_admin/wallets/{a['id']}/flows?size=2")
-    assert flows["page"]["totalElements"] == 3 and flows["content"][0]["balanceAfter"] == "7.00"
-    assert [order["bizId"] for order in call("GET", f"/_admin/workspaces/{ws['id']}/transfers?status=FAILED")[
-        "content"]] == ["t-2"]
-    assert call("DELETE", f"/_admin/workspaces/{ws['id']}/members/{member['id']}") is None
-    assert call("DELETE", f"/_admin/workspaces/{ws['id']}") is None
-    assert call("GET", "/_admin/workspaces") == []
-    assert call("POST", "/_admin/reset") is None
+def test_every_environment_variable_the_cli_reads_is_documented() -> None:
+    source = (pathlib.Path(__file__).parent / "walletsvc.py").read_text(encoding="utf-8")
+    read = set(re.findall(r"os\.environ\.get\(\"(WALLETSVC_[A-Z_]+)\"", source))
+    assert read >= {"WALLETSVC_DB", "WALLETSVC_ADMIN_TOKEN", "WALLETSVC_URL", "WALLETSVC_KEY",
+                    "WALLETSVC_SECRET"}
+    section = README.read_text(encoding="utf-8").split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+    assert {name for name in read if f"`{name}`" not in section} == set()
 
 
-@pytest.mark.parametrize("path, body, code", [
-    ("/_admin/workspaces", {"nam": "x"}, "S012"),
-    ("/_admin/workspaces", {}, "S012"),
-    ("/_admin/workspaces", [], "S012"),
-    ("/_admin/workspaces/ws_missing/wallets", {"currency": "USD"}, "GA2032"),
-    ("/_admin/wallets/wal_missing/deposit", {"amount": "1.00"}, "W1001"),
-    ("/_admin/transfers/none/complete", {}, "T1001"),
-])
-def test_admin_errors_use_the_envelope(svc, path, body, code) -> None:
-    response = admin_app(svc).post(path, json.dumps(body), headers={"Authorization": "Bearer s3cret"},
-                                   content_type="application/json", expect_errors=True)
-    assert response.json["code"] == code and response.json["success"] is False
+def test_version_is_printed() -> None:
+    import importlib.metadata
 
-
-def test_openapi_document_is_valid_and_covers_every_route(svc) -> None:
-    from openapi_spec_validator import validate
-
-    app = walletsvc.create_app(svc, admin_token="s3cret")
-    document = webtest.TestApp(app).get("/openapi.json").json  # the bare document (DESIGN.md §3)
-    validate(document)
-    documented = {(method.upper(), path) for path, operations in document["paths"].items()
-                  for method in operations}
-    served = {(route.method, re.sub(r"<(\w+)>", r"{\1}", route.rule)) for route in app.routes
-              if route.rule != "/api<rest:re:(/.*)?>"}
-    assert documented == served
-    create = document["paths"][TRANSFER_PATH]["post"]
-    assert create["security"] == [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}]
-    described = " ".join(response["description"] for operations in document["paths"].values()
-                         for operation in operations.values() for response in operation["responses"].values())
-    answered = {**CATALOG, **ADMIN_CATALOG}
-    for code in ("S405", "50090201"):  # what a path answers to a method, or /api/ to a path, it does not serve
-        del answered[code]
-    assert all(f"{code} {name}" in described for code, (name, _) in answered.items())
-    for name in ("Wallet", "Balance", "Flow", "TransferOrder", "Completion", "Workspace", "Member", "ApiKey"):
-        assert name in document["components"]["schemas"]
-
-
-def test_each_operation_states_every_error_it_answers(svc) -> None:
-    """DESIGN.md §3: every status an operation can answer, with its error codes (Schemathesis then checks
-    each answer against them)."""
-    document = webtest.TestApp(walletsvc.create_app(svc, admin_token="s3cret")).get("/openapi.json").json
-
-    def errors(path: str, method: str) -> dict:
-        answers = document["paths"][path][method]["responses"]
-        return {status: sorted(answer["content"]["application/json"]["schema"]["allOf"][1]["properties"]["code"]["enum"])
-                for status, answer in answers.items() if status != "200"}
-
-    signed = {"401": ["GA2001", "GA2011", "GA2012", "GA2013"], "403": ["GA2021", "GA2022", "GA2024", "GA2034"]}
-    # any request: a Content-Length that is no number, an oversized body, a failure, the database
-    always = {"400": ["S012"], "413": ["S413"], "500": ["S500"], "503": ["S503"]}
-    assert errors(TRANSFER_PATH, "post") == {
-        **signed, **always, "404": ["GA2032", "W1001"], "409": ["T2004"], "415": ["S415"],
-        "422": ["T2001", "T2002", "T2003", "W1002"]}
-    assert errors("/api/v1/wallets/{wallet_id}", "get") == {**signed, **always, "404": ["GA2032", "W1001"]}
-    assert errors("/api/v1/wallets", "get") == {**signed, **always, "404": ["GA2032"]}
-    assert errors("/api/v1/transfer/query/orders/{biz_id}", "get") == {**signed, **always, "404": ["GA2032", "T1001"]}
-    assert errors("/_admin/wallets/{wallet_id}/withdraw", "post") == {
-        **always, "401": ["S401"], "403": ["S403"], "404": ["W1001"], "422": ["T2001", "W1002"]}
-    assert errors("/healthz", "get") == always
-
-
-def test_openapi_without_admin_token_documents_only_what_is_served(svc) -> None:
-    document = webtest.TestApp(walletsvc.create_app(svc)).get("/openapi.json").json
-    assert not [path for path in document["paths"] if path.startswith("/_admin")]
-
-
-def test_openapi_command_prints_the_raw_document(capsys) -> None:
-    code, out, _ = run_cli(capsys, "openapi")
-    assert code == 0 and json.loads(out)["openapi"] == "3.1.0"
-
-
-def _transfer_schema(document: dict) -> dict:
-    return document["components"]["schemas"]["CreateTransfer"]
-
-
-@hypothesis.settings(max_examples=300, deadline=None, database=None,
-                     suppress_health_check=[hypothesis.HealthCheck.function_scoped_fixture])
-@hypothesis.given(currency=st.sampled_from(["JPY", "USD", "BHD", "CLF"]),  # ISO 4217: 0, 2, 3 and 4 decimals
-                  amount=st.one_of(st.text("0123456789.", max_size=22),
-                                   st.from_regex(r"[0-9]{1,16}(\.[0-9]{1,5})?", fullmatch=True)))
-def test_the_document_states_each_currencys_amounts(app: webtest.TestApp, api: Api, currency: str,
-                                                    amount: str) -> None:
-    """DESIGN.md §3: an amount the document's pattern for its currency allows is taken (the transfer then
-    fails on its unknown wallets, W1001), and one it does not is S012 naming the amount."""
-    document = app.get("/openapi.json").json
-    pattern = next(branch["properties"]["amount"]["pattern"] for branch in _transfer_schema(document)["anyOf"]
-                   if currency in branch["properties"]["currency"]["enum"])
-    answer = api.transfer({"sourceWalletId": "wal_nope", "targetWalletId": "wal_nope2", "amount": amount,
-                           "currency": currency}).json
-    allowed = re.fullmatch(pattern.strip("^$"), amount) is not None
-    assert (answer["code"], "'amount'" in answer.get("detail", "")) == (("W1001", False) if allowed else ("S012", True))
-    if allowed:  # and the pattern is what DESIGN.md §6 says: positive, at most the currency's decimals
-        whole, _, fraction = amount.partition(".")
-        assert 0 < float(amount) < 10**18 / 10**{"JPY": 0, "USD": 2, "BHD": 3, "CLF": 4}[currency]
-        assert len(fraction) <= {"JPY": 0, "USD": 2, "BHD": 3, "CLF": 4}[currency]
-        assert whole == "0" or not whole.startswith("0")  # no leading zero
-
-
-@pytest.mark.parametrize("amount", ["1" * 5000, "0" * 5000 + "1", "1" * 4301 + ".5", "1" * 16])
-def test_an_amount_of_too_many_digits_is_s012_however_many(api: Api, world: dict, amount: str) -> None:
-    body = error(api.transfer(transfer_body(world, amount=amount)), "S012", 400)
-    assert "'amount'" in body["detail"]
-
-
-@pytest.mark.parametrize("moment, epoch_ms", [
-    ("2016-12-31T23:59:60Z", 1483228800000),  # a leap second ends a UTC day
-    ("2017-01-01T08:59:60+09:00", 1483228800000),
-    ("2027-01-15T08:00:00.123456789Z", 1800000000123),
-])
-def test_a_time_filter_takes_what_rfc_3339_allows(api: Api, world: dict, moment: str, epoch_ms: int) -> None:
-    """DESIGN.md §6: a time filter is RFC 3339 or epoch ms; each of these is the instant given."""
-    at = urllib.parse.quote(moment)
-    assert data(api.get("/api/v1/transfer/query/orders", query=f"createdFrom={at}&createdTo={epoch_ms}")) \
-        == data(api.get("/api/v1/transfer/query/orders", query=f"createdFrom={epoch_ms}&createdTo={epoch_ms}"))
-    assert data(api.get("/api/v1/transfer/query/orders", query=f"createdFrom={at}&createdTo={epoch_ms + 1}")) \
-        == data(api.get("/api/v1/transfer/query/orders", query=f"createdFrom={epoch_ms}&createdTo={epoch_ms + 1}"))
-
-
-@pytest.mark.parametrize("moment", ["0000-01-01", "0000-02-29T23:59:59.999+23:59"])
-def test_a_time_filter_takes_the_year_0000(api: Api, world: dict, moment: str) -> None:
-    """RFC 3339 has a year 0000 (proleptic Gregorian, a leap year): long before every order."""
-    at = urllib.parse.quote(moment)
-    assert data(api.get("/api/v1/transfer/query/orders", query=f"createdFrom={at}"))["page"]["totalElements"] == \
-        data(api.get("/api/v1/transfer/query/orders", query="createdFrom=0"))["page"]["totalElements"]
-    assert data(api.get("/api/v1/transfer/query/orders", query=f"createdTo={at}"))["page"]["totalElements"] == 0
-
-
-@pytest.mark.parametrize("moment", ["2027-01-15T08:00:60Z", "2016-12-31T23:59:60+01:00", "2027-01-15T08:00:00+24:00"])
-def test_a_time_filter_refuses_what_rfc_3339_does_not(api: Api, moment: str) -> None:
-    body = error(api.get("/api/v1/transfer/query/orders", query=f"createdFrom={urllib.parse.quote(moment)}"),
-                 "S012", 400)
-    assert "'createdFrom'" in body["detail"]
-
-
-@pytest.mark.parametrize("body", [b'{"name": "\\ud800"}', b'{"\\udfff": 1}', b'{"name": "a\\udc00b"}'])
-def test_a_lone_surrogate_is_s012_not_a_failure(walletsvc_sandbox, body: bytes) -> None:
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    answer = app.post("/_admin/workspaces", body, headers=ADMIN, content_type="application/json", expect_errors=True)
-    assert "surrogate" in error(answer, "S012", 400)["detail"]
-    pair = app.post("/_admin/workspaces", b'{"name": "\\ud83d\\ude00"}', headers=ADMIN, content_type="application/json")
-    assert pair.json["data"]["name"] == "\U0001F600"  # a pair is one character
-
-
-def test_a_content_length_that_is_no_number_is_s012_as_the_document_says(walletsvc_sandbox) -> None:
-    from wsgiref.util import setup_testing_defaults
-
-    environ = {"PATH_INFO": "/healthz", "CONTENT_LENGTH": "abc", "wsgi.input": io.BytesIO(b"")}
-    setup_testing_defaults(environ)  # (webtest will not send such a header; a WSGI host may pass it on)
-    started = []
-    answer = json.loads(b"".join(walletsvc_sandbox.app(environ, lambda status, headers: started.append(status))))
-    assert (started, answer["code"]) == (["400 Bad Request"], "S012") and "'Content-Length'" in answer["detail"]
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    documented = app.get("/openapi.json").json["paths"]["/healthz"]["get"]["responses"]["400"]
-    assert "S012 INVALID_PARAMETER" in documented["description"]
-
-
-SIGN_ME = "sign-me"  # the X-Signature Schemathesis sends; SchemathesisSigner puts the real one in its place
-
-
-class SchemathesisSigner:
-    """WSGI middleware in front of the app on a live server. Schemathesis sends the sandbox's key with
-    ``X-Signature: sign-me``; this signs the request as it arrived (the raw path, the exact body bytes,
-    the sandbox clock, a fresh nonce). Requests without the placeholder (its probes with missing or
-    wrong credentials) pass as they are."""
-
-    def __init__(self, app: Callable, key: dict, clock: Callable[[], float]) -> None:
-        self.app, self.key, self.clock = app, key, clock
-
-    def __call__(self, environ: dict, start_response: Callable) -> Any:
-        if environ.get("HTTP_X_SIGNATURE") == SIGN_ME and environ.get("HTTP_X_API_KEY") == self.key["apiKey"]:
-            body = environ["wsgi.input"].read(int(environ.get("CONTENT_LENGTH") or 0))
-            environ["wsgi.input"] = io.BytesIO(body)
-            timestamp, nonce = str(int(self.clock())), str(uuid.uuid4())
-            environ.update(HTTP_X_TIMESTAMP=timestamp, HTTP_X_NONCE=nonce, HTTP_X_SIGNATURE=spec_signature(
-                self.key["secret"], environ["REQUEST_METHOD"], environ["REQUEST_URI"].split("?")[0], timestamp,
-                nonce, body))
-        return self.app(environ, start_response)
-
-
-# What a request the document allows may still answer, and why no JSON Schema can say so in advance.
-# Everything else Schemathesis generates as valid must be accepted (DESIGN.md §3).
-BUSINESS_RULES = {  # 422, whatever the operation
-    "T2001": "the source's available balance is below the amount: the ledger decides, not the request",
-    "T2002": "the wallet holds another currency: the wallet decides, not the request",
-    "T2003": "the source and the target are the same wallet: JSON Schema cannot compare two fields",
-    "W1002": "the wallet is FROZEN or CLOSED: its state decides, not the request",
-}
-BEYOND_SCHEMAS = {  # (operation, code, the field the detail names): why
-    ("POST /api/v1/transfer/command/create", "S012", "Idempotency-Key"):
-        "the unsigned header is accepted only equal to the signed body's bizId: a rule across header and body",
-    ("POST /_admin/scenarios", "S012", "member"): "a key's member names a member of its workspace: a reference",
-    ("POST /_admin/scenarios", "S012", "id"): "the fixed ids of a scenario differ from each other: uniqueness "
-                                              "across nested objects",
-    ("POST /_admin/clock", "S012", "advance"): "the clock stays between 1970 and 9999: how far it may move "
-                                               "depends on where it is",
-    ("POST /_admin/clock", "S012", "at"): "the clock stays between 1970 and 9999 UTC: the document bounds the "
-                                          "year, and an offset at either edge can cross it",
-    ("POST /_admin/transfers/{biz_id}/complete", "S012", "bizId"): "only a PENDING order is decided: its state",
-    ("POST /_admin/transfers/{biz_id}/fail", "S012", "bizId"): "only a PENDING order is decided: its state",
-    ("POST /_admin/wallets/{wallet_id}/deposit", "S012", "amount"): "the decimals (and the balance's limit) are "
-                                                                     "the wallet's currency's",
-    ("POST /_admin/wallets/{wallet_id}/withdraw", "S012", "amount"): "the decimals are the wallet's currency's",
-    ("POST /_admin/wallets/{wallet_id}/status", "S012", "status"): "a CLOSED wallet stays CLOSED: its state decides",
-    ("POST /_admin/faults", "S012", "faults"): "at most 100 rules at a time: how many are left is the sandbox's",
-}
-
-
-def positive_data_accepted_or_a_stated_rule(ctx: Any, response: Any, case: Any) -> None:
-    """Schemathesis's positive_data_acceptance, with BUSINESS_RULES and BEYOND_SCHEMAS as its only exceptions."""
-    if case.meta is None or not case.meta.generation.mode.is_positive or response.status_code in (
-            200, 303, 401, 403, 404, 409):  # its defaults: credentials and resources the document cannot know
-        return
-    try:
-        answer = response.json()
-    except ValueError:
-        answer = {}
-    code, detail = answer.get("code"), answer.get("detail", "")
-    if response.status_code == 422 and code in BUSINESS_RULES:
-        return
-    named = re.search(r"'(?:[\w\[\]]+\.)*([\w-]+)'", detail)
-    if (case.operation.label, code, named and named.group(1)) not in BEYOND_SCHEMAS:
-        raise AssertionError(f"a request the document allows was refused: {response.status_code} {code} {detail}")
-
-
-# Examples per operation (the API's 11 get more than the admin surface's 40), and a fixed seed, so that
-# CI is repeatable: about 30 s together.
-SCHEMATHESIS_EXAMPLES, SCHEMATHESIS_SEED = {"api": 25, "admin": 6}, 1
-
-
-@pytest.mark.parametrize("surface", ["api", "admin"])
-def test_schemathesis_finds_no_gap_between_the_document_and_the_server(tmp_path, surface: str) -> None:
-    """DESIGN.md §3, judged by Schemathesis (all its phases and checks): every response matches the
-    document (statuses, error codes, headers, bodies), and the server refuses nothing the document
-    allows but BUSINESS_RULES and BEYOND_SCHEMAS. The admin surface runs on a sandbox of its own: its
-    fault rules and clock would otherwise reach the API's requests."""
-    import click.testing
-    import schemathesis
-    import schemathesis.cli
-
-    if positive_data_accepted_or_a_stated_rule.__name__ not in schemathesis.checks.CHECKS.get_all_names():
-        schemathesis.check(positive_data_accepted_or_a_stated_rule)
-    sandbox = walletsvc.Sandbox.create()
-    server = walletsvc.LiveServer(SchemathesisSigner(sandbox.app, sandbox.key, sandbox.clock))
-    wallets = sandbox.wallets
-    (tmp_path / "schemathesis.toml").write_text(f"""
-[cache]
-enabled = false
-[auth.openapi.ApiKey]
-api_key = "{sandbox.key['apiKey']}"
-[auth.openapi.Timestamp]
-api_key = "0"
-[auth.openapi.Nonce]
-api_key = "n"
-[auth.openapi.Signature]
-api_key = "{SIGN_ME}"
-[auth.openapi.AdminToken]
-bearer = "{sandbox.admin_token}"
-# The demo's wallets, so that requests reach them and not only W1001, and transfers between them that
-# can succeed (alice to bob, USD). The currency and the amount are bound together, always: bound apart,
-# one would break the rule tying the amount's decimals to the currency, which
-# test_the_document_states_each_currencys_amounts checks instead.
-[dictionaries.wallets]
-values = {json.dumps([wallet["id"] for wallet in wallets.values()])}
-[dictionaries.sources]
-values = ["{wallets['alice']['id']}"]
-[dictionaries.targets]
-values = ["{wallets['bob']['id']}"]
-[dictionaries.currencies]
-values = ["USD"]
-[dictionaries.amounts]
-values = ["0.01", "1.00", "10", "250.50", "999999999999999.99"]
-[parameters]
-"body.currency" = {{ dictionary = "currencies", probability = 1.0 }}
-"body.amount" = {{ dictionary = "amounts", probability = 1.0 }}
-"path.wallet_id" = {{ dictionary = "wallets", probability = 0.7 }}
-"body.sourceWalletId" = {{ dictionary = "sources", probability = 0.8 }}
-"body.targetWalletId" = {{ dictionary = "targets", probability = 0.8 }}
-""")
-    tags = ["api", "public"] if surface == "api" else ["admin", "console"]
-    report = tmp_path / "report.json"
-    try:
-        result = click.testing.CliRunner().invoke(schemathesis.cli.schemathesis, [
-            "--no-color", "--config-file", str(tmp_path / "schemathesis.toml"), "run", f"{server.url}/openapi.json",
-            "--checks", "all", "--exclude-checks", "positive_data_acceptance", "--max-examples",
-            str(SCHEMATHESIS_EXAMPLES[surface]), "--seed", str(SCHEMATHESIS_SEED), "--workers", "1", "--report", "json",
-            "--report-json-path", str(report),
-            *(option for tag in tags for option in ("--include-tag", tag))])
-    finally:
-        server.stop()
-    assert result.exit_code == 0, result.output[-30000:]
-    figures = json.loads(report.read_text())
-    print(json.dumps(figures["valid_rates"]))
-    print(f"Schemathesis, {surface}: {figures['operations']['tested']} operations, "
-          f"{figures['test_cases']['generated']} cases, {figures['running_time']:.1f} s")
-    assert figures["operations"]["tested"] == figures["operations"]["selected"] > 10
-    assert all(phase["status"] == "success" for phase in figures["phases"].values()), figures["phases"]
-    sandbox.audit()  # and the money held
-
-
-@pytest.mark.parametrize("target", ["live", "wsgi"])
-def test_client_covers_the_nine_endpoints(svc, world, live, clock, target) -> None:
-    import time as real_time
-
-    clock.now = real_time.time()
-    app = walletsvc.create_app(svc)
-    client = walletsvc.Client(live if target == "live" else app, world["key"]["apiKey"], world["key"]["secret"])
-    order = client.create_transfer(world["a"], world["b"], "2.00", "USD", biz_id="c-1", description="x")
-    assert client.create_transfer(world["a"], world["b"], "2.00", "USD", biz_id="c-1", description="x") == order
-    assert client.last_headers["Idempotent-Replayed"] == "true"
-    assert client.list_wallets(size=1, sort=["name,asc"])["content"][0]["name"] == "a"
-    assert client.get_wallet(world["a"])["balance"] == "98.00"
-    assert client.get_balance(world["b"])["available"] == "2.00"
-    assert client.list_flows(world["a"], type="TRANSFER_OUT")["page"]["totalElements"] == 1
-    assert client.list_transfers(status="COMPLETED")["content"] == [order]
-    assert client.list_wallet_transfers(world["b"])["content"] == [order]
-    assert client.get_transfer("c-1") == order
-    assert client.transfer_completed("c-1")["completed"] is True
-    with pytest.raises(walletsvc.WalletError) as raised:
-        client.create_transfer(world["a"], world["b"], "1000.00", "USD")
-    assert (type(raised.value).__name__, raised.value.code, raised.value.status) == (
-        "InsufficientBalance", "T2001", 422)
-    assert "below the amount" in str(raised.value)
-    with pytest.raises(walletsvc.WalletError) as raised:
-        client.get_transfer("no-such-order")
-    assert raised.value.code == "T1001"
-
-
-def test_hmac_auth_signs_requests_and_httpx(svc, live, world, clock) -> None:
-    import time as real_time
-
-    import httpx
-    import requests
-
-    clock.now = real_time.time()
-    auth = walletsvc.HmacAuth(world["key"]["apiKey"], world["key"]["secret"])
-    response = requests.get(live + "/api/v1/wallets", params={"size": 1}, auth=auth, timeout=5)
-    assert response.json()["data"]["page"]["size"] == 1
-    body = {"sourceWalletId": world["a"], "targetWalletId": world["b"], "amount": "1.00", "currency": "USD"}
-    assert requests.post(live + TRANSFER_PATH, json=body, auth=auth, timeout=5).json()["success"] is True
-    with httpx.Client(auth=auth, timeout=5) as client:
-        assert client.get(live + "/api/v1/wallets", params={"size": 2}).json()["data"]["page"]["size"] == 2
-        assert client.post(live + TRANSFER_PATH, json=body).json()["success"] is True
-    assert balances(svc, world["b"]) == ["2.00"]
+    done = _cli("--version")
+    assert (done.returncode, done.stdout.strip()) == (
+        0, f"walletsvc {importlib.metadata.version('walletsvc')}")
 
 
 ###############################################################################
-# Test double: pytest plugin, clock, ids, faults, journal, magic values ########
+# Sandbox: a suite in any language, over HTTP (DESIGN.md §9) ###################
+###############################################################################
+
+
+def _plain_signed(method: str, url: str, path: str, key: str, secret: str, body: bytes = b"",
+                  timestamp: int | None = None) -> requests.Response:
+    """A signed request written the way a suite in another language would: no walletsvc import."""
+    ts, nonce = str(timestamp if timestamp is not None else int(time.time())), str(uuid.uuid4())
+    message = "\n".join((method, path, ts, nonce, hashlib.sha256(body).hexdigest())).encode()
+    signature = base64.b64encode(hmac.new(secret.encode(), message, hashlib.sha256).digest()).decode()
+    headers = {"X-Api-Key": key, "X-Timestamp": ts, "X-Nonce": nonce, "X-Signature": signature}
+    if body:
+        headers["Content-Type"] = "application/json"
+    return requests.request(method, url + path, data=body or None, headers=headers, timeout=10)
+
+
+def test_a_suite_in_any_language_drives_the_served_demo_over_http(tmp_path) -> None:
+    """Clock, faults, journal and reset over plain HTTP against `walletsvc serve --demo`, one key \
+throughout."""
+    server = ServerProcess(str(tmp_path / "demo.db"), tmp_path / "demo.log", "--demo")
+    server.start()
+    try:
+        printed = (tmp_path / "demo.log").read_text()
+        key, secret, token = (re.search(rf"{label}\s*: (\S+)", printed).group(1)
+                              for label in ("API key", "secret", "admin token"))
+        admin = {"Authorization": f"Bearer {token}"}
+        url = server.url
+        frozen = requests.post(url + "/_admin/clock", json={"freeze": True, "at": "2030-01-01T00:00:00Z"},
+                               headers=admin, timeout=10).json()["data"]
+        assert (frozen["epochMillis"], frozen["frozen"]) == (1893456000000, True)
+        assert _plain_signed("GET", url, "/api/v1/wallets", key, secret).json()["code"] == "GA2013"
+        wallets = _plain_signed("GET", url, "/api/v1/wallets", key, secret, timestamp=1893456000).json()
+        alice, bob = sorted(wallets["data"]["content"], key=lambda w: w["name"])[:2]
+        requests.post(url + "/_admin/faults", json={"code": "S503", "method": "POST", "times": 1},
+                      headers=admin, timeout=10)
+        body = json.dumps({"sourceWalletId": alice["id"], "targetWalletId": bob["id"], "amount": "1.00",
+                           "currency": "USD"}).encode()
+        assert _plain_signed("POST", url, TRANSFER_PATH, key, secret, body, 1893456000).status_code == 503
+        order = _plain_signed("POST", url, TRANSFER_PATH, key, secret, body, 1893456000).json()["data"]
+        assert order["createdAt"] == "2030-01-01T00:00:00.000Z"
+        requests.post(url + "/_admin/clock", json={"advance": 3600}, headers=admin, timeout=10)
+        assert _plain_signed("GET", url, "/api/v1/wallets", key, secret,
+                             timestamp=1893459600).status_code == 200
+        journal = requests.get(url + "/_admin/journal", params={"method": "POST"}, headers=admin,
+                               timeout=10).json()["data"]["content"]
+        assert [entry["status"] for entry in journal] == [503, 200]
+        assert requests.post(url + "/_admin/reset", headers=admin, timeout=10).json()["success"] is True
+        requests.post(url + "/_admin/clock", json={"freeze": False}, headers=admin, timeout=10)
+        again = _plain_signed("GET", url, "/api/v1/wallets", key, secret).json()  # the same key after reset
+        assert again["data"]["page"]["totalElements"] == 3
+        assert sorted(w["balance"] for w in again["data"]["content"]) == ["1000.00", "1000.00", "100000"]
+        journal = requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"]
+        assert [entry["status"] for entry in journal["content"]] == [200]  # reset emptied it
+    finally:
+        server.stop()
+
+
+def test_readme_curl_walk_through_runs_as_printed(demo_server) -> None:
+    import shutil
+
+    if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
+        pytest.skip("the walk-through needs bash, curl, openssl and sha256sum")
+    server, env = demo_server
+    script = readme_blocks("Driving the sandbox from any language", "sh")[0]  # (the other starts a server)
+    script = script.replace("http://127.0.0.1:8080", server.url)
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert '"status":"COMPLETED"' in done.stdout
+    assert "transfer journaled" in done.stdout and "reset: same key, fresh demo" in done.stdout
+
+
+###############################################################################
+# Sandbox: one sandbox, however many processes (DESIGN.md §9) ##################
+###############################################################################
+
+
+def test_both_servers_print_the_same_demo(tmp_path, two_servers) -> None:
+    _servers, demo = two_servers
+    assert _demo_of(tmp_path / "server1.log") == demo
+
+
+@pytest.mark.parametrize("layout", ["two serve", "--workers 2"])
+def test_every_process_on_one_file_is_one_sandbox(tmp_path, layout: str) -> None:
+    """The clock, a times=1 fault rule, the journal and reset behave as one sandbox (DESIGN.md §9)."""
+    path = str(tmp_path / "one.db")
+    if layout == "two serve":
+        servers = [ServerProcess(path, tmp_path / f"s{n}.log", "--demo") for n in range(2)]
+    else:
+        servers = [ServerProcess(path, tmp_path / "s0.log", "--demo", "--workers", "2")]
+    try:
+        for server in servers:
+            server.start()
+        key, secret, admin, _wallets = _demo_of(tmp_path / "s0.log")
+        urls = [server.url for server in servers] * (2 if len(servers) == 1 else 1)
+        _clock(urls[0], admin, freeze=True, at="2030-01-01T00:00:00Z")
+        assert {_clock(url, admin)["epochMillis"] for url in urls * 3} == {1893456000000}
+        at = 1893456000
+        rule = requests.post(urls[0] + "/_admin/faults", json={"code": "S503", "times": 1}, headers=admin,
+                             timeout=10).json()["data"]
+        codes = [requests.get(url + "/api/v1/wallets",
+                              headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=at),
+                              timeout=10).json()["code"]
+                 for url in urls * 3]
+        assert sorted(codes) == ["2000"] * 5 + ["S503"]  # the rule fired once across every process
+        for url in urls:
+            assert requests.get(url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == [
+                {**rule, "fired": 1}]
+            journal = requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"]
+            # every process's requests, in order
+            assert [entry["code"] for entry in journal["content"]] == codes
+        assert requests.post(urls[1] + "/_admin/reset", headers=admin, timeout=10).json()["success"] is True
+        for url in urls:
+            assert requests.get(url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
+            assert requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"][
+                "page"]["totalElements"] == 0
+            assert _clock(url, admin)["frozen"] is False  # as the sandbox started
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_readme_gunicorn_recipe_with_two_workers_is_one_sandbox(tmp_path) -> None:
+    import socket
+    import textwrap
+
+    (block,) = readme_blocks("One sandbox, however many processes", "python")
+    (tmp_path / "sandbox_wsgi.py").write_text(textwrap.dedent(block))
+    svc = walletsvc.WalletService(str(tmp_path / "sandbox.db"))
+    workspace = svc.create_workspace("gunicorn")["id"]
+    key = svc.create_api_key(workspace)
+    svc.close()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "gunicorn", "-w", "2", "-b", f"127.0.0.1:{port}",
+                                "--chdir", str(tmp_path), "sandbox_wsgi:app"], stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+    url, admin = f"http://127.0.0.1:{port}", {"Authorization": "Bearer change-me"}
+    try:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline:
+            with contextlib.suppress(requests.ConnectionError):
+                requests.get(url + "/healthz", timeout=1)
+                break
+            time.sleep(0.1)
+        _clock(url, admin, freeze=True, at=NOW)
+        requests.post(url + "/_admin/faults", json={"code": "S503", "times": 1}, headers=admin, timeout=10)
+        codes = [requests.get(url + "/api/v1/wallets", timeout=10, headers=_signed(
+            "GET", "/api/v1/wallets", key["apiKey"], key["secret"], timestamp=NOW)).json()["code"]
+                 for _ in range(8)]
+        # the clock and the rule of one sandbox, whichever worker
+        assert sorted(codes) == ["2000"] * 7 + ["S503"]
+        assert requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"]["page"][
+            "totalElements"] == 8
+    finally:
+        process.terminate()
+        process.wait(timeout=10)
+
+
+###############################################################################
+# Sandbox: reset (DESIGN.md §9) ################################################
+###############################################################################
+
+
+def _workspace_of(url: str, admin: dict) -> str:
+    return requests.get(url + "/_admin/workspaces", headers=admin, timeout=10).json()["data"][0]["id"]
+
+
+def test_reset_returns_the_demo_exactly_as_first_printed(two_servers) -> None:
+    (a, b), (key, secret, admin, wallets) = two_servers
+    before = _balances_over_http(a.url, key, secret)
+    body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "10.00",
+                       "currency": "USD"}).encode()
+    requests.post(a.url + TRANSFER_PATH, data=body, headers=_signed("POST", TRANSFER_PATH, key, secret, body),
+                  timeout=10)
+    requests.post(a.url + f"/_admin/workspaces/{_workspace_of(a.url, admin)}/wallets",
+                  json={"currency": "EUR"}, headers=admin, timeout=10)
+    assert requests.post(b.url + "/_admin/reset", headers=admin, timeout=10).json()["success"] is True
+    listed = requests.get(a.url + "/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret),
+                          params={"sort": "createdAt,asc"}, timeout=10).json()["data"]["content"]
+    assert [wallet["id"] for wallet in listed] == wallets  # the ids first printed
+    assert _balances_over_http(b.url, key, secret) == before
+
+
+def test_reset_on_a_busy_database_leaves_the_sandbox_as_it_was(tmp_path) -> None:
+    """Defect: reset was two transactions; on a busy database it answered S503 and left no workspace, \
+no key."""
+    path = str(tmp_path / "busy.db")
+    server = ServerProcess(path, tmp_path / "busy.log", "--demo", "--set", "busy_timeout=0.3")
+    server.start()
+    try:
+        key, secret, admin, _ = _demo_of(tmp_path / "busy.log")
+        holder = sqlite3.connect(path, isolation_level=None)
+        holder.execute("BEGIN IMMEDIATE")  # another writer holds the lock past the busy timeout
+        answer = requests.post(server.url + "/_admin/reset", headers=admin, timeout=10)
+        assert (answer.status_code, answer.json()["code"]) == (503, "S503")
+        holder.execute("ROLLBACK")
+        holder.close()
+        assert len(_balances_over_http(server.url, key, secret)) == 3  # the same key, the same wallets
+        assert requests.post(server.url + "/_admin/reset", headers=admin, timeout=10).status_code == 200
+    finally:
+        server.stop()
+
+
+def _post_quietly(url: str, headers: dict) -> None:
+    with contextlib.suppress(requests.RequestException):  # the server is killed under it
+        requests.post(url, headers=headers, timeout=5)
+
+
+@pytest.mark.slow
+def test_kill_9_during_reset_leaves_the_sandbox_whole(tmp_path) -> None:
+    """Defect: kill -9 during reset left an empty database 9 times in 40; the restart printed new \
+credentials."""
+    path = str(tmp_path / "killed.db")
+    server = ServerProcess(path, tmp_path / "killed.log", "--demo")
+    server.start()
+    first = _demo_of(tmp_path / "killed.log")
+    key, secret, admin, _wallets = first
+    try:
+        for attempt in range(8):
+            threads = [threading.Thread(target=_post_quietly, args=(server.url + "/_admin/reset", admin))
+                       for _ in range(4)]
+            for thread in threads:
+                thread.start()
+            time.sleep(0.002 * attempt)
+            server.kill()
+            for thread in threads:
+                thread.join()
+            server.start()
+            assert _demo_of(tmp_path / "killed.log") == first  # the restart prints the same demo
+            assert sorted(_balances_over_http(server.url, key, secret)) == ["alice", "bob", "yen"]
+        assert walletsvc.WalletService(path).audit() == []
+    finally:
+        server.stop()
+
+
+###############################################################################
+# Sandbox: scenarios and parallel worlds (DESIGN.md §9) ########################
+###############################################################################
+
+
+def _readme_scenario(tmp_path: pathlib.Path, replace: tuple[str, str] | None = None) -> pathlib.Path:
+    (block,) = readme_blocks("Scenarios and parallel worlds", "toml")
+    if replace:
+        block = block.replace(*replace, 1)
+    (tmp_path / "shop.toml").write_text(block)
+    return tmp_path / "shop.toml"
+
+
+def test_readme_scenario_file_serves_as_printed_and_survives_reset(tmp_path) -> None:
+    """Ids, key and secret hard-coded from the file work, and still work after a reset."""
+    scenario = _readme_scenario(tmp_path)
+    ready = tmp_path / "ready.json"
+    server = ServerProcess(str(tmp_path / "shop.db"), tmp_path / "shop.log", "--scenario", str(scenario),
+                           "--ready-file", str(ready))
+    server.start()
+    try:
+        facts = json.loads(ready.read_text())
+        admin = {"Authorization": f"Bearer {facts['adminToken']}"}
+        assert [(k["apiKey"], k["secret"]) for k in facts["keys"]] == [
+            ("ak_shop_test", "shop-test-secret-0001"), ("ak_shop_reader", "shop-reader-secret-0001")]
+        assert [w["id"] for w in facts["wallets"]] == ["wal_shop_till", "wal_shop_safe", "wal_shop_old"]
+        assert _clock(server.url, admin) == {"now": "2030-01-01T00:00:00.000Z", "epochMillis": 1893456000000,
+                                             "frozen": True, "controllable": True}
+        at = 1893456000
+        body = json.dumps({"sourceWalletId": "wal_shop_till", "targetWalletId": "wal_shop_safe",
+                           "amount": "5.00", "currency": "USD"}).encode()
+        for round_ in range(2):
+            order = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10, headers=_signed(
+                "POST", TRANSFER_PATH, "ak_shop_test", "shop-test-secret-0001", body, timestamp=at)).json()
+            assert order["data"]["status"] == "PENDING"  # settlement = "manual", from the file
+            balances_ = {w["id"]: (w["balance"], w["status"]) for w in requests.get(
+                server.url + "/api/v1/wallets", timeout=10, headers=_signed(
+                    "GET", "/api/v1/wallets", "ak_shop_reader", "shop-reader-secret-0001",
+                    timestamp=at)).json()["data"]["content"]}
+            assert balances_ == {"wal_shop_till": ("500.00", "ACTIVE"), "wal_shop_safe": ("0.00", "ACTIVE"),
+                                 "wal_shop_old": ("20.00", "FROZEN")}
+            _clock(server.url, admin, advance=600)
+            assert requests.post(server.url + "/_admin/reset", headers=admin, timeout=10).json()["success"]
+            assert _clock(server.url, admin)["epochMillis"] == 1893456000000  # the clock as it started
+        members = requests.get(server.url + "/_admin/workspaces/ws_shop/members", headers=admin,
+                               timeout=10).json()
+        assert sorted(m["name"] for m in members["data"]) == ["clerk", "owner"]
+    finally:
+        server.stop()
+
+
+@pytest.mark.parametrize("replace, says", [
+    (('currency = "USD"', 'currency = "USX"'),
+     "line {}: Invalid parameter 'workspaces[0].wallets[0].currency'"),
+    (('balance = "500.00"', "balance = 500.00"),
+     "line {}: Invalid parameter 'workspaces[0].wallets[0].balance'"),
+    (('name = "till"', 'nmae = "till"'), "line {}: Invalid parameter 'workspaces[0].wallets[0].nmae'"),
+    (('id = "ak_shop_test"', 'id = "wal_shop_test"'),
+     "line {}: Invalid parameter 'workspaces[0].keys[0].id'"),
+    (('frozen = true', 'frozen = tru'), "Invalid value (at line {}"),
+])
+def test_a_bad_scenario_is_refused_at_start_naming_the_line_and_the_field(tmp_path, replace, says) -> None:
+    scenario = _readme_scenario(tmp_path, replace)
+    line = next(number for number, text in enumerate(scenario.read_text().splitlines(), 1)
+                if replace[1] in text)
+    done = _cli("serve", "--db", str(tmp_path / "bad.db"), "--port", "0", "--scenario", str(scenario))
+    assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert done.stderr.startswith(f"walletsvc: scenario {scenario}: ") and says.format(line) in done.stderr
+    assert (not (tmp_path / "bad.db").exists()
+            or walletsvc.WalletService(str(tmp_path / "bad.db")).list_workspaces() == [])
+
+
+def test_readme_shows_the_refusal_of_a_bad_scenario_as_printed(tmp_path) -> None:
+    scenario = _readme_scenario(tmp_path, ('currency = "USD"', 'currency = "USX"'))
+    done = _cli("serve", "--db", str(tmp_path / "bad.db"), "--port", "0", "--scenario", scenario.name,
+                cwd=tmp_path)
+    section = README.read_text(encoding="utf-8").split("\n## Scenarios and parallel worlds\n", 1)[1]
+    printed = re.search(r"`(walletsvc: scenario shop.toml: .*?)`", section, flags=re.DOTALL).group(1)
+    assert done.stderr.strip() == " ".join(printed.split())
+
+
+def test_a_json_scenario_and_a_python_one_load_alike(tmp_path) -> None:
+    scenario = {"workspaces": [{"id": "ws_json", "name": "J",
+                                "keys": [{"id": "ak_json", "secret": "json-secret"}],
+                                "wallets": [{"id": "wal_json", "name": "w", "currency": "JPY",
+                                             "balance": "7"}]}]}
+    (tmp_path / "s.json").write_text(json.dumps(scenario, indent=2))
+    for source in (tmp_path / "s.json", scenario):
+        sandbox = walletsvc.Sandbox.create(scenario=source)
+        assert (sandbox.workspace["id"], sandbox.key["apiKey"], sandbox.key["secret"]) == (
+            "ws_json", "ak_json", "json-secret")
+        assert sandbox.client.get_wallet("wal_json")["balance"] == "7"
+    (tmp_path / "bad.json").write_text('{"workspaces": [\n  {"name": "x",}\n]}')
+    with pytest.raises(ValueError, match=r"bad.json: line 2:"):
+        walletsvc.Sandbox.create(scenario=tmp_path / "bad.json")
+
+
+def test_parallel_worlds_over_http_are_isolated_and_reset_alone(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    worlds = [app.post_json("/_admin/scenarios", body, headers=ADMIN).json["data"]["workspaces"][0]
+              for body in ({}, {"scenario": "demo"})]
+    assert len({world["id"] for world in worlds} | {sandbox.workspace["id"]}) == 3  # fresh ids
+    assert len({world["keys"][0]["secret"] for world in worlds} | {sandbox.key["secret"]}) == 3  # fresh keys
+    clients = [walletsvc.Client(sandbox.app, world["keys"][0]["apiKey"], world["keys"][0]["secret"],
+                                clock=sandbox.clock) for world in worlds]
+    first = {w["name"]: w["id"] for w in worlds[0]["wallets"]}
+    alice, bob = first["alice"], first["bob"]
+    clients[0].create_transfer(alice, bob, "10.00", "USD", biz_id="first")
+    other = {w["name"]: w["id"] for w in worlds[1]["wallets"]}
+    clients[1].create_transfer(other["alice"], other["bob"], "3.00", "USD", biz_id="first")  # its own bizIds
+    with pytest.raises(walletsvc.WalletError) as refused:
+        clients[0].get_wallet(other["alice"])  # another world's wallet: never seen
+    assert refused.value.code == "W1001"
+    app.post_json("/_admin/faults", {"code": "S503", "workspaceId": worlds[0]["id"]}, headers=ADMIN)
+    again = app.post(f"/_admin/workspaces/{worlds[0]['id']}/reset", headers=ADMIN).json["data"]
+    assert again["keys"] == worlds[0]["keys"] and [w["balance"] for w in again["wallets"]] == [
+        "1000.00", "1000.00", "100000"]
+    assert clients[0].list_transfers()["page"]["totalElements"] == 0  # its rule went with the reset
+    assert clients[1].list_transfers()["page"]["totalElements"] == 1  # the other world kept its order
+    assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
+    error(app.post("/_admin/workspaces/ws_nowhere/reset", headers=ADMIN, expect_errors=True), "S404", 404)
+    error(app.post_json("/_admin/scenarios", {"scenario": "other"}, headers=ADMIN, expect_errors=True),
+          "S012", 400)
+    bad = app.post_json("/_admin/scenarios", {"workspaces": [{"name": "x", "wallets": [{"name": "w"}]}]},
+                        headers=ADMIN, expect_errors=True)
+    assert "workspaces[0].wallets[0].currency" in error(bad, "S012", 400)["detail"]
+
+
+def test_worlds_without_wallets_or_keys_and_with_members_named_by_id(tmp_path, walletsvc_sandbox) -> None:
+    """Review: a workspace without wallets broke worlds and save_start (SQL 'IN (?, )'); a key naming its
+    member by the scenario's id was refused with fresh ids; a 300-character wallet name answered 500."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    bare = app.post_json("/_admin/scenarios", {"workspaces": [{"name": "nowallet"}]},
+                         headers=ADMIN).json["data"]
+    assert app.post(f"/_admin/workspaces/{bare['workspaces'][0]['id']}/reset", headers=ADMIN).json["success"]
+    walletsvc_sandbox.service.save_start()
+    by_id = {"workspaces": [{"name": "m", "members": [{"id": "mem_bob", "name": "bob"}],
+                             "keys": [{"member": "mem_bob"}]}]}
+    for _ in range(2):  # fresh ids each time: mem_bob is this world's own bob
+        world = app.post_json("/_admin/scenarios", by_id, headers=ADMIN).json["data"]["workspaces"][0]
+        bob = next(member for member in world["members"] if member["name"] == "bob")
+        assert world["keys"][0]["memberId"] == bob["id"] != "mem_bob"
+    long_name = {"workspaces": [{"name": "w", "wallets": [{"name": "x" * 300, "currency": "USD"}]}]}
+    error(app.post_json("/_admin/scenarios", long_name, headers=ADMIN, expect_errors=True), "S012", 400)
+    (tmp_path / "nokey.toml").write_text('[[workspaces]]\nname = "keyless"\n')
+    server = ServerProcess(str(tmp_path / "nokey.db"), tmp_path / "nokey.log", "--scenario",
+                           str(tmp_path / "nokey.toml"))
+    server.start()  # (it printed a banner without a key instead of failing on one)
+    server.stop()
+    assert "Traceback" not in (tmp_path / "nokey.log").read_text()
+
+
+def test_a_world_reset_keeps_replays_refused_and_the_journal_in_order(walletsvc_sandbox) -> None:
+    """Review: a world's reset forgot its nonce records (a captured transfer moved money again) and let
+    the journal's seq go back (a poller with after= missed entries)."""
+    sandbox = walletsvc_sandbox
+    world = sandbox.world()
+    app = webtest.TestApp(sandbox.app)
+    body = json.dumps({"sourceWalletId": world.wallets["alice"]["id"],
+                       "targetWalletId": world.wallets["bob"]["id"],
+                       "amount": "1.00", "currency": "USD"}).encode()
+    captured = _signed("POST", TRANSFER_PATH, world.key["apiKey"], world.key["secret"], body,
+                       timestamp=int(sandbox.clock()))
+    assert app.post(TRANSFER_PATH, body, headers=captured).json["success"] is True
+    newest = sandbox.journal.entries()[-1]["seq"]
+    world.reset()
+    error(app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True), "GA2013", 401)
+    assert world.client.get_wallet(world.wallets["alice"]["id"])["balance"] == "1000.00"
+    sandbox.client.list_wallets()
+    assert [entry["code"] for entry in sandbox.journal.entries(after=newest)] == ["GA2013", "2000", "2000"]
+
+
+def test_scenario_files_with_odd_keys_and_toml_times(tmp_path) -> None:
+    """Review: a key that is not an identifier, or a TOML datetime for clock.at, printed a traceback."""
+    base = '[[workspaces]]\nname = "w"\n'
+    cases = {"odd.toml": (base + '"my-field" = 1\n', "workspaces[0].my-field"),
+             "date.toml": ('[clock]\nat = 2030-01-01\n' + base, "clock.at"),
+             "bool.toml": ('[clock]\nat = true\n' + base, "clock.at")}
+    for name, (text, field) in cases.items():
+        (tmp_path / name).write_text(text)
+        done = _cli("serve", "--db", str(tmp_path / f"{name}.db"), "--port", "0", "--scenario",
+                    str(tmp_path / name))
+        assert done.returncode == 2 and field in done.stderr and "Traceback" not in done.stderr, done.stderr
+    (tmp_path / "datetime.toml").write_text('[clock]\nat = 2030-01-01T00:00:00Z\n' + base)
+    sandbox = walletsvc.Sandbox.create(scenario=tmp_path / "datetime.toml")
+    assert sandbox.clock() == 1893456000.0 and sandbox.clock.frozen
+
+
+@pytest.mark.walletsvc(scenario={"workspaces": [{
+    "id": "ws_marked", "name": "Marked", "keys": [{}],
+    "wallets": [{"name": "w", "currency": "EUR", "balance": "3.00"}]}]})
+def test_the_marker_takes_a_scenario_and_worlds_copy_it(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    assert sandbox.workspace["id"] == "ws_marked" and sandbox.wallets["w"]["balance"] == "3.00"
+    world = sandbox.world()  # the scenario the sandbox started from, with fresh ids
+    assert (world.workspace["name"], world.wallets["w"]["balance"]) == ("Marked", "3.00")
+    assert world.workspace["id"] != "ws_marked"
+    over_http = webtest.TestApp(sandbox.app).post_json("/_admin/scenarios", {}, headers=ADMIN).json["data"]
+    assert [w["name"] for w in over_http["workspaces"]] == ["Marked"]
+
+
+def test_a_world_in_python_resets_alone(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    world = sandbox.world()
+    assert world.workspace["id"] != sandbox.workspace["id"] and world.key["apiKey"] != sandbox.key["apiKey"]
+    world.client.create_transfer(world.wallets["alice"]["id"], world.wallets["bob"]["id"], "1.00", "USD")
+    sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                   "2.00", "USD")
+    world.reset()
+    assert world.client.list_transfers()["page"]["totalElements"] == 0
+    assert sandbox.client.list_transfers()["page"]["totalElements"] == 1
+    sandbox.reset()  # the whole sandbox: the world made after the start is gone
+    with pytest.raises(walletsvc.WalletError):
+        world.client.list_wallets()
+
+
+def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path) -> None:
+    """Two suites in other languages, from the ready file, each in a world of its own, at the same time."""
+    import shutil
+
+    missing = [tool for tool in ("node", "java") if not shutil.which(tool)]
+    if missing:
+        if os.environ.get("WALLETSVC_LANGUAGES") == "required":
+            raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
+        pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
+    section = "Driving the sandbox from any language"
+    (start,), (js,), (java,) = (readme_blocks(section, "sh")[1:], readme_blocks(section, "js"),
+                                readme_blocks(section, "java"))
+    assert start.strip() == "walletsvc serve --scenario shop.toml --ready-file walletsvc-ready.json"
+    (tmp_path / "walletsvc.test.mjs").write_text(js)
+    (tmp_path / "WalletsvcExample.java").write_text(java)
+    ready = tmp_path / "walletsvc-ready.json"
+    server = ServerProcess(str(tmp_path / "langs.db"), tmp_path / "langs.log", "--scenario",
+                           str(_readme_scenario(tmp_path)), "--ready-file", str(ready))
+    server.start()
+    try:
+        env = {**os.environ, "READY": str(ready)}
+        runs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+                for command in (["node", "--test", "walletsvc.test.mjs"], ["java", "WalletsvcExample.java"])]
+        outputs = [run.communicate(timeout=180)[0] for run in runs]
+        assert [run.returncode for run in runs] == [0, 0], "\n".join(outputs)
+        assert "# pass 1" in outputs[0] and "# fail 0" in outputs[0]
+        assert outputs[1].count("ok: ") == 6
+        admin = {"Authorization": f"Bearer {json.loads(ready.read_text())['adminToken']}"}
+        names = [w["name"] for w in requests.get(server.url + "/_admin/workspaces", headers=admin,
+                                                 timeout=10).json()["data"]]
+        assert names == ["Shop"] * 3  # the scenario's, and a world for each suite
+    finally:
+        server.stop()
+
+
+###############################################################################
+# Sandbox: the pytest plugin (DESIGN.md §9) ####################################
 ###############################################################################
 
 
@@ -3170,7 +4225,8 @@ def test_sandbox_fixture_is_ready_to_use(walletsvc_sandbox) -> None:
         "alice": ("USD", "1000.00"), "bob": ("USD", "1000.00"), "yen": ("JPY", "100000")}
     assert sorted(sandbox.key["scopes"]) == sorted(SCOPES)
     assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
-    response = webtest.TestApp(sandbox.app).get("/api/v1/wallets", headers=sandbox.headers("GET", "/api/v1/wallets"))
+    response = webtest.TestApp(sandbox.app).get("/api/v1/wallets",
+                                                headers=sandbox.headers("GET", "/api/v1/wallets"))
     assert response.json["success"] is True
 
 
@@ -3180,7 +4236,8 @@ def test_sandbox_reset_restores_the_seed_with_the_same_ids(walletsvc_sandbox) ->
         return [sandbox.workspace["id"], sandbox.key["apiKey"], sandbox.key["secret"],
                 *[(w["id"], w["balance"]) for w in sandbox.wallets.values()]]
     before = ids()
-    sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"], "5.00", "USD")
+    sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                   "5.00", "USD")
     sandbox.faults.add(code="S503")
     sandbox.clock.advance(100)
     sandbox.reset()
@@ -3189,16 +4246,10 @@ def test_sandbox_reset_restores_the_seed_with_the_same_ids(walletsvc_sandbox) ->
     assert sandbox.client.list_transfers()["page"]["totalElements"] == 0
 
 
-def test_seeded_ids_are_the_same_on_every_run() -> None:
-    def run() -> list:
-        sandbox = walletsvc.Sandbox.create()
-        order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
-                                               "1.00", "USD")
-        return [sandbox.workspace["id"], sandbox.key["apiKey"], sandbox.key["secret"],
-                *[w["id"] for w in sandbox.wallets.values()], order["transferId"]]
-    assert run() == run()
-    unseeded = [walletsvc.WalletService(":memory:").create_workspace("x")["id"] for _ in range(2)]
-    assert unseeded[0] != unseeded[1]
+def test_sandbox_exposes_its_admin_token(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    answer = app.get("/_admin/clock", headers={"Authorization": f"Bearer {walletsvc_sandbox.admin_token}"})
+    assert answer.json["data"]["controllable"] is True
 
 
 def test_live_fixture_serves_over_http(walletsvc_live) -> None:
@@ -3225,6 +4276,62 @@ def test_readme_pytest_example_passes_as_written(tmp_path) -> None:
                                 timeout=120, cwd=tmp_path, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
         assert "5 passed" in result.stdout
+
+
+@pytest.mark.walletsvc(settlement="manual", magic_values=True)
+def test_the_marker_gives_a_test_a_sandbox_with_those_settings(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           "10.00", "USD", biz_id="held")
+    assert order["status"] == "PENDING"
+    with pytest.raises(walletsvc.WalletError) as declined:
+        sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                       "666.66", "USD")
+    assert declined.value.code == "T2001"
+
+
+def test_an_unmarked_test_gets_the_defaults(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           "666.66", "USD")
+    assert order["status"] == "COMPLETED"
+
+
+@pytest.mark.walletsvc(settlement="manual")
+def test_the_marker_applies_to_the_live_sandbox_too(walletsvc_live) -> None:
+    sandbox = walletsvc_live
+    assert sandbox.url.startswith("http://127.0.0.1:")
+    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                           "1.00", "USD")
+    assert order["status"] == "PENDING"
+
+
+def test_every_fixture_is_documented() -> None:
+    listed = subprocess.run([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider",
+                             str(pathlib.Path(__file__))], capture_output=True, text=True, timeout=120,
+                            check=False)
+    ours = re.findall(r"^(walletsvc_\w+)(?: \[session scope\])?.*\n((?:    .*\n)*)", listed.stdout,
+                      flags=re.MULTILINE)
+    assert {name for name, _ in ours} >= {"walletsvc_sandbox", "walletsvc_live", "walletsvc_session_sandbox",
+                                          "walletsvc_session_live"}
+    for name, doc in ours:
+        assert doc.strip() and "no docstring available" not in doc, name
+
+
+def test_a_live_server_stops_with_keep_alive_clients_connected() -> None:
+    """Defect: the live fixture's teardown always waited out a 5 s join while a client kept a connection."""
+    sandbox = walletsvc.Sandbox.create()
+    server = walletsvc.LiveServer(sandbox.app)
+    session = requests.Session()
+    assert session.get(server.url + "/healthz", timeout=5).status_code == 200
+    server.stop()
+    with pytest.raises(requests.ConnectionError):  # its connection was closed: nothing waited for it to leave
+        session.get(server.url + "/healthz", timeout=5)
+
+
+###############################################################################
+# Sandbox: the clock (DESIGN.md §9) ############################################
+###############################################################################
 
 
 def test_clock_freeze_set_advance_unfreeze() -> None:
@@ -3268,13 +4375,171 @@ def test_admin_clock_controls_the_sandbox(walletsvc_sandbox) -> None:
     sandbox = walletsvc_sandbox
     admin = webtest.TestApp(sandbox.app)
     auth = {"Authorization": "Bearer walletsvc-test-admin"}
-    state = admin.post_json("/_admin/clock", {"freeze": True, "at": "2027-01-15T08:00:00Z"}, headers=auth).json["data"]
+    state = admin.post_json("/_admin/clock", {"freeze": True, "at": "2027-01-15T08:00:00Z"},
+                            headers=auth).json["data"]
     assert state == {"now": T0, "epochMillis": NOW * 1000, "frozen": True, "controllable": True}
     state = admin.post_json("/_admin/clock", {"advance": 1.5}, headers=auth).json["data"]
     assert state["now"] == "2027-01-15T08:00:01.500Z"
     assert admin.get("/_admin/clock", headers=auth).json["data"]["frozen"] is True
     bad = admin.post_json("/_admin/clock", {"advance": "soon"}, headers=auth, expect_errors=True)
     assert bad.json["code"] == "S012"
+
+
+@pytest.mark.parametrize("at, reason", [
+    (10**400, "clock"), (-(10**400), "clock"), (1893456000000, "looks like epoch milliseconds"),
+    ("1893456000", "string of digits"), ("1893456000000", "string of digits"), ("soon", "RFC 3339"),
+    ("2030-01-01T00:00:00", "RFC 3339"), (None, "must be JSON number or string")])
+def test_clock_times_are_one_unit_everywhere(walletsvc_sandbox, at: Any, reason: str) -> None:
+    """DESIGN.md §9: a JSON number is epoch seconds, a string ISO-8601 (RFC 3339, the profile the document
+    states); milliseconds are refused, saying so; null is not a time."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    detail = error(app.post_json("/_admin/clock", {"at": at}, headers=ADMIN, expect_errors=True), "S012", 400)
+    assert reason in detail["detail"]
+    assert app.get("/_admin/clock", headers=ADMIN).json["data"]["frozen"] is False  # nothing changed
+
+
+def test_clock_takes_epoch_seconds_as_a_number_and_iso_as_a_string(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    for at in (1893456000, 1893456000.0, "2030-01-01T00:00:00Z", "2030-01-01T08:00:00+08:00"):
+        state = app.post_json("/_admin/clock", {"freeze": True, "at": at}, headers=ADMIN).json["data"]
+        assert (state["epochMillis"], state["frozen"]) == (1893456000000, True)
+
+
+def test_a_clock_belongs_to_one_service() -> None:
+    clock = walletsvc.Clock()
+    walletsvc.WalletService(":memory:", clock=clock)
+    with pytest.raises(ValueError, match="a Clock of its own"):
+        walletsvc.WalletService(":memory:", clock=clock)
+
+
+###############################################################################
+# Sandbox: ids (DESIGN.md §9) ##################################################
+###############################################################################
+
+
+def test_seeded_ids_are_the_same_on_every_run() -> None:
+    def run() -> list:
+        sandbox = walletsvc.Sandbox.create()
+        order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                               "1.00", "USD")
+        return [sandbox.workspace["id"], sandbox.key["apiKey"], sandbox.key["secret"],
+                *[w["id"] for w in sandbox.wallets.values()], order["transferId"]]
+    assert run() == run()
+    unseeded = [walletsvc.WalletService(":memory:").create_workspace("x")["id"] for _ in range(2)]
+    assert unseeded[0] != unseeded[1]
+
+
+def test_ids_can_be_seeded_over_http() -> None:
+    made = []
+    for _ in range(2):
+        svc = walletsvc.WalletService(":memory:")
+        admin = webtest.TestApp(walletsvc.create_app(svc, admin_token="t"))
+        auth = {"Authorization": "Bearer t"}
+        admin.post_json("/_admin/ids", {"seed": 42}, headers=auth)
+        workspace = admin.post_json("/_admin/workspaces", {"name": "seeded"}, headers=auth).json["data"]
+        key = admin.post_json(f"/_admin/workspaces/{workspace['id']}/keys", {}, headers=auth).json["data"]
+        made.append((workspace["id"], key["apiKey"], key["secret"]))
+        refused = admin.post_json("/_admin/ids", {"seed": "x"}, headers=auth, expect_errors=True)
+        assert refused.json["code"] == "S012"
+    assert made[0] == made[1]  # the same sequence in two services
+    fresh = walletsvc.WalletService(":memory:").create_workspace("random")["id"]
+    assert fresh != made[0][0]
+
+
+def test_seeding_again_on_a_used_database_never_collides(walletsvc_sandbox) -> None:
+    """Defect: a second POST /_admin/ids {"seed": 42} made every create S500 (UNIQUE constraint)."""
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    workspace = sandbox.workspace["id"]
+    made = []
+    for seed in (42, 42, 7, None, 42):
+        assert app.post_json("/_admin/ids", {"seed": seed}, headers=ADMIN).json["success"] is True
+        for _ in range(2):
+            made.append(app.post_json(f"/_admin/workspaces/{workspace}/wallets", {"currency": "USD"},
+                                      headers=ADMIN).json["data"]["id"])
+    assert made == sorted(made) and len(set(made)) == len(made)  # unique, increasing in commit order
+    assert sandbox.service.audit() == []
+
+
+def test_seed_null_means_random_again(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    assert app.post_json("/_admin/ids", {"seed": None}, headers=ADMIN).json["success"] is True
+    error(app.post_json("/_admin/ids", {}, headers=ADMIN, expect_errors=True), "S012", 400)
+    error(app.post_json("/_admin/ids", {"seed": "1"}, headers=ADMIN, expect_errors=True), "S012", 400)
+
+
+def test_seeded_ids_repeat_from_the_same_starting_state(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    def run() -> list[str]:
+        sandbox.service.seed_ids(5)
+        wallet = sandbox.service.create_wallet(sandbox.workspace["id"], "EUR")["id"]
+        order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                               "1.00", "USD")["transferId"]
+        return [wallet, order]
+    first = run()
+    sandbox.reset()
+    assert run() == first
+
+
+def test_a_new_seed_under_a_frozen_clock_keeps_the_ledger_in_commit_order(walletsvc_sandbox) -> None:
+    """Defect: another seed issued ids that sorted before existing ones; audit found broken running \
+balances."""
+    sandbox = walletsvc_sandbox
+    sandbox.clock.freeze(at=NOW)
+    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
+    for seed in (9, 1, 3):
+        sandbox.service.seed_ids(seed)
+        for _ in range(3):
+            sandbox.client.create_transfer(alice, bob, "1.00", "USD")
+    flows = sandbox.client.list_flows(alice, sort="createdAt,asc", size=100)["content"]
+    assert [flow["balanceAfter"] for flow in flows] == ["1000.00"] + [f"{999 - n}.00" for n in range(9)]
+    assert sandbox.service.audit() == []
+
+
+def test_two_servers_seeded_alike_issue_unique_ids(tmp_path) -> None:
+    """Defect: two `serve --set id_seed=0` on one file made every other create S500."""
+    path = str(tmp_path / "seeded.db")
+    servers = [ServerProcess(path, tmp_path / f"s{n}.log", "--demo", "--set", "id_seed=0") for n in range(2)]
+    try:
+        for server in servers:
+            server.start()
+        _key, _secret, admin, _ = _demo_of(tmp_path / "s0.log")
+        workspace = requests.get(servers[0].url + "/_admin/workspaces", headers=admin,
+                                 timeout=10).json()["data"][0]
+        made = []
+        for n in range(8):
+            answer = requests.post(servers[n % 2].url + f"/_admin/workspaces/{workspace['id']}/wallets",
+                                   json={"currency": "USD"}, headers=admin, timeout=10)
+            assert answer.status_code == 200, answer.text
+            made.append(answer.json()["data"]["id"])
+        assert made == sorted(made) and len(set(made)) == 8
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def test_a_seeded_demo_restarts_without_collisions(tmp_path) -> None:
+    """Defect: `serve --demo --set id_seed=0`, stop, start again: the second transfer was S500."""
+    server = ServerProcess(str(tmp_path / "d.db"), tmp_path / "d.log", "--demo", "--set", "id_seed=0")
+    try:
+        for _ in range(2):
+            server.start()
+            key, secret, _admin, wallets = _demo_of(tmp_path / "d.log")
+            body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
+                               "currency": "USD"}).encode()
+            for _ in range(3):
+                answer = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
+                                       headers=_signed("POST", TRANSFER_PATH, key, secret, body))
+                assert answer.status_code == 200, answer.text
+            server.stop()
+    finally:
+        server.stop()
+    assert walletsvc.WalletService(str(tmp_path / "d.db")).audit() == []
+
+
+###############################################################################
+# Sandbox: fault rules (DESIGN.md §9) ##########################################
+###############################################################################
 
 
 @pytest.mark.parametrize("rule, request_path, fires", [
@@ -3299,13 +4564,21 @@ def test_fault_rules_force_errors_on_matching_requests(walletsvc_sandbox, rule, 
         assert response.json["success"] is True
 
 
+def _attempt(call):
+    try:
+        return call()
+    except walletsvc.WalletError as exc:
+        return exc
+
+
 def test_fault_rules_fire_n_times_or_always(walletsvc_sandbox) -> None:
     sandbox = walletsvc_sandbox
     sandbox.faults.add(code="S503", times=2)
     codes = [c.code if isinstance(c, walletsvc.WalletError) else "2000" for c in
              (_attempt(sandbox.client.list_wallets) for _ in range(3))]
     assert codes == ["S503", "S503", "2000"]
-    assert [(rule["id"], rule["fired"]) for rule in sandbox.faults.rules()] == [("fault_1", 2)]  # spent, listed
+    # spent, listed
+    assert [(rule["id"], rule["fired"]) for rule in sandbox.faults.rules()] == [("fault_1", 2)]
     sandbox.faults.add(code="S503")
     assert all(_attempt(sandbox.client.list_wallets).code == "S503" for _ in range(5))
     assert [rule["fired"] for rule in sandbox.faults.rules()] == [2, 5]
@@ -3325,195 +4598,6 @@ def test_reset_restarts_fault_ids(walletsvc_sandbox) -> None:
     sandbox.faults.add(code="S503")
     sandbox.reset()
     assert sandbox.faults.add(code="S503")["id"] == "fault_1"
-
-
-def test_sandbox_exposes_its_admin_token(walletsvc_sandbox) -> None:
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    answer = app.get("/_admin/clock", headers={"Authorization": f"Bearer {walletsvc_sandbox.admin_token}"})
-    assert answer.json["data"]["controllable"] is True
-
-
-def test_a_stale_timestamp_says_the_servers_time(api: Api) -> None:
-    detail = error(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 300)}), "GA2013", 401)["detail"]
-    assert f"the server's time is {NOW} (2027-01-15T08:00:00.000Z)" in detail and "-300 s" in detail
-
-
-def _plain_signed(method: str, url: str, path: str, key: str, secret: str, body: bytes = b"",
-                  timestamp: int | None = None) -> requests.Response:
-    """A signed request written the way a suite in another language would: no walletsvc import."""
-    ts, nonce = str(timestamp if timestamp is not None else int(time.time())), str(uuid.uuid4())
-    message = "\n".join((method, path, ts, nonce, hashlib.sha256(body).hexdigest())).encode()
-    signature = base64.b64encode(hmac.new(secret.encode(), message, hashlib.sha256).digest()).decode()
-    headers = {"X-Api-Key": key, "X-Timestamp": ts, "X-Nonce": nonce, "X-Signature": signature}
-    if body:
-        headers["Content-Type"] = "application/json"
-    return requests.request(method, url + path, data=body or None, headers=headers, timeout=10)
-
-
-def test_a_suite_in_any_language_drives_the_served_demo_over_http(tmp_path) -> None:
-    """Clock, faults, journal and reset over plain HTTP against `walletsvc serve --demo`, one key throughout."""
-    server = ServerProcess(str(tmp_path / "demo.db"), tmp_path / "demo.log", "--demo")
-    server.start()
-    try:
-        printed = (tmp_path / "demo.log").read_text()
-        key, secret, token = (re.search(rf"{label}\s*: (\S+)", printed).group(1)
-                              for label in ("API key", "secret", "admin token"))
-        admin = {"Authorization": f"Bearer {token}"}
-        url = server.url
-        frozen = requests.post(url + "/_admin/clock", json={"freeze": True, "at": "2030-01-01T00:00:00Z"},
-                               headers=admin, timeout=10).json()["data"]
-        assert (frozen["epochMillis"], frozen["frozen"]) == (1893456000000, True)
-        assert _plain_signed("GET", url, "/api/v1/wallets", key, secret).json()["code"] == "GA2013"
-        wallets = _plain_signed("GET", url, "/api/v1/wallets", key, secret, timestamp=1893456000).json()
-        alice, bob = sorted(wallets["data"]["content"], key=lambda w: w["name"])[:2]
-        requests.post(url + "/_admin/faults", json={"code": "S503", "method": "POST", "times": 1},
-                      headers=admin, timeout=10)
-        body = json.dumps({"sourceWalletId": alice["id"], "targetWalletId": bob["id"], "amount": "1.00",
-                           "currency": "USD"}).encode()
-        assert _plain_signed("POST", url, TRANSFER_PATH, key, secret, body, 1893456000).status_code == 503
-        order = _plain_signed("POST", url, TRANSFER_PATH, key, secret, body, 1893456000).json()["data"]
-        assert order["createdAt"] == "2030-01-01T00:00:00.000Z"
-        requests.post(url + "/_admin/clock", json={"advance": 3600}, headers=admin, timeout=10)
-        assert _plain_signed("GET", url, "/api/v1/wallets", key, secret, timestamp=1893459600).status_code == 200
-        journal = requests.get(url + "/_admin/journal", params={"method": "POST"}, headers=admin,
-                               timeout=10).json()["data"]["content"]
-        assert [entry["status"] for entry in journal] == [503, 200]
-        assert requests.post(url + "/_admin/reset", headers=admin, timeout=10).json()["success"] is True
-        requests.post(url + "/_admin/clock", json={"freeze": False}, headers=admin, timeout=10)
-        again = _plain_signed("GET", url, "/api/v1/wallets", key, secret).json()  # the same key after reset
-        assert again["data"]["page"]["totalElements"] == 3
-        assert sorted(w["balance"] for w in again["data"]["content"]) == ["1000.00", "1000.00", "100000"]
-        journal = requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"]
-        assert [entry["status"] for entry in journal["content"]] == [200]  # reset emptied it
-    finally:
-        server.stop()
-
-
-README = pathlib.Path(__file__).parent / "README.md"
-
-
-def readme_blocks(section: str, language: str) -> list[str]:
-    """The ```language blocks of one README section, as printed."""
-    text = README.read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return [block.split("```", 1)[0] for block in text.split(f"```{language}\n")[1:]]
-
-
-def test_every_readme_python_block_runs_in_the_suite() -> None:
-    """A new Python block in README needs a test that runs it; these are the tested sections."""
-    sections = re.findall(r"^## (.+)$", README.read_text(encoding="utf-8"), flags=re.MULTILINE)
-    with_python = {section for section in sections if readme_blocks(section, "python")}
-    assert with_python == {"A signed request", "Embedding", "Clients", "Using walletsvc in your tests",
-                           "Adding an endpoint", "One sandbox, however many processes"}
-
-
-@pytest.fixture
-def demo_server(tmp_path):
-    """``walletsvc serve --demo`` and the environment a user has after reading its banner."""
-    server = ServerProcess(str(tmp_path / "demo.db"), tmp_path / "demo.log", "--demo")
-    server.start()
-    printed = (tmp_path / "demo.log").read_text()
-    env = {**os.environ, **{name: re.search(rf"{label}\s*: (\S+)", printed).group(1)
-                            for name, label in (("KEY", "API key"), ("SECRET", "secret"), ("TOKEN", "admin token"))}}
-    yield server, env
-    server.stop()
-
-
-@pytest.mark.parametrize("section", ["A signed request", "Clients"])
-def test_readme_python_blocks_run_as_printed_against_the_demo(demo_server, section, tmp_path) -> None:
-    server, env = demo_server
-    for block in readme_blocks(section, "python"):
-        done = subprocess.run([sys.executable, "-c", block.replace("http://127.0.0.1:8080", server.url)],
-                              env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
-        assert done.returncode == 0, done.stdout + done.stderr
-    if section == "A signed request":
-        assert done.stdout == "3 wallets\n"
-    else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 1000.00
-        reply = walletsvc.Client(server.url, env["KEY"], env["SECRET"]).list_wallets(sort=["name,asc"])
-        assert [wallet["balance"] for wallet in reply["content"]] == ["989.00", "1011.00", "100000"]
-
-
-def test_readme_adding_an_endpoint_block_serves_an_endpoint(svc, world, clock, monkeypatch) -> None:
-    """README, "Adding an endpoint": the three pieces, as printed, are all the HTTP layer needs."""
-    import textwrap
-
-    (block,) = readme_blocks("Adding an endpoint", "python")
-    handler, service, resource = (textwrap.dedent(piece.split("\n", 1)[1])
-                                  for piece in re.split(r"^# \d\. ", block, flags=re.MULTILINE)[1:])
-    resource, schema = resource.split("\n\n")
-    pieces, scope = {}, dict(vars(walletsvc))  # as if written in walletsvc.py
-    for name, piece in (("handler", handler), ("service", service), ("resource", resource)):
-        exec(compile(piece, f"README.md (Adding an endpoint: {name})", "exec"), scope)  # noqa: S102 - ours
-        pieces[name] = scope["limits_resource" if name == "resource" else "get_limits"]
-    monkeypatch.setattr(walletsvc.WalletApi, "get_limits", pieces["handler"], raising=False)
-    monkeypatch.setattr(walletsvc.WalletService, "get_limits", pieces["service"], raising=False)
-    monkeypatch.setattr(walletsvc, "limits_resource", pieces["resource"], raising=False)
-    monkeypatch.setattr(walletsvc, "SCHEMAS", {**walletsvc.SCHEMAS, **eval("{" + schema + "}", vars(walletsvc))})
-
-    app = webtest.TestApp(walletsvc.create_app(svc))
-    assert data(Api(app, world["key"], clock).get(f"/api/v1/wallets/{world['a']}/limits")) == {
-        "walletId": world["a"], "largestTransfer": "100.00"}
-    reader = Api(app, svc.create_api_key(world["ws"]["id"], ["transfer:read"]), clock)
-    error(reader.get(f"/api/v1/wallets/{world['a']}/limits"), "GA2024", 403)
-    operation = app.get("/openapi.json").json["paths"]["/api/v1/wallets/{wallet_id}/limits"]["get"]
-    assert operation["summary"] == "Get a wallet's limits"
-    assert "largestTransfer" in json.dumps([operation, app.get("/openapi.json").json["components"]])
-
-
-def test_readme_curl_walk_through_runs_as_printed(demo_server) -> None:
-    import shutil
-
-    if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
-        pytest.skip("the walk-through needs bash, curl, openssl and sha256sum")
-    server, env = demo_server
-    script = readme_blocks("Driving the sandbox from any language", "sh")[0]  # (the other starts a server)
-    script = script.replace("http://127.0.0.1:8080", server.url)
-    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
-                          timeout=60, check=False)
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert '"status":"COMPLETED"' in done.stdout
-    assert "transfer journaled" in done.stdout and "reset: same key, fresh demo" in done.stdout
-
-
-def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path) -> None:
-    """Two suites in other languages, from the ready file, each in a world of its own, at the same time."""
-    import shutil
-
-    missing = [tool for tool in ("node", "java") if not shutil.which(tool)]
-    if missing:
-        if os.environ.get("WALLETSVC_LANGUAGES") == "required":
-            raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
-        pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
-    section = "Driving the sandbox from any language"
-    (start,), (js,), (java,) = readme_blocks(section, "sh")[1:], readme_blocks(section, "js"), readme_blocks(section, "java")
-    assert start.strip() == "walletsvc serve --scenario shop.toml --ready-file walletsvc-ready.json"
-    (tmp_path / "walletsvc.test.mjs").write_text(js)
-    (tmp_path / "WalletsvcExample.java").write_text(java)
-    ready = tmp_path / "walletsvc-ready.json"
-    server = ServerProcess(str(tmp_path / "langs.db"), tmp_path / "langs.log", "--scenario",
-                           str(_readme_scenario(tmp_path)), "--ready-file", str(ready))
-    server.start()
-    try:
-        env = {**os.environ, "READY": str(ready)}
-        runs = [subprocess.Popen(command, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                 text=True) for command in (["node", "--test", "walletsvc.test.mjs"],
-                                                            ["java", "WalletsvcExample.java"])]
-        outputs = [run.communicate(timeout=180)[0] for run in runs]
-        assert [run.returncode for run in runs] == [0, 0], "\n".join(outputs)
-        assert "# pass 1" in outputs[0] and "# fail 0" in outputs[0]
-        assert outputs[1].count("ok: ") == 6
-        admin = {"Authorization": f"Bearer {json.loads(ready.read_text())['adminToken']}"}
-        names = [w["name"] for w in requests.get(server.url + "/_admin/workspaces", headers=admin,
-                                                 timeout=10).json()["data"]]
-        assert names == ["Shop"] * 3  # the scenario's, and a world for each suite
-    finally:
-        server.stop()
-
-
-def _attempt(call):
-    try:
-        return call()
-    except walletsvc.WalletError as exc:
-        return exc
 
 
 def test_latency_fault_delays_the_answer(walletsvc_sandbox) -> None:
@@ -3546,7 +4630,8 @@ def test_commit_then_drop_drops_the_connection_on_a_live_server(walletsvc_live) 
     alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
     sandbox.faults.add(action="commit_then_drop", method="POST", times=1)
     auth = walletsvc.HmacAuth(sandbox.key["apiKey"], sandbox.key["secret"])
-    body = {"sourceWalletId": alice, "targetWalletId": bob, "amount": "3.00", "currency": "USD", "bizId": "d-1"}
+    body = {"sourceWalletId": alice, "targetWalletId": bob, "amount": "3.00", "currency": "USD",
+            "bizId": "d-1"}
     with pytest.raises(requests.exceptions.RequestException):
         requests.post(sandbox.url + TRANSFER_PATH, json=body, auth=auth, timeout=5).json()
     assert sandbox.service.get_balance(alice)["balance"] == "997.00"
@@ -3563,14 +4648,46 @@ def test_bad_fault_rules_are_refused(walletsvc_sandbox, rule) -> None:
     assert raised.value.code == "S012"
 
 
+def test_a_fault_rule_fires_at_most_two_billion_times(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    for times in (2**31 + 1, 10**30):
+        refused = app.post_json("/_admin/faults", {"code": "S503", "times": times}, headers=ADMIN,
+                                expect_errors=True)
+        assert "at most 2147483648" in error(refused, "S012", 400)["detail"]
+    assert app.post_json("/_admin/faults", {"code": "S503", "times": 2**31}, headers=ADMIN).json["success"]
+
+
+def test_fault_rules_are_capped(walletsvc_sandbox) -> None:
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    for n in range(100):
+        app.post_json("/_admin/faults", {"code": "S503", "path": f"/nowhere/{n}"}, headers=ADMIN)
+    refused = app.post_json("/_admin/faults", {"code": "S503"}, headers=ADMIN, expect_errors=True)
+    assert "limit of 100" in error(refused, "S012", 400)["detail"]
+    app.delete("/_admin/faults/fault_1", headers=ADMIN)
+    assert app.post_json("/_admin/faults", {"code": "S503"}, headers=ADMIN).json["data"]["id"] == "fault_101"
+
+
+def test_fault_rules_match_on_body_fields_and_headers(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    sandbox.faults.add(code="S503", method="POST", body={"amount": "7.00"})
+    sandbox.faults.add(code="W1002", method="POST", headers={"X-Tenant": "blocked"})
+    _transfer_of(sandbox, "1.00", "passes")
+    _transfer_of(sandbox, "7.00", "fails")
+    _transfer_of(sandbox, "1.00", "tenant", **{"X-Tenant": "blocked"})
+    assert [entry["code"] for entry in sandbox.journal.entries("POST")] == ["2000", "S503", "W1002"]
+    assert [rule["fired"] for rule in sandbox.faults.rules()] == [1, 1]
+
+
 def test_admin_faults_and_journal(walletsvc_sandbox) -> None:
     sandbox = walletsvc_sandbox
     admin = webtest.TestApp(sandbox.app)
     auth = {"Authorization": "Bearer walletsvc-test-admin"}
-    rule = admin.post_json("/_admin/faults", {"code": "T2001", "method": "POST", "times": 1}, headers=auth).json["data"]
+    rule = admin.post_json("/_admin/faults", {"code": "T2001", "method": "POST", "times": 1},
+                           headers=auth).json["data"]
     assert rule["status"] == 422 and admin.get("/_admin/faults", headers=auth).json["data"] == [rule]
     with pytest.raises(walletsvc.WalletError):
-        sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"], "1.00", "USD")
+        sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
+                                       "1.00", "USD")
     assert admin.get("/_admin/faults", headers=auth).json["data"] == [{**rule, "fired": 1}]  # spent, listed
     journal = admin.get("/_admin/journal", params={"method": "POST"}, headers=auth).json["data"]["content"]
     assert [(e["path"], e["status"], e["code"]) for e in journal] == [(TRANSFER_PATH, 422, "T2001")]
@@ -3587,7 +4704,8 @@ def test_admin_removes_one_fault_rule_and_reads_the_newest_journal_entries(walle
     sandbox = walletsvc_sandbox
     admin = webtest.TestApp(sandbox.app)
     auth = {"Authorization": "Bearer walletsvc-test-admin"}
-    first, second = (admin.post_json("/_admin/faults", {"code": "S503", "path": path}, headers=auth).json["data"]
+    first, second = (admin.post_json("/_admin/faults", {"code": "S503", "path": path},
+                                     headers=auth).json["data"]
                      for path in ("/nowhere", "/elsewhere"))
     assert admin.delete(f"/_admin/faults/{first['id']}", headers=auth).json["data"] is None
     assert [rule["id"] for rule in admin.get("/_admin/faults", headers=auth).json["data"]] == [second["id"]]
@@ -3601,131 +4719,13 @@ def test_admin_removes_one_fault_rule_and_reads_the_newest_journal_entries(walle
         "totalElements"] == 3  # no upper bound, as the API's page numbers
     assert admin.get("/_admin/journal", params={"last": "0"}, headers=auth).json["data"]["content"] == []
     for bad in ("-1", "x", "1.5"):
-        error(admin.get("/_admin/journal", params={"last": bad}, headers=auth, expect_errors=True), "S012", 400)
+        error(admin.get("/_admin/journal", params={"last": bad}, headers=auth, expect_errors=True),
+              "S012", 400)
 
 
 ###############################################################################
-# Sandbox console (DESIGN.md §9; the browser test is below) ####################
+# Sandbox: the journal (DESIGN.md §9) ##########################################
 ###############################################################################
-
-
-def console_cookie(value: str) -> dict:
-    """A Cookie header with the console session of webtest's Host (localhost:80)."""
-    return {"Cookie": f"walletsvc_console_80={value}"}
-
-
-def console_session(app: webtest.TestApp, prefix: str = "") -> str:
-    """Log in with the form, as a browser does; webtest keeps the cookie. The page's CSRF token."""
-    form = app.get(prefix + "/_admin/console")
-    assert form.status_int == 200 and form.content_type == "text/html"
-    assert re.search(r'<input name="token" type="password"', form.text)
-    login = app.post(prefix + "/_admin/console", {"token": "s3cret"}, status=303)
-    assert urllib.parse.urljoin(prefix + "/_admin/console", login.headers["Location"]) == prefix + "/_admin/console"
-    page = app.get(prefix + "/_admin/console")
-    return re.search(r'<meta name="csrf" content="([\w-]+)">', page.text).group(1)
-
-
-def test_console_login_sets_a_strict_http_only_session_cookie(svc) -> None:
-    app = admin_app(svc)
-    wrong = app.post("/_admin/console", {"token": "s3cret-not"}, status=401)
-    assert "That is not the admin token." in wrong.text and "Set-Cookie" not in wrong.headers
-    assert 'name="token"' in wrong.text  # the form again
-    login = app.post("/_admin/console", {"token": "s3cret"}, status=303)
-    cookie = re.fullmatch(r"walletsvc_console_80=[\w-]{20,}\.(\d+)\.[\w-]{40,}; Path=/_admin/; Max-Age=43200; "
-                          r"HttpOnly; SameSite=Strict", login.headers["Set-Cookie"])  # webtest's Host: localhost:80
-    assert abs(int(cookie.group(1)) - (time.time() + 12 * 3600)) < 60  # README: a session lasts 12 hours
-    page = app.get("/_admin/console")
-    for name in ("Wallets", "Transfers", "Journal", "Clock", "Faults"):
-        assert f'">{name}</a>' in page.text
-    assert "s3cret" not in page.text + login.headers["Set-Cookie"]  # the token is never echoed
-    policy = page.headers["Content-Security-Policy"]
-    assert "default-src 'none'" in policy and "connect-src 'self'" in policy and "frame-ancestors 'none'" in policy
-    assert "unsafe-inline" not in policy and page.headers["X-Frame-Options"] == "DENY"
-    assert "http" not in re.sub(r"https?://(www\.)?w3\.org\S*", "", page.text)  # nothing fetched from elsewhere
-
-
-def test_the_console_cookie_alone_authorizes_nothing(svc) -> None:
-    app = admin_app(svc)
-    csrf = console_session(app)
-    svc.create_workspace("kept")
-    same = {"X-Console-Csrf": csrf}
-    assert [ws["name"] for ws in data(app.get("/_admin/workspaces", headers=same))] == ["kept"]
-    assert data(app.get("/_admin/workspaces", headers={**same, "Origin": "http://localhost:80",
-                                                          "Sec-Fetch-Site": "same-origin"}))
-    for refused in ({}, {"X-Console-Csrf": csrf[:-1] + ("A" if csrf[-1] != "A" else "B")},
-                    {**same, "Origin": "http://evil.example"}, {**same, "Origin": "null"},
-                    {**same, "Sec-Fetch-Site": "cross-site"}, {**same, "Sec-Fetch-Site": "same-site"}):
-        error(app.post("/_admin/reset", headers=refused, expect_errors=True), "S403", 403)
-    assert [ws["name"] for ws in svc.list_workspaces()] == ["kept"]  # nothing was reset
-    error(app.get("/_admin/workspaces", headers={**same, "Origin": "http://a]"}, expect_errors=True), "S403", 403)
-    session = app.cookies["walletsvc_console_80"].strip('"')
-    bare = webtest.TestApp(app.app)  # the same app, no cookie jar: only the Cookie header given
-    assert data(bare.get("/_admin/workspaces", headers={**same, **console_cookie(session)}))  # the control
-    other = admin_app(svc, "another-token")  # a session of another admin token is no session here
-    error(other.get("/_admin/workspaces", headers={**same, **console_cookie(session)}, expect_errors=True),
-          "S401", 401)
-    assert 'name="token"' in other.get("/_admin/console", headers=console_cookie(session)).text
-    port = {"HTTP_HOST": "localhost:9090"}  # another sandbox's port: browsers send it the cookie too
-    error(bare.get("/_admin/workspaces", headers={**same, **console_cookie(session)}, extra_environ=port,
-                   expect_errors=True), "S401", 401)
-    nonce, expires, mac = session.split(".")
-    for forged in (f"{nonce}.{expires}.forged", f"{nonce}.{int(expires) + 1}.{mac}", f"x{nonce}.{expires}.{mac}",
-                   "x", "a.b.c.d", ""):
-        error(bare.get("/_admin/workspaces", headers={**same, **console_cookie(forged)}, expect_errors=True),
-              "S401", 401)
-
-
-def test_console_logout_ends_the_session(svc) -> None:
-    app = admin_app(svc)
-    csrf = console_session(app)
-    error(app.post("/_admin/console/logout", expect_errors=True), "S403", 403)  # cross-site logout: refused
-    session = app.cookies["walletsvc_console_80"].strip('"')
-    bare = webtest.TestApp(app.app)  # the same app, no cookie jar: only the Cookie header given
-    assert data(bare.get("/_admin/workspaces", headers={"X-Console-Csrf": csrf, **console_cookie(session)})) == []
-    out = app.post("/_admin/console/logout", headers={"X-Console-Csrf": csrf})
-    assert "Max-Age=0" in out.headers["Set-Cookie"]
-    assert 'name="token"' in app.get("/_admin/console").text
-    error(app.get("/_admin/workspaces", headers={"X-Console-Csrf": csrf}, expect_errors=True), "S401", 401)
-    copy = {"X-Console-Csrf": csrf, **console_cookie(session)}  # a copy of the cookie: logged out all the same
-    error(bare.get("/_admin/workspaces", headers=copy, expect_errors=True), "S401", 401)
-
-
-def test_console_sessions_expire(svc, monkeypatch) -> None:
-    monkeypatch.setattr(walletsvc.Console, "SESSION_SECONDS", -1)
-    app = admin_app(svc)
-    login = app.post("/_admin/console", {"token": "s3cret"}, status=303)
-    value = re.match(r"walletsvc_console_80=([^;]+)", login.headers["Set-Cookie"]).group(1)
-    kept = console_cookie(value)  # kept past its Max-Age, as a copy would be
-    assert 'name="token"' in app.get("/_admin/console", headers=kept).text  # the login form: the session is over
-    error(app.get("/_admin/workspaces", headers=kept, expect_errors=True), "S401", 401)
-
-
-def test_console_cookie_path_never_widens_and_polling_stays_out_of_the_access_log(svc, caplog) -> None:
-    import logging
-
-    app = admin_app(svc)
-    odd = app.post("/%5Fadmin/console", {"token": "s3cret"}, extra_environ={"REQUEST_URI": "/%5Fadmin/console"},
-                   status=303)
-    assert "; Path=/_admin/;" in odd.headers["Set-Cookie"]
-    app.reset()
-    csrf = console_session(app)
-    logger = logging.getLogger("walletsvc.test.access")
-    app.app.http.access_log = logger
-    with caplog.at_level(logging.INFO, logger=logger.name):
-        app.get("/_admin/journal", headers={"X-Console-Csrf": csrf})  # the page's polling
-        app.post("/_admin/reset", headers={"X-Console-Csrf": csrf})  # an action
-        app.get("/_admin/journal", headers={"Authorization": "Bearer s3cret"})  # another client
-    assert [record.getMessage().split(" ")[:3] for record in caplog.records] == [
-        ["POST", "/_admin/reset", "200"], ["GET", "/_admin/journal", "200"]]
-
-
-def test_console_under_a_mount_prefix_scopes_its_cookie_to_it(svc) -> None:
-    parent = bottle.Bottle()
-    parent.mount("/payments/", walletsvc.create_app(svc, admin_token="s3cret"))
-    app = webtest.TestApp(parent)
-    csrf = console_session(app, "/payments")
-    assert [(cookie.name, cookie.path) for cookie in app.cookiejar] == [("walletsvc_console_80", "/payments/_admin/")]
-    assert data(app.get("/payments/_admin/clock", headers={"X-Console-Csrf": csrf}))["controllable"] is False
 
 
 def test_journal_records_each_api_request(walletsvc_sandbox) -> None:
@@ -3739,14 +4739,16 @@ def test_journal_records_each_api_request(walletsvc_sandbox) -> None:
     app.get(path, headers={"X-Api-Key": "ak_nope"}, expect_errors=True)
     ok, forged, unknown = sandbox.journal.entries()
     answer = json.loads(ok["responseBody"])
-    assert ok == {"seq": ok["seq"], "at": T0, "method": "GET", "path": path, "query": "x=1", "apiKey": sandbox.key["apiKey"],
-                  "status": 200, "code": "2000", "signature": "valid", "replayed": False,
+    assert ok == {"seq": ok["seq"], "at": T0, "method": "GET", "path": path, "query": "x=1",
+                  "apiKey": sandbox.key["apiKey"], "status": 200, "code": "2000", "signature": "valid",
+                  "replayed": False,
                   "canonicalMessage": f"GET\n{path}\n{NOW}\n{headers['X-Nonce']}\n{EMPTY_SHA256}",
                   "headers": {"Host": "localhost:80", **headers}, "body": "", "diagnosis": None,
                   "responseBody": ok["responseBody"], "elapsedMs": ok["elapsedMs"]}
     assert answer["data"]["id"] == sandbox.wallets["alice"]["id"] and 0 < ok["elapsedMs"] < 1000
     assert (forged["status"], forged["code"], forged["signature"]) == (401, "GA2012", "invalid")
-    assert (unknown["code"], unknown["signature"], unknown["canonicalMessage"]) == ("GA2011", "unchecked", None)
+    assert (unknown["code"], unknown["signature"], unknown["canonicalMessage"]) == (
+        "GA2011", "unchecked", None)
     assert sandbox.assert_called("GET", "/api/v1/wallets/*", times=3) == [ok, forged, unknown]
     sandbox.journal.assert_not_called("POST", TRANSFER_PATH)
     with pytest.raises(AssertionError, match=r"path='/api/v1/transfer/command/create' 1 time\(s\), got 0"):
@@ -3763,6 +4765,133 @@ def test_journal_is_bounded() -> None:
     off = walletsvc.Sandbox.create(journal_size=0)
     off.client.list_wallets()
     assert off.journal.entries() == []
+
+
+def test_journal_keeps_the_request_body_and_the_diagnosed_mistake(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    body = json.dumps({"sourceWalletId": sandbox.wallets["alice"]["id"],
+                       "targetWalletId": sandbox.wallets["bob"]["id"], "amount": "1.00", "currency": "USD"})
+    headers = sandbox.headers("POST", TRANSFER_PATH, b"")  # the empty-body hash signed on a POST
+    webtest.TestApp(sandbox.app).post(TRANSFER_PATH, body,
+                                      headers={**headers, "Content-Type": "application/json"},
+                                      expect_errors=True)
+    (entry,) = sandbox.journal.entries("POST")
+    assert (entry["code"], entry["body"], entry["headers"]["Content-Type"]) == (
+        "GA2012", body, "application/json")
+    assert entry["diagnosis"] == "the empty-body hash was signed on a request with a body"
+    assert json.loads(entry["responseBody"])["code"] == "GA2012"
+
+
+def test_journal_assertions_match_query_headers_body_and_code(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    _transfer_of(sandbox, "1.00", "small", **{"X-Trace": "abc"})
+    _transfer_of(sandbox, "5000.00", "large")
+    journal = sandbox.journal
+    (small,) = journal.assert_called("POST", TRANSFER_PATH, times=1, body={"amount": "1.00"},
+                                     headers={"x-trace": "abc"}, query={"trace": "on"})
+    assert small["code"] == "2000"
+    journal.assert_called(code="T2001", at_least=1, body={"bizId": "large"})
+    journal.assert_called("POST", at_least=2)
+    journal.assert_not_called(body={"amount": "2.00"})
+    with pytest.raises(AssertionError) as failed:
+        journal.assert_called("POST", TRANSFER_PATH, body={"amount": "1.50"})
+    assert "closest entries" in str(failed.value) and "body is" in str(failed.value)
+    assert "method is" not in str(failed.value).split("closest entries", 1)[1].splitlines()[1]
+    with pytest.raises(AssertionError, match="at least 3 time"):
+        journal.assert_called("POST", at_least=3)
+
+
+def test_journal_and_fault_matchers_over_http(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    admin = webtest.TestApp(sandbox.app)
+    auth = {"Authorization": f"Bearer {sandbox.admin_token}"}
+    admin.post_json("/_admin/faults", {"code": "T2001", "method": "POST", "body": {"bizId": "doomed"}},
+                    headers=auth)
+    _transfer_of(sandbox, "1.00", "doomed")
+    _transfer_of(sandbox, "1.00", "fine")
+    found = admin.get("/_admin/journal", params={"method": "POST", "body": '{"bizId": "doomed"}'},
+                      headers=auth).json["data"]["content"]
+    assert [entry["code"] for entry in found] == ["T2001"]
+    assert len(admin.get("/_admin/journal", params={"query.trace": "on", "code": "2000"},
+                         headers=auth).json["data"]["content"]) == 1
+    verdict = admin.post_json("/_admin/journal/assert",
+                              {"method": "POST", "body": {"bizId": "fine"}, "times": 1},
+                              headers=auth).json["data"]
+    assert verdict == {"passed": True, "count": 1, "message": None}
+    missed = admin.post_json("/_admin/journal/assert", {"body": {"bizId": "nope"}}, headers=auth).json["data"]
+    assert missed["passed"] is False and "closest entries" in missed["message"]
+
+
+def test_the_journal_is_paged_like_the_api_lists(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    for size in range(1, 26):
+        sandbox.client.list_wallets(size=size)
+    first = app.get("/_admin/journal", headers=ADMIN).json["data"]
+    assert first["page"] == {"size": 20, "number": 0, "totalElements": 25, "totalPages": 2}
+    assert [entry["query"] for entry in first["content"]] == [f"size={n}" for n in range(1, 21)]
+    capped = app.get("/_admin/journal", params={"size": "1000"}, headers=ADMIN).json["data"]
+    assert capped["page"]["size"] == 100 and len(capped["content"]) == 25
+    newer = app.get("/_admin/journal", params={"after": first["content"][-1]["seq"]},
+                    headers=ADMIN).json["data"]
+    assert [entry["query"] for entry in newer["content"]] == [f"size={n}" for n in range(21, 26)]
+    for name, bad in (("page", "-1"), ("size", "0"), ("after", "x")):
+        error(app.get("/_admin/journal", params={name: bad}, headers=ADMIN, expect_errors=True), "S012", 400)
+
+
+def test_a_journal_entry_is_bounded_whatever_the_request_carries(walletsvc_sandbox) -> None:
+    """Defect: 1,000 requests with 44 headers of 1.2 KB each raised the server's memory by 62 MB."""
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    headers = {f"X-Filler-{n}": "h" * 1200 for n in range(44)}
+    app.post("/api/v1/wallets?" + "q" * 9000, "b" * 60000, headers={**headers, "X-Api-Key": "k" * 9000},
+             expect_errors=True)
+    (entry,) = app.get("/_admin/journal", headers=ADMIN).json["data"]["content"]
+    size = sum(len(name) + len(value) for name, value in entry["headers"].items())
+    assert size <= 2048 + 64  # the headers together, with the note of how many were cut
+    assert "more header(s)" in entry["headers"]["X-Walletsvc-Cut"]
+    assert len(json.dumps(entry)) <= 10 * 2048 * 2  # every field capped (JSON escapes at most double)
+
+
+def test_the_journal_is_bounded_whatever_the_requests_carry() -> None:
+    import tracemalloc
+
+    sandbox = walletsvc.Sandbox.create()
+    app = webtest.TestApp(sandbox.app)
+    long_path = "/api/v1/wallets/" + "x" * 250_000
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for _ in range(200):
+            headers = {**sandbox.headers("GET", long_path),
+                       "X-Signature": base64.b64encode(b"\0" * 32).decode()}
+            error(app.get(long_path, headers=headers, expect_errors=True), "GA2012", 401)
+        grown = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    entries = sandbox.journal.entries()
+    assert len(entries) == 200 and entries[0]["path"].endswith("more]")
+    assert len(entries[0]["path"]) < 2100 and len(entries[0]["canonicalMessage"]) < 2100
+    assert grown < 5 * 2**20, grown  # 200 x 2 x 250 KB would be 100 MB
+    assert sum(len(json.dumps(entry)) for entry in entries) < 200 * 20 * 1024  # what the database keeps
+
+
+def test_a_deeply_nested_body_never_breaks_the_journal_or_a_fault_rule(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    sandbox.faults.add(code="S503", method="POST", body={"bizId": "x"})
+    deep = b"[" * 5000 + b"]" * 5000
+    headers = {"Content-Type": "application/json", **sandbox.headers("POST", TRANSFER_PATH, deep)}
+    error(app.post(TRANSFER_PATH, deep, headers=headers, expect_errors=True), "S012", 400)
+    found = app.get("/_admin/journal", params={"body": '{"bizId": "x"}'}, headers=ADMIN).json["data"]
+    assert found["content"] == []
+    verdict = app.post_json("/_admin/journal/assert", {"body": {"a": {"b": 1}}, "never": True}, headers=ADMIN)
+    assert verdict.json["data"]["passed"] is True
+
+
+###############################################################################
+# Sandbox: magic values (DESIGN.md §9) #########################################
+###############################################################################
 
 
 def test_magic_values_are_off_by_default(walletsvc_sandbox) -> None:
@@ -3788,6 +4917,422 @@ def test_magic_values_when_enabled() -> None:
         with pytest.raises(walletsvc.WalletError) as raised:
             call()
         assert (raised.value.code, raised.value.status) == ("S503", 503)
+
+
+###############################################################################
+# Sandbox console (DESIGN.md §9) ###############################################
+###############################################################################
+
+
+def console_cookie(value: str) -> dict:
+    """A Cookie header with the console session of webtest's Host (localhost:80)."""
+    return {"Cookie": f"walletsvc_console_80={value}"}
+
+
+def console_session(app: webtest.TestApp, prefix: str = "") -> str:
+    """Log in with the form, as a browser does; webtest keeps the cookie. The page's CSRF token."""
+    form = app.get(prefix + "/_admin/console")
+    assert form.status_int == 200 and form.content_type == "text/html"
+    assert re.search(r'<input name="token" type="password"', form.text)
+    login = app.post(prefix + "/_admin/console", {"token": "s3cret"}, status=303)
+    assert urllib.parse.urljoin(prefix + "/_admin/console",
+                                login.headers["Location"]) == prefix + "/_admin/console"
+    page = app.get(prefix + "/_admin/console")
+    return re.search(r'<meta name="csrf" content="([\w-]+)">', page.text).group(1)
+
+
+def test_console_login_sets_a_strict_http_only_session_cookie(svc) -> None:
+    app = admin_app(svc)
+    wrong = app.post("/_admin/console", {"token": "s3cret-not"}, status=401)
+    assert "That is not the admin token." in wrong.text and "Set-Cookie" not in wrong.headers
+    assert 'name="token"' in wrong.text  # the form again
+    login = app.post("/_admin/console", {"token": "s3cret"}, status=303)
+    # webtest's Host: localhost:80
+    cookie = re.fullmatch(r"walletsvc_console_80=[\w-]{20,}\.(\d+)\.[\w-]{40,}; Path=/_admin/; "
+                          r"Max-Age=43200; HttpOnly; SameSite=Strict", login.headers["Set-Cookie"])
+    assert abs(int(cookie.group(1)) - (time.time() + 12 * 3600)) < 60  # README: a session lasts 12 hours
+    page = app.get("/_admin/console")
+    for name in ("Wallets", "Transfers", "Journal", "Clock", "Faults"):
+        assert f'">{name}</a>' in page.text
+    assert "s3cret" not in page.text + login.headers["Set-Cookie"]  # the token is never echoed
+    policy = page.headers["Content-Security-Policy"]
+    assert ("default-src 'none'" in policy and "connect-src 'self'" in policy
+            and "frame-ancestors 'none'" in policy)
+    assert "unsafe-inline" not in policy and page.headers["X-Frame-Options"] == "DENY"
+    # nothing fetched from elsewhere
+    assert "http" not in re.sub(r"https?://(www\.)?w3\.org\S*", "", page.text)
+
+
+def test_the_console_cookie_alone_authorizes_nothing(svc) -> None:
+    app = admin_app(svc)
+    csrf = console_session(app)
+    svc.create_workspace("kept")
+    same = {"X-Console-Csrf": csrf}
+    assert [ws["name"] for ws in data(app.get("/_admin/workspaces", headers=same))] == ["kept"]
+    assert data(app.get("/_admin/workspaces", headers={**same, "Origin": "http://localhost:80",
+                                                          "Sec-Fetch-Site": "same-origin"}))
+    for refused in ({}, {"X-Console-Csrf": csrf[:-1] + ("A" if csrf[-1] != "A" else "B")},
+                    {**same, "Origin": "http://evil.example"}, {**same, "Origin": "null"},
+                    {**same, "Sec-Fetch-Site": "cross-site"}, {**same, "Sec-Fetch-Site": "same-site"}):
+        error(app.post("/_admin/reset", headers=refused, expect_errors=True), "S403", 403)
+    assert [ws["name"] for ws in svc.list_workspaces()] == ["kept"]  # nothing was reset
+    error(app.get("/_admin/workspaces", headers={**same, "Origin": "http://a]"}, expect_errors=True),
+          "S403", 403)
+    session = app.cookies["walletsvc_console_80"].strip('"')
+    bare = webtest.TestApp(app.app)  # the same app, no cookie jar: only the Cookie header given
+    assert data(bare.get("/_admin/workspaces", headers={**same, **console_cookie(session)}))  # the control
+    other = admin_app(svc, "another-token")  # a session of another admin token is no session here
+    error(other.get("/_admin/workspaces", headers={**same, **console_cookie(session)}, expect_errors=True),
+          "S401", 401)
+    assert 'name="token"' in other.get("/_admin/console", headers=console_cookie(session)).text
+    port = {"HTTP_HOST": "localhost:9090"}  # another sandbox's port: browsers send it the cookie too
+    error(bare.get("/_admin/workspaces", headers={**same, **console_cookie(session)}, extra_environ=port,
+                   expect_errors=True), "S401", 401)
+    nonce, expires, mac = session.split(".")
+    for forged in (f"{nonce}.{expires}.forged", f"{nonce}.{int(expires) + 1}.{mac}",
+                   f"x{nonce}.{expires}.{mac}", "x", "a.b.c.d", ""):
+        error(bare.get("/_admin/workspaces", headers={**same, **console_cookie(forged)}, expect_errors=True),
+              "S401", 401)
+
+
+def test_console_logout_ends_the_session(svc) -> None:
+    app = admin_app(svc)
+    csrf = console_session(app)
+    error(app.post("/_admin/console/logout", expect_errors=True), "S403", 403)  # cross-site logout: refused
+    session = app.cookies["walletsvc_console_80"].strip('"')
+    bare = webtest.TestApp(app.app)  # the same app, no cookie jar: only the Cookie header given
+    assert data(bare.get("/_admin/workspaces",
+                         headers={"X-Console-Csrf": csrf, **console_cookie(session)})) == []
+    out = app.post("/_admin/console/logout", headers={"X-Console-Csrf": csrf})
+    assert "Max-Age=0" in out.headers["Set-Cookie"]
+    assert 'name="token"' in app.get("/_admin/console").text
+    error(app.get("/_admin/workspaces", headers={"X-Console-Csrf": csrf}, expect_errors=True), "S401", 401)
+    # a copy of the cookie: logged out all the same
+    copy = {"X-Console-Csrf": csrf, **console_cookie(session)}
+    error(bare.get("/_admin/workspaces", headers=copy, expect_errors=True), "S401", 401)
+
+
+def test_console_sessions_expire(svc, monkeypatch) -> None:
+    monkeypatch.setattr(walletsvc.Console, "SESSION_SECONDS", -1)
+    app = admin_app(svc)
+    login = app.post("/_admin/console", {"token": "s3cret"}, status=303)
+    value = re.match(r"walletsvc_console_80=([^;]+)", login.headers["Set-Cookie"]).group(1)
+    kept = console_cookie(value)  # kept past its Max-Age, as a copy would be
+    # the login form: the session is over
+    assert 'name="token"' in app.get("/_admin/console", headers=kept).text
+    error(app.get("/_admin/workspaces", headers=kept, expect_errors=True), "S401", 401)
+
+
+def test_console_cookie_path_never_widens_and_polling_stays_out_of_the_access_log(svc, caplog) -> None:
+    import logging
+
+    app = admin_app(svc)
+    odd = app.post("/%5Fadmin/console", {"token": "s3cret"},
+                   extra_environ={"REQUEST_URI": "/%5Fadmin/console"}, status=303)
+    assert "; Path=/_admin/;" in odd.headers["Set-Cookie"]
+    app.reset()
+    csrf = console_session(app)
+    logger = logging.getLogger("walletsvc.test.access")
+    app.app.http.access_log = logger
+    with caplog.at_level(logging.INFO, logger=logger.name):
+        app.get("/_admin/journal", headers={"X-Console-Csrf": csrf})  # the page's polling
+        app.post("/_admin/reset", headers={"X-Console-Csrf": csrf})  # an action
+        app.get("/_admin/journal", headers={"Authorization": "Bearer s3cret"})  # another client
+    assert [record.getMessage().split(" ")[:3] for record in caplog.records] == [
+        ["POST", "/_admin/reset", "200"], ["GET", "/_admin/journal", "200"]]
+
+
+def test_console_under_a_mount_prefix_scopes_its_cookie_to_it(svc) -> None:
+    parent = bottle.Bottle()
+    parent.mount("/payments/", walletsvc.create_app(svc, admin_token="s3cret"))
+    app = webtest.TestApp(parent)
+    csrf = console_session(app, "/payments")
+    assert [(cookie.name, cookie.path) for cookie in app.cookiejar] == [
+        ("walletsvc_console_80", "/payments/_admin/")]
+    assert data(app.get("/payments/_admin/clock", headers={"X-Console-Csrf": csrf}))["controllable"] is False
+
+
+###############################################################################
+# The sandbox console in a real browser (DESIGN.md §9) #########################
+###############################################################################
+
+
+SCREENSHOTS = ("console-wallets.png", "console-journal.png")  # in docs/, shown in README
+
+
+@pytest.fixture
+def browser(tmp_path):
+    """Headless Chromium from Debian's chromium and chromium-driver packages, driven by selenium,
+    with a fresh profile and none of its own network traffic. Without them the test is skipped,
+    unless WALLETSVC_BROWSER=required (as in .ci/run, which installs them)."""
+    import shutil
+
+    binary, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
+    if not (binary and driver_path):
+        message = "the console's browser test needs Debian's chromium and chromium-driver"
+        if os.environ.get("WALLETSVC_BROWSER") == "required":
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = binary
+    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1280,800", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
+        options.add_argument(flag)
+    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    driver.set_page_load_timeout(30)
+    yield driver
+    driver.quit()
+
+
+def console_log_in(browser, url: str, token: str) -> None:
+    from selenium.webdriver.common.by import By
+
+    browser.get(url + "/_admin/console")
+    browser.find_element(By.NAME, "token").send_keys(token)
+    browser.find_element(By.CSS_SELECTOR, "form button").click()
+    until(browser, lambda: browser.find_elements(By.LINK_TEXT, "Wallets"))
+
+
+def until(browser, condition: Callable, seconds: float = 5) -> Any:
+    """The condition's first true value, polled; AssertionError with the page after ``seconds``."""
+    from selenium.common.exceptions import StaleElementReferenceException
+
+    deadline = time.monotonic() + seconds
+    while True:
+        with contextlib.suppress(StaleElementReferenceException):  # the page re-rendered under us
+            value = condition()
+            if value:
+                return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds} s; the page says:\n"
+                                 f"{browser.find_element('tag name', 'body').text}")
+        time.sleep(0.1)
+
+
+def table_rows(browser, selector: str) -> list[list[str]]:
+    return [[cell.text for cell in row.find_elements("tag name", "td")]
+            for row in browser.find_elements("css selector", selector + " tbody tr")]
+
+
+class ServedPage:
+    """One HTML page served on 127.0.0.1 at a port of its own (another origin), in a thread."""
+
+    def __init__(self, html: str) -> None:
+        import http.server
+
+        page = html.encode()
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(page)))
+                self.end_headers()
+                self.wfile.write(page)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
+
+    def __enter__(self) -> ServedPage:  # noqa: PYI034 - Self needs no import for one class
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
+    from selenium.webdriver.common.by import By
+
+    server, env = demo_server
+    assert f"console     : {server.url}/_admin/console" in server.log_path.read_text()
+    auth = walletsvc.HmacAuth(env["KEY"], env["SECRET"])
+    admin = {"Authorization": f"Bearer {env['TOKEN']}"}
+    shots = pathlib.Path(os.environ.get("WALLETSVC_SCREENSHOTS") or tmp_path)
+
+    def wallets() -> dict:
+        return {row[1]: row[4:7] for row in table_rows(browser, "#wallets .data")}
+
+    def view(name: str) -> None:
+        browser.find_element(By.LINK_TEXT, name).click()
+
+    # Log in: a wrong token gives the form again with a message; the token, a strict HttpOnly cookie.
+    browser.get(server.url + "/_admin/console")
+    browser.find_element(By.NAME, "token").send_keys("not-the-token")
+    browser.find_element(By.CSS_SELECTOR, "form button").click()
+    until(browser, lambda: "That is not the admin token." in browser.page_source)
+    console_log_in(browser, server.url, env["TOKEN"])
+    cookie = browser.get_cookie(f"walletsvc_console_{server.port}")
+    assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
+    assert [link.text for link in browser.find_elements(By.CSS_SELECTOR, "nav a")] == [
+        "Wallets", "Transfers", "Journal", "Clock", "Faults"]
+    until(browser, lambda: wallets() == {"alice": ["1000.00", "1000.00", "0.00"],
+                                         "bob": ["1000.00", "1000.00", "0.00"],
+                                         "yen": ["100000", "100000", "0"]})
+
+    # A signed transfer from outside: in the journal within 3 s, and the balances move.
+    ids = {wallet["name"]: wallet["id"] for wallet in
+           requests.get(server.url + "/api/v1/wallets", auth=auth, timeout=10).json()["data"]["content"]}
+    body = {"sourceWalletId": ids["alice"], "targetWalletId": ids["bob"], "amount": "10.00",
+            "currency": "USD", "bizId": "console-1"}
+    requests.post(server.url + TRANSFER_PATH, json=body, auth=auth, timeout=10).raise_for_status()
+    view("Journal")
+    until(browser, lambda: ["POST", TRANSFER_PATH, "200", "2000", "valid"] in
+          [row[1:6] for row in table_rows(browser, "#journal .data")], seconds=3)
+    view("Wallets")
+    until(browser, lambda: wallets()["alice"][0] == "990.00" and wallets()["bob"][0] == "1010.00")
+    browser.find_element(By.CSS_SELECTOR, f'tr[data-wallet="{ids["alice"]}"]').click()
+    flows = until(browser, lambda: table_rows(browser, "#flows"))
+    assert flows[0][1:6] == ["TRANSFER_OUT", "DEBIT", "10.00", "990.00", ids["bob"]]
+    browser.save_screenshot(str(shots / SCREENSHOTS[0]))
+
+    # A bad signature (the query string signed): the journal row opens on the server's diagnosis.
+    timestamp, nonce = str(int(time.time())), str(uuid.uuid4())
+    wrong = f"GET\n/api/v1/wallets?size=5\n{timestamp}\n{nonce}\n{hashlib.sha256(b'').hexdigest()}"
+    signature = base64.b64encode(hmac.new(env["SECRET"].encode(), wrong.encode(),
+                                          hashlib.sha256).digest()).decode()
+    refused = requests.get(server.url + "/api/v1/wallets?size=5", timeout=10, headers={
+        "X-Api-Key": env["KEY"], "X-Timestamp": timestamp, "X-Nonce": nonce, "X-Signature": signature})
+    assert refused.json()["code"] == "GA2012"
+    view("Journal")
+    row = until(browser, lambda: [row for row in browser.find_elements(By.CSS_SELECTOR,
+                                                                       "#journal .data tbody tr")
+                                  if "GA2012" in row.text])
+    row[0].click()
+    diagnosis = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "#entry .diagnosis"))
+    assert "the query string was signed" in diagnosis[0].text
+    canonical = browser.find_element(By.CSS_SELECTOR, "#entry pre.canonical").text
+    assert canonical.startswith(f"GET\n/api/v1/wallets\n{timestamp}\n{nonce}\n")
+    assert env["SECRET"] not in browser.page_source
+    browser.save_screenshot(str(shots / SCREENSHOTS[1]))
+
+    # Faults: add one with the form (it fires on the next transfer), then remove it.
+    view("Faults")
+    form = browser.find_element(By.ID, "fault-form")
+    form.find_element(By.NAME, "code").send_keys("T2001")
+    form.find_element(By.NAME, "times").send_keys("1")
+    form.find_element(By.NAME, "body").send_keys('{"amount": "1.00"}')
+    form.find_element(By.CSS_SELECTOR, "button").click()
+    until(browser, lambda: table_rows(browser, "#faults .data"))
+    forced = requests.post(server.url + TRANSFER_PATH, auth=auth, timeout=10, json={**body, "amount": "1.00",
+                                                                                   "bizId": "console-2"})
+    assert (forced.status_code, forced.json()["code"]) == (422, "T2001")
+    until(browser, lambda: table_rows(browser, "#faults .data")[0][8] == "1")  # fired once
+    browser.find_element(By.CSS_SELECTOR, "#faults .data button").click()
+    until(browser, lambda: "No fault rules." in browser.find_element(By.ID, "faults").text)
+    assert requests.get(server.url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
+
+    # Nothing went over the network but to the sandbox (Chromium's log of every request it made;
+    # chrome:// and data: URLs are the browser's own, read from memory).
+    fetched = [json.loads(entry["message"])["message"]["params"]["request"]["url"]
+               for entry in browser.get_log("performance")
+               if json.loads(entry["message"])["message"]["method"] == "Network.requestWillBeSent"]
+    network = [url for url in fetched
+               if not url.startswith(("chrome:", "chrome-untrusted:", "data:", "about:"))]
+    assert len(network) > 20 and all(url.startswith(server.url + "/") for url in network), network
+
+    # Another origin on the same site (127.0.0.1, another port) posts with the cookie: refused.
+    evil = ServedPage(f"""<form id="f" method="post" action="{server.url}/_admin/faults" enctype="text/plain">
+        <input name='{{"code": "S503", "x": "' value='"}}'></form>
+        <script>fetch("{server.url}/_admin/reset", """
+                      f"""{{method: "POST", mode: "no-cors", credentials: "include"}})
+          .finally(() => document.getElementById("f").submit());</script>""")
+    with evil:
+        browser.get(evil.url)
+        until(browser, lambda: '"S403"' in browser.page_source)  # the form's answer, shown by the browser
+    assert requests.get(server.url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
+    assert walletsvc.Client(server.url, env["KEY"],
+                            env["SECRET"]).get_balance(ids["alice"])["balance"] == "990.00"
+
+    browser.get(server.url + "/_admin/console")  # still logged in
+    until(browser, lambda: wallets())
+
+    # The clock: freeze, then advance an hour with the form.
+    view("Clock")
+    browser.find_element(By.ID, "clock-freeze").click()
+    clock = until(browser, lambda: requests.get(server.url + "/_admin/clock", headers=admin,
+                                                timeout=10).json()["data"]
+                  if "(frozen)" in browser.find_element(By.ID, "now").text else None)
+    assert clock["frozen"] is True
+    browser.find_element(By.CSS_SELECTOR, "#clock-advance button").click()  # the form's default: 3600 s
+    advanced = until(browser, lambda: requests.get(server.url + "/_admin/clock", headers=admin,
+                                                   timeout=10).json()["data"]
+                     if browser.find_element(By.ID, "clock-now").text != clock["now"] else None)
+    assert advanced["epochMillis"] - clock["epochMillis"] == 3_600_000
+    browser.find_element(By.CSS_SELECTOR, '#clock-set input[name="at"]').send_keys("2030-01-01T00:00:00Z")
+    browser.find_element(By.CSS_SELECTOR, "#clock-set button").click()
+    until(browser, lambda: browser.find_element(By.ID, "clock-now").text == "2030-01-01T00:00:00.000Z")
+    browser.find_element(By.ID, "clock-unfreeze").click()
+    until(browser, lambda: "(running)" in browser.find_element(By.CSS_SELECTOR, "#clock .data").text)
+    view("Wallets")
+
+    # Reset asks first; dismissed, nothing happens; accepted, the demo is back (and the clock).
+    browser.find_element(By.ID, "reset").click()
+    browser.switch_to.alert.dismiss()
+    until(browser, lambda: wallets().get("alice", [""])[0] == "990.00")
+    browser.find_element(By.ID, "reset").click()
+    browser.switch_to.alert.accept()
+    until(browser, lambda: wallets().get("alice", [""])[0] == "1000.00")
+    back = requests.get(server.url + "/_admin/clock", headers=admin, timeout=10).json()["data"]
+    assert back["frozen"] is False and abs(back["epochMillis"] / 1000 - time.time()) < 60
+
+
+def test_console_completes_a_pending_transfer_in_a_real_browser(browser, tmp_path) -> None:
+    from selenium.webdriver.common.by import By
+
+    server = ServerProcess(str(tmp_path / "manual.db"), tmp_path / "manual.log", "--demo", "--set",
+                           "settlement=manual")
+    server.start()
+    try:
+        printed = server.log_path.read_text()
+        key, secret, token = (re.search(rf"{label}\s*: (\S+)", printed).group(1)
+                              for label in ("API key", "secret", "admin token"))
+        client = walletsvc.Client(server.url, key, secret)
+        ids = {wallet["name"]: wallet["id"] for wallet in client.list_wallets()["content"]}
+        assert client.create_transfer(ids["alice"], ids["bob"], "10.00", "USD",
+                                      biz_id="hold-1")["status"] == "PENDING"
+        console_log_in(browser, server.url, token)
+        until(browser, lambda: {row[1]: row[4:7] for row in table_rows(browser, "#wallets .data")}.get(
+            "alice") == ["1000.00", "990.00", "10.00"])  # held, not moved
+        browser.find_element(By.LINK_TEXT, "Transfers").click()
+        row = until(browser,
+                    lambda: browser.find_elements(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-1"]'))
+        assert "PENDING" in row[0].text
+        row[0].find_element(By.XPATH, ".//button[text()='Complete']").click()
+        until(browser, lambda: "COMPLETED" in browser.find_element(By.CSS_SELECTOR,
+                                                                   '#transfers tr[data-biz="hold-1"]').text)
+        assert client.transfer_completed("hold-1")["completed"] is True
+        assert client.get_balance(ids["alice"])["balance"] == "990.00"
+        client.create_transfer(ids["alice"], ids["bob"], "5.00", "USD", biz_id="hold-2")
+        row = until(browser,
+                    lambda: browser.find_elements(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-2"]'))
+        row[0].find_element(By.XPATH, ".//button[text()='Fail']").click()
+        until(browser, lambda: "FAILED" in browser.find_element(By.CSS_SELECTOR,
+                                                                '#transfers tr[data-biz="hold-2"]').text)
+        assert browser.find_element(By.ID, "message").text == "hold-2: failed."
+        assert client.get_balance(ids["alice"])["available"] == "990.00"  # the hold released
+        client.create_transfer(ids["alice"], ids["bob"], "5.00", "USD", biz_id="..")  # valid, but a path step
+        row = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, '#transfers tr[data-biz=".."]'))
+        assert not row[0].find_element(By.XPATH, ".//button[text()='Complete']").is_enabled()
+    finally:
+        server.stop()
+
+
+def test_readme_shows_the_console_screenshots() -> None:
+    """The two screenshots the browser test takes (WALLETSVC_SCREENSHOTS=docs) are in README."""
+    readme = README.read_text(encoding="utf-8")
+    for name in SCREENSHOTS:
+        assert f"(docs/{name})" in readme
+        assert (README.parent / "docs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
 ###############################################################################
@@ -3825,7 +5370,8 @@ def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) 
     assert not [s for s in writes if s.startswith("PRAGMA synchronous")]  # committed at FULL
 
 
-def test_with_a_journal_a_read_records_nonce_and_entry_in_one_commit_without_a_disk_sync(tmp_path, clock) -> None:
+def test_with_a_journal_a_read_records_nonce_and_entry_in_one_commit_without_a_disk_sync(tmp_path,
+                                                                                         clock) -> None:
     svc = walletsvc.WalletService(str(tmp_path / "journaled.db"), clock=clock, journal_size=10)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
@@ -3837,8 +5383,8 @@ def test_with_a_journal_a_read_records_nonce_and_entry_in_one_commit_without_a_d
     writes = [s.split(" (")[0] for s in statements if not s.startswith("SELECT")]
     read, transfer = writes[:writes.index("PRAGMA synchronous = FULL") + 1], writes[len(writes[:writes.index(
         "PRAGMA synchronous = FULL") + 1]):]
-    assert read == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE", "INSERT INTO nonces", "INSERT INTO journal",
-                    "COMMIT", "PRAGMA synchronous = FULL"]
+    assert read == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE", "INSERT INTO nonces",
+                    "INSERT INTO journal", "COMMIT", "PRAGMA synchronous = FULL"]
     money = transfer[:transfer.index("COMMIT") + 1]  # the transfer and its nonce: one commit at FULL
     assert money[:2] == ["BEGIN IMMEDIATE", "INSERT INTO nonces"] and "INSERT INTO transfers" in money
     assert "PRAGMA synchronous = NORMAL" not in money
@@ -3928,7 +5474,13 @@ def test_an_oversized_body_is_refused_without_being_read(tmp_path) -> None:
             started = time.monotonic()
             reply = sock.recv(4096)  # answered after 64 KiB of a 200 MB body: nothing spooled
             assert reply.startswith(b"HTTP/1.1 413") and time.monotonic() - started < 2
-            assert b"application/json" in reply and b'"code":"S413"' in reply  # waitress's answer: the envelope
+            while b"\r\n\r\n" in reply and not reply.endswith(b"}"):  # the body may come in a later packet
+                more = sock.recv(4096)
+                if not more:
+                    break
+                reply += more
+            # waitress's answer: the envelope
+            assert b"application/json" in reply and b'"code":"S413"' in reply
     finally:
         server.stop()
 
@@ -3956,26 +5508,144 @@ def test_what_the_http_server_cannot_parse_is_answered_with_the_envelope(tmp_pat
         server.stop()
 
 
-def test_the_journal_is_bounded_whatever_the_requests_carry() -> None:
-    import tracemalloc
+###############################################################################
+# Storage that fails: locked, read-only, full, gone (DESIGN.md §10) ############
+###############################################################################
 
-    sandbox = walletsvc.Sandbox.create()
-    app = webtest.TestApp(sandbox.app)
-    long_path = "/api/v1/wallets/" + "x" * 250_000
-    tracemalloc.start()
+
+def _storage_world(tmp_path, clock, **settings) -> tuple[walletsvc.WalletService, Api, str, str]:
+    """A file database: a workspace, a full key, a wallet with 1000.00 USD and an empty one."""
+    svc = walletsvc.WalletService(str(tmp_path / "storage.db"), clock=clock, **settings)
+    ws = svc.create_workspace("Acme")
+    key = svc.create_api_key(ws["id"])
+    source, target = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
+    svc.deposit(source, "1000.00")
+    return svc, Api(webtest.TestApp(walletsvc.create_app(svc)), key, clock), source, target
+
+
+def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
+    svc, api, source, target = _storage_world(tmp_path, clock, busy_timeout=0.2)
+    path = svc.db.path
+    body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD"}
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
     try:
-        before = tracemalloc.get_traced_memory()[0]
-        for _ in range(200):
-            headers = {**sandbox.headers("GET", long_path), "X-Signature": base64.b64encode(b"\0" * 32).decode()}
-            error(app.get(long_path, headers=headers, expect_errors=True), "GA2012", 401)
-        grown = tracemalloc.get_traced_memory()[0] - before
+        started = time.monotonic()
+        error(api.transfer(body), "S503", 503)
+        error(api.get(f"/api/v1/wallets/{source}"), "S503", 503)  # its nonce cannot be recorded
+        assert time.monotonic() - started < 2 * 0.2 + 2  # the busy timeout, not a hang
     finally:
-        tracemalloc.stop()
-    entries = sandbox.journal.entries()
-    assert len(entries) == 200 and entries[0]["path"].endswith("more]")
-    assert len(entries[0]["path"]) < 2100 and len(entries[0]["canonicalMessage"]) < 2100
-    assert grown < 5 * 2**20, grown  # 200 x 2 x 250 KB would be 100 MB
-    assert sum(len(json.dumps(entry)) for entry in entries) < 200 * 20 * 1024  # what the database keeps
+        blocker.execute("ROLLBACK")
+        blocker.close()
+    assert balances(svc, source, target) == ["1000.00", "0.00"]
+    data(api.transfer(body))
+    assert balances(svc, source, target) == ["999.00", "1.00"]
+
+
+def test_read_only_storage_answers_s503_and_applies_nothing(tmp_path, clock) -> None:
+    svc, api, source, target = _storage_world(tmp_path, clock)
+    body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
+            "bizId": "ro-1"}
+    with svc.db.connection() as conn:  # the connection this thread's requests use
+        conn.execute("PRAGMA query_only = ON")  # every write fails as on a read-only file
+    error(api.transfer(body), "S503", 503)
+    error(api.get(f"/api/v1/wallets/{source}"), "S503", 503)  # a read must still record its nonce
+    with svc.db.connection() as conn:
+        conn.execute("PRAGMA query_only = OFF")
+    assert balances(svc, source, target) == ["1000.00", "0.00"]
+    assert svc.list_transfers(api.key["workspaceId"], {})["content"] == []
+    data(api.transfer(body))
+    assert balances(svc, source, target) == ["999.00", "1.00"]
+
+
+def test_full_disk_answers_s503_and_never_half_applies(tmp_path, clock) -> None:
+    svc, api, source, target = _storage_world(tmp_path, clock)
+    with svc.db.connection() as conn:
+        conn.execute("VACUUM")
+        pages = conn.execute("PRAGMA page_count").fetchone()[0]
+        conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full at the current size
+    done = 0
+    for n in range(500):
+        body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
+                "bizId": f"full-{n}", "description": "x" * 100}
+        response = api.transfer(body)
+        if response.status_int != 200:
+            error(response, "S503", 503)
+            break
+        done += 1
+    else:
+        pytest.fail("the database never filled up")
+    assert balances(svc, source, target) == [usd(100000 - 100 * done),
+                                             usd(100 * done)]
+    ledger_invariants(svc.db.path)
+    with svc.db.connection() as conn:
+        conn.execute("PRAGMA max_page_count = 1073741823")
+    data(api.transfer(body))  # the same bizId, retried once there is room: applied once
+    assert balances(svc, source, target)[1] == usd(100 * (done + 1))
+    ledger_invariants(svc.db.path)
+
+
+def test_server_started_on_a_locked_database_answers_s503_until_it_is_free(tmp_path) -> None:
+    path = str(tmp_path / "locked.db")
+    key = _keyed_database(path)
+    blocker = sqlite3.connect(path, isolation_level=None)
+    blocker.execute("BEGIN IMMEDIATE")
+    server = ServerProcess(path, tmp_path / "server.log", "--set", "busy_timeout=0.2")
+    try:
+        server.start()  # a lock held by another writer is not unwritable storage
+        started = time.monotonic()
+        busy = _list_wallets(server, key)
+        assert (busy.status_code, busy.json()["code"]) == (503, "S503")
+        assert time.monotonic() - started < 5
+        blocker.execute("ROLLBACK")
+        assert _list_wallets(server, key).json()["success"] is True
+    finally:
+        blocker.close()
+        server.stop()
+
+
+def _as_unprivileged(command: list) -> list:
+    """``command`` run so that file permissions bind it (root ignores them)."""
+    import shutil
+
+    if os.geteuid() != 0:
+        return command
+    if not shutil.which("setpriv"):
+        pytest.skip("running as root without setpriv: a read-only file cannot be simulated")
+    return ["setpriv", "--bounding-set", "-dac_override,-dac_read_search", *command]
+
+
+@pytest.mark.parametrize("read_only", ["file", "directory", "directory, new file"])
+def test_serve_refuses_unwritable_storage_at_start(tmp_path, read_only: str) -> None:
+    folder = tmp_path / "data"
+    folder.mkdir()
+    path = folder / "wallets.db"
+    walletsvc.WalletService(str(path)).close()
+    before = path.read_bytes()
+    if read_only == "file":
+        path.chmod(0o444)
+    else:
+        for leftover in folder.glob("wallets.db-*"):
+            leftover.unlink()
+        folder.chmod(0o555)
+    target = folder / "new.db" if read_only == "directory, new file" else path
+    try:
+        finished = subprocess.run(_as_unprivileged(
+            [sys.executable, "-m", "walletsvc", "serve", "--db", str(target), "--port", "0"]),
+            check=False, capture_output=True, text=True, timeout=60)
+    finally:
+        folder.chmod(0o755)
+        path.chmod(0o644)
+    assert finished.returncode == 2, finished.stderr
+    assert f"walletsvc: cannot serve {target}:" in finished.stderr
+    assert "must be writable" in finished.stderr and "Traceback" not in finished.stderr
+    assert path.read_bytes() == before
+    assert not list(folder.glob("*.db-*"))  # nothing left behind (read-only -wal/-shm blocked the next start)
+    server = ServerProcess(str(target), tmp_path / "after.log")  # writable again: it starts
+    try:
+        server.start()
+    finally:
+        server.stop()
 
 
 def test_a_busy_port_is_named_with_a_way_out(tmp_path) -> None:
@@ -3986,14 +5656,307 @@ def test_a_busy_port_is_named_with_a_way_out(tmp_path) -> None:
         holder.listen()
         port = holder.getsockname()[1]
         finished = subprocess.run([sys.executable, "-m", "walletsvc", "serve", "--db", str(tmp_path / "p.db"),
-                                   "--port", str(port)], check=False, capture_output=True, text=True, timeout=60)
+                                   "--port", str(port)], check=False, capture_output=True, text=True,
+                                  timeout=60)
     assert finished.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in finished.stderr and "--port 0" in finished.stderr
     assert "Traceback" not in finished.stderr
 
 
+def _open_at(path: str, moment: float) -> None:
+    time.sleep(max(0.0, moment - time.time()))
+    walletsvc.WalletService(path).close()
+
+
+def test_two_services_opening_a_new_file_at_the_same_moment_both_start(tmp_path) -> None:
+    """Defect: 1 start in ~20 lost the race for a new file and exited 2, "database is locked"."""
+    context = multiprocessing.get_context("fork")
+    for attempt in range(20):
+        path = str(tmp_path / f"race{attempt}.db")
+        moment = time.time() + 0.15
+        processes = [context.Process(target=_open_at, args=(path, moment)) for _ in range(3)]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(30)
+        assert [process.exitcode for process in processes] == [0, 0, 0], attempt
+
+
+def _delete(path: pathlib.Path) -> None:
+    for suffix in ("", "-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f"{path}{suffix}")
+
+
+def _replace(path: pathlib.Path) -> None:
+    walletsvc.WalletService(f"{path}.other").close()
+    os.replace(f"{path}.other", path)
+
+
+@pytest.mark.parametrize("swap", [_delete, _replace], ids=["deleted", "replaced"])
+def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tmp_path, swap) -> None:
+    """Defect: the file deleted under a running server, 20 transfers acknowledged into nothing; replaced,
+    the server went on answering 200 while the file became malformed."""
+    path = tmp_path / "sandbox.db"
+    server = ServerProcess(str(path), tmp_path / "sandbox.log", "--demo")
+    server.start()
+    try:
+        key, secret, admin, wallets = _demo_of(tmp_path / "sandbox.log")
+        swap(path)
+        body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
+                           "currency": "USD"}).encode()
+        answer = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
+                               headers=_signed("POST", TRANSFER_PATH, key, secret, body))
+        assert (answer.status_code, answer.json()["code"]) == (503, "S503")
+        assert "deleted or replaced" in answer.json()["detail"]
+        created = requests.post(server.url + "/_admin/workspaces", json={"name": "lost"}, headers=admin,
+                                timeout=10)
+        assert (created.status_code, created.json()["code"]) == (503, "S503")
+        health = requests.get(server.url + "/healthz", timeout=10)
+        assert (health.status_code, health.json()["code"]) == (503, "S503")
+        assert requests.get(server.url + "/api/v1/wallets",
+                            headers=_signed("GET", "/api/v1/wallets", key, secret),
+                            timeout=10).status_code == 503  # a read records its nonce: a write too
+    finally:
+        server.stop()
+    if path.exists():  # replaced: the new file is whole, and nothing was written into it
+        conn = sqlite3.connect(path)
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert conn.execute("SELECT count(*) FROM workspaces WHERE name = 'lost'").fetchone()[0] == 0
+        assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == 0
+        conn.close()
+
+
 ###############################################################################
-# Nothing lost under load, crashes and bad input ###############################
+# walletsvc serve --workers N (DESIGN.md §10) ##################################
+###############################################################################
+
+
+def test_workers_share_the_load_of_one_socket(tmp_path) -> None:
+    server = ServerProcess(str(tmp_path / "w.db"), tmp_path / "w.log", "--demo", "--workers", "2")
+    server.start()
+    try:
+        key, secret, admin, _ = _demo_of(tmp_path / "w.log")
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda _: requests.get(server.url + "/api/v1/wallets", timeout=10, headers=_signed(
+                "GET", "/api/v1/wallets", key, secret)), range(64)))
+        printed = (tmp_path / "w.log").read_text()
+        assert len(set(re.findall(r"worker (\d+) serving", printed))) == 2
+        assert requests.get(server.url + "/_admin/journal", params={"size": 1}, headers=admin,
+                            timeout=10).json()["data"]["page"]["totalElements"] == 64
+    finally:
+        server.stop()
+    assert server.process.returncode == 0
+
+
+def test_workers_hold_their_own_locks_and_leave_with_their_parent(tmp_path) -> None:
+    """Review: workers forked with the parent's connection open took no SQLite locks of their own, and
+    outlived a killed parent; another process then deleted the WAL under them and acknowledged
+    transfers were lost."""
+    path = tmp_path / "locks.db"
+    server = ServerProcess(str(path), tmp_path / "locks.log", "--demo", "--workers", "2")
+    server.start()
+    try:
+        key, secret, _admin, wallets = _demo_of(tmp_path / "locks.log")
+        body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
+                           "currency": "USD"}).encode()
+
+        def pay(_: int) -> int:
+            return requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
+                                 headers=_signed("POST", TRANSFER_PATH, key, secret, body)).status_code
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert set(pool.map(pay, range(40))) == {200}
+        assert _cli("workspace", "list", "--db", str(path)).returncode == 0  # another process comes and goes
+        assert os.path.exists(f"{path}-wal")  # the workers' locks kept it from taking the WAL away
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            assert set(pool.map(pay, range(40))) == {200}
+        server.kill()  # the parent, with SIGKILL: its workers must not serve on alone
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline:
+            try:
+                requests.get(server.url + "/healthz", timeout=1)
+            except requests.RequestException:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError("the workers outlived their parent")
+    finally:
+        server.stop()
+    conn = sqlite3.connect(path)
+    assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == 80  # every acknowledged one
+    conn.close()
+
+
+def test_healthz_and_admin_answer_within_a_second_while_a_writer_holds_the_lock(tmp_path) -> None:
+    """Review: two admin writes waiting out the 5 s busy timeout took both control threads, and /healthz
+    waited behind them."""
+    path = str(tmp_path / "held.db")
+    server = ServerProcess(path, tmp_path / "held.log", "--demo")
+    server.start()
+    holder = sqlite3.connect(path, isolation_level=None)
+    try:
+        _key, _secret, admin, _ = _demo_of(tmp_path / "held.log")
+        holder.execute("BEGIN IMMEDIATE")
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
+            started = time.monotonic()
+            writes = [pool.submit(requests.post, server.url + "/_admin/clock", json={"advance": 1},
+                                  headers=admin, timeout=10) for _ in range(2)]
+            time.sleep(0.1)
+            health = requests.get(server.url + "/healthz", timeout=10)
+            assert health.status_code == 200 and time.monotonic() - started < 1.0
+            for write in writes:
+                answer = write.result()
+                assert (answer.status_code, answer.json()["code"]) == (503, "S503")
+            assert time.monotonic() - started < 2.0  # S503 after about half a second, not five
+    finally:
+        holder.close()
+        server.stop()
+
+
+def test_the_control_surface_answers_while_latency_holds_every_worker(tmp_path) -> None:
+    """Defect: a 10 s latency rule with 8 clients kept /healthz waiting 19 s, DELETE /_admin/faults 10 s."""
+    server = ServerProcess(str(tmp_path / "slow.db"), tmp_path / "slow.log", "--demo", "--threads", "2")
+    server.start()
+    try:
+        key, secret, admin, _ = _demo_of(tmp_path / "slow.log")
+        requests.post(server.url + "/_admin/faults", json={"action": "latency", "latency": 3}, headers=admin,
+                      timeout=10)
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            held = [pool.submit(requests.get, server.url + "/api/v1/wallets", timeout=30,
+                                headers=_signed("GET", "/api/v1/wallets", key, secret)) for _ in range(6)]
+            time.sleep(0.5)  # every worker thread is asleep in the rule
+            for method, path in (("GET", "/healthz"), ("GET", "/_admin/faults"), ("DELETE", "/_admin/faults"),
+                                 ("GET", "/_admin/console")):
+                started = time.monotonic()
+                answer = requests.request(method, server.url + path, headers=admin, timeout=10)
+                assert answer.status_code == 200 and time.monotonic() - started < 1.0, (
+                    path, answer.status_code)
+            assert all(future.result().status_code == 200 for future in held)
+    finally:
+        server.stop()
+
+
+###############################################################################
+# Replay protection, whatever the clock does (DESIGN.md §10) ###################
+###############################################################################
+
+
+def test_a_nonce_recorded_by_one_process_is_rejected_by_another(tmp_path, clock) -> None:
+    path, workspace_id, _ = _shared_ledger(tmp_path)
+    first_svc = walletsvc.WalletService(path, clock=clock)
+    key = first_svc.create_api_key(workspace_id, ["wallet:read"])
+    first = Api(webtest.TestApp(walletsvc.create_app(first_svc)), key, clock)
+    second_svc = walletsvc.WalletService(path, clock=clock)
+    second = Api(webtest.TestApp(walletsvc.create_app(second_svc)), key, clock)
+    headers = first.headers("GET", "/api/v1/wallets")
+    data(first.request("GET", "/api/v1/wallets", headers=headers))
+    error(second.request("GET", "/api/v1/wallets", headers=headers), "GA2013", 401)
+
+
+def test_a_captured_transfer_is_refused_after_the_clock_moves_forward_and_back(walletsvc_sandbox) -> None:
+    """Defect: advance 1 h, any signed GET purged the record, back 1 h: the capture moved money again."""
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
+    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
+    app.post_json("/_admin/clock", {"freeze": True, "at": NOW}, headers=ADMIN)
+    body = json.dumps({"sourceWalletId": alice, "targetWalletId": bob, "amount": "10.00",
+                       "currency": "USD"}).encode()
+    captured = _signed("POST", TRANSFER_PATH, key, secret, body, timestamp=NOW)
+    assert app.post(TRANSFER_PATH, body, headers=captured).json["success"] is True
+    app.post_json("/_admin/clock", {"advance": 3600}, headers=ADMIN)
+    assert app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
+                                                      timestamp=NOW + 3600)).json["success"] is True
+    app.post_json("/_admin/clock", {"advance": -3600}, headers=ADMIN)
+    replay = app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True)
+    error(replay, "GA2013", 401)
+    assert sandbox.service.get_wallet(alice)["balance"] == "990.00"
+    fresh = app.get("/api/v1/wallets",
+                    headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=NOW + 5))
+    assert fresh.json["success"] is True  # a timestamp the purge did not cover passes
+
+
+def test_a_far_jump_back_refuses_only_timestamps_whose_records_were_forgotten(walletsvc_sandbox) -> None:
+    """README: moving the clock back to a span of time whose nonce records were purged refuses requests
+    signed inside that span (GA2013 that says so); every other time works."""
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
+    app.post_json("/_admin/clock", {"freeze": True, "at": NOW}, headers=ADMIN)
+    for second in range(0, 40, 10):
+        app.post_json("/_admin/clock", {"at": NOW + second}, headers=ADMIN)
+        app.get("/api/v1/wallets",
+                headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=NOW + second))
+    app.post_json("/_admin/clock", {"at": NOW + 86400}, headers=ADMIN)  # a day later: the records are purged
+    app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=NOW + 86400))
+    app.post_json("/_admin/clock", {"at": NOW + 20}, headers=ADMIN)
+    refused = app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
+                                                         timestamp=NOW + 20), expect_errors=True)
+    assert "forgotten" in error(refused, "GA2013", 401)["detail"]
+    app.post_json("/_admin/clock", {"at": NOW - 3600}, headers=ADMIN)  # an hour before anything was signed
+    assert app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
+                                                      timestamp=NOW - 3600)).json["success"] is True
+
+
+def test_the_nonce_table_stays_bounded_whatever_the_clock_does(walletsvc_sandbox) -> None:
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
+    sizes = []
+    for jump in range(60):  # forward a day, back a year, forward again: 60 regions of time
+        at = NOW + (jump % 3 - 1) * 86400 * 365 + jump * 86400
+        app.post_json("/_admin/clock", {"freeze": True, "at": at}, headers=ADMIN)
+        for _ in range(10):
+            app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=at))
+        with sandbox.service.db.connection() as conn:
+            sizes.append([conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
+                          for table in ("nonces", "nonce_spans")])
+    assert max(nonces for nonces, _ in sizes) <= 20  # this window's, and at most one more region's
+    assert max(spans for _, spans in sizes) <= 32
+
+
+def test_a_transfer_captured_on_one_server_never_replays_on_the_other(two_servers) -> None:
+    (a, b), (key, secret, admin, wallets) = two_servers
+    _clock(a.url, admin, freeze=True, at=NOW)
+    body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "10.00",
+                       "currency": "USD"}).encode()
+    captured = _signed("POST", TRANSFER_PATH, key, secret, body, timestamp=NOW)
+    assert requests.post(b.url + TRANSFER_PATH, data=body, headers=captured, timeout=10).status_code == 200
+    _clock(a.url, admin, advance=3600)
+    assert requests.get(a.url + "/api/v1/wallets", timeout=10, headers=_signed(
+        "GET", "/api/v1/wallets", key, secret, timestamp=NOW + 3600)).status_code == 200
+    _clock(b.url, admin, advance=-3600)
+    for server in (b, a):
+        replay = requests.post(server.url + TRANSFER_PATH, data=body, headers=captured, timeout=10)
+        assert (replay.status_code, replay.json()["code"]) == (401, "GA2013")
+    assert _balances_over_http(a.url, key, secret, NOW + 5)["alice"] == "990.00"  # NOW itself: forgotten
+
+
+def test_processes_with_different_windows_never_accept_a_replay(tmp_path) -> None:
+    """Review: a record expired by a 60 s process's window was taken over by a 300 s process that
+    still accepted the timestamp: one captured transfer moved money twice."""
+    path = str(tmp_path / "windows.db")
+    narrow_clock, wide_clock = walletsvc.Clock(frozen_at=NOW), walletsvc.Clock()
+    narrow = walletsvc.WalletService(path, clock=narrow_clock)
+    world_ = make_world(narrow)
+    wide = walletsvc.WalletService(path, clock=wide_clock)
+    narrow_app = webtest.TestApp(walletsvc.create_app(narrow, timestamp_tolerance=60))
+    wide_app = webtest.TestApp(walletsvc.create_app(wide, timestamp_tolerance=300))
+    body = json.dumps(transfer_body(world_)).encode()
+    captured = _signed("POST", TRANSFER_PATH, world_["key"]["apiKey"], world_["key"]["secret"], body,
+                       timestamp=NOW)
+    assert wide_app.get("/healthz").json["success"]  # (both apps are up before the transfer)
+    assert narrow_app.post(TRANSFER_PATH, body, headers=captured).json["success"] is True
+    narrow_clock.advance(100)  # the one sandbox clock: past the narrow window, inside the wide one
+    for app in (narrow_app, wide_app):
+        app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", world_["key"]["apiKey"],
+                                                   world_["key"]["secret"], timestamp=NOW + 100))
+    error(wide_app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True), "GA2013", 401)
+    assert balances(narrow, world_["a"]) == ["74.50"]  # 100.00 less one 25.50
+
+
+###############################################################################
+# Nothing lost under load, crashes and bad input (DESIGN.md §10) ###############
 ###############################################################################
 #
 # Bounded here; a soak runs the same tests longer (README, "Soak"):
@@ -4001,40 +5964,6 @@ def test_a_busy_port_is_named_with_a_way_out(tmp_path) -> None:
 
 SOAK_SECONDS = float(os.environ.get("WALLETSVC_SOAK_SECONDS", "0"))
 FUZZ_EXAMPLES = int(os.environ.get("WALLETSVC_FUZZ_EXAMPLES", "300"))
-
-
-class ServerProcess:
-    """One ``walletsvc serve`` child on a port of its own: kill -9, restart."""
-
-    def __init__(self, db_path: str, log_path: pathlib.Path, *options: str) -> None:
-        self.db_path, self.log_path, self.port, self.options = db_path, log_path, _free_port(), options
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process: subprocess.Popen | None = None
-
-    def start(self) -> None:
-        with open(self.log_path, "ab") as log:
-            self.process = subprocess.Popen(
-                [sys.executable, "-m", "walletsvc", "serve", "--db", self.db_path, "--port", str(self.port),
-                 *self.options],
-                stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.log_path.read_text()[-2000:]
-            try:
-                if requests.get(self.url + "/healthz", timeout=1).status_code == 200:
-                    return
-            except requests.RequestException:
-                time.sleep(0.05)
-        raise AssertionError(f"{self.url} did not start")
-
-    def kill(self) -> None:
-        self.process.kill()  # SIGKILL: no cleanup, no rollback but SQLite's own
-        self.process.wait()
-
-    def stop(self) -> None:
-        if self.process and self.process.poll() is None:
-            self.process.terminate()
-            self.process.wait(timeout=30)
 
 
 class BankClient:
@@ -4059,8 +5988,9 @@ class BankClient:
              session: requests.Session | None = None) -> requests.Response | None:
         server = server or self.rng.choice(self.servers)
         try:
-            response = (session or self.session).post(server.url + TRANSFER_PATH, data=body, auth=self.auth,
-                                                      timeout=10, headers={"Content-Type": "application/json"})
+            response = (session or self.session).post(
+                server.url + TRANSFER_PATH, data=body, auth=self.auth, timeout=10,
+                headers={"Content-Type": "application/json"})
         except requests.RequestException:
             return None
         if response.status_code == 503 and response.json()["code"] == "S503":
@@ -4073,8 +6003,9 @@ class BankClient:
         settle it (one twin may be refused for the balance of that moment while the
         other, unanswered, was applied)."""
         answers: list = []
-        threads = [threading.Thread(target=lambda s=server: answers.append(self.post(body, s, requests.Session())))
-                   for server in self.servers]
+        threads = [
+            threading.Thread(target=lambda s=server: answers.append(self.post(body, s, requests.Session())))
+            for server in self.servers]
         for thread in threads:
             thread.start()
         for thread in threads:
@@ -4084,7 +6015,8 @@ class BankClient:
             if response is not None:
                 self.record(biz_id, response)
         applied = [response for response in answers if response is not None and response.status_code == 200]
-        if len(applied) == 2 and sorted(r.headers.get("Idempotent-Replayed", "") for r in applied) != ["", "true"]:
+        if len(applied) == 2 and sorted(
+                r.headers.get("Idempotent-Replayed", "") for r in applied) != ["", "true"]:
             self.failures.append(("twins were not one original and one replay", biz_id))
         return None not in answers
 
@@ -4195,7 +6127,8 @@ def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> N
     for wallet_id in wallets:
         svc.deposit(wallet_id, "1000.00")
     svc.close()
-    servers = [ServerProcess(path, tmp_path / f"server{n}.log", "--set", "busy_timeout=0.3") for n in range(2)]
+    servers = [ServerProcess(path, tmp_path / f"server{n}.log", "--set", "busy_timeout=0.3")
+               for n in range(2)]
     for server in servers:
         server.start()
     deadline = time.monotonic() + seconds
@@ -4259,14 +6192,15 @@ def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> N
 FUZZ_SETTINGS = hypothesis.settings(max_examples=FUZZ_EXAMPLES, deadline=None, database=None,
                                     derandomize=not SOAK_SECONDS,  # the same cases on every CI run
                                     suppress_health_check=list(hypothesis.HealthCheck))
-FUZZ_TEMPLATES = ("/api/v1/wallets", "/api/v1/wallets/{}", "/api/v1/wallets/{}/balance", "/api/v1/wallets/{}/flows",
-                  TRANSFER_PATH, "/api/v1/transfer/query/orders", "/api/v1/transfer/query/orders/{}",
-                  "/api/v1/transfer/query/orders/{}/completed", "/api/v1/transfer/query/orders/wallet/{}",
-                  "/api/v1/{}", "/{}", "/healthz", "/openapi.json", "/_admin/workspaces", "/_admin/{}",
-                  "/_admin/workspaces/{}/wallets", "/_admin/wallets/{}/deposit", "/_admin/faults",
-                  "/_admin/clock", "/_admin/transfers/{}/complete", "/_admin/transfers/{}/fail",
-                  "/_admin/workspaces/{}/keys", "/_admin/workspaces/{}/members", "/_admin/wallets/{}/status",
-                  "/_admin/wallets/{}/withdraw", "/_admin/keys/{}/disable", "/_admin/audit", "/_admin/journal")
+FUZZ_TEMPLATES = ("/api/v1/wallets", "/api/v1/wallets/{}", "/api/v1/wallets/{}/balance",
+                  "/api/v1/wallets/{}/flows", TRANSFER_PATH, "/api/v1/transfer/query/orders",
+                  "/api/v1/transfer/query/orders/{}", "/api/v1/transfer/query/orders/{}/completed",
+                  "/api/v1/transfer/query/orders/wallet/{}", "/api/v1/{}", "/{}", "/healthz",
+                  "/openapi.json", "/_admin/workspaces", "/_admin/{}", "/_admin/workspaces/{}/wallets",
+                  "/_admin/wallets/{}/deposit", "/_admin/faults", "/_admin/clock",
+                  "/_admin/transfers/{}/complete", "/_admin/transfers/{}/fail", "/_admin/workspaces/{}/keys",
+                  "/_admin/workspaces/{}/members", "/_admin/wallets/{}/status", "/_admin/wallets/{}/withdraw",
+                  "/_admin/keys/{}/disable", "/_admin/audit", "/_admin/journal")
 FUZZ_HEADERS = ("X-Api-Key", "X-Timestamp", "X-Nonce", "X-Signature", "Content-Type", "Accept-Language",
                 "X-Forwarded-For", "Idempotency-Key", "Authorization", "Accept", "Content-Encoding")
 FUZZ_FIELDS = ("sourceWalletId", "targetWalletId", "amount", "currency", "bizId", "description", "status",
@@ -4290,20 +6224,22 @@ def fuzz_requests(draw, sandbox: walletsvc.Sandbox) -> dict:
     known = [sandbox.wallets["alice"]["id"], sandbox.wallets["yen"]["id"], "wal_magic_busy", "biz-1",
              sandbox.workspace["id"], sandbox.key["apiKey"]]
     segment = draw(st.sampled_from(known) | st.sampled_from(known) | st.text(max_size=30) | st.just(".."))
-    path = draw(st.sampled_from(FUZZ_TEMPLATES[:9]) | st.sampled_from(FUZZ_TEMPLATES)).replace("{}", urllib.parse.quote(segment, safe=draw(
-        st.sampled_from(["", "/", "/%:@!$&'()*+,;="]))))
+    path = draw(st.sampled_from(FUZZ_TEMPLATES[:9]) | st.sampled_from(FUZZ_TEMPLATES)).replace(
+        "{}", urllib.parse.quote(segment, safe=draw(st.sampled_from(["", "/", "/%:@!$&'()*+,;="]))))
     if draw(st.booleans()):
         path = draw(st.sampled_from([path, path + "/", path.upper(), "//" + path, path + "%", path + "%zz"]))
     pairs = draw(st.lists(st.tuples(st.sampled_from(FUZZ_QUERY_NAMES) | latin1, latin1), max_size=4))
     query = draw(st.sampled_from([urllib.parse.urlencode(pairs), "&".join(f"{k}={v}" for k, v in pairs)]))
-    method = draw(st.sampled_from(["GET", "POST"]) | st.sampled_from(["PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
+    method = draw(st.sampled_from(["GET", "POST"])
+                  | st.sampled_from(["PUT", "DELETE", "PATCH", "HEAD", "OPTIONS"])
                   | st.from_regex(r"\A[A-Za-z]{1,8}\Z"))
     if draw(st.booleans()):  # a real endpoint with its own method, so that bodies and queries get parsed
         method = "POST" if path == TRANSFER_PATH else "GET"
     document = draw(st.dictionaries(st.sampled_from(FUZZ_FIELDS), json_values, max_size=6)
                     | st.fixed_dictionaries({"sourceWalletId": st.sampled_from(known),
                                              "targetWalletId": st.sampled_from(known),
-                                             "amount": st.sampled_from(["1.00", "0.001", "1000000.00"]) | latin1,
+                                             "amount": (st.sampled_from(["1.00", "0.001", "1000000.00"])
+                                                        | latin1),
                                              "currency": st.sampled_from(["USD", "JPY", "XXX"])}))
     body = draw(st.just(json.dumps(document).encode()) | st.binary(max_size=200) | st.just(b""))
     headers = draw(st.dictionaries(st.sampled_from(FUZZ_HEADERS), latin1, max_size=4))
@@ -4327,7 +6263,8 @@ def call_wsgi(app, method: str, path: str, query: str, headers: dict, body: byte
     """The WSGI call a server would make for this request, raw path included."""
     import io
 
-    environ = {"REQUEST_METHOD": method, "SCRIPT_NAME": "", "REQUEST_URI": path + (f"?{query}" if query else ""),
+    environ = {"REQUEST_METHOD": method, "SCRIPT_NAME": "",
+               "REQUEST_URI": path + (f"?{query}" if query else ""),
                "PATH_INFO": urllib.parse.unquote(path, "latin-1"), "QUERY_STRING": query,
                "SERVER_NAME": "fuzz", "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1",
                "REMOTE_ADDR": "127.0.0.1", "CONTENT_LENGTH": str(len(body)),
@@ -4340,7 +6277,8 @@ def call_wsgi(app, method: str, path: str, query: str, headers: dict, body: byte
         else:
             environ["HTTP_" + name.upper().replace("-", "_")] = value
     started: list = []
-    chunks = app(environ, lambda status, response_headers, exc_info=None: started.extend((status, response_headers)))
+    chunks = app(environ,
+                 lambda status, response_headers, exc_info=None: started.extend((status, response_headers)))
     payload = b"".join(chunks)
     getattr(chunks, "close", lambda: None)()
     return int(started[0].split()[0]), dict(started[1]), payload
@@ -4360,7 +6298,8 @@ def assert_enveloped(method: str, status: int, headers: dict, payload: bytes) ->
     if envelope["success"]:
         assert 200 <= status < 300
     else:
-        assert {**CATALOG, **ADMIN_CATALOG}.get(envelope["code"], (None, None))[1] == status, (status, envelope)
+        assert {**CATALOG, **ADMIN_CATALOG}.get(envelope["code"], (None, None))[1] == status, (
+            status, envelope)
         assert envelope["message"] and envelope["data"] is None
 
 
@@ -4410,8 +6349,8 @@ def test_fuzzed_requests_over_a_socket_always_get_the_envelope() -> None:
         query = urllib.parse.quote(request["query"], safe="=&%")
         headers = {name: value for name, value in request["headers"].items()
                    if value == value.strip() and all(32 <= ord(c) < 127 for c in value)}
-        headers.update(draws.draw(st.dictionaries(st.sampled_from(["Expect", "Connection", "Accept-Encoding"]),
-                                                  header_safe, max_size=1)))
+        headers.update(draws.draw(st.dictionaries(
+            st.sampled_from(["Expect", "Connection", "Accept-Encoding"]), header_safe, max_size=1)))
         method = request["method"].upper()  # waitress refuses lower-case methods itself
         connection = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         try:
@@ -4436,1575 +6375,56 @@ def test_fuzzed_requests_over_a_socket_always_get_the_envelope() -> None:
 
 
 ###############################################################################
-# One sandbox, however many processes (DESIGN.md §9, §10) ######################
-###############################################################################
-
-ADMIN = {"Authorization": "Bearer walletsvc-test-admin"}  # the Sandbox's admin token (README)
-
-
-def _signed(method: str, path: str, key: str, secret: str, body: bytes = b"", timestamp: int | None = None,
-            nonce: str | None = None) -> dict:
-    """The four headers of SPEC.md, computed here from its rules (no walletsvc import): a captured
-    request is these headers sent again."""
-    ts, nonce = str(int(time.time()) if timestamp is None else timestamp), nonce or str(uuid.uuid4())
-    message = "\n".join((method, path, ts, nonce, hashlib.sha256(body).hexdigest())).encode()
-    signature = base64.b64encode(hmac.new(secret.encode(), message, hashlib.sha256).digest()).decode()
-    headers = {"X-Api-Key": key, "X-Timestamp": ts, "X-Nonce": nonce, "X-Signature": signature}
-    return {**headers, "Content-Type": "application/json"} if body else headers
-
-
-def _demo_of(log_path: pathlib.Path) -> tuple[str, str, dict, list[str]]:
-    """Key, secret, admin headers and wallet ids, as `serve --demo` printed them."""
-    printed = log_path.read_text()
-    key, secret, token, wallets = (re.search(rf"{label}\s*: (.+)", printed).group(1).strip()
-                                   for label in ("API key", "secret", "admin token", "wallets"))
-    return key, secret, {"Authorization": f"Bearer {token}"}, wallets.split(", ")
-
-
-@pytest.fixture
-def two_servers(tmp_path):
-    """Two `walletsvc serve --demo` processes on one database file."""
-    path = str(tmp_path / "shared.db")
-    servers = [ServerProcess(path, tmp_path / f"server{n}.log", "--demo") for n in range(2)]
-    try:
-        for server in servers:  # one after the other: the first seeds the demo, the second finds it
-            server.start()
-        yield servers, _demo_of(tmp_path / "server0.log")
-    finally:
-        for server in servers:
-            server.stop()
-
-
-def test_both_servers_print_the_same_demo(tmp_path, two_servers) -> None:
-    _servers, demo = two_servers
-    assert _demo_of(tmp_path / "server1.log") == demo
-
-
-def _balances_over_http(url: str, key: str, secret: str, timestamp: int | None = None) -> dict:
-    answer = requests.get(url + "/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
-                                                                   timestamp=timestamp), timeout=10).json()
-    return {wallet["name"]: wallet["balance"] for wallet in answer["data"]["content"]}
-
-
-def _clock(url: str, admin: dict, **change: Any) -> dict:
-    if change:
-        return requests.post(url + "/_admin/clock", json=change, headers=admin, timeout=10).json()["data"]
-    return requests.get(url + "/_admin/clock", headers=admin, timeout=10).json()["data"]
-
-
-def test_a_captured_transfer_is_refused_after_the_clock_moves_forward_and_back(walletsvc_sandbox) -> None:
-    """Defect: advance 1 h, any signed GET purged the record, back 1 h: the capture moved money again."""
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
-    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
-    app.post_json("/_admin/clock", {"freeze": True, "at": NOW}, headers=ADMIN)
-    body = json.dumps({"sourceWalletId": alice, "targetWalletId": bob, "amount": "10.00",
-                       "currency": "USD"}).encode()
-    captured = _signed("POST", TRANSFER_PATH, key, secret, body, timestamp=NOW)
-    assert app.post(TRANSFER_PATH, body, headers=captured).json["success"] is True
-    app.post_json("/_admin/clock", {"advance": 3600}, headers=ADMIN)
-    assert app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
-                                                      timestamp=NOW + 3600)).json["success"] is True
-    app.post_json("/_admin/clock", {"advance": -3600}, headers=ADMIN)
-    replay = app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True)
-    error(replay, "GA2013", 401)
-    assert sandbox.service.get_wallet(alice)["balance"] == "990.00"
-    fresh = app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=NOW + 5))
-    assert fresh.json["success"] is True  # a timestamp the purge did not cover passes
-
-
-def test_a_far_jump_back_refuses_only_timestamps_whose_records_were_forgotten(walletsvc_sandbox) -> None:
-    """README: moving the clock back to a span of time whose nonce records were purged refuses requests
-    signed inside that span (GA2013 that says so); every other time works."""
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
-    app.post_json("/_admin/clock", {"freeze": True, "at": NOW}, headers=ADMIN)
-    for second in range(0, 40, 10):
-        app.post_json("/_admin/clock", {"at": NOW + second}, headers=ADMIN)
-        app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=NOW + second))
-    app.post_json("/_admin/clock", {"at": NOW + 86400}, headers=ADMIN)  # a day later: the records are purged
-    app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=NOW + 86400))
-    app.post_json("/_admin/clock", {"at": NOW + 20}, headers=ADMIN)
-    refused = app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
-                                                         timestamp=NOW + 20), expect_errors=True)
-    assert "forgotten" in error(refused, "GA2013", 401)["detail"]
-    app.post_json("/_admin/clock", {"at": NOW - 3600}, headers=ADMIN)  # an hour before anything was signed
-    assert app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
-                                                      timestamp=NOW - 3600)).json["success"] is True
-
-
-def test_the_nonce_table_stays_bounded_whatever_the_clock_does(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
-    sizes = []
-    for jump in range(60):  # forward a day, back a year, forward again: 60 regions of time
-        at = NOW + (jump % 3 - 1) * 86400 * 365 + jump * 86400
-        app.post_json("/_admin/clock", {"freeze": True, "at": at}, headers=ADMIN)
-        for _ in range(10):
-            app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=at))
-        with sandbox.service.db.connection() as conn:
-            sizes.append([conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-                          for table in ("nonces", "nonce_spans")])
-    assert max(nonces for nonces, _ in sizes) <= 20  # this window's, and at most one more region's
-    assert max(spans for _, spans in sizes) <= 32
-
-
-def test_a_transfer_captured_on_one_server_never_replays_on_the_other(two_servers) -> None:
-    (a, b), (key, secret, admin, wallets) = two_servers
-    _clock(a.url, admin, freeze=True, at=NOW)
-    body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "10.00",
-                       "currency": "USD"}).encode()
-    captured = _signed("POST", TRANSFER_PATH, key, secret, body, timestamp=NOW)
-    assert requests.post(b.url + TRANSFER_PATH, data=body, headers=captured, timeout=10).status_code == 200
-    _clock(a.url, admin, advance=3600)
-    assert requests.get(a.url + "/api/v1/wallets", timeout=10, headers=_signed(
-        "GET", "/api/v1/wallets", key, secret, timestamp=NOW + 3600)).status_code == 200
-    _clock(b.url, admin, advance=-3600)
-    for server in (b, a):
-        replay = requests.post(server.url + TRANSFER_PATH, data=body, headers=captured, timeout=10)
-        assert (replay.status_code, replay.json()["code"]) == (401, "GA2013")
-    assert _balances_over_http(a.url, key, secret, NOW + 5)["alice"] == "990.00"  # NOW itself: forgotten
-
-
-@pytest.mark.parametrize("layout", ["two serve", "--workers 2"])
-def test_every_process_on_one_file_is_one_sandbox(tmp_path, layout: str) -> None:
-    """The clock, a times=1 fault rule, the journal and reset behave as one sandbox (DESIGN.md §9)."""
-    path = str(tmp_path / "one.db")
-    if layout == "two serve":
-        servers = [ServerProcess(path, tmp_path / f"s{n}.log", "--demo") for n in range(2)]
-    else:
-        servers = [ServerProcess(path, tmp_path / "s0.log", "--demo", "--workers", "2")]
-    try:
-        for server in servers:
-            server.start()
-        key, secret, admin, _wallets = _demo_of(tmp_path / "s0.log")
-        urls = [server.url for server in servers] * (2 if len(servers) == 1 else 1)
-        _clock(urls[0], admin, freeze=True, at="2030-01-01T00:00:00Z")
-        assert {_clock(url, admin)["epochMillis"] for url in urls * 3} == {1893456000000}
-        at = 1893456000
-        rule = requests.post(urls[0] + "/_admin/faults", json={"code": "S503", "times": 1}, headers=admin,
-                             timeout=10).json()["data"]
-        codes = [requests.get(url + "/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
-                                                                       timestamp=at), timeout=10).json()["code"]
-                 for url in urls * 3]
-        assert sorted(codes) == ["2000"] * 5 + ["S503"]  # the rule fired once across every process
-        for url in urls:
-            assert requests.get(url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == [
-                {**rule, "fired": 1}]
-            journal = requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"]
-            assert [entry["code"] for entry in journal["content"]] == codes  # every process's requests, in order
-        assert requests.post(urls[1] + "/_admin/reset", headers=admin, timeout=10).json()["success"] is True
-        for url in urls:
-            assert requests.get(url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
-            assert requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"][
-                "page"]["totalElements"] == 0
-            assert _clock(url, admin)["frozen"] is False  # as the sandbox started
-    finally:
-        for server in servers:
-            server.stop()
-
-
-def test_readme_gunicorn_recipe_with_two_workers_is_one_sandbox(tmp_path) -> None:
-    import socket
-    import textwrap
-
-    (block,) = readme_blocks("One sandbox, however many processes", "python")
-    (tmp_path / "sandbox_wsgi.py").write_text(textwrap.dedent(block))
-    svc = walletsvc.WalletService(str(tmp_path / "sandbox.db"))
-    workspace = svc.create_workspace("gunicorn")["id"]
-    key = svc.create_api_key(workspace)
-    svc.close()
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    process = subprocess.Popen([sys.executable, "-m", "gunicorn", "-w", "2", "-b", f"127.0.0.1:{port}", "--chdir",
-                                str(tmp_path), "sandbox_wsgi:app"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url, admin = f"http://127.0.0.1:{port}", {"Authorization": "Bearer change-me"}
-    try:
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            with contextlib.suppress(requests.ConnectionError):
-                requests.get(url + "/healthz", timeout=1)
-                break
-            time.sleep(0.1)
-        _clock(url, admin, freeze=True, at=NOW)
-        requests.post(url + "/_admin/faults", json={"code": "S503", "times": 1}, headers=admin, timeout=10)
-        codes = [requests.get(url + "/api/v1/wallets", timeout=10, headers=_signed(
-            "GET", "/api/v1/wallets", key["apiKey"], key["secret"], timestamp=NOW)).json()["code"] for _ in range(8)]
-        assert sorted(codes) == ["2000"] * 7 + ["S503"]  # the clock and the rule of one sandbox, whichever worker
-        assert requests.get(url + "/_admin/journal", headers=admin, timeout=10).json()["data"]["page"][
-            "totalElements"] == 8
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
-
-
-def test_workers_hold_their_own_locks_and_leave_with_their_parent(tmp_path) -> None:
-    """Review: workers forked with the parent's connection open took no SQLite locks of their own, and
-    outlived a killed parent; another process then deleted the WAL under them and acknowledged
-    transfers were lost."""
-    path = tmp_path / "locks.db"
-    server = ServerProcess(str(path), tmp_path / "locks.log", "--demo", "--workers", "2")
-    server.start()
-    try:
-        key, secret, _admin, wallets = _demo_of(tmp_path / "locks.log")
-        body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
-                           "currency": "USD"}).encode()
-
-        def pay(_: int) -> int:
-            return requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
-                                 headers=_signed("POST", TRANSFER_PATH, key, secret, body)).status_code
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            assert set(pool.map(pay, range(40))) == {200}
-        assert _cli("workspace", "list", "--db", str(path)).returncode == 0  # another process comes and goes
-        assert os.path.exists(f"{path}-wal")  # the workers' locks kept it from taking the WAL away
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            assert set(pool.map(pay, range(40))) == {200}
-        server.kill()  # the parent, with SIGKILL: its workers must not serve on alone
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline:
-            try:
-                requests.get(server.url + "/healthz", timeout=1)
-            except requests.RequestException:
-                break
-            time.sleep(0.1)
-        else:
-            raise AssertionError("the workers outlived their parent")
-    finally:
-        server.stop()
-    conn = sqlite3.connect(path)
-    assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == 80  # every acknowledged one
-    conn.close()
-
-
-def test_processes_with_different_windows_never_accept_a_replay(tmp_path) -> None:
-    """Review: a record expired by a 60 s process's window was taken over by a 300 s process that
-    still accepted the timestamp: one captured transfer moved money twice."""
-    path = str(tmp_path / "windows.db")
-    narrow_clock, wide_clock = walletsvc.Clock(frozen_at=NOW), walletsvc.Clock()
-    narrow = walletsvc.WalletService(path, clock=narrow_clock)
-    world_ = make_world(narrow)
-    wide = walletsvc.WalletService(path, clock=wide_clock)
-    narrow_app = webtest.TestApp(walletsvc.create_app(narrow, timestamp_tolerance=60))
-    wide_app = webtest.TestApp(walletsvc.create_app(wide, timestamp_tolerance=300))
-    body = json.dumps(transfer_body(world_)).encode()
-    captured = _signed("POST", TRANSFER_PATH, world_["key"]["apiKey"], world_["key"]["secret"], body, timestamp=NOW)
-    assert wide_app.get("/healthz").json["success"]  # (both apps are up before the transfer)
-    assert narrow_app.post(TRANSFER_PATH, body, headers=captured).json["success"] is True
-    narrow_clock.advance(100)  # the one sandbox clock: past the narrow window, inside the wide one
-    for app in (narrow_app, wide_app):
-        app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", world_["key"]["apiKey"],
-                                                   world_["key"]["secret"], timestamp=NOW + 100))
-    error(wide_app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True), "GA2013", 401)
-    assert balances(narrow, world_["a"]) == ["74.50"]  # 100.00 less one 25.50
-
-
-def test_healthz_and_admin_answer_within_a_second_while_a_writer_holds_the_lock(tmp_path) -> None:
-    """Review: two admin writes waiting out the 5 s busy timeout took both control threads, and /healthz
-    waited behind them."""
-    path = str(tmp_path / "held.db")
-    server = ServerProcess(path, tmp_path / "held.log", "--demo")
-    server.start()
-    holder = sqlite3.connect(path, isolation_level=None)
-    try:
-        _key, _secret, admin, _ = _demo_of(tmp_path / "held.log")
-        holder.execute("BEGIN IMMEDIATE")
-        with concurrent.futures.ThreadPoolExecutor(3) as pool:
-            started = time.monotonic()
-            writes = [pool.submit(requests.post, server.url + "/_admin/clock", json={"advance": 1}, headers=admin,
-                                  timeout=10) for _ in range(2)]
-            time.sleep(0.1)
-            health = requests.get(server.url + "/healthz", timeout=10)
-            assert health.status_code == 200 and time.monotonic() - started < 1.0
-            for write in writes:
-                answer = write.result()
-                assert (answer.status_code, answer.json()["code"]) == (503, "S503")
-            assert time.monotonic() - started < 2.0  # S503 after about half a second, not five
-    finally:
-        holder.close()
-        server.stop()
-
-
-def test_a_fault_rule_fires_at_most_two_billion_times(walletsvc_sandbox) -> None:
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    for times in (2**31 + 1, 10**30):
-        refused = app.post_json("/_admin/faults", {"code": "S503", "times": times}, headers=ADMIN, expect_errors=True)
-        assert "at most 2147483648" in error(refused, "S012", 400)["detail"]
-    assert app.post_json("/_admin/faults", {"code": "S503", "times": 2**31}, headers=ADMIN).json["success"]
-
-
-def test_a_clock_belongs_to_one_service() -> None:
-    clock = walletsvc.Clock()
-    walletsvc.WalletService(":memory:", clock=clock)
-    with pytest.raises(ValueError, match="a Clock of its own"):
-        walletsvc.WalletService(":memory:", clock=clock)
-
-
-def test_workers_share_the_load_of_one_socket(tmp_path) -> None:
-    server = ServerProcess(str(tmp_path / "w.db"), tmp_path / "w.log", "--demo", "--workers", "2")
-    server.start()
-    try:
-        key, secret, admin, _ = _demo_of(tmp_path / "w.log")
-        with concurrent.futures.ThreadPoolExecutor(8) as pool:
-            list(pool.map(lambda _: requests.get(server.url + "/api/v1/wallets", timeout=10, headers=_signed(
-                "GET", "/api/v1/wallets", key, secret)), range(64)))
-        printed = (tmp_path / "w.log").read_text()
-        assert len(set(re.findall(r"worker (\d+) serving", printed))) == 2
-        assert requests.get(server.url + "/_admin/journal", params={"size": 1}, headers=admin,
-                            timeout=10).json()["data"]["page"]["totalElements"] == 64
-    finally:
-        server.stop()
-    assert server.process.returncode == 0
-
-
-def test_seeding_again_on_a_used_database_never_collides(walletsvc_sandbox) -> None:
-    """Defect: a second POST /_admin/ids {"seed": 42} made every create S500 (UNIQUE constraint)."""
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    workspace = sandbox.workspace["id"]
-    made = []
-    for seed in (42, 42, 7, None, 42):
-        assert app.post_json("/_admin/ids", {"seed": seed}, headers=ADMIN).json["success"] is True
-        for _ in range(2):
-            made.append(app.post_json(f"/_admin/workspaces/{workspace}/wallets", {"currency": "USD"},
-                                      headers=ADMIN).json["data"]["id"])
-    assert made == sorted(made) and len(set(made)) == len(made)  # unique, increasing in commit order
-    assert sandbox.service.audit() == []
-
-
-def test_seed_null_means_random_again(walletsvc_sandbox) -> None:
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    assert app.post_json("/_admin/ids", {"seed": None}, headers=ADMIN).json["success"] is True
-    error(app.post_json("/_admin/ids", {}, headers=ADMIN, expect_errors=True), "S012", 400)
-    error(app.post_json("/_admin/ids", {"seed": "1"}, headers=ADMIN, expect_errors=True), "S012", 400)
-
-
-def test_seeded_ids_repeat_from_the_same_starting_state(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    def run() -> list[str]:
-        sandbox.service.seed_ids(5)
-        wallet = sandbox.service.create_wallet(sandbox.workspace["id"], "EUR")["id"]
-        order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
-                                               "1.00", "USD")["transferId"]
-        return [wallet, order]
-    first = run()
-    sandbox.reset()
-    assert run() == first
-
-
-def test_a_new_seed_under_a_frozen_clock_keeps_the_ledger_in_commit_order(walletsvc_sandbox) -> None:
-    """Defect: another seed issued ids that sorted before existing ones; audit found broken running balances."""
-    sandbox = walletsvc_sandbox
-    sandbox.clock.freeze(at=NOW)
-    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
-    for seed in (9, 1, 3):
-        sandbox.service.seed_ids(seed)
-        for _ in range(3):
-            sandbox.client.create_transfer(alice, bob, "1.00", "USD")
-    flows = sandbox.client.list_flows(alice, sort="createdAt,asc", size=100)["content"]
-    assert [flow["balanceAfter"] for flow in flows] == ["1000.00"] + [f"{999 - n}.00" for n in range(9)]
-    assert sandbox.service.audit() == []
-
-
-def test_two_servers_seeded_alike_issue_unique_ids(tmp_path) -> None:
-    """Defect: two `serve --set id_seed=0` on one file made every other create S500."""
-    path = str(tmp_path / "seeded.db")
-    servers = [ServerProcess(path, tmp_path / f"s{n}.log", "--demo", "--set", "id_seed=0") for n in range(2)]
-    try:
-        for server in servers:
-            server.start()
-        _key, _secret, admin, _ = _demo_of(tmp_path / "s0.log")
-        workspace = requests.get(servers[0].url + "/_admin/workspaces", headers=admin, timeout=10).json()["data"][0]
-        made = []
-        for n in range(8):
-            answer = requests.post(servers[n % 2].url + f"/_admin/workspaces/{workspace['id']}/wallets",
-                                   json={"currency": "USD"}, headers=admin, timeout=10)
-            assert answer.status_code == 200, answer.text
-            made.append(answer.json()["data"]["id"])
-        assert made == sorted(made) and len(set(made)) == 8
-    finally:
-        for server in servers:
-            server.stop()
-
-
-def test_a_seeded_demo_restarts_without_collisions(tmp_path) -> None:
-    """Defect: `serve --demo --set id_seed=0`, stop, start again: the second transfer was S500."""
-    server = ServerProcess(str(tmp_path / "d.db"), tmp_path / "d.log", "--demo", "--set", "id_seed=0")
-    try:
-        for _ in range(2):
-            server.start()
-            key, secret, _admin, wallets = _demo_of(tmp_path / "d.log")
-            body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
-                               "currency": "USD"}).encode()
-            for _ in range(3):
-                answer = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
-                                       headers=_signed("POST", TRANSFER_PATH, key, secret, body))
-                assert answer.status_code == 200, answer.text
-            server.stop()
-    finally:
-        server.stop()
-    assert walletsvc.WalletService(str(tmp_path / "d.db")).audit() == []
-
-
-def test_reset_returns_the_demo_exactly_as_first_printed(two_servers) -> None:
-    (a, b), (key, secret, admin, wallets) = two_servers
-    before = _balances_over_http(a.url, key, secret)
-    body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "10.00",
-                       "currency": "USD"}).encode()
-    requests.post(a.url + TRANSFER_PATH, data=body, headers=_signed("POST", TRANSFER_PATH, key, secret, body),
-                  timeout=10)
-    requests.post(a.url + f"/_admin/workspaces/{_workspace_of(a.url, admin)}/wallets", json={"currency": "EUR"},
-                  headers=admin, timeout=10)
-    assert requests.post(b.url + "/_admin/reset", headers=admin, timeout=10).json()["success"] is True
-    listed = requests.get(a.url + "/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret),
-                          params={"sort": "createdAt,asc"}, timeout=10).json()["data"]["content"]
-    assert [wallet["id"] for wallet in listed] == wallets  # the ids first printed
-    assert _balances_over_http(b.url, key, secret) == before
-
-
-def _workspace_of(url: str, admin: dict) -> str:
-    return requests.get(url + "/_admin/workspaces", headers=admin, timeout=10).json()["data"][0]["id"]
-
-
-def test_reset_on_a_busy_database_leaves_the_sandbox_as_it_was(tmp_path) -> None:
-    """Defect: reset was two transactions; on a busy database it answered S503 and left no workspace, no key."""
-    path = str(tmp_path / "busy.db")
-    server = ServerProcess(path, tmp_path / "busy.log", "--demo", "--set", "busy_timeout=0.3")
-    server.start()
-    try:
-        key, secret, admin, _ = _demo_of(tmp_path / "busy.log")
-        holder = sqlite3.connect(path, isolation_level=None)
-        holder.execute("BEGIN IMMEDIATE")  # another writer holds the lock past the busy timeout
-        answer = requests.post(server.url + "/_admin/reset", headers=admin, timeout=10)
-        assert (answer.status_code, answer.json()["code"]) == (503, "S503")
-        holder.execute("ROLLBACK")
-        holder.close()
-        assert len(_balances_over_http(server.url, key, secret)) == 3  # the same key, the same wallets
-        assert requests.post(server.url + "/_admin/reset", headers=admin, timeout=10).status_code == 200
-    finally:
-        server.stop()
-
-
-def _post_quietly(url: str, headers: dict) -> None:
-    with contextlib.suppress(requests.RequestException):  # the server is killed under it
-        requests.post(url, headers=headers, timeout=5)
-
-
-@pytest.mark.slow
-def test_kill_9_during_reset_leaves_the_sandbox_whole(tmp_path) -> None:
-    """Defect: kill -9 during reset left an empty database 9 times in 40; the restart printed new credentials."""
-    path = str(tmp_path / "killed.db")
-    server = ServerProcess(path, tmp_path / "killed.log", "--demo")
-    server.start()
-    first = _demo_of(tmp_path / "killed.log")
-    key, secret, admin, _wallets = first
-    try:
-        for attempt in range(8):
-            threads = [threading.Thread(target=_post_quietly, args=(server.url + "/_admin/reset", admin))
-                       for _ in range(4)]
-            for thread in threads:
-                thread.start()
-            time.sleep(0.002 * attempt)
-            server.kill()
-            for thread in threads:
-                thread.join()
-            server.start()
-            assert _demo_of(tmp_path / "killed.log") == first  # the restart prints the same demo
-            assert sorted(_balances_over_http(server.url, key, secret)) == ["alice", "bob", "yen"]
-        assert walletsvc.WalletService(path).audit() == []
-    finally:
-        server.stop()
-
-
-@pytest.mark.walletsvc(settlement="delayed", settlement_delay=5)
-def test_delayed_settlement_counts_from_the_clock_reading_after_the_clock_moved(walletsvc_sandbox) -> None:
-    """Defect: after the clock was a day ahead and came back, a 5 s order stayed PENDING a minute later."""
-    sandbox = walletsvc_sandbox
-    svc = sandbox.service
-    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
-    sandbox.clock.freeze(at=NOW)
-    sandbox.clock.advance(86400)
-    svc.deposit(alice, "1.00")  # the ledger's time is now a day ahead
-    sandbox.clock.advance(-86400)
-    order = svc.create_transfer(sandbox.workspace["id"], alice, bob, "1.00", "USD")
-    assert order["status"] == "PENDING"
-    sandbox.clock.advance(4.9)
-    assert svc.get_transfer(sandbox.workspace["id"], order["bizId"])["status"] == "PENDING"
-    sandbox.clock.advance(0.1)
-    assert svc.get_transfer(sandbox.workspace["id"], order["bizId"])["status"] == "COMPLETED"
-
-
-@pytest.mark.parametrize("version", [1, 2])
-def test_an_upgrade_orders_new_rows_after_every_old_one(tmp_path, version: int) -> None:
-    """Defect: the v1 -> v2 upgrade set the ledger clock to 0; rows written with a clock ahead sorted after
-    the first new ones and `walletsvc audit` exited 1."""
-    path = str(tmp_path / "old.db")
-    ahead = walletsvc.WalletService(path, clock=lambda: NOW + 86400 * 365)  # a clock a year ahead
-    world_ = make_world(ahead)
-    ahead.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "1.00", "USD")
-    ahead.close()
-    conn = sqlite3.connect(path)
-    if version == 1:
-        conn.executescript("DROP TABLE ledger_clock; UPDATE schema_version SET version = 1;")
-    else:  # as the faulty upgrade left it
-        conn.executescript("UPDATE ledger_clock SET last_ms = 0, last_id = ''; UPDATE schema_version SET version = 2;")
-    conn.close()
-    upgraded = walletsvc.WalletService(path, clock=lambda: NOW)
-    upgraded.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "2.00", "USD")
-    assert upgraded.audit() == []
-    result = subprocess.run([sys.executable, "-m", "walletsvc", "audit", "--db", path], capture_output=True,
-                            text=True, timeout=60, check=False)
-    assert result.returncode == 0, result.stdout + result.stderr
-
-
-def _open_at(path: str, moment: float) -> None:
-    time.sleep(max(0.0, moment - time.time()))
-    walletsvc.WalletService(path).close()
-
-
-def test_two_services_opening_a_new_file_at_the_same_moment_both_start(tmp_path) -> None:
-    """Defect: 1 start in ~20 lost the race for a new file and exited 2, "database is locked"."""
-    context = multiprocessing.get_context("fork")
-    for attempt in range(20):
-        path = str(tmp_path / f"race{attempt}.db")
-        moment = time.time() + 0.15
-        processes = [context.Process(target=_open_at, args=(path, moment)) for _ in range(3)]
-        for process in processes:
-            process.start()
-        for process in processes:
-            process.join(30)
-        assert [process.exitcode for process in processes] == [0, 0, 0], attempt
-
-
-def _delete(path: pathlib.Path) -> None:
-    for suffix in ("", "-wal", "-shm"):
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(f"{path}{suffix}")
-
-
-def _replace(path: pathlib.Path) -> None:
-    walletsvc.WalletService(f"{path}.other").close()
-    os.replace(f"{path}.other", path)
-
-
-@pytest.mark.parametrize("swap", [_delete, _replace], ids=["deleted", "replaced"])
-def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tmp_path, swap) -> None:
-    """Defect: the file deleted under a running server, 20 transfers acknowledged into nothing; replaced,
-    the server went on answering 200 while the file became malformed."""
-    path = tmp_path / "sandbox.db"
-    server = ServerProcess(str(path), tmp_path / "sandbox.log", "--demo")
-    server.start()
-    try:
-        key, secret, admin, wallets = _demo_of(tmp_path / "sandbox.log")
-        swap(path)
-        body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
-                           "currency": "USD"}).encode()
-        answer = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
-                               headers=_signed("POST", TRANSFER_PATH, key, secret, body))
-        assert (answer.status_code, answer.json()["code"]) == (503, "S503")
-        assert "deleted or replaced" in answer.json()["detail"]
-        created = requests.post(server.url + "/_admin/workspaces", json={"name": "lost"}, headers=admin, timeout=10)
-        assert (created.status_code, created.json()["code"]) == (503, "S503")
-        health = requests.get(server.url + "/healthz", timeout=10)
-        assert (health.status_code, health.json()["code"]) == (503, "S503")
-        assert requests.get(server.url + "/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret),
-                            timeout=10).status_code == 503  # a read records its nonce: a write too
-    finally:
-        server.stop()
-    if path.exists():  # replaced: the new file is whole, and nothing was written into it
-        conn = sqlite3.connect(path)
-        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert conn.execute("SELECT count(*) FROM workspaces WHERE name = 'lost'").fetchone()[0] == 0
-        assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == 0
-        conn.close()
-
-
-def test_a_journal_entry_is_bounded_whatever_the_request_carries(walletsvc_sandbox) -> None:
-    """Defect: 1,000 requests with 44 headers of 1.2 KB each raised the server's memory by 62 MB."""
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    headers = {f"X-Filler-{n}": "h" * 1200 for n in range(44)}
-    app.post("/api/v1/wallets?" + "q" * 9000, "b" * 60000, headers={**headers, "X-Api-Key": "k" * 9000},
-             expect_errors=True)
-    (entry,) = app.get("/_admin/journal", headers=ADMIN).json["data"]["content"]
-    size = sum(len(name) + len(value) for name, value in entry["headers"].items())
-    assert size <= 2048 + 64  # the headers together, with the note of how many were cut
-    assert "more header(s)" in entry["headers"]["X-Walletsvc-Cut"]
-    assert len(json.dumps(entry)) <= 10 * 2048 * 2  # every field capped (JSON escapes at most double)
-
-
-def test_the_journal_is_paged_like_the_api_lists(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    for size in range(1, 26):
-        sandbox.client.list_wallets(size=size)
-    first = app.get("/_admin/journal", headers=ADMIN).json["data"]
-    assert first["page"] == {"size": 20, "number": 0, "totalElements": 25, "totalPages": 2}
-    assert [entry["query"] for entry in first["content"]] == [f"size={n}" for n in range(1, 21)]
-    capped = app.get("/_admin/journal", params={"size": "1000"}, headers=ADMIN).json["data"]
-    assert capped["page"]["size"] == 100 and len(capped["content"]) == 25
-    newer = app.get("/_admin/journal", params={"after": first["content"][-1]["seq"]}, headers=ADMIN).json["data"]
-    assert [entry["query"] for entry in newer["content"]] == [f"size={n}" for n in range(21, 26)]
-    for name, bad in (("page", "-1"), ("size", "0"), ("after", "x")):
-        error(app.get("/_admin/journal", params={name: bad}, headers=ADMIN, expect_errors=True), "S012", 400)
-
-
-def test_a_deeply_nested_body_never_breaks_the_journal_or_a_fault_rule(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    sandbox.faults.add(code="S503", method="POST", body={"bizId": "x"})
-    deep = b"[" * 5000 + b"]" * 5000
-    headers = {"Content-Type": "application/json", **sandbox.headers("POST", TRANSFER_PATH, deep)}
-    error(app.post(TRANSFER_PATH, deep, headers=headers, expect_errors=True), "S012", 400)
-    found = app.get("/_admin/journal", params={"body": '{"bizId": "x"}'}, headers=ADMIN).json["data"]
-    assert found["content"] == []
-    verdict = app.post_json("/_admin/journal/assert", {"body": {"a": {"b": 1}}, "never": True}, headers=ADMIN)
-    assert verdict.json["data"]["passed"] is True
-
-
-def test_fault_rules_are_capped(walletsvc_sandbox) -> None:
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    for n in range(100):
-        app.post_json("/_admin/faults", {"code": "S503", "path": f"/nowhere/{n}"}, headers=ADMIN)
-    refused = app.post_json("/_admin/faults", {"code": "S503"}, headers=ADMIN, expect_errors=True)
-    assert "limit of 100" in error(refused, "S012", 400)["detail"]
-    app.delete("/_admin/faults/fault_1", headers=ADMIN)
-    assert app.post_json("/_admin/faults", {"code": "S503"}, headers=ADMIN).json["data"]["id"] == "fault_101"
-
-
-def test_the_control_surface_answers_while_latency_holds_every_worker(tmp_path) -> None:
-    """Defect: a 10 s latency rule with 8 clients kept /healthz waiting 19 s, DELETE /_admin/faults 10 s."""
-    server = ServerProcess(str(tmp_path / "slow.db"), tmp_path / "slow.log", "--demo", "--threads", "2")
-    server.start()
-    try:
-        key, secret, admin, _ = _demo_of(tmp_path / "slow.log")
-        requests.post(server.url + "/_admin/faults", json={"action": "latency", "latency": 3}, headers=admin,
-                      timeout=10)
-        with concurrent.futures.ThreadPoolExecutor(6) as pool:
-            held = [pool.submit(requests.get, server.url + "/api/v1/wallets", timeout=30,
-                                headers=_signed("GET", "/api/v1/wallets", key, secret)) for _ in range(6)]
-            time.sleep(0.5)  # every worker thread is asleep in the rule
-            for method, path in (("GET", "/healthz"), ("GET", "/_admin/faults"), ("DELETE", "/_admin/faults"),
-                                 ("GET", "/_admin/console")):
-                started = time.monotonic()
-                answer = requests.request(method, server.url + path, headers=admin, timeout=10)
-                assert answer.status_code == 200 and time.monotonic() - started < 1.0, (path, answer.status_code)
-            assert all(future.result().status_code == 200 for future in held)
-    finally:
-        server.stop()
-
-
-###############################################################################
-# Scenarios and parallel worlds (DESIGN.md §9) #################################
+# The module as a newcomer reads it (STYLE.md) #################################
 ###############################################################################
 
 
-def _readme_scenario(tmp_path: pathlib.Path, replace: tuple[str, str] | None = None) -> pathlib.Path:
-    (block,) = readme_blocks("Scenarios and parallel worlds", "toml")
-    if replace:
-        block = block.replace(*replace, 1)
-    (tmp_path / "shop.toml").write_text(block)
-    return tmp_path / "shop.toml"
-
-
-def test_readme_scenario_file_serves_as_printed_and_survives_reset(tmp_path) -> None:
-    """Ids, key and secret hard-coded from the file work, and still work after a reset."""
-    scenario = _readme_scenario(tmp_path)
-    ready = tmp_path / "ready.json"
-    server = ServerProcess(str(tmp_path / "shop.db"), tmp_path / "shop.log", "--scenario", str(scenario),
-                           "--ready-file", str(ready))
-    server.start()
-    try:
-        facts = json.loads(ready.read_text())
-        admin = {"Authorization": f"Bearer {facts['adminToken']}"}
-        assert [(k["apiKey"], k["secret"]) for k in facts["keys"]] == [
-            ("ak_shop_test", "shop-test-secret-0001"), ("ak_shop_reader", "shop-reader-secret-0001")]
-        assert [w["id"] for w in facts["wallets"]] == ["wal_shop_till", "wal_shop_safe", "wal_shop_old"]
-        assert _clock(server.url, admin) == {"now": "2030-01-01T00:00:00.000Z", "epochMillis": 1893456000000,
-                                             "frozen": True, "controllable": True}
-        at = 1893456000
-        body = json.dumps({"sourceWalletId": "wal_shop_till", "targetWalletId": "wal_shop_safe", "amount": "5.00",
-                           "currency": "USD"}).encode()
-        for round_ in range(2):
-            order = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10, headers=_signed(
-                "POST", TRANSFER_PATH, "ak_shop_test", "shop-test-secret-0001", body, timestamp=at)).json()
-            assert order["data"]["status"] == "PENDING"  # settlement = "manual", from the file
-            balances_ = {w["id"]: (w["balance"], w["status"]) for w in requests.get(
-                server.url + "/api/v1/wallets", timeout=10, headers=_signed(
-                    "GET", "/api/v1/wallets", "ak_shop_reader", "shop-reader-secret-0001", timestamp=at)).json()[
-                        "data"]["content"]}
-            assert balances_ == {"wal_shop_till": ("500.00", "ACTIVE"), "wal_shop_safe": ("0.00", "ACTIVE"),
-                                 "wal_shop_old": ("20.00", "FROZEN")}
-            _clock(server.url, admin, advance=600)
-            assert requests.post(server.url + "/_admin/reset", headers=admin, timeout=10).json()["success"]
-            assert _clock(server.url, admin)["epochMillis"] == 1893456000000  # the clock as it started
-        members = requests.get(server.url + "/_admin/workspaces/ws_shop/members", headers=admin, timeout=10).json()
-        assert sorted(m["name"] for m in members["data"]) == ["clerk", "owner"]
-    finally:
-        server.stop()
-
-
-@pytest.mark.parametrize("replace, says", [
-    (('currency = "USD"', 'currency = "USX"'), "line {}: Invalid parameter 'workspaces[0].wallets[0].currency'"),
-    (('balance = "500.00"', "balance = 500.00"), "line {}: Invalid parameter 'workspaces[0].wallets[0].balance'"),
-    (('name = "till"', 'nmae = "till"'), "line {}: Invalid parameter 'workspaces[0].wallets[0].nmae'"),
-    (('id = "ak_shop_test"', 'id = "wal_shop_test"'), "line {}: Invalid parameter 'workspaces[0].keys[0].id'"),
-    (('frozen = true', 'frozen = tru'), "Invalid value (at line {}"),
-])
-def test_a_bad_scenario_is_refused_at_start_naming_the_line_and_the_field(tmp_path, replace, says) -> None:
-    scenario = _readme_scenario(tmp_path, replace)
-    line = next(number for number, text in enumerate(scenario.read_text().splitlines(), 1) if replace[1] in text)
-    done = _cli("serve", "--db", str(tmp_path / "bad.db"), "--port", "0", "--scenario", str(scenario))
-    assert done.returncode == 2 and "Traceback" not in done.stderr
-    assert done.stderr.startswith(f"walletsvc: scenario {scenario}: ") and says.format(line) in done.stderr
-    assert not (tmp_path / "bad.db").exists() or walletsvc.WalletService(str(tmp_path / "bad.db")).list_workspaces() == []
-
-
-def test_readme_shows_the_refusal_of_a_bad_scenario_as_printed(tmp_path) -> None:
-    scenario = _readme_scenario(tmp_path, ('currency = "USD"', 'currency = "USX"'))
-    done = _cli("serve", "--db", str(tmp_path / "bad.db"), "--port", "0", "--scenario", scenario.name, cwd=tmp_path)
-    section = README.read_text(encoding="utf-8").split("\n## Scenarios and parallel worlds\n", 1)[1]
-    printed = re.search(r"`(walletsvc: scenario shop.toml: .*?)`", section, flags=re.DOTALL).group(1)
-    assert done.stderr.strip() == " ".join(printed.split())
-
-
-def test_a_json_scenario_and_a_python_one_load_alike(tmp_path) -> None:
-    scenario = {"workspaces": [{"id": "ws_json", "name": "J", "keys": [{"id": "ak_json", "secret": "json-secret"}],
-                                "wallets": [{"id": "wal_json", "name": "w", "currency": "JPY", "balance": "7"}]}]}
-    (tmp_path / "s.json").write_text(json.dumps(scenario, indent=2))
-    for source in (tmp_path / "s.json", scenario):
-        sandbox = walletsvc.Sandbox.create(scenario=source)
-        assert (sandbox.workspace["id"], sandbox.key["apiKey"], sandbox.key["secret"]) == ("ws_json", "ak_json",
-                                                                                           "json-secret")
-        assert sandbox.client.get_wallet("wal_json")["balance"] == "7"
-    (tmp_path / "bad.json").write_text('{"workspaces": [\n  {"name": "x",}\n]}')
-    with pytest.raises(ValueError, match=r"bad.json: line 2:"):
-        walletsvc.Sandbox.create(scenario=tmp_path / "bad.json")
-
-
-def test_parallel_worlds_over_http_are_isolated_and_reset_alone(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    worlds = [app.post_json("/_admin/scenarios", body, headers=ADMIN).json["data"]["workspaces"][0]
-              for body in ({}, {"scenario": "demo"})]
-    assert len({world["id"] for world in worlds} | {sandbox.workspace["id"]}) == 3  # fresh ids
-    assert len({world["keys"][0]["secret"] for world in worlds} | {sandbox.key["secret"]}) == 3  # fresh keys
-    clients = [walletsvc.Client(sandbox.app, world["keys"][0]["apiKey"], world["keys"][0]["secret"],
-                                clock=sandbox.clock) for world in worlds]
-    first = {w["name"]: w["id"] for w in worlds[0]["wallets"]}
-    alice, bob = first["alice"], first["bob"]
-    clients[0].create_transfer(alice, bob, "10.00", "USD", biz_id="first")
-    other = {w["name"]: w["id"] for w in worlds[1]["wallets"]}
-    clients[1].create_transfer(other["alice"], other["bob"], "3.00", "USD", biz_id="first")  # its own bizIds
-    with pytest.raises(walletsvc.WalletError) as refused:
-        clients[0].get_wallet(other["alice"])  # another world's wallet: never seen
-    assert refused.value.code == "W1001"
-    app.post_json("/_admin/faults", {"code": "S503", "workspaceId": worlds[0]["id"]}, headers=ADMIN)
-    again = app.post(f"/_admin/workspaces/{worlds[0]['id']}/reset", headers=ADMIN).json["data"]
-    assert again["keys"] == worlds[0]["keys"] and [w["balance"] for w in again["wallets"]] == ["1000.00", "1000.00",
-                                                                                              "100000"]
-    assert clients[0].list_transfers()["page"]["totalElements"] == 0  # its rule went with the reset
-    assert clients[1].list_transfers()["page"]["totalElements"] == 1  # the other world kept its order
-    assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
-    error(app.post("/_admin/workspaces/ws_nowhere/reset", headers=ADMIN, expect_errors=True), "S404", 404)
-    error(app.post_json("/_admin/scenarios", {"scenario": "other"}, headers=ADMIN, expect_errors=True), "S012", 400)
-    bad = app.post_json("/_admin/scenarios", {"workspaces": [{"name": "x", "wallets": [{"name": "w"}]}]},
-                        headers=ADMIN, expect_errors=True)
-    assert "workspaces[0].wallets[0].currency" in error(bad, "S012", 400)["detail"]
-
-
-def test_worlds_without_wallets_or_keys_and_with_members_named_by_id(tmp_path, walletsvc_sandbox) -> None:
-    """Review: a workspace without wallets broke worlds and save_start (SQL 'IN (?, )'); a key naming its
-    member by the scenario's id was refused with fresh ids; a 300-character wallet name answered 500."""
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    bare = app.post_json("/_admin/scenarios", {"workspaces": [{"name": "nowallet"}]}, headers=ADMIN).json["data"]
-    assert app.post(f"/_admin/workspaces/{bare['workspaces'][0]['id']}/reset", headers=ADMIN).json["success"]
-    walletsvc_sandbox.service.save_start()
-    by_id = {"workspaces": [{"name": "m", "members": [{"id": "mem_bob", "name": "bob"}],
-                             "keys": [{"member": "mem_bob"}]}]}
-    for _ in range(2):  # fresh ids each time: mem_bob is this world's own bob
-        world = app.post_json("/_admin/scenarios", by_id, headers=ADMIN).json["data"]["workspaces"][0]
-        bob = next(member for member in world["members"] if member["name"] == "bob")
-        assert world["keys"][0]["memberId"] == bob["id"] != "mem_bob"
-    long_name = {"workspaces": [{"name": "w", "wallets": [{"name": "x" * 300, "currency": "USD"}]}]}
-    error(app.post_json("/_admin/scenarios", long_name, headers=ADMIN, expect_errors=True), "S012", 400)
-    (tmp_path / "nokey.toml").write_text('[[workspaces]]\nname = "keyless"\n')
-    server = ServerProcess(str(tmp_path / "nokey.db"), tmp_path / "nokey.log", "--scenario", str(tmp_path / "nokey.toml"))
-    server.start()  # (it printed a banner without a key instead of failing on one)
-    server.stop()
-    assert "Traceback" not in (tmp_path / "nokey.log").read_text()
-
-
-def test_a_world_reset_keeps_replays_refused_and_the_journal_in_order(walletsvc_sandbox) -> None:
-    """Review: a world's reset forgot its nonce records (a captured transfer moved money again) and let
-    the journal's seq go back (a poller with after= missed entries)."""
-    sandbox = walletsvc_sandbox
-    world = sandbox.world()
-    app = webtest.TestApp(sandbox.app)
-    body = json.dumps({"sourceWalletId": world.wallets["alice"]["id"], "targetWalletId": world.wallets["bob"]["id"],
-                       "amount": "1.00", "currency": "USD"}).encode()
-    captured = _signed("POST", TRANSFER_PATH, world.key["apiKey"], world.key["secret"], body,
-                       timestamp=int(sandbox.clock()))
-    assert app.post(TRANSFER_PATH, body, headers=captured).json["success"] is True
-    newest = sandbox.journal.entries()[-1]["seq"]
-    world.reset()
-    error(app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True), "GA2013", 401)
-    assert world.client.get_wallet(world.wallets["alice"]["id"])["balance"] == "1000.00"
-    sandbox.client.list_wallets()
-    assert [entry["code"] for entry in sandbox.journal.entries(after=newest)] == ["GA2013", "2000", "2000"]
-
-
-def test_scenario_files_with_odd_keys_and_toml_times(tmp_path) -> None:
-    """Review: a key that is not an identifier, or a TOML datetime for clock.at, printed a traceback."""
-    base = '[[workspaces]]\nname = "w"\n'
-    cases = {"odd.toml": (base + '"my-field" = 1\n', "workspaces[0].my-field"),
-             "date.toml": ('[clock]\nat = 2030-01-01\n' + base, "clock.at"),
-             "bool.toml": ('[clock]\nat = true\n' + base, "clock.at")}
-    for name, (text, field) in cases.items():
-        (tmp_path / name).write_text(text)
-        done = _cli("serve", "--db", str(tmp_path / f"{name}.db"), "--port", "0", "--scenario", str(tmp_path / name))
-        assert done.returncode == 2 and field in done.stderr and "Traceback" not in done.stderr, done.stderr
-    (tmp_path / "datetime.toml").write_text('[clock]\nat = 2030-01-01T00:00:00Z\n' + base)
-    sandbox = walletsvc.Sandbox.create(scenario=tmp_path / "datetime.toml")
-    assert sandbox.clock() == 1893456000.0 and sandbox.clock.frozen
-
-
-@pytest.mark.parametrize("url", ["http://h:abc", "127.0.0.1:1/pay?x=1", "ftp://h/", "http://h/#frag"])
-def test_request_refuses_a_url_it_cannot_use_in_one_line(url: str) -> None:
-    done = _cli("request", "GET", "/api/v1/wallets", "--url", url, "--key", "k", "--secret", "s")
-    assert done.returncode == 2 and "--url" in done.stderr and "Traceback" not in done.stderr
-
-
-def test_sign_curl_sends_a_body_that_starts_with_at_as_written(demo_server) -> None:
-    """Review: with --data-binary, a body starting with @ made curl send a file instead."""
-    server, env = demo_server
-    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"], "WALLETSVC_URL": server.url}
-    command = 'eval "$(walletsvc sign POST /api/v1/transfer/command/create --data @/etc/hostname --format curl)"'
-    answer = json.loads(subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=60,
-                                       check=True).stdout)
-    assert answer["code"] == "S012" and "body" in answer["detail"]  # the 14 bytes signed arrived, not a file
-
-
-@pytest.mark.walletsvc(scenario={"workspaces": [{"id": "ws_marked", "name": "Marked", "keys": [{}], "wallets": [
-    {"name": "w", "currency": "EUR", "balance": "3.00"}]}]})
-def test_the_marker_takes_a_scenario_and_worlds_copy_it(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    assert sandbox.workspace["id"] == "ws_marked" and sandbox.wallets["w"]["balance"] == "3.00"
-    world = sandbox.world()  # the scenario the sandbox started from, with fresh ids
-    assert (world.workspace["name"], world.wallets["w"]["balance"]) == ("Marked", "3.00")
-    assert world.workspace["id"] != "ws_marked"
-    over_http = webtest.TestApp(sandbox.app).post_json("/_admin/scenarios", {}, headers=ADMIN).json["data"]
-    assert [w["name"] for w in over_http["workspaces"]] == ["Marked"]
-
-
-def test_a_world_in_python_resets_alone(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    world = sandbox.world()
-    assert world.workspace["id"] != sandbox.workspace["id"] and world.key["apiKey"] != sandbox.key["apiKey"]
-    world.client.create_transfer(world.wallets["alice"]["id"], world.wallets["bob"]["id"], "1.00", "USD")
-    sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"], "2.00", "USD")
-    world.reset()
-    assert world.client.list_transfers()["page"]["totalElements"] == 0
-    assert sandbox.client.list_transfers()["page"]["totalElements"] == 1
-    sandbox.reset()  # the whole sandbox: the world made after the start is gone
-    with pytest.raises(walletsvc.WalletError):
-        world.client.list_wallets()
-
-
-###############################################################################
-# Defects found by outside tools (Schemathesis, a conformance suite, an attack run) #
-###############################################################################
-
-
-def test_the_document_states_what_the_server_enforces(walletsvc_sandbox) -> None:
-    """DESIGN.md §3, §7, §8: patterns, lengths, enums, ranges and required bodies, as the server checks them."""
-    document = webtest.TestApp(walletsvc_sandbox.app).get("/openapi.json").json
-    schemas, paths = document["components"]["schemas"], document["paths"]
-    transfer = schemas["CreateTransfer"]["properties"]
-    assert transfer["bizId"]["pattern"] == "^[A-Za-z0-9._:-]{1,64}$"
-    assert transfer["description"]["maxLength"] == 255
-    assert {"USD", "JPY", "KWD"} <= set(transfer["currency"]["enum"]) and "ABC" not in transfer["currency"]["enum"]
-
-    def query(path: str) -> dict:
-        return {p["name"]: p["schema"] for p in paths[path]["get"]["parameters"] if p["in"] == "query"}
-    orders, flows, wallets = (query(path) for path in ("/api/v1/transfer/query/orders",
-                                                       "/api/v1/wallets/{wallet_id}/flows", "/api/v1/wallets"))
-    assert orders["status"]["enum"] == ["PENDING", "COMPLETED", "FAILED"]
-    direction = "(,([aA][sS][cC]|[dD][eE][sS][cC]))?$"  # asc or desc, in any case (DESIGN.md §8)
-    assert orders["sort"]["items"]["pattern"] == "^(createdAt|updatedAt|amount|status)" + direction
-    assert wallets["sort"]["items"]["pattern"] == "^(createdAt|updatedAt|name|currency|status|balance)" + direction
-    assert orders["bizIdPrefix"]["pattern"] == "^[A-Za-z0-9._:-]{1,64}$"
-    assert flows["type"]["enum"] == ["DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN"]
-    assert flows["direction"]["enum"] == ["DEBIT", "CREDIT"]
-    assert wallets["status"]["enum"] == ["ACTIVE", "FROZEN", "CLOSED"] and "EUR" in wallets["currency"]["enum"]
-    fault = schemas["FaultBody"]["properties"]
-    assert (fault["status"]["minimum"], fault["status"]["maximum"]) == (400, 599)
-    assert (fault["latency"]["minimum"], fault["latency"]["maximum"], fault["times"]["minimum"]) == (0, 60, 1)
-    assert schemas["NewKeyBody"]["properties"]["scopes"]["minItems"] == 1
-    assert paths["/_admin/workspaces"]["post"]["requestBody"]["required"] is True  # {"name"} is required
-    assert paths["/_admin/transfers/{biz_id}/complete"]["post"]["requestBody"]["required"] is False
-
-
-def test_the_document_links_answers_to_later_requests_and_states_the_console_login(walletsvc_sandbox) -> None:
-    """DESIGN.md §3: a created transfer's bizId to the order queries, a wallet's id to its balance and
-    flows; the console's form login, its 303 and its HTML."""
-    document = webtest.TestApp(walletsvc_sandbox.app).get("/openapi.json").json
-    operations = {operation["operationId"]: operation for methods in document["paths"].values()
-                  for operation in methods.values()}
-    links = {(source, name): (link["operationId"], link["parameters"]) for source, operation in operations.items()
-             for name, link in operation["responses"]["200"].get("links", {}).items()}
-    assert links == {
-        ("create_transfer", "Order"): ("get_transfer", {"biz_id": "$response.body#/data/bizId"}),
-        ("create_transfer", "Completed"): ("transfer_completed", {"biz_id": "$response.body#/data/bizId"}),
-        ("get_wallet", "Balance"): ("get_balance", {"wallet_id": "$response.body#/data/id"}),
-        ("get_wallet", "Flows"): ("list_flows", {"wallet_id": "$response.body#/data/id"}),
-        ("list_wallets", "Wallet"): ("get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),
-        ("list_transfers", "Order"): ("get_transfer", {"biz_id": "$response.body#/data/content/0/bizId"}),
-        **{("admin_create_workspace", name): (f"admin_{name}", {"workspace_id": "$response.body#/data/id"})
-           for name in ("get_workspace", "list_members", "create_api_key", "create_wallet")},
-        **{("admin_create_wallet", name): (f"admin_{name}", {"wallet_id": "$response.body#/data/id"})
-           for name in ("get_wallet", "deposit", "withdraw", "set_wallet_status")}}
-    for target, parameters in links.values():  # each names a real operation and its real parameters
-        assert set(parameters) <= {p["name"] for p in operations[target]["parameters"]}
-    login = document["paths"]["/_admin/console"]["post"]
-    assert login["requestBody"]["content"]["application/x-www-form-urlencoded"]["schema"]["required"] == ["token"]
-    assert "Set-Cookie" in login["responses"]["303"]["description"]
-    assert list(login["responses"]["401"]["content"]) == ["text/html"]
-
-
-def test_a_405_says_which_methods_are_allowed(walletsvc_sandbox) -> None:
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    refused = app.put("/healthz", expect_errors=True)
-    error(refused, "S405", 405)
-    assert refused.headers["Allow"] == "GET"
-    assert app.delete("/_admin/clock", headers=ADMIN, expect_errors=True).headers["Allow"] == "GET,POST"
-
-
-@pytest.mark.parametrize("method, path", [("POST", "/nowhere"), ("PUT", "/healthz"), ("POST", "/api/nowhere")])
-def test_an_oversized_body_is_s413_whatever_the_path(app: webtest.TestApp, method: str, path: str) -> None:
-    """DESIGN.md §4: the size limit is checked before anything else, a 404 or a 405 too."""
-    answer = app.request(path, method=method, body=b"x" * 70_000, headers={"Content-Type": "application/json"},
-                         expect_errors=True)
-    error(answer, "S413", 413)
-
-
-def test_a_signature_over_a_millisecond_timestamp_is_diagnosed(api: Api, world: dict) -> None:
-    """DESIGN.md §5: the header in seconds, the signed message in milliseconds."""
-    nonce = str(uuid.uuid4())
-    message = "\n".join(("GET", "/api/v1/wallets", f"{NOW}123", nonce, hashlib.sha256(b"").hexdigest())).encode()
-    detail = error(api.get("/api/v1/wallets", **{"X-Nonce": nonce, "X-Signature": _manual_signature(
-        world["key"], message)}), "GA2012", 401)["detail"]
-    assert "timestamp was signed in milliseconds" in detail
-
-
-@pytest.mark.parametrize("at, reason", [
-    (10**400, "clock"), (-(10**400), "clock"), (1893456000000, "looks like epoch milliseconds"),
-    ("1893456000", "string of digits"), ("1893456000000", "string of digits"), ("soon", "RFC 3339"),
-    ("2030-01-01T00:00:00", "RFC 3339"), (None, "must be JSON number or string")])
-def test_clock_times_are_one_unit_everywhere(walletsvc_sandbox, at: Any, reason: str) -> None:
-    """DESIGN.md §9: a JSON number is epoch seconds, a string ISO-8601 (RFC 3339, the profile the document
-    states); milliseconds are refused, saying so; null is not a time."""
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    detail = error(app.post_json("/_admin/clock", {"at": at}, headers=ADMIN, expect_errors=True), "S012", 400)
-    assert reason in detail["detail"]
-    assert app.get("/_admin/clock", headers=ADMIN).json["data"]["frozen"] is False  # nothing changed
-
-
-def test_clock_takes_epoch_seconds_as_a_number_and_iso_as_a_string(walletsvc_sandbox) -> None:
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    for at in (1893456000, 1893456000.0, "2030-01-01T00:00:00Z", "2030-01-01T08:00:00+08:00"):
-        state = app.post_json("/_admin/clock", {"freeze": True, "at": at}, headers=ADMIN).json["data"]
-        assert (state["epochMillis"], state["frozen"]) == (1893456000000, True)
-
-
-def test_the_client_takes_a_decimal_amount(walletsvc_sandbox) -> None:
-    import decimal
-
-    sandbox = walletsvc_sandbox
-    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
-                                           decimal.Decimal("1.50"), "USD")
-    assert order["amount"] == "1.50"
-    assert sandbox.service.get_wallet(sandbox.wallets["bob"]["id"])["balance"] == "1001.50"
-
-
-def test_a_closed_wallet_stays_closed(tmp_path, walletsvc_sandbox) -> None:
-    """DESIGN.md §6: ACTIVE and FROZEN go back and forth; CLOSED is final."""
-    app = webtest.TestApp(walletsvc_sandbox.app)
-    wallet = walletsvc_sandbox.wallets["yen"]["id"]
-    app.post_json(f"/_admin/wallets/{wallet}/status", {"status": "CLOSED"}, headers=ADMIN)
-    for status in ("ACTIVE", "FROZEN"):
-        refused = app.post_json(f"/_admin/wallets/{wallet}/status", {"status": status}, headers=ADMIN,
-                                expect_errors=True)
-        assert "CLOSED" in error(refused, "S012", 400)["detail"]
-    assert app.post_json(f"/_admin/wallets/{wallet}/status", {"status": "CLOSED"}, headers=ADMIN).json["success"]
-    path = str(tmp_path / "cli.db")
-    svc = walletsvc.WalletService(path)
-    closed = svc.create_wallet(svc.create_workspace("w")["id"], "USD")["id"]
-    svc.set_wallet_status(closed, "CLOSED")
-    svc.close()
-    done = subprocess.run([sys.executable, "-m", "walletsvc", "wallet", "unfreeze", closed, "--db", path],
-                          capture_output=True, text=True, timeout=60, check=False)
-    assert done.returncode == 1 and "CLOSED" in done.stderr and "Traceback" not in done.stderr
-    assert walletsvc.WalletService(path).get_wallet(closed)["status"] == "CLOSED"
-
-
-###############################################################################
-# The command line as people type it (DESIGN.md §9) ############################
-###############################################################################
-
-
-def _cli(*argv: str, cwd: pathlib.Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "walletsvc", *argv], capture_output=True, text=True, timeout=60,
-                          check=False, cwd=cwd, env=env)
-
-
-@pytest.mark.parametrize("argv", [["audit"], ["workspace", "list"], ["member", "list", "ws_x"], ["key", "list", "ws_x"],
-                                  ["wallet", "list", "ws_x"], ["wallet", "get", "wal_x"]])
-def test_a_command_that_only_reads_never_makes_a_database(tmp_path, argv: list) -> None:
-    """Defect: `walletsvc --db typo.db audit` answered [], exit 0, and left a 160 KB database."""
-    done = _cli("--db", str(tmp_path / "typo.db"), *argv)
-    assert done.returncode == 2 and "no database at" in done.stderr and "Traceback" not in done.stderr
-    assert len(done.stderr.strip().splitlines()) == 1
-    assert not (tmp_path / "typo.db").exists()
-
-
-@pytest.mark.parametrize("options, says", [(["--threads", "0"], "at least 1"), (["--workers", "0"], "at least 1"),
-                                           (["--port", "99999"], "not a TCP port"), (["--port", "-1"], "not a TCP port")])
-def test_serve_refuses_what_it_cannot_serve_in_one_line(tmp_path, options: list, says: str) -> None:
-    """Defects: `serve --threads 0` printed "serving" and never answered; `--port 99999` served on another port."""
-    done = _cli("serve", "--db", str(tmp_path / "s.db"), *options)
-    assert done.returncode == 2 and says in done.stderr and "Traceback" not in done.stderr
-    assert "serving" not in done.stdout
-
-
-def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_server) -> None:
-    """Defect: for a POST it printed headers only, and the README's pattern then sent a GET (GA2012)."""
-    server, env = demo_server
-    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"], "WALLETSVC_URL": server.url}
-    listed = json.loads(subprocess.run(["bash", "-c", 'eval "$(walletsvc sign GET /api/v1/wallets --format curl)"'],
-                                       capture_output=True, text=True, env=env, timeout=60, check=True).stdout)
-    alice, bob = sorted(listed["data"]["content"], key=lambda wallet: wallet["name"])[:2]
-    body = json.dumps({"sourceWalletId": alice["id"], "targetWalletId": bob["id"], "amount": "1.00",
-                       "currency": "USD", "description": "it's paid"})  # a quote and spaces survive the shell
-    command = f"eval \"$(walletsvc sign POST /api/v1/transfer/command/create --data {shlex.quote(body)} --format curl)\""
-    posted = subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env, timeout=60, check=True)
-    assert json.loads(posted.stdout)["data"]["description"] == "it's paid"
-
-
-def test_request_takes_paths_queries_and_urls_as_people_type_them(demo_server) -> None:
-    """Defects: a path without / and a query with a space printed tracebacks; a URL without http:// failed."""
-    server, env = demo_server
-    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"]}
-    host = server.url.removeprefix("http://")
-    missing = _cli("request", "GET", "api/v1/wallets", "--url", host, env=env)
-    assert missing.returncode == 2 and "must start with /" in missing.stderr and "Traceback" not in missing.stderr
-    spaced = _cli("request", "GET", "/api/v1/wallets?sort=name,asc&currency=USD&x=a b", "--url", host, env=env)
-    assert spaced.returncode == 0, spaced.stderr
-    assert [w["name"] for w in json.loads(spaced.stdout)["data"]["content"]] == ["alice", "bob"]
-
-
-def test_restarting_without_demo_names_the_keys_it_holds(tmp_path) -> None:
-    """Defect: restarting a demo database without --demo said "you need a key" though keys existed."""
-    path = str(tmp_path / "again.db")
-    for options in (["--demo"], []):
-        server = ServerProcess(path, tmp_path / f"again{len(options)}.log", *options)
-        server.start()
-        server.stop()
-    printed = (tmp_path / "again0.log").read_text()
-    assert "It holds 1 API key(s) in 1 workspace(s)" in printed and "you need a key" not in printed
-
-
-def test_every_environment_variable_the_cli_reads_is_documented() -> None:
-    source = (pathlib.Path(__file__).parent / "walletsvc.py").read_text(encoding="utf-8")
-    read = set(re.findall(r"os\.environ\.get\(\"(WALLETSVC_[A-Z_]+)\"", source))
-    assert read >= {"WALLETSVC_DB", "WALLETSVC_ADMIN_TOKEN", "WALLETSVC_URL", "WALLETSVC_KEY", "WALLETSVC_SECRET"}
-    section = README.read_text(encoding="utf-8").split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
-    assert {name for name in read if f"`{name}`" not in section} == set()
-
-
-def test_version_is_printed() -> None:
-    import importlib.metadata
-
-    done = _cli("--version")
-    assert (done.returncode, done.stdout.strip()) == (0, f"walletsvc {importlib.metadata.version('walletsvc')}")
-
-
-def test_the_ready_file_says_everything_a_suite_needs(tmp_path) -> None:
-    ready = tmp_path / "ready.json"
-    process = subprocess.Popen([sys.executable, "-m", "walletsvc", "serve", "--demo", "--port", "0", "--db",
-                                str(tmp_path / "r.db"), "--ready-file", str(ready)],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        deadline = time.monotonic() + 30
-        while not ready.exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        facts = json.loads(ready.read_text())
-        assert facts["url"] == f"http://127.0.0.1:{facts['port']}"
-        (key,) = facts["keys"]
-        assert sorted(key["scopes"]) == ["transfer:create", "transfer:read", "wallet:read"]
-        assert [(w["name"], w["currency"]) for w in facts["wallets"]] == [("alice", "USD"), ("bob", "USD"),
-                                                                          ("yen", "JPY")]
-        answer = requests.get(facts["url"] + "/api/v1/wallets", timeout=10, headers=_signed(
-            "GET", "/api/v1/wallets", key["apiKey"], key["secret"])).json()
-        assert {w["id"] for w in answer["data"]["content"]} == {w["id"] for w in facts["wallets"]}
-        assert requests.get(facts["url"] + "/_admin/clock", timeout=10, headers={
-            "Authorization": f"Bearer {facts['adminToken']}"}).status_code == 200
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-
-
-def test_a_live_server_stops_with_keep_alive_clients_connected() -> None:
-    """Defect: the live fixture's teardown always waited out a 5 s join while a client kept a connection."""
-    sandbox = walletsvc.Sandbox.create()
-    server = walletsvc.LiveServer(sandbox.app)
-    session = requests.Session()
-    assert session.get(server.url + "/healthz", timeout=5).status_code == 200
-    server.stop()
-    with pytest.raises(requests.ConnectionError):  # its connection was closed: nothing waited for it to leave
-        session.get(server.url + "/healthz", timeout=5)
-
-
-###############################################################################
-# pytest plugin: settings per test, documented fixtures ########################
-###############################################################################
-
-
-@pytest.mark.walletsvc(settlement="manual", magic_values=True)
-def test_the_marker_gives_a_test_a_sandbox_with_those_settings(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
-                                           "10.00", "USD", biz_id="held")
-    assert order["status"] == "PENDING"
-    with pytest.raises(walletsvc.WalletError) as declined:
-        sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"], "666.66", "USD")
-    assert declined.value.code == "T2001"
-
-
-def test_an_unmarked_test_gets_the_defaults(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
-                                           "666.66", "USD")
-    assert order["status"] == "COMPLETED"
-
-
-@pytest.mark.walletsvc(settlement="manual")
-def test_the_marker_applies_to_the_live_sandbox_too(walletsvc_live) -> None:
-    sandbox = walletsvc_live
-    assert sandbox.url.startswith("http://127.0.0.1:")
-    order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
-                                           "1.00", "USD")
-    assert order["status"] == "PENDING"
-
-
-def test_every_fixture_is_documented() -> None:
-    listed = subprocess.run([sys.executable, "-m", "pytest", "--fixtures", "-p", "no:cacheprovider",
-                             str(pathlib.Path(__file__))], capture_output=True, text=True, timeout=120, check=False)
-    ours = re.findall(r"^(walletsvc_\w+)(?: \[session scope\])?.*\n((?:    .*\n)*)", listed.stdout, flags=re.MULTILINE)
-    assert {name for name, _ in ours} >= {"walletsvc_sandbox", "walletsvc_live", "walletsvc_session_sandbox",
-                                          "walletsvc_session_live"}
-    for name, doc in ours:
-        assert doc.strip() and "no docstring available" not in doc, name
-
-
-###############################################################################
-# Command line: as people type it ##############################################
-###############################################################################
-
-
-def test_global_options_go_before_or_after_the_subcommand(tmp_path, capsys) -> None:
-    path = str(tmp_path / "cli.db")
-    assert run_cli(capsys, "--db", path, "workspace", "create", "first")[0] == 0
-    assert run_cli(capsys, "workspace", "create", "second", "--db", path)[0] == 0
-    code, out, _ = run_cli(capsys, "--table", "workspace", "list", "--db", path)
-    assert code == 0 and "first" in out and "second" in out and not out.lstrip().startswith("[")
-
-
-def test_table_shows_lists_and_booleans_as_people_write_them(tmp_path, capsys) -> None:
-    path = str(tmp_path / "cli.db")
-    workspace = json.loads(run_cli(capsys, "workspace", "create", "w", "--db", path)[1])
-    run_cli(capsys, "key", "create", workspace["id"], "--scope", "wallet:read", "--scope", "transfer:read",
-            "--db", path)
-    code, out, _ = run_cli(capsys, "key", "list", workspace["id"], "--db", path, "--table")
-    assert code == 0 and "wallet:read, transfer:read" in out and "true" in out and "['" not in out and "True" not in out
-
-
-def test_cli_request_prints_the_http_status(live, world, capsys, monkeypatch, clock) -> None:
-    import time as real_time
-
-    clock.now = real_time.time()
-    monkeypatch.setenv("WALLETSVC_KEY", world["key"]["apiKey"])
-    monkeypatch.setenv("WALLETSVC_SECRET", world["key"]["secret"])
-    code, out, err = run_cli(capsys, "request", "GET", "/api/v1/wallets/wal_missing", "--url", live)
-    assert (code, err.strip(), json.loads(out)["code"]) == (1, "HTTP 404 Not Found", "W1001")
-
-
-@pytest.mark.parametrize("token", [None, "t0ken"])
-def test_serve_without_demo_says_how_to_make_a_key(tmp_path, token) -> None:
-    server = ServerProcess(str(tmp_path / "plain.db"), tmp_path / "plain.log", *(["--admin-token", token] if token else []))
-    server.start()
-    try:
-        time.sleep(0.2)
-        printed = (tmp_path / "plain.log").read_text()
-    finally:
-        server.stop()
-    assert "walletsvc key create WORKSPACE_ID" in printed and "--demo" in printed
-    console = f"Sandbox console: {server.url}/_admin/console"  # only where there is one
-    assert (console in printed) is (token is not None)
-
-
-def test_journal_keeps_the_request_body_and_the_diagnosed_mistake(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    body = json.dumps({"sourceWalletId": sandbox.wallets["alice"]["id"],
-                       "targetWalletId": sandbox.wallets["bob"]["id"], "amount": "1.00", "currency": "USD"})
-    headers = sandbox.headers("POST", TRANSFER_PATH, b"")  # the empty-body hash signed on a POST
-    webtest.TestApp(sandbox.app).post(TRANSFER_PATH, body, headers={**headers, "Content-Type": "application/json"},
-                                      expect_errors=True)
-    (entry,) = sandbox.journal.entries("POST")
-    assert (entry["code"], entry["body"], entry["headers"]["Content-Type"]) == ("GA2012", body, "application/json")
-    assert entry["diagnosis"] == "the empty-body hash was signed on a request with a body"
-    assert json.loads(entry["responseBody"])["code"] == "GA2012"
-
-
-def _transfer_of(sandbox, amount: str, biz_id: str, **headers: str) -> None:
-    body = json.dumps({"sourceWalletId": sandbox.wallets["alice"]["id"], "targetWalletId": sandbox.wallets["bob"]["id"],
-                       "amount": amount, "currency": "USD", "bizId": biz_id}).encode()
-    webtest.TestApp(sandbox.app).post(TRANSFER_PATH + "?trace=on", body, expect_errors=True, headers={
-        **sandbox.headers("POST", TRANSFER_PATH, body), "Content-Type": "application/json", **headers})
-
-
-def test_journal_assertions_match_query_headers_body_and_code(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    _transfer_of(sandbox, "1.00", "small", **{"X-Trace": "abc"})
-    _transfer_of(sandbox, "5000.00", "large")
-    journal = sandbox.journal
-    (small,) = journal.assert_called("POST", TRANSFER_PATH, times=1, body={"amount": "1.00"},
-                                     headers={"x-trace": "abc"}, query={"trace": "on"})
-    assert small["code"] == "2000"
-    journal.assert_called(code="T2001", at_least=1, body={"bizId": "large"})
-    journal.assert_called("POST", at_least=2)
-    journal.assert_not_called(body={"amount": "2.00"})
-    with pytest.raises(AssertionError) as failed:
-        journal.assert_called("POST", TRANSFER_PATH, body={"amount": "1.50"})
-    assert "closest entries" in str(failed.value) and "body is" in str(failed.value)
-    assert "method is" not in str(failed.value).split("closest entries", 1)[1].splitlines()[1]
-    with pytest.raises(AssertionError, match="at least 3 time"):
-        journal.assert_called("POST", at_least=3)
-
-
-def test_fault_rules_match_on_body_fields_and_headers(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    sandbox.faults.add(code="S503", method="POST", body={"amount": "7.00"})
-    sandbox.faults.add(code="W1002", method="POST", headers={"X-Tenant": "blocked"})
-    _transfer_of(sandbox, "1.00", "passes")
-    _transfer_of(sandbox, "7.00", "fails")
-    _transfer_of(sandbox, "1.00", "tenant", **{"X-Tenant": "blocked"})
-    assert [entry["code"] for entry in sandbox.journal.entries("POST")] == ["2000", "S503", "W1002"]
-    assert [rule["fired"] for rule in sandbox.faults.rules()] == [1, 1]
-
-
-def test_journal_and_fault_matchers_over_http(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    admin = webtest.TestApp(sandbox.app)
-    auth = {"Authorization": f"Bearer {sandbox.admin_token}"}
-    admin.post_json("/_admin/faults", {"code": "T2001", "method": "POST", "body": {"bizId": "doomed"}}, headers=auth)
-    _transfer_of(sandbox, "1.00", "doomed")
-    _transfer_of(sandbox, "1.00", "fine")
-    found = admin.get("/_admin/journal", params={"method": "POST", "body": '{"bizId": "doomed"}'},
-                      headers=auth).json["data"]["content"]
-    assert [entry["code"] for entry in found] == ["T2001"]
-    assert len(admin.get("/_admin/journal", params={"query.trace": "on", "code": "2000"},
-                         headers=auth).json["data"]["content"]) == 1
-    verdict = admin.post_json("/_admin/journal/assert", {"method": "POST", "body": {"bizId": "fine"}, "times": 1},
-                              headers=auth).json["data"]
-    assert verdict == {"passed": True, "count": 1, "message": None}
-    missed = admin.post_json("/_admin/journal/assert", {"body": {"bizId": "nope"}}, headers=auth).json["data"]
-    assert missed["passed"] is False and "closest entries" in missed["message"]
-
-
-def test_ids_can_be_seeded_over_http() -> None:
-    made = []
-    for _ in range(2):
-        svc = walletsvc.WalletService(":memory:")
-        admin = webtest.TestApp(walletsvc.create_app(svc, admin_token="t"))
-        auth = {"Authorization": "Bearer t"}
-        admin.post_json("/_admin/ids", {"seed": 42}, headers=auth)
-        workspace = admin.post_json("/_admin/workspaces", {"name": "seeded"}, headers=auth).json["data"]
-        key = admin.post_json(f"/_admin/workspaces/{workspace['id']}/keys", {}, headers=auth).json["data"]
-        made.append((workspace["id"], key["apiKey"], key["secret"]))
-        refused = admin.post_json("/_admin/ids", {"seed": "x"}, headers=auth, expect_errors=True)
-        assert refused.json["code"] == "S012"
-    assert made[0] == made[1]  # the same sequence in two services
-    fresh = walletsvc.WalletService(":memory:").create_workspace("random")["id"]
-    assert fresh != made[0][0]
-
-
-###############################################################################
-# The sandbox console in a real browser (DESIGN.md §9) #########################
-###############################################################################
-
-SCREENSHOTS = ("console-wallets.png", "console-journal.png")  # in docs/, shown in README
-
-
-@pytest.fixture
-def browser(tmp_path):
-    """Headless Chromium from Debian's chromium and chromium-driver packages, driven by selenium,
-    with a fresh profile and none of its own network traffic. Without them the test is skipped,
-    unless WALLETSVC_BROWSER=required (as in .ci/run, which installs them)."""
-    import shutil
-
-    binary, driver_path = shutil.which("chromium"), shutil.which("chromedriver")
-    if not (binary and driver_path):
-        message = "the console's browser test needs Debian's chromium and chromium-driver"
-        if os.environ.get("WALLETSVC_BROWSER") == "required":
-            pytest.fail(message)
-        pytest.skip(message)
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = binary
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update", "--disable-sync",
-                 "--window-size=1280,800", f"--user-data-dir={tmp_path / 'chromium-profile'}"):
-        options.add_argument(flag)
-    options.set_capability("goog:loggingPrefs", {"performance": "ALL"})
-    driver = webdriver.Chrome(service=Service(driver_path), options=options)
-    driver.set_page_load_timeout(30)
-    yield driver
-    driver.quit()
-
-
-def console_log_in(browser, url: str, token: str) -> None:
-    from selenium.webdriver.common.by import By
-
-    browser.get(url + "/_admin/console")
-    browser.find_element(By.NAME, "token").send_keys(token)
-    browser.find_element(By.CSS_SELECTOR, "form button").click()
-    until(browser, lambda: browser.find_elements(By.LINK_TEXT, "Wallets"))
-
-
-def until(browser, condition: Callable, seconds: float = 5) -> Any:
-    """The condition's first true value, polled; AssertionError with the page after ``seconds``."""
-    from selenium.common.exceptions import StaleElementReferenceException
-
-    deadline = time.monotonic() + seconds
-    while True:
-        with contextlib.suppress(StaleElementReferenceException):  # the page re-rendered under us
-            value = condition()
-            if value:
-                return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {seconds} s; the page says:\n{browser.find_element('tag name', 'body').text}")
-        time.sleep(0.1)
-
-
-def table_rows(browser, selector: str) -> list[list[str]]:
-    return [[cell.text for cell in row.find_elements("tag name", "td")]
-            for row in browser.find_elements("css selector", selector + " tbody tr")]
-
-
-def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
-    from selenium.webdriver.common.by import By
-
-    server, env = demo_server
-    assert f"console     : {server.url}/_admin/console" in server.log_path.read_text()
-    auth = walletsvc.HmacAuth(env["KEY"], env["SECRET"])
-    admin = {"Authorization": f"Bearer {env['TOKEN']}"}
-    shots = pathlib.Path(os.environ.get("WALLETSVC_SCREENSHOTS") or tmp_path)
-
-    def wallets() -> dict:
-        return {row[1]: row[4:7] for row in table_rows(browser, "#wallets .data")}
-
-    def view(name: str) -> None:
-        browser.find_element(By.LINK_TEXT, name).click()
-
-    # Log in: a wrong token gives the form again with a message; the token, a strict HttpOnly cookie.
-    browser.get(server.url + "/_admin/console")
-    browser.find_element(By.NAME, "token").send_keys("not-the-token")
-    browser.find_element(By.CSS_SELECTOR, "form button").click()
-    until(browser, lambda: "That is not the admin token." in browser.page_source)
-    console_log_in(browser, server.url, env["TOKEN"])
-    cookie = browser.get_cookie(f"walletsvc_console_{server.port}")
-    assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
-    assert [link.text for link in browser.find_elements(By.CSS_SELECTOR, "nav a")] == [
-        "Wallets", "Transfers", "Journal", "Clock", "Faults"]
-    until(browser, lambda: wallets() == {"alice": ["1000.00", "1000.00", "0.00"], "bob": ["1000.00", "1000.00", "0.00"],
-                                         "yen": ["100000", "100000", "0"]})
-
-    # A signed transfer from outside: in the journal within 3 s, and the balances move.
-    ids = {wallet["name"]: wallet["id"] for wallet in
-           requests.get(server.url + "/api/v1/wallets", auth=auth, timeout=10).json()["data"]["content"]}
-    body = {"sourceWalletId": ids["alice"], "targetWalletId": ids["bob"], "amount": "10.00", "currency": "USD",
-            "bizId": "console-1"}
-    requests.post(server.url + TRANSFER_PATH, json=body, auth=auth, timeout=10).raise_for_status()
-    view("Journal")
-    until(browser, lambda: ["POST", TRANSFER_PATH, "200", "2000", "valid"] in
-          [row[1:6] for row in table_rows(browser, "#journal .data")], seconds=3)
-    view("Wallets")
-    until(browser, lambda: wallets()["alice"][0] == "990.00" and wallets()["bob"][0] == "1010.00")
-    browser.find_element(By.CSS_SELECTOR, f'tr[data-wallet="{ids["alice"]}"]').click()
-    flows = until(browser, lambda: table_rows(browser, "#flows"))
-    assert flows[0][1:6] == ["TRANSFER_OUT", "DEBIT", "10.00", "990.00", ids["bob"]]
-    browser.save_screenshot(str(shots / SCREENSHOTS[0]))
-
-    # A bad signature (the query string signed): the journal row opens on the server's diagnosis.
-    timestamp, nonce = str(int(time.time())), str(uuid.uuid4())
-    wrong = f"GET\n/api/v1/wallets?size=5\n{timestamp}\n{nonce}\n{hashlib.sha256(b'').hexdigest()}"
-    signature = base64.b64encode(hmac.new(env["SECRET"].encode(), wrong.encode(), hashlib.sha256).digest()).decode()
-    refused = requests.get(server.url + "/api/v1/wallets?size=5", timeout=10, headers={
-        "X-Api-Key": env["KEY"], "X-Timestamp": timestamp, "X-Nonce": nonce, "X-Signature": signature})
-    assert refused.json()["code"] == "GA2012"
-    view("Journal")
-    row = until(browser, lambda: [row for row in browser.find_elements(By.CSS_SELECTOR, "#journal .data tbody tr")
-                                  if "GA2012" in row.text])
-    row[0].click()
-    diagnosis = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, "#entry .diagnosis"))
-    assert "the query string was signed" in diagnosis[0].text
-    canonical = browser.find_element(By.CSS_SELECTOR, "#entry pre.canonical").text
-    assert canonical.startswith(f"GET\n/api/v1/wallets\n{timestamp}\n{nonce}\n")
-    assert env["SECRET"] not in browser.page_source
-    browser.save_screenshot(str(shots / SCREENSHOTS[1]))
-
-    # Faults: add one with the form (it fires on the next transfer), then remove it.
-    view("Faults")
-    form = browser.find_element(By.ID, "fault-form")
-    form.find_element(By.NAME, "code").send_keys("T2001")
-    form.find_element(By.NAME, "times").send_keys("1")
-    form.find_element(By.NAME, "body").send_keys('{"amount": "1.00"}')
-    form.find_element(By.CSS_SELECTOR, "button").click()
-    until(browser, lambda: table_rows(browser, "#faults .data"))
-    forced = requests.post(server.url + TRANSFER_PATH, auth=auth, timeout=10, json={**body, "amount": "1.00",
-                                                                                   "bizId": "console-2"})
-    assert (forced.status_code, forced.json()["code"]) == (422, "T2001")
-    until(browser, lambda: table_rows(browser, "#faults .data")[0][8] == "1")  # fired once
-    browser.find_element(By.CSS_SELECTOR, "#faults .data button").click()
-    until(browser, lambda: "No fault rules." in browser.find_element(By.ID, "faults").text)
-    assert requests.get(server.url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
-
-    # Nothing went over the network but to the sandbox (Chromium's log of every request it made;
-    # chrome:// and data: URLs are the browser's own, read from memory).
-    fetched = [json.loads(entry["message"])["message"]["params"]["request"]["url"]
-               for entry in browser.get_log("performance")
-               if json.loads(entry["message"])["message"]["method"] == "Network.requestWillBeSent"]
-    network = [url for url in fetched if not url.startswith(("chrome:", "chrome-untrusted:", "data:", "about:"))]
-    assert len(network) > 20 and all(url.startswith(server.url + "/") for url in network), network
-
-    # Another origin on the same site (127.0.0.1, another port) posts with the cookie: refused.
-    evil = ServedPage(f"""<form id="f" method="post" action="{server.url}/_admin/faults" enctype="text/plain">
-        <input name='{{"code": "S503", "x": "' value='"}}'></form>
-        <script>fetch("{server.url}/_admin/reset", {{method: "POST", mode: "no-cors", credentials: "include"}})
-          .finally(() => document.getElementById("f").submit());</script>""")
-    with evil:
-        browser.get(evil.url)
-        until(browser, lambda: '"S403"' in browser.page_source)  # the form's answer, shown by the browser
-    assert requests.get(server.url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
-    assert walletsvc.Client(server.url, env["KEY"], env["SECRET"]).get_balance(ids["alice"])["balance"] == "990.00"
-
-    browser.get(server.url + "/_admin/console")  # still logged in
-    until(browser, lambda: wallets())
-
-    # The clock: freeze, then advance an hour with the form.
-    view("Clock")
-    browser.find_element(By.ID, "clock-freeze").click()
-    clock = until(browser, lambda: requests.get(server.url + "/_admin/clock", headers=admin, timeout=10).json()[
-        "data"] if "(frozen)" in browser.find_element(By.ID, "now").text else None)
-    assert clock["frozen"] is True
-    browser.find_element(By.CSS_SELECTOR, "#clock-advance button").click()  # the form's default: 3600 s
-    advanced = until(browser, lambda: requests.get(server.url + "/_admin/clock", headers=admin, timeout=10).json()[
-        "data"] if browser.find_element(By.ID, "clock-now").text != clock["now"] else None)
-    assert advanced["epochMillis"] - clock["epochMillis"] == 3_600_000
-    browser.find_element(By.CSS_SELECTOR, '#clock-set input[name="at"]').send_keys("2030-01-01T00:00:00Z")
-    browser.find_element(By.CSS_SELECTOR, "#clock-set button").click()
-    until(browser, lambda: browser.find_element(By.ID, "clock-now").text == "2030-01-01T00:00:00.000Z")
-    browser.find_element(By.ID, "clock-unfreeze").click()
-    until(browser, lambda: "(running)" in browser.find_element(By.CSS_SELECTOR, "#clock .data").text)
-    view("Wallets")
-
-    # Reset asks first; dismissed, nothing happens; accepted, the demo is back (and the clock).
-    browser.find_element(By.ID, "reset").click()
-    browser.switch_to.alert.dismiss()
-    until(browser, lambda: wallets().get("alice", [""])[0] == "990.00")
-    browser.find_element(By.ID, "reset").click()
-    browser.switch_to.alert.accept()
-    until(browser, lambda: wallets().get("alice", [""])[0] == "1000.00")
-    back = requests.get(server.url + "/_admin/clock", headers=admin, timeout=10).json()["data"]
-    assert back["frozen"] is False and abs(back["epochMillis"] / 1000 - time.time()) < 60
-
-
-def test_console_completes_a_pending_transfer_in_a_real_browser(browser, tmp_path) -> None:
-    from selenium.webdriver.common.by import By
-
-    server = ServerProcess(str(tmp_path / "manual.db"), tmp_path / "manual.log", "--demo", "--set",
-                           "settlement=manual")
-    server.start()
-    try:
-        printed = server.log_path.read_text()
-        key, secret, token = (re.search(rf"{label}\s*: (\S+)", printed).group(1)
-                              for label in ("API key", "secret", "admin token"))
-        client = walletsvc.Client(server.url, key, secret)
-        ids = {wallet["name"]: wallet["id"] for wallet in client.list_wallets()["content"]}
-        assert client.create_transfer(ids["alice"], ids["bob"], "10.00", "USD", biz_id="hold-1")["status"] == "PENDING"
-        console_log_in(browser, server.url, token)
-        until(browser, lambda: {row[1]: row[4:7] for row in table_rows(browser, "#wallets .data")}.get("alice") == [
-            "1000.00", "990.00", "10.00"])  # held, not moved
-        browser.find_element(By.LINK_TEXT, "Transfers").click()
-        row = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-1"]'))
-        assert "PENDING" in row[0].text
-        row[0].find_element(By.XPATH, ".//button[text()='Complete']").click()
-        until(browser, lambda: "COMPLETED" in browser.find_element(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-1"]').text)
-        assert client.transfer_completed("hold-1")["completed"] is True
-        assert client.get_balance(ids["alice"])["balance"] == "990.00"
-        client.create_transfer(ids["alice"], ids["bob"], "5.00", "USD", biz_id="hold-2")
-        row = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-2"]'))
-        row[0].find_element(By.XPATH, ".//button[text()='Fail']").click()
-        until(browser, lambda: "FAILED" in browser.find_element(By.CSS_SELECTOR, '#transfers tr[data-biz="hold-2"]').text)
-        assert browser.find_element(By.ID, "message").text == "hold-2: failed."
-        assert client.get_balance(ids["alice"])["available"] == "990.00"  # the hold released
-        client.create_transfer(ids["alice"], ids["bob"], "5.00", "USD", biz_id="..")  # valid, but a path step
-        row = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR, '#transfers tr[data-biz=".."]'))
-        assert not row[0].find_element(By.XPATH, ".//button[text()='Complete']").is_enabled()
-    finally:
-        server.stop()
-
-
-class ServedPage:
-    """One HTML page served on 127.0.0.1 at a port of its own (another origin), in a thread."""
-
-    def __init__(self, html: str) -> None:
-        import http.server
-
-        page = html.encode()
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html")
-                self.send_header("Content-Length", str(len(page)))
-                self.end_headers()
-                self.wfile.write(page)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/"
-
-    def __enter__(self) -> ServedPage:  # noqa: PYI034 - Self needs no import for one class
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def test_readme_shows_the_console_screenshots() -> None:
-    """The two screenshots the browser test takes (WALLETSVC_SCREENSHOTS=docs) are in README."""
-    readme = README.read_text(encoding="utf-8")
-    for name in SCREENSHOTS:
-        assert f"(docs/{name})" in readme
-        assert (README.parent / "docs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+def test_the_module_docstring_lists_every_section_in_order() -> None:
+    source = pathlib.Path(walletsvc.__file__).read_text(encoding="utf-8")
+    rule = "#" * 79
+    banners = re.findall(rf"^{rule}\n# (.+?) #+\n{rule}$", source, re.M)
+    listed = re.findall(r"^ +(\d+)\. (.+?) - ", walletsvc.__doc__, re.M)
+    assert [int(number) for number, _ in listed] == list(range(1, len(banners) + 1))
+    assert [name for _, name in listed] == banners
+    for sought in ("The authentication pipeline", "Pagination", "Request journal", "The console's session"):
+        assert sought in banners  # the nonce check, a page query, what the journal keeps, the console's login
+
+
+def test_help_starts_with_the_contents() -> None:
+    import pydoc
+
+    text = pydoc.plain(pydoc.render_doc(walletsvc))
+    description = text.split("DESCRIPTION", 1)[1].lstrip()
+    assert description.startswith("Contents, in the order of the module's sections")
+    assert "1. Constants and helpers" in description.split("walletsvc implements", 1)[0]
+
+
+def test_each_section_uses_only_those_above_it() -> None:
+    """What runs in a section (function bodies included) names nothing a later section defines; the
+    console's page alone is kept last, as bottle keeps its template, and read at run time."""
+    import ast
+
+    source = pathlib.Path(walletsvc.__file__).read_text(encoding="utf-8")
+    rule = "#" * 79
+    starts = [source[: match.start()].count("\n") + 1
+              for match in re.finditer(rf"^{rule}\n# .+? #+\n{rule}$", source, re.M)]
+
+    def section(line: int) -> int:
+        return sum(1 for start in starts if start < line)
+
+    tree = ast.parse(source)
+    defined: dict[str, int] = {}
+    for node in tree.body:
+        targets = [node.name] if isinstance(node, (ast.FunctionDef, ast.ClassDef)) else [
+            name.id for target in getattr(node, "targets", [getattr(node, "target", None)]) if target
+            for name in ast.walk(target) if isinstance(name, ast.Name)]
+        for target in targets:
+            defined.setdefault(target, section(node.lineno))
+    last = len(starts)
+    later = set()
+    for node in tree.body:
+        here = section(node.lineno)
+        for name in ast.walk(node):
+            if isinstance(name, ast.Name) and defined.get(name.id, 0) > here and defined[name.id] != last:
+                later.add((here, name.id))
+    assert later == set()
