@@ -264,7 +264,8 @@ def to_json(value: Any) -> bytes:
 
 
 def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
-    """The ``drawn``-th number of ``bits`` bits of the sequence of ``seed``: the same on every run and process."""
+    """The ``drawn``-th number of ``bits`` bits of the sequence of ``seed``: the same on every run
+    and process."""
     digest = hashlib.blake2b(f"{seed}:{drawn}".encode(), digest_size=bits // 8).digest()
     return int.from_bytes(digest, "big")
 
@@ -357,62 +358,74 @@ class WalletError(Exception):
 
 class ApiKeyMissing(WalletError):
     code, name, status = "GA2001", "API_KEY_MISSING", 401
-    messages = ("The X-Api-Key header is missing.", "缺少 X-Api-Key 请求头。")
+    messages = ("The X-Api-Key header is missing.",
+                "缺少 X-Api-Key 请求头。")
 
 
 class ApiKeyNotFound(WalletError):
     code, name, status = "GA2011", "API_KEY_NOT_FOUND", 401
-    messages = ("The API key does not exist.", "API 密钥不存在。")
+    messages = ("The API key does not exist.",
+                "API 密钥不存在。")
 
 
 class ApiKeyDisabled(WalletError):
     code, name, status = "GA2021", "API_KEY_DISABLED", 403
-    messages = ("The API key has been disabled.", "API 密钥已被停用。")
+    messages = ("The API key has been disabled.",
+                "API 密钥已被停用。")
 
 
 class WorkspaceNotFound(WalletError):
     code, name, status = "GA2032", "WORKSPACE_NOT_FOUND", 404
-    messages = ("The workspace does not exist.", "工作空间不存在。")
+    messages = ("The workspace does not exist.",
+                "工作空间不存在。")
 
 
 class NotWorkspaceMember(WalletError):
     code, name, status = "GA2034", "NOT_WORKSPACE_MEMBER", 403
-    messages = ("The key's member no longer belongs to the workspace.", "该密钥所属成员已不在工作空间中。")
+    messages = ("The key's member no longer belongs to the workspace.",
+                "该密钥所属成员已不在工作空间中。")
 
 
 class RequestExpired(WalletError):
     code, name, status = "GA2013", "REQUEST_EXPIRED", 401
-    messages = ("{reason}", "{reason_zh}")
+    messages = ("{reason}",
+                "{reason_zh}")
 
 
 class SignatureInvalid(WalletError):
     code, name, status = "GA2012", "SIGNATURE_INVALID", 401
-    messages = ("The request signature is invalid.", "请求签名无效。")
+    messages = ("The request signature is invalid.",
+                "请求签名无效。")
 
 
 class IpNotWhitelisted(WalletError):
     code, name, status = "GA2022", "IP_NOT_WHITELISTED", 403
-    messages = ("The client IP address is not in the key's whitelist.", "客户端 IP 地址不在密钥的白名单中。")
+    messages = ("The client IP address is not in the key's whitelist.",
+                "客户端 IP 地址不在密钥的白名单中。")
 
 
 class ScopeRequired(WalletError):
     code, name, status = "GA2024", "SCOPE_REQUIRED", 403
-    messages = ("The API key lacks the scope {scope}.", "API 密钥缺少权限范围 {scope}。")
+    messages = ("The API key lacks the scope {scope}.",
+                "API 密钥缺少权限范围 {scope}。")
 
 
 class ApiAccessDenied(WalletError):
     code, name, status = "50090201", "API_ACCESS_DENIED", 403
-    messages = ("This endpoint is not available to API keys.", "该接口不对 API 密钥开放。")
+    messages = ("This endpoint is not available to API keys.",
+                "该接口不对 API 密钥开放。")
 
 
 class InvalidParameter(WalletError):
     code, name, status = "S012", "INVALID_PARAMETER", 400
-    messages = ("Invalid parameter '{field}': {reason}.", "参数 '{field}' 无效：{reason_zh}。")
+    messages = ("Invalid parameter '{field}': {reason}.",
+                "参数 '{field}' 无效：{reason_zh}。")
 
 
 class NotFound(WalletError):
     code, name, status = "S404", "NOT_FOUND", 404
-    messages = ("No such {thing}.", "{thing_zh}不存在。")
+    messages = ("No such {thing}.",
+                "{thing_zh}不存在。")
 
 
 class Unauthorized(WalletError):
@@ -429,17 +442,20 @@ class CrossSiteRefused(WalletError):
 
 class MethodNotAllowed(WalletError):
     code, name, status = "S405", "METHOD_NOT_ALLOWED", 405
-    messages = ("This method is not allowed on this path.", "该路径不支持此请求方法。")
+    messages = ("This method is not allowed on this path.",
+                "该路径不支持此请求方法。")
 
 
 class PayloadTooLarge(WalletError):
     code, name, status = "S413", "PAYLOAD_TOO_LARGE", 413
-    messages = ("The request body exceeds {limit} bytes.", "请求体超过 {limit} 字节。")
+    messages = ("The request body exceeds {limit} bytes.",
+                "请求体超过 {limit} 字节。")
 
 
 class UnsupportedMediaType(WalletError):
     code, name, status = "S415", "UNSUPPORTED_MEDIA_TYPE", 415
-    messages = ("The request body must be application/json.", "请求体必须是 application/json。")
+    messages = ("The request body must be application/json.",
+                "请求体必须是 application/json。")
 
 
 class InternalError(WalletError):
@@ -448,22 +464,26 @@ class InternalError(WalletError):
 
 class ServiceBusy(WalletError):
     code, name, status = "S503", "SERVICE_BUSY", 503
-    messages = ("The database is busy or unavailable; retry later.", "数据库繁忙或不可用，请稍后重试。")
+    messages = ("The database is busy or unavailable; retry later.",
+                "数据库繁忙或不可用，请稍后重试。")
 
 
 class WalletNotFound(WalletError):
     code, name, status = "W1001", "WALLET_NOT_FOUND", 404
-    messages = ("Wallet {wallet_id} does not exist.", "钱包 {wallet_id} 不存在。")
+    messages = ("Wallet {wallet_id} does not exist.",
+                "钱包 {wallet_id} 不存在。")
 
 
 class WalletNotActive(WalletError):
     code, name, status = "W1002", "WALLET_NOT_ACTIVE", 422
-    messages = ("Wallet {wallet_id} is {state}.", "钱包 {wallet_id} 的状态为 {state}。")
+    messages = ("Wallet {wallet_id} is {state}.",
+                "钱包 {wallet_id} 的状态为 {state}。")
 
 
 class TransferNotFound(WalletError):
     code, name, status = "T1001", "TRANSFER_NOT_FOUND", 404
-    messages = ("Transfer order {biz_id} does not exist.", "转账订单 {biz_id} 不存在。")
+    messages = ("Transfer order {biz_id} does not exist.",
+                "转账订单 {biz_id} 不存在。")
 
 
 class InsufficientBalance(WalletError):
@@ -480,7 +500,8 @@ class CurrencyMismatch(WalletError):
 
 class SameWallet(WalletError):
     code, name, status = "T2003", "SAME_WALLET", 422
-    messages = ("The source and target wallets are the same.", "转出和转入钱包相同。")
+    messages = ("The source and target wallets are the same.",
+                "转出和转入钱包相同。")
 
 
 class IdempotencyConflict(WalletError):
@@ -492,8 +513,8 @@ class IdempotencyConflict(WalletError):
 ERRORS = (
     ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember,
     RequestExpired, SignatureInvalid, IpNotWhitelisted, ScopeRequired, ApiAccessDenied,
-    InvalidParameter, Unauthorized, CrossSiteRefused, NotFound, MethodNotAllowed, PayloadTooLarge, UnsupportedMediaType,
-    InternalError, ServiceBusy, WalletNotFound, WalletNotActive, TransferNotFound,
+    InvalidParameter, Unauthorized, CrossSiteRefused, NotFound, MethodNotAllowed, PayloadTooLarge,
+    UnsupportedMediaType, InternalError, ServiceBusy, WalletNotFound, WalletNotActive, TransferNotFound,
     InsufficientBalance, CurrencyMismatch, SameWallet, IdempotencyConflict,
 )
 
@@ -546,11 +567,13 @@ _REASONS = {
     "ip": ("'{value}' is not an IP address or CIDR block", "'{value}' 不是 IP 地址或 CIDR 网段"),
     "scope": ("'{value}' is not a scope; scopes: {choices}", "'{value}' 不是权限范围；可选：{choices}"),
     "state": ("is {state}", "状态为 {state}"),
-    "closed": ("cannot change: the wallet is CLOSED, which is final", "无法更改：钱包已关闭（CLOSED 为最终状态）"),
+    "closed": ("cannot change: the wallet is CLOSED, which is final",
+               "无法更改：钱包已关闭（CLOSED 为最终状态）"),
     "taken": ("'{value}' is already taken", "'{value}' 已被占用"),
     "scenario_id": ("must be an id starting {prefix} (1-64 of A-Z a-z 0-9 _ . : -)",
                     "必须是以 {prefix} 开头的 id（1-64 个 A-Z a-z 0-9 _ . : - 字符）"),
-    "secret": ("must be 1-128 printable ASCII characters without spaces", "必须是 1-128 个不含空格的可打印 ASCII 字符"),
+    "secret": ("must be 1-128 printable ASCII characters without spaces",
+               "必须是 1-128 个不含空格的可打印 ASCII 字符"),
     "scenario_amount": ("must be a string such as \"1000.00\" (a TOML or JSON number could be rounded)",
                         "必须是字符串，例如 \"1000.00\"（TOML 或 JSON 数字可能被舍入）"),
     "too_many": ("has reached its limit of {maximum}; remove some first", "已达上限 {maximum}，请先删除一些"),
@@ -652,7 +675,8 @@ def _one_of(*choices: str) -> Callable[[Any], str]:
     return convert
 
 
-SANDBOX_JOURNAL_SIZE = 1000  # the journal of `walletsvc serve` and the pytest sandbox (an embedded service keeps none)
+# The journal of `walletsvc serve` and the pytest sandbox (an embedded service keeps none).
+SANDBOX_JOURNAL_SIZE = 1000
 
 # Who reads each setting: the service (WalletService) or the HTTP layer (create_app).
 LAYERS = {"service": "WalletService(path, **settings)", "http": "create_app(svc, **settings)"}
@@ -697,13 +721,15 @@ class Settings:
     settlement_delay: float = _setting(
         "service", 5.0, _non_negative_float, "seconds a delayed-settlement order stays PENDING")
     id_seed: int | None = _setting(
-        "service", None, _optional_int, "seed for deterministic ids and secrets (tests only; never in production)")
+        "service", None, _optional_int,
+        "seed for deterministic ids and secrets (tests only; never in production)")
     journal_size: int = _setting(
         "service", 0, _non_negative_int,
         f"requests kept in the request journal (0: off; walletsvc serve and the pytest sandbox keep"
         f" {SANDBOX_JOURNAL_SIZE})")
     magic_values: bool = _setting(
-        "service", False, _boolean, "honour the documented magic values (amount 666.66, wallet wal_magic_busy)")
+        "service", False, _boolean,
+        "honour the documented magic values (amount 666.66, wallet wal_magic_busy)")
 
     def __post_init__(self) -> None:
         for field in dataclasses.fields(self):
@@ -730,7 +756,8 @@ class Settings:
         for name in changes:
             if layer is not None and self.layer_of(name) != layer:
                 where = self.layer_of(name)
-                raise ValueError(f"{name} is a setting of the {'HTTP layer' if where == 'http' else 'service'}:"
+                raise ValueError(f"{name} is a setting of the"
+                                 f" {'HTTP layer' if where == 'http' else 'service'}:"
                                  f" pass it to {LAYERS[where]}")
         return dataclasses.replace(self, **changes)
 
@@ -883,7 +910,8 @@ UPDATE ledger_clock SET
     last_id = max(last_id, coalesce((SELECT max(tail) FROM (
         SELECT max(substr(id, -32)) AS tail FROM workspaces UNION ALL SELECT max(substr(id, -32)) FROM members
         UNION ALL SELECT max(substr(id, -32)) FROM api_keys UNION ALL SELECT max(substr(id, -32)) FROM wallets
-        UNION ALL SELECT max(substr(id, -32)) FROM transfers UNION ALL SELECT max(substr(id, -32)) FROM flows)),
+        UNION ALL SELECT max(substr(id, -32)) FROM transfers
+        UNION ALL SELECT max(substr(id, -32)) FROM flows)),
         ''));
 """
 
@@ -930,7 +958,8 @@ class Database:
                 break
             except sqlite3.OperationalError as exc:
                 self.close()
-                locked = (getattr(exc, "sqlite_errorname", None) or "").startswith(("SQLITE_BUSY", "SQLITE_LOCKED"))
+                locked = (getattr(exc, "sqlite_errorname", None) or "").startswith(
+                    ("SQLITE_BUSY", "SQLITE_LOCKED"))
                 if not locked or time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
@@ -950,14 +979,15 @@ class Database:
         if self._file is not None and self._identity() != self._file:
             raise ServiceBusy(f"The database file {self.path} was deleted or replaced while the server ran;"
                               " nothing more is written to it. Restart the server.",
-                              zh_extra=f"服务器运行期间数据库文件 {self.path} 被删除或替换；不再向其写入。请重启服务器。")
+                              zh_extra=f"服务器运行期间数据库文件 {self.path} 被删除或替换；"
+                                       "不再向其写入。请重启服务器。")
 
     def _connect(self) -> sqlite3.Connection:
         target, uri = self.path, False
         if self._file is not None:  # made: a thread opening it later must not make a new empty file there
             target, uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=rw", True
-        conn = sqlite3.connect(target, timeout=self.busy_timeout, isolation_level=None, check_same_thread=False,
-                               uri=uri)
+        conn = sqlite3.connect(target, timeout=self.busy_timeout, isolation_level=None,
+                               check_same_thread=False, uri=uri)
         self._prepare_connection(conn)
         return conn
 
@@ -982,7 +1012,8 @@ class Database:
             # Version 3 keeps each nonce's timestamp; an older record's is its expiry less the
             # default window then used (60 s, and the second past it).
             upgrade = ("ALTER TABLE nonces ADD COLUMN ts INTEGER NOT NULL DEFAULT 0;\n"
-                       "UPDATE nonces SET ts = expires_at / 1000 - 61;\n") if columns and "ts" not in columns else ""
+                       "UPDATE nonces SET ts = expires_at / 1000 - 61;\n") \
+                if columns and "ts" not in columns else ""
             conn.executescript(f"BEGIN IMMEDIATE;\n{upgrade}{_schema_sql()}\n{_LEDGER_CLOCK_FROM_DATA}\n"
                                f"UPDATE schema_version SET version = {version};\nCOMMIT;")
             row = conn.execute("SELECT version FROM schema_version").fetchone()
@@ -1090,7 +1121,8 @@ class Database:
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute("UPDATE schema_version SET version = version")
             except sqlite3.OperationalError as exc:
-                if not (getattr(exc, "sqlite_errorname", None) or "").startswith(("SQLITE_BUSY", "SQLITE_LOCKED")):
+                if not (getattr(exc, "sqlite_errorname", None) or "").startswith(
+                        ("SQLITE_BUSY", "SQLITE_LOCKED")):
                     raise
             finally:
                 if conn.in_transaction:
@@ -1187,17 +1219,16 @@ def sign_request(method: str, path: str, body: bytes | str | None, api_key: str,
             "X-Signature": compute_signature(secret, message)}
 
 
-def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
-                       provided: str) -> tuple[str, str] | None:
+def diagnose_signature(secret: str, environ: Mapping[str, Any], path: bytes, body: bytes, timestamp: str,
+                       nonce: str, provided: str) -> tuple[str, str] | None:
     """The common signing mistake the client's signature matches, in English and Chinese, or None.
 
     Each candidate is the canonical message (or the digest's encoding) as a
     client who made that mistake computes it, signed with the key's secret and
-    compared with what the client sent. Runs only for a failed signature with
-    ``debug_signatures`` on.
+    compared with what the client sent (``path``: as sent; ``body``: as read). Runs
+    only for a failed signature with ``debug_signatures`` on.
     """
-    environ, body = call.environ, call.body
-    method, path = environ["REQUEST_METHOD"], call.path
+    method = environ["REQUEST_METHOD"]
 
     def message(path_: bytes = path, digest: str | None = None, tail: bytes = b"") -> bytes:
         return canonical_message(method, path_, timestamp, nonce, digest or body_hash(body)) + tail
@@ -1206,15 +1237,18 @@ def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
     query = environ.get("QUERY_STRING", "")
     if query:
         candidates.append((message(path_=path + b"?" + query.encode("latin-1", "replace")), secret,
-                           "the query string was signed (sign the path only)", "签名包含了查询字符串（只签名路径）"))
+                           "the query string was signed (sign the path only)",
+                           "签名包含了查询字符串（只签名路径）"))
     cuts = [match.start() for _, match in zip(range(8), re.finditer(rb"(?<!^)/", path))]  # prefixes are short
     for cut in cuts:
         candidates.append((message(path_=path[cut:]), secret,
-                           f"the mount prefix {path[:cut].decode('latin-1')!r} was left out of the signed path",
+                           (f"the mount prefix {path[:cut].decode('latin-1')!r}"
+                            " was left out of the signed path"),
                            f"签名路径缺少挂载前缀 {path[:cut].decode('latin-1')!r}"))
     if body:
         candidates.append((message(digest=EMPTY_BODY_HASH), secret,
-                           "the empty-body hash was signed on a request with a body", "有请求体的请求签名了空请求体的哈希"))
+                           "the empty-body hash was signed on a request with a body",
+                           "有请求体的请求签名了空请求体的哈希"))
         with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
             document = json.loads(body)
             for dumped in {json.dumps(document), json.dumps(document, separators=(",", ":")),
@@ -1265,7 +1299,8 @@ def diagnose_signature(secret: str, call: Call, timestamp: str, nonce: str,
 def _hmac_pads(key: bytes) -> tuple[Any, Any]:
     """HMAC-SHA256's inner and outer hashes with the key's pads absorbed (RFC 2104), to copy per message."""
     key = (hashlib.sha256(key).digest() if len(key) > 64 else key).ljust(64, b"\0")
-    return (hashlib.sha256(bytes(byte ^ 0x36 for byte in key)), hashlib.sha256(bytes(byte ^ 0x5C for byte in key)))
+    return (hashlib.sha256(bytes(byte ^ 0x36 for byte in key)),
+            hashlib.sha256(bytes(byte ^ 0x5C for byte in key)))
 
 
 def _hmac_finish(inner: Any, outer: Any, message: bytes) -> bytes:
@@ -1661,8 +1696,8 @@ class Ledger:
             last_ms, last_id, frozen_at, offset, seed, drawn = conn.execute(
                 "SELECT l.last_ms, l.last_id, s.clock_frozen_at, s.clock_offset, s.id_seed, s.id_drawn"
                 "  FROM ledger_clock l, sandbox s").fetchone()
-            self._tx.ids = ids = IdSequence(last_id, seed, drawn, max(int(self.clock_at(frozen_at, offset) * 1000),
-                                                                      last_ms))
+            self._tx.ids = ids = IdSequence(last_id, seed, drawn,
+                                            max(int(self.clock_at(frozen_at, offset) * 1000), last_ms))
             try:
                 yield conn, ids.now
             finally:
@@ -1803,7 +1838,8 @@ class Ledger:
         with self.writing() as (conn, now):
             if self._wallet(conn, wallet_id)["status"] == "CLOSED" and status != "CLOSED":
                 raise invalid("status", "closed")
-            conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?", (status, now, wallet_id))
+            conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
+                         (status, now, wallet_id))
             return wallet_resource(self._wallet(conn, wallet_id))
 
     def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
@@ -1812,7 +1848,8 @@ class Ledger:
         return wallet_resource(self._wallet(None, wallet_id, workspace_id))
 
     def get_balance(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
-        """``{walletId, currency, balance, available, pending, updatedAt}``; W1001 outside ``workspace_id``."""
+        """``{walletId, currency, balance, available, pending, updatedAt}``; W1001 outside
+        ``workspace_id``."""
         self.settle_due()
         return balance_resource(self._wallet(None, wallet_id, workspace_id))
 
@@ -1914,7 +1951,8 @@ class Ledger:
                     raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
                                            currency=request["currency"])
             amount = request["amount"]
-            if self.settings.magic_values and format_amount(amount, request["currency"]) == MAGIC_DECLINED_AMOUNT:
+            if self.settings.magic_values \
+                    and format_amount(amount, request["currency"]) == MAGIC_DECLINED_AMOUNT:
                 raise InsufficientBalance(wallet_id=source["id"])
             if source["balance"] - source["pending"] < amount:
                 raise InsufficientBalance(wallet_id=source["id"])
@@ -1924,10 +1962,13 @@ class Ledger:
             mode = self.settings.settlement
             # Due on the service clock, from its own reading now (DESIGN.md §7): not from the ledger's
             # time, which a clock moved back and forth before may have left ahead.
-            settle_at = self.now_ms() + int(self.settings.settlement_delay * 1000) if mode == "delayed" else None
-            row = {"id": transfer_id, "workspace_id": workspace_id, "biz_id": request["biz_id"] or transfer_id,
+            settle_at = self.now_ms() + int(self.settings.settlement_delay * 1000) if mode == "delayed" \
+                else None
+            row = {"id": transfer_id, "workspace_id": workspace_id,
+                   "biz_id": request["biz_id"] or transfer_id,
                    "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
-                   "currency": request["currency"], "status": "COMPLETED" if mode == "immediate" else "PENDING",
+                   "currency": request["currency"],
+                   "status": "COMPLETED" if mode == "immediate" else "PENDING",
                    "description": request["description"], "created_at": now, "updated_at": now,
                    "completed_at": now if mode == "immediate" else None, "settle_at": settle_at}
             conn.execute(_INSERT_TRANSFER, row)
@@ -1973,7 +2014,8 @@ class Ledger:
         order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
         self._hold(conn, order["source_wallet_id"], -order["amount"], now)
         if status == "COMPLETED":
-            source, target = (conn.execute("SELECT balance FROM wallets WHERE id = ?", (wallet_id,)).fetchone()[0]
+            source, target = (conn.execute("SELECT balance FROM wallets WHERE id = ?",
+                                           (wallet_id,)).fetchone()[0]
                               for wallet_id in (order["source_wallet_id"], order["target_wallet_id"]))
             self._move(conn, order, now, source, target)
         conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?, settle_at = NULL"
@@ -2025,7 +2067,8 @@ class Ledger:
             return 0
         now = self.now_ms()
         with self.db.connection() as conn:
-            if conn.execute("SELECT 1 FROM transfers WHERE settle_at <= ? LIMIT 1", (now,)).fetchone() is None:
+            if conn.execute("SELECT 1 FROM transfers WHERE settle_at <= ? LIMIT 1",
+                            (now,)).fetchone() is None:
                 return 0
         with self.writing() as (conn, ledger_now):
             due = conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = 'PENDING'",
@@ -2221,7 +2264,8 @@ def _clock_time(at: float) -> float:
     try:
         at = float(at)
     except OverflowError:  # an integer of hundreds of digits
-        raise ValueError(f"{str(at)[:20]}... is outside the clock's range (1970-01-01 to 9999-12-31)") from None
+        raise ValueError(f"{str(at)[:20]}... is outside the clock's range"
+                         " (1970-01-01 to 9999-12-31)") from None
     if not CLOCK_RANGE[0] <= at <= CLOCK_RANGE[1]:  # NaN fails both comparisons
         raise ValueError(f"{at!r} is outside the clock's range (1970-01-01 to 9999-12-31)")
     return at
@@ -2252,8 +2296,9 @@ class Clock:
                              " give each service a Clock of its own")
         if self._state != (None, 0.0):  # (a running clock needs no write: a locked database still starts)
             with db.atomic(durable=False) as conn:
-                conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ? WHERE clock_frozen_at IS NULL"
-                             " AND clock_offset = 0 AND NOT has_start", self._state)
+                conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?"
+                             " WHERE clock_frozen_at IS NULL AND clock_offset = 0 AND NOT has_start",
+                             self._state)
         self._db = db
 
     @staticmethod
@@ -2287,12 +2332,14 @@ class Clock:
     def freeze(self, at: float | None = None) -> None:
         """Stop the clock, at ``at`` (epoch seconds) or now."""
         at = None if at is None else _clock_time(at)
-        self._change(lambda frozen_at, offset: (self.reading(frozen_at, offset) if at is None else at, offset))
+        self._change(lambda frozen_at, offset: (self.reading(frozen_at, offset) if at is None else at,
+                                                offset))
 
     def set(self, at: float) -> None:
         """Jump to ``at``; a running clock keeps running from there."""
         at = _clock_time(at)
-        self._change(lambda frozen_at, offset: (at, offset) if frozen_at is not None else (None, at - time.time()))
+        self._change(lambda frozen_at, offset: (at, offset) if frozen_at is not None
+                     else (None, at - time.time()))
 
     def advance(self, seconds: float) -> None:
         """Move ``seconds`` forward (negative: back)."""
@@ -2361,8 +2408,8 @@ class Journal:
     ENTRY_BYTES = 9 * FIELD_BYTES  # seven capped fields, the headers, and the short fixed ones
     FIELDS = ("at", "method", "path", "query", "apiKey", "status", "code", "canonicalMessage", "signature",
               "replayed", "headers", "body", "responseBody", "elapsedMs", "diagnosis")
-    _INSERT = ("INSERT INTO journal (seq, at, method, path, query, api_key, status, code, canonical, signature,"
-               " replayed, headers, body, response_body, elapsed_ms, diagnosis)"
+    _INSERT = ("INSERT INTO journal (seq, at, method, path, query, api_key, status, code, canonical,"
+               " signature, replayed, headers, body, response_body, elapsed_ms, diagnosis)"
                " VALUES (coalesce((SELECT max(seq) FROM journal), (SELECT journal_floor FROM sandbox)) + 1,"
                " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
     TRIM_EVERY = 32  # entries between trims of a large journal (measured: a trim per insert costs 15 us)
@@ -2381,7 +2428,8 @@ class Journal:
         values = (entry.at, _capped(entry.method, cap), _capped(entry.path, cap), _capped(entry.query, cap),
                   _capped(entry.api_key, cap), entry.status, entry.code, _capped(entry.canonical, cap),
                   entry.signature, int(entry.replayed), _capped_headers(entry.headers, cap),
-                  _capped(entry.body, cap), _capped(entry.response_body, cap), entry.elapsed_ms, entry.diagnosis)
+                  _capped(entry.body, cap), _capped(entry.response_body, cap), entry.elapsed_ms,
+                  entry.diagnosis)
         if conn is not None:
             self._insert(conn, values)
             return
@@ -2427,7 +2475,8 @@ class Journal:
             at_least = 1 if at_least is None else at_least
             passed, wanted = len(calls) >= at_least, f"at least {at_least} time(s)"
         if not passed:
-            raise AssertionError(self.describe_miss(wanted, len(calls), {"method": method, "path": path, **criteria}))
+            raise AssertionError(self.describe_miss(wanted, len(calls),
+                                                    {"method": method, "path": path, **criteria}))
         return calls
 
     def assert_not_called(self, method: str | None = None, path: str | None = None, **criteria: Any) -> None:
@@ -2440,11 +2489,13 @@ class Journal:
                       key=lambda pair: len(pair[0]))[:3]
         lines = [f"  {e['method']} {e['path']} -> {e['status']} {e['code']}: "
                  f"{'; '.join(misses) or 'matches'}" for misses, e in near] or ["  (the journal is empty)"]
-        return f"expected a request with {shown} {wanted}, got {got}; the closest entries:\n" + "\n".join(lines)
+        return (f"expected a request with {shown} {wanted}, got {got}; the closest entries:\n"
+                + "\n".join(lines))
 
 
 def _empty_journal(conn: sqlite3.Connection) -> None:
-    conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor, coalesce((SELECT max(seq) FROM journal), 0))")
+    conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
+                 " coalesce((SELECT max(seq) FROM journal), 0))")
     conn.execute("DELETE FROM journal")
 
 
@@ -2453,7 +2504,8 @@ def _journal_entry(row: sqlite3.Row) -> dict:
     return {"seq": row["seq"], "at": iso_time(row["at"]), "method": row["method"],
             "path": bytes(row["path"]).decode("latin-1"), "query": row["query"], "apiKey": row["api_key"],
             "status": row["status"], "code": row["code"],
-            "canonicalMessage": None if row["canonical"] is None else bytes(row["canonical"]).decode("latin-1"),
+            "canonicalMessage": None if row["canonical"] is None
+                                else bytes(row["canonical"]).decode("latin-1"),
             "signature": row["signature"], "replayed": bool(row["replayed"]),
             "headers": dict(json.loads(row["headers"])),
             "body": bytes(row["body"]).decode("utf-8", "replace"),
@@ -2537,7 +2589,8 @@ class Faults:
     database (DESIGN.md §9): every process serving the file applies the same rules, and a
     rule with ``times`` fires that many times across all of them.
 
-    A rule's ``action`` is a FaultAction; any rule may add ``latency`` seconds. ``times`` fires a rule that many times (None: always).
+    A rule's ``action`` is a FaultAction; any rule may add ``latency`` seconds. ``times`` fires a
+    rule that many times (None: always).
     At most MAX_RULES rules are in force at once.
     """
 
@@ -2570,7 +2623,8 @@ class Faults:
         for name, value in (("method", method), ("path", path), ("code", code)):
             if value is not None and not isinstance(value, str):
                 raise invalid(name, "string")
-        if status is not None and not (isinstance(status, int) and self.STATUSES[0] <= status <= self.STATUSES[1]):
+        if status is not None and not (isinstance(status, int)
+                                       and self.STATUSES[0] <= status <= self.STATUSES[1]):
             raise invalid("status", "one_of", choices=f"{self.STATUSES[0]}-{self.STATUSES[1]}")
         if not isinstance(latency, (int, float)) or not 0 <= latency <= self.MAX_LATENCY:
             raise invalid("latency", "one_of", choices=f"0-{self.MAX_LATENCY} seconds")
@@ -2602,18 +2656,21 @@ class Faults:
 
     def remove(self, fault_id: str) -> None:
         """Remove one rule; S404 if there is none with that id."""
-        number = fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_") else ""
+        number = fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_") \
+            else ""
         with self.db.atomic(durable=False) as conn:
             if not number.isdigit() or not conn.execute("DELETE FROM fault_rules WHERE id = ?",
                                                         (int(number[:18]),)).rowcount:
                 raise not_found("fault rule")
-            conn.execute("UPDATE sandbox SET fault_rules = fault_rules - 1, fault_version = fault_version + 1")
+            conn.execute("UPDATE sandbox SET fault_rules = fault_rules - 1,"
+                         " fault_version = fault_version + 1")
 
     def clear(self) -> None:
         """Remove every rule; ids start again from fault_1."""
         with self.db.atomic(durable=False) as conn:
             conn.execute("DELETE FROM fault_rules")
-            conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0, fault_version = fault_version + 1")
+            conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0,"
+                         " fault_version = fault_version + 1")
 
     def take(self, method: str, path: str, workspace_id: str,
              request: Callable[[], Mapping[str, Any]] = dict) -> dict | None:
@@ -2642,7 +2699,8 @@ class Faults:
             version = conn.execute("SELECT fault_version FROM sandbox").fetchone()[0]
             if version != self._cache[0]:
                 rows = conn.execute("SELECT id, rule FROM fault_rules ORDER BY id").fetchall()
-                rules = [{**json.loads(rule), "id": f"fault_{number}", "number": number} for number, rule in rows]
+                rules = [{**json.loads(rule), "id": f"fault_{number}", "number": number}
+                         for number, rule in rows]
                 self._cache = (version, rules, set())
         return self._cache
 
@@ -2652,7 +2710,8 @@ def forced_error(rule: dict) -> WalletError:
     known = ERRORS_BY_CODE.get(rule["code"])
     if known is not None and known.status == rule["status"]:
         return known(text=f"Forced by fault rule {rule['id']}.")
-    cls = type("ForcedError", (WalletError,), {"code": rule["code"], "name": known.name if known else "FORCED_ERROR",
+    cls = type("ForcedError", (WalletError,), {"code": rule["code"],
+                                               "name": known.name if known else "FORCED_ERROR",
                                                "status": rule["status"]})
     return cls(text=f"Forced by fault rule {rule['id']}.")
 
@@ -2662,7 +2721,8 @@ def forced_error(rule: dict) -> WalletError:
 ###############################################################################
 
 # The tables of the sandbox's world, parents first: what save_start copies and reset restores.
-_STARTING_STATE = ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "ledger_clock", "counters")
+_STARTING_STATE = ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "ledger_clock",
+                   "counters")
 
 
 # Scenarios (DESIGN.md §9): a declared world, as a dict (from TOML, JSON or Python). Each
@@ -2672,8 +2732,10 @@ _SCENARIO_OBJECTS: Mapping[str, Mapping[str, str]] = {
     "clock": {"at": "time", "frozen": "boolean"},
     "workspaces": {"id": "ws_", "name": "name", "members": "list", "keys": "list", "wallets": "list"},
     "members": {"id": "mem_", "name": "name"},
-    "keys": {"id": "ak_", "secret": "secret", "scopes": "scopes", "member": "string", "ipWhitelist": "networks"},
-    "wallets": {"id": "wal_", "name": "wallet_name", "currency": "currency", "balance": "amount", "status": "status"},
+    "keys": {"id": "ak_", "secret": "secret", "scopes": "scopes", "member": "string",
+             "ipWhitelist": "networks"},
+    "wallets": {"id": "wal_", "name": "wallet_name", "currency": "currency", "balance": "amount",
+                "status": "status"},
 }
 _SCENARIO_REQUIRED = {"scenario": ("workspaces",), "workspaces": ("name",), "members": ("name",),
                       "wallets": ("name", "currency")}
@@ -2780,7 +2842,8 @@ class WalletService(Ledger):
         self.journal = Journal(self.db, self.settings.journal_size)
         self.faults = Faults(self.db)
         seed = self.settings.id_seed
-        if seed is not None and self.db.one("SELECT id_seed FROM sandbox")[0] != seed:  # a restart keeps its place
+        # A restart keeps its place.
+        if seed is not None and self.db.one("SELECT id_seed FROM sandbox")[0] != seed:
             with self.db.atomic(durable=False) as conn:
                 conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0 WHERE id_seed IS NOT ?",
                              (self.settings.id_seed, self.settings.id_seed))
@@ -2840,8 +2903,9 @@ class WalletService(Ledger):
             if start is None:
                 clock_start = self.clock._start if isinstance(self.clock, Clock) else (None, 0.0)
                 start = (*clock_start, self.settings.id_seed, 0)
-            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?, id_seed = ?, id_drawn = ?,"
-                         " fault_rules = 0, fault_version = fault_version + 1, fault_next = 0", tuple(start))
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?, id_seed = ?,"
+                         " id_drawn = ?, fault_rules = 0, fault_version = fault_version + 1, fault_next = 0",
+                         tuple(start))
             conn.execute("DELETE FROM world_starts WHERE workspace_id NOT IN (SELECT id FROM workspaces)")
 
     # Worlds: scenarios, instantiated side by side (DESIGN.md §9) ##############
@@ -2873,32 +2937,34 @@ class WalletService(Ledger):
             return wanted
 
         workspace_id = fixed(spec, "ws_", where)
-        conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)", (workspace_id, spec["name"], now))
+        conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
+                     (workspace_id, spec["name"], now))
         members = {"owner": self.new_id("mem_", now)}
-        conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, 'owner', 'OWNER', ?)",
-                     (members["owner"], workspace_id, now))
+        conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
+                     " VALUES (?, ?, 'owner', 'OWNER', ?)", (members["owner"], workspace_id, now))
         for index, member in enumerate(spec.get("members", ())):
             member_id = members[member["name"]] = fixed(member, "mem_", f"{where}.members[{index}]")
             members.setdefault(member_id, member_id)
             if member.get("id"):  # a key may name its member by the id the scenario gave it
                 members[member["id"]] = member_id
-            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, ?, 'MEMBER', ?)",
-                         (member_id, workspace_id, member["name"], now))
+            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
+                         " VALUES (?, ?, ?, 'MEMBER', ?)", (member_id, workspace_id, member["name"], now))
         for index, key in enumerate(spec.get("keys", ())):
             field = f"{where}.keys[{index}]"
             member_id = members.get(key.get("member", "owner"))
             if member_id is None:
                 raise invalid(f"{field}.member", "one_of", choices=", ".join(members))
             secret = None if fresh_ids else key.get("secret")
-            conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist, created_at)"
-                         " VALUES (?, ?, ?, ?, ?, ?, ?)",
+            conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
+                         " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                          (fixed(key, "ak_", field), secret or self.new_secret(), workspace_id, member_id,
                           " ".join(key.get("scopes", SCOPES)),
-                          json.dumps(key["ipWhitelist"]) if key.get("ipWhitelist") is not None else None, now))
+                          json.dumps(key["ipWhitelist"]) if key.get("ipWhitelist") is not None else None,
+                          now))
         for index, wallet in enumerate(spec.get("wallets", ())):
             wallet_id = fixed(wallet, "wal_", f"{where}.wallets[{index}]")
-            conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at, updated_at)"
-                         " VALUES (?, ?, ?, ?, 'ACTIVE', ?, ?)",
+            conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
+                         " updated_at) VALUES (?, ?, ?, ?, 'ACTIVE', ?, ?)",
                          (wallet_id, workspace_id, wallet["name"], wallet["currency"], now, now))
             if wallet.get("balance") is not None:
                 self.deposit(wallet_id, wallet["balance"])
@@ -2930,7 +2996,8 @@ class WalletService(Ledger):
         request captured before is refused after). Other workspaces, and the clock, are
         untouched. S404 for a workspace no world began with."""
         with self.db.atomic() as conn:
-            saved = conn.execute("SELECT rows FROM world_starts WHERE workspace_id = ?", (workspace_id,)).fetchone()
+            saved = conn.execute("SELECT rows FROM world_starts WHERE workspace_id = ?",
+                                 (workspace_id,)).fetchone()
             if saved is None:
                 raise not_found("world")
             saved, current = json.loads(saved[0]), self._world_rows(conn, workspace_id)
@@ -2956,7 +3023,8 @@ class WalletService(Ledger):
             for table in ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "counters"):
                 if table == "counters":  # the triggers counted the rows in again: the saved counts instead
                     owners = [workspace_id, *wallets]
-                    conn.execute(f"DELETE FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})", owners)
+                    conn.execute(f"DELETE FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})",
+                                 owners)
                 for row in saved[table]:
                     conn.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
             conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
@@ -2966,15 +3034,18 @@ class WalletService(Ledger):
     @staticmethod
     def _world_rows(conn: sqlite3.Connection, workspace_id: str) -> dict:
         """Every row of one workspace's world, table by table, as lists of column values."""
-        wallets = [row[0] for row in conn.execute("SELECT id FROM wallets WHERE workspace_id = ?", (workspace_id,))]
+        wallets = [row[0] for row in conn.execute("SELECT id FROM wallets WHERE workspace_id = ?",
+                                                  (workspace_id,))]
         marks = ", ".join("?" * len(wallets))
         queries = {table: (f"SELECT * FROM {table} WHERE {column} = ?", [workspace_id]) for table, column in (
             ("workspaces", "id"), ("members", "workspace_id"), ("api_keys", "workspace_id"),
             ("wallets", "workspace_id"), ("transfers", "workspace_id"))}
         queries["flows"] = (f"SELECT * FROM flows WHERE wallet_id IN ({marks})", wallets)
         owners = [workspace_id, *wallets]
-        queries["counters"] = (f"SELECT * FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})", owners)
-        return {table: [list(row) for row in conn.execute(sql, params)] for table, (sql, params) in queries.items()}
+        queries["counters"] = (f"SELECT * FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})",
+                               owners)
+        return {table: [list(row) for row in conn.execute(sql, params)]
+                for table, (sql, params) in queries.items()}
 
     def _save_world(self, conn: sqlite3.Connection, workspace_id: str) -> None:
         conn.execute("INSERT OR REPLACE INTO world_starts (workspace_id, rows) VALUES (?, ?)",
@@ -3004,7 +3075,7 @@ def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
     except InvalidParameter as exc:
         try:
             line = _line_of(text, scenario, exc.params["field"])
-        except (LookupError, TypeError, ValueError):  # a field path it cannot follow: no line, still the field
+        except (LookupError, TypeError, ValueError):  # a path it cannot follow: no line, still the field
             line = None
         raise ValueError(f"scenario {path}: {f'line {line}: ' if line else ''}{exc.detail()}") from None
 
@@ -3020,7 +3091,8 @@ def _line_of(text: str, scenario: Any, field: str) -> int | None:
     if isinstance(parent, dict) and key not in parent:  # a required field missing: where its object starts
         if not parent or not steps[:-1]:
             return None
-        path = "".join(f"[{step}]" if isinstance(step, int) else f".{step}" for step in steps[:-1]).lstrip(".")
+        path = "".join(f"[{step}]" if isinstance(step, int) else f".{step}"
+                       for step in steps[:-1]).lstrip(".")
         return _line_of(text, scenario, f"{path}.{next(iter(parent))}")
     count, found = 0, False
 
@@ -3056,7 +3128,8 @@ def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
                             (name,)).fetchone() is None:
                 svc.load_scenario(scenario)
                 conn.execute("DELETE FROM start_scenario")
-                conn.execute("INSERT INTO start_scenario (body) VALUES (?)", (json.dumps(scenario, default=str),))
+                conn.execute("INSERT INTO start_scenario (body) VALUES (?)",
+                             (json.dumps(scenario, default=str),))
                 clock = scenario.get("clock")
                 if clock and clock.get("at") is not None and isinstance(svc.clock, Clock):
                     at = admin_time(clock["at"], "clock.at")
@@ -3139,7 +3212,8 @@ def _enum(values: Sequence[str]) -> dict:
 
 
 def _array(item: str | dict) -> dict:
-    return {"type": "array", "items": {"$ref": f"#/components/schemas/{item}"} if isinstance(item, str) else item}
+    return {"type": "array",
+            "items": {"$ref": f"#/components/schemas/{item}"} if isinstance(item, str) else item}
 
 
 def _scenario_schema(kind: str) -> dict:
@@ -3189,8 +3263,8 @@ SCHEMAS: Mapping[str, dict] = {
                            "status": _enum(TRANSFER_STATUSES), "completed": {"type": "boolean"}}),
     "CreateTransfer": {**_object({
         "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA,
-        "amount": {"type": "string", "examples": ["10.00"]}, "currency": _CURRENCY_SCHEMA, "bizId": _BIZ_ID_SCHEMA,
-        "description": {"type": "string", "maxLength": DESCRIPTION_MAX}},
+        "amount": {"type": "string", "examples": ["10.00"]}, "currency": _CURRENCY_SCHEMA,
+        "bizId": _BIZ_ID_SCHEMA, "description": {"type": "string", "maxLength": DESCRIPTION_MAX}},
         ["sourceWalletId", "targetWalletId", "amount", "currency"]),
         **_currency_amount(sorted(CURRENCY_EXPONENTS))},
     "PageInfo": _object({"size": {"type": "integer"}, "number": {"type": "integer"},
@@ -3209,7 +3283,8 @@ SCHEMAS: Mapping[str, dict] = {
                       "message": _enum([e.name for e in ERRORS]), "data": {"type": "null"},
                       "detail": _STRING}),
     "NameBody": _object({"name": _NAME_SCHEMA}),
-    "NewKeyBody": _object({"scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1}, "memberId": _STRING,
+    "NewKeyBody": _object({"scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1},
+                           "memberId": _STRING,
                            "ipWhitelist": {"type": "array", "items": _NETWORK_SCHEMA}}, []),
     "NewWalletBody": _object({"currency": _CURRENCY_SCHEMA, "name": {**_NAME_SCHEMA, "minLength": 0}},
                              ["currency"]),
@@ -3218,14 +3293,17 @@ SCHEMAS: Mapping[str, dict] = {
     "DecisionBody": _object({"workspaceId": _STRING}, []),
     "FaultBody": {**_object({"action": _enum(FaultAction), "method": _STRING, "path": _STRING,
                           "workspaceId": _STRING, "code": {"type": "string", "minLength": 1, "maxLength": 64},
-                          "status": {"type": "integer", "minimum": Faults.STATUSES[0], "maximum": Faults.STATUSES[1]},
+                          "status": {"type": "integer", "minimum": Faults.STATUSES[0],
+                                     "maximum": Faults.STATUSES[1]},
                           "latency": {"type": "number", "minimum": 0, "maximum": Faults.MAX_LATENCY},
                           "times": {"type": "integer", "minimum": 1, "maximum": Faults.MAX_TIMES},
-                          "query": {"type": "object"}, "headers": {"type": "object"}, "body": {"type": "object"}}, []),
+                          "query": {"type": "object"}, "headers": {"type": "object"},
+                          "body": {"type": "object"}}, []),
                   # an error rule names its status, unless its code (S500 by default) is the catalog's
                   "anyOf": [{"required": ["status"]}, {"not": {"required": ["code"]}},
                             {"properties": {"code": {"enum": list(ERRORS_BY_CODE)}}},
-                            {"required": ["action"], "properties": {"action": {"not": {"const": FaultAction.ERROR}}}}]},
+                            {"required": ["action"],
+                             "properties": {"action": {"not": {"const": FaultAction.ERROR}}}}]},
     "JournalAssertBody": _object({"method": _STRING, "path": _STRING, "query": {"type": "object"},
                                   "headers": {"type": "object"}, "body": {"type": "object"}, "code": _STRING,
                                   "times": {"type": "integer"}, "atLeast": {"type": "integer"},
@@ -3243,7 +3321,8 @@ SCHEMAS: Mapping[str, dict] = {
                                     "type": "array", "items": _scenario_schema("workspaces")}}, []),
                      "not": {"required": ["scenario", "workspaces"]}},
     "WorldWorkspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME,
-                               "members": _array("Member"), "keys": _array("ApiKey"), "wallets": _array("Wallet")}),
+                               "members": _array("Member"), "keys": _array("ApiKey"),
+                               "wallets": _array("Wallet")}),
     "World": _object({"workspaces": _array("WorldWorkspace")}),
     "ClockBody": _object({
         "freeze": {"type": "boolean"},
@@ -3254,11 +3333,13 @@ SCHEMAS: Mapping[str, dict] = {
     "ClockState": _object({"now": _TIME, "epochMillis": {"type": "integer"}, "frozen": {"type": "boolean"},
                            "controllable": {"type": "boolean"}}),
     "JournalEntry": _object({"seq": {"type": "integer"}, "at": _TIME, "method": _STRING, "path": _STRING,
-                             "query": _STRING, "apiKey": {"type": ["string", "null"]}, "status": {"type": "integer"},
-                             "code": {"type": ["string", "null"]}, "canonicalMessage": {"type": ["string", "null"]},
-                             "signature": _enum(("valid", "invalid", "unchecked")), "replayed": {"type": "boolean"},
-                             "headers": {"type": "object"}, "body": _STRING, "responseBody": _STRING,
-                             "elapsedMs": {"type": "number"}, "diagnosis": {"type": ["string", "null"]}}),
+                             "query": _STRING, "apiKey": {"type": ["string", "null"]},
+                             "status": {"type": "integer"}, "code": {"type": ["string", "null"]},
+                             "canonicalMessage": {"type": ["string", "null"]},
+                             "signature": _enum(("valid", "invalid", "unchecked")),
+                             "replayed": {"type": "boolean"}, "headers": {"type": "object"}, "body": _STRING,
+                             "responseBody": _STRING, "elapsedMs": {"type": "number"},
+                             "diagnosis": {"type": ["string", "null"]}}),
     **{item + "Page": _object({"content": _array(item), "page": {"$ref": "#/components/schemas/PageInfo"}})
        for item in ("Wallet", "Balance", "Flow", "TransferOrder", "JournalEntry")},
 }
@@ -3272,8 +3353,8 @@ _PAGE_PARAMETERS = (
 
 # Each list filter's schema: what the service's filter_choice, filter_time and _biz_id accept.
 _FILTER_SCHEMAS = {
-    "status": None, "type": _enum(FLOW_TYPES), "direction": _enum(FLOW_DIRECTIONS), "currency": _CURRENCY_SCHEMA,
-    "bizIdPrefix": _BIZ_ID_SCHEMA,
+    "status": None, "type": _enum(FLOW_TYPES), "direction": _enum(FLOW_DIRECTIONS),
+    "currency": _CURRENCY_SCHEMA, "bizIdPrefix": _BIZ_ID_SCHEMA,
     "createdFrom": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (inclusive)"},
     "createdTo": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (exclusive)"},
 }
@@ -3283,11 +3364,14 @@ _ANY_CASE_DIRECTION = "([aA][sS][cC]|[dD][eE][sS][cC])"
 
 
 def _filters(sortable: Mapping[str, str], *names: str, statuses: Sequence[str] = ()) -> tuple:
-    sort = {"name": "sort", "in": "query", "style": "form", "explode": True, "description": "field,asc|desc; repeatable",
-            "schema": {"type": "array", "items": {"type": "string",
-                                                  "pattern": f"^({'|'.join(sortable)})(,{_ANY_CASE_DIRECTION})?$"}}}
-    return (*_PAGE_PARAMETERS, sort, *({"name": name, "in": "query", "schema": _FILTER_SCHEMAS[name] or _enum(statuses)}
-                                       for name in names))
+    sort = {"name": "sort", "in": "query", "style": "form", "explode": True,
+            "description": "field,asc|desc; repeatable",
+            "schema": {"type": "array",
+                       "items": {"type": "string",
+                                 "pattern": f"^({'|'.join(sortable)})(,{_ANY_CASE_DIRECTION})?$"}}}
+    return (*_PAGE_PARAMETERS, sort,
+            *({"name": name, "in": "query", "schema": _FILTER_SCHEMAS[name] or _enum(statuses)}
+              for name in names))
 
 
 _TRANSFER_FILTERS = _filters(TRANSFER_SORTS, "status", "createdFrom", "createdTo", "bizIdPrefix",
@@ -3374,7 +3458,7 @@ class Endpoint:
     scope: str | None = None  # /api/ only: the scope a key needs (SPEC.md Scopes)
     request: str | None = None  # the JSON body's schema, a name in SCHEMAS
     query: tuple = ()  # query parameters, as OpenAPI parameter objects
-    media: str | None = None  # answered as is in this media type, without the envelope (/openapi.json, the console)
+    media: str | None = None  # answered as is in this media type, no envelope (/openapi.json, the console)
     name: str = ""  # the handler's name: the operation and the Client method
     links: tuple = ()  # (link name, operation name, {its parameter: where in this answer}), OpenAPI links
     form: tuple = ()  # an HTML form's fields (the console's login), instead of a JSON body
@@ -3441,7 +3525,8 @@ def check_declaration(declaration: Endpoint, handler: Callable) -> None:
             problems.append(f"schema {schema!r} is not in SCHEMAS")
     parameters = list(inspect.signature(handler).parameters)[1:]  # after the Call
     if parameters != declaration.path_names:
-        problems.append(f"the handler takes {parameters} after the call, the path names {declaration.path_names}")
+        problems.append(f"the handler takes {parameters} after the call,"
+                        f" the path names {declaration.path_names}")
     if problems:
         raise ValueError(f"endpoint {declaration.method} {declaration.path} ({handler.__qualname__}): "
                          + "; ".join(problems))
@@ -3539,6 +3624,16 @@ class Answer(NamedTuple):
     now: int  # the envelope's timestamp
 
 
+class PendingNonce(NamedTuple):
+    """A nonce that passed step 5 and the signature, not recorded yet."""
+
+    api_key: str
+    nonce: str
+    now_ms: int
+    expires_ms: int  # when the record may go: after the last moment its timestamp passes step 4
+    stamp: int  # its X-Timestamp, epoch seconds
+
+
 @dataclasses.dataclass(eq=False)
 class Call:
     """One request on its way through the app: what each step learns, in one record."""
@@ -3626,16 +3721,6 @@ def _stamp(timestamp: str) -> int:
     return int(timestamp) if _TIMESTAMP.fullmatch(timestamp) else -1
 
 
-class PendingNonce(NamedTuple):
-    """A nonce that passed step 5 and the signature, not recorded yet."""
-
-    api_key: str
-    nonce: str
-    now_ms: int
-    expires_ms: int  # when the record may go: after the last moment its timestamp passes step 4
-    stamp: int  # its X-Timestamp, epoch seconds
-
-
 class Authenticator:
     """Steps 1-7 of SPEC.md's validation pipeline, in that order.
 
@@ -3654,7 +3739,8 @@ class Authenticator:
             self._share_window(None)
 
     def _share_window(self, conn: sqlite3.Connection | None) -> None:
-        """Every process's nonce records last for this process's window too (the sandbox row keeps the widest)."""
+        """Every process's nonce records last for this process's window too (the sandbox row keeps
+        the widest)."""
         params = (self.settings.timestamp_tolerance,) * 2
         sql = "UPDATE sandbox SET nonce_tolerance = ? WHERE nonce_tolerance < ?"
         if conn is None:
@@ -3741,9 +3827,10 @@ class Authenticator:
         with ``debug_signatures`` shows the message and the signing mistake it matches.
         Passed, the nonce is pending: it outlives the last moment this timestamp passes
         step 4, in any process's window."""
-        timestamp, nonce, provided = call.header("X-Timestamp"), call.header("X-Nonce"), call.header("X-Signature")
-        call.canonical = message = canonical_message(call.environ["REQUEST_METHOD"], call.path, timestamp, nonce,
-                                                     body_hash(call.body))
+        timestamp, nonce, provided = (call.header("X-Timestamp"), call.header("X-Nonce"),
+                                      call.header("X-Signature"))
+        call.canonical = message = canonical_message(call.environ["REQUEST_METHOD"], call.path, timestamp,
+                                                     nonce, body_hash(call.body))
         call.verdict = "invalid"
         if not self._signature_matches(key["secret"], message, provided):
             if not self.settings.debug_signatures:
@@ -3752,7 +3839,8 @@ class Authenticator:
             shown = message.decode("latin-1").replace("\n", "\\n")
             english = f"Canonical message: {shown} ({len(call.body)} body bytes received)."
             chinese = f"规范消息：{shown}（收到请求体 {len(call.body)} 字节）。"
-            call.diagnosis = diagnose_signature(key["secret"], call, timestamp, nonce, provided)
+            call.diagnosis = diagnose_signature(key["secret"], call.environ, call.path, call.body, timestamp,
+                                                nonce, provided)
             if call.diagnosis:
                 english += f" The signature matches a common mistake: {call.diagnosis[0]}."
                 chinese += f"签名符合一个常见错误：{call.diagnosis[1]}。"
@@ -3798,7 +3886,8 @@ class Authenticator:
     # nonce_taken_over keeps its timestamp as a span: the request it recorded cannot come back).
     _RECORD = ("INSERT INTO nonces (api_key, nonce, expires_at, ts) SELECT ?, ?, ?, ?"
                " WHERE NOT EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi)"
-               " ON CONFLICT (api_key, nonce) DO UPDATE SET expires_at = excluded.expires_at, ts = excluded.ts"
+               " ON CONFLICT (api_key, nonce)"
+               " DO UPDATE SET expires_at = excluded.expires_at, ts = excluded.ts"
                " WHERE nonces.expires_at <= ? AND nonces.ts <> excluded.ts")
 
     def record_nonce(self, call: Call, conn: sqlite3.Connection | None = None) -> None:
@@ -3806,7 +3895,8 @@ class Authenticator:
         for a disk sync; GA2013 when another request recorded it first, or when its
         timestamp falls in a forgotten span."""
         pending, call.nonce = call.nonce, None
-        params = (pending.api_key, pending.nonce, pending.expires_ms, pending.stamp, pending.stamp, pending.now_ms)
+        params = (pending.api_key, pending.nonce, pending.expires_ms, pending.stamp, pending.stamp,
+                  pending.now_ms)
         if not self._window_shared:  # (the database was locked when this process started)
             self._share_window(conn)
         if conn is None:
@@ -3814,7 +3904,8 @@ class Authenticator:
         else:
             won = conn.execute(self._RECORD, params).rowcount == 1
         now_ms = pending.now_ms
-        if now_ms >= self._next_purge or now_ms < self._last_purge:  # every half window, or the clock went back
+        # Every half window, or the clock went back.
+        if now_ms >= self._next_purge or now_ms < self._last_purge:
             self._next_purge, self._last_purge = now_ms + self.settings.timestamp_tolerance * 500, now_ms
             if conn is None:
                 with self.db.atomic(durable=False) as own:
@@ -3866,8 +3957,9 @@ def _nonce_used() -> RequestExpired:
 
 def _nonce_forgotten() -> RequestExpired:
     return expired(
-        "The nonce records of this X-Timestamp were forgotten after the sandbox clock moved past it; a request"
-        " signed at this time may be a replay and is refused. Sign at another time (or reset the sandbox).",
+        "The nonce records of this X-Timestamp were forgotten after the sandbox clock moved past it;"
+        " a request signed at this time may be a replay and is refused."
+        " Sign at another time (or reset the sandbox).",
         "沙箱时钟越过该 X-Timestamp 后，其 nonce 记录已被清除；以此时间签名的请求可能是重放，因此被拒绝。"
         "请以其他时间签名（或重置沙箱）。")
 
@@ -3923,7 +4015,8 @@ class Console:
             return None
         nonce, _, expires = value.rpartition(".")[0].partition(".")
         valid = (self.key and nonce and expires.isdigit() and int(expires) > time.time()
-                 and hmac.compare_digest(value.encode("latin-1", "replace"), self.session_value(nonce, expires).encode())
+                 and hmac.compare_digest(value.encode("latin-1", "replace"),
+                                         self.session_value(nonce, expires).encode())
                  and nonce not in self._ended)
         return ConsoleSession(nonce, bool(valid))
 
@@ -3954,8 +4047,8 @@ class Console:
         (/_admin/ itself when the path as sent does not say it plainly)."""
         head, found, _ = call.path.decode("latin-1").rpartition("/_admin/")
         path = head + found if found and re.fullmatch(r"[\w./~-]*", head) else "/_admin/"
-        attributes = [f"{self.cookie_name(call.environ)}={value}", f"Path={path}", f"Max-Age={max_age}", "HttpOnly",
-                      "SameSite=Strict"]
+        attributes = [f"{self.cookie_name(call.environ)}={value}", f"Path={path}", f"Max-Age={max_age}",
+                      "HttpOnly", "SameSite=Strict"]
         if call.environ.get("wsgi.url_scheme") == "https":
             attributes.append("Secure")
         return "; ".join(attributes)
@@ -3973,7 +4066,8 @@ class Console:
         nonce, expires = secrets.token_urlsafe(18), str(int(time.time()) + self.SESSION_SECONDS)
         call.status = 303
         call.headers.update({"Location": "console",
-                             "Set-Cookie": self.cookie(call, self.session_value(nonce, expires), self.SESSION_SECONDS)})
+                             "Set-Cookie": self.cookie(call, self.session_value(nonce, expires),
+                                                       self.SESSION_SECONDS)})
         return ""
 
     def log_out(self, call: Call) -> None:
@@ -4066,7 +4160,8 @@ class HttpApi:
         return self.finish(call, None, self.as_wallet_error(error))
 
     def begin(self, environ: Mapping[str, Any], declaration: Endpoint | None) -> Call:
-        return Call(environ, declaration, self.locale(environ), time.perf_counter(), raw_request_path(environ))
+        return Call(environ, declaration, self.locale(environ), time.perf_counter(),
+                    raw_request_path(environ))
 
     def finish(self, call: Call, data: Any, error: WalletError | None) -> tuple[int, list, Iterable[bytes]]:
         """End a request: render its answer, after recording its nonce if still pending, and
@@ -4078,7 +4173,8 @@ class HttpApi:
         self.log(call, answer)
         return answer.status, answer.headers, _dropped(answer.body) if call.drop else [answer.body]
 
-    def nonce_recorded(self, call: Call, data: Any, error: WalletError | None) -> tuple[Any, WalletError | None]:
+    def nonce_recorded(self, call: Call, data: Any,
+                       error: WalletError | None) -> tuple[Any, WalletError | None]:
         """The answer once the call's pending nonce is recorded, in one statement of its own
         (measured: 20 us less than a transaction): the error if it was a replay or the
         database refused."""
@@ -4310,7 +4406,8 @@ def _error_responses(errors: Iterable[type[WalletError]]) -> dict:
 def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
     """OpenAPI 3.1 of ``endpoints``, from their declarations, with ``base_url`` as the server."""
     security = {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
-                Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}], Surface.CONSOLE: [], Surface.PUBLIC: []}
+                Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}],
+                Surface.CONSOLE: [], Surface.PUBLIC: []}
     paths: dict[str, dict] = {}
     for declared_endpoint in endpoints:
         surface = declared_endpoint.surface
@@ -4321,12 +4418,14 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
                            "success": {"const": True}, "code": {"const": SUCCESS_CODE},
                            "message": {"const": "SUCCESS"}, "data": data_schema}}
         operation: dict[str, Any] = {
-            "operationId": declared_endpoint.name if surface is not Surface.ADMIN else f"admin_{declared_endpoint.name}",
+            "operationId": declared_endpoint.name if surface is not Surface.ADMIN
+                           else f"admin_{declared_endpoint.name}",
             "summary": declared_endpoint.summary, "tags": [surface],
             "parameters": [{"name": name, "in": "path", "required": True, "schema": _STRING}
                            for name in declared_endpoint.path_names] + list(declared_endpoint.query),
-            "responses": {"200": {"description": "SUCCESS", "content": {
-                              (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": success}}},
+            "responses": {"200": {"description": "SUCCESS",
+                                  "content": {(declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]:
+                                              {"schema": success}}},
                           **_error_responses(declared_endpoint.errors_answered)},
             "security": security[surface]}
         if declared_endpoint.links:  # (to an operation of the same surface)
@@ -4352,10 +4451,11 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
         "openapi": "3.1.0",
         "info": {"title": "walletsvc", "version": __version__,
                  "description": "Wallet and Transfer Service. Every /api/ request is signed: X-Signature ="
-                                " Base64(HMAC-SHA256(secret, METHOD\\nPATH\\nTIMESTAMP\\nNONCE\\nSHA256_HEX(body)))."
+                                " Base64(HMAC-SHA256(secret,"
+                                " METHOD\\nPATH\\nTIMESTAMP\\nNONCE\\nSHA256_HEX(body)))."
                                 " /_admin/ exists only when an admin token is set. Each operation lists every"
-                                " error it answers; in a sandbox, a fault rule (/_admin/faults) can also make an"
-                                " /api/ operation answer any error, wait, or drop the connection."},
+                                " error it answers; in a sandbox, a fault rule (/_admin/faults) can also make"
+                                " an /api/ operation answer any error, wait, or drop the connection."},
         "servers": [{"url": base_url}],
         "paths": paths,
         "components": {
@@ -4368,8 +4468,8 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
                               "description": "Base64 HMAC-SHA256 of the canonical message"},
                 "AdminToken": {"type": "http", "scheme": "bearer"},
                 "ConsoleSession": {"type": "apiKey", "in": "cookie", "name": CONSOLE_COOKIE + "_PORT",
-                                   "description": "the console's session (PORT: the server's), with the page's "
-                                                  "X-Console-Csrf header"},
+                                   "description": "the console's session (PORT: the server's), "
+                                                  "with the page's X-Console-Csrf header"},
             },
         },
     }
@@ -4443,9 +4543,10 @@ class WalletApi:
                      ("Completed", "transfer_completed", {"biz_id": "$response.body#/data/bizId"})),
               query=({"name": "Idempotency-Key", "in": "header",
                       "schema": {"type": "string", "pattern": f"^({_ID.pattern})?$"},
-                      "description": "unsigned: accepted only equal to the body's bizId (empty: as if absent)"},),
-              errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance, CurrencyMismatch,
-                      SameWallet, IdempotencyConflict))
+                      "description": "unsigned: accepted only equal to the body's bizId"
+                                     " (empty: as if absent)"},),
+              errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance,
+                      CurrencyMismatch, SameWallet, IdempotencyConflict))
     def create_transfer(self, call: Call) -> dict:
         media_type = call.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
         if media_type != "application/json":
@@ -4467,11 +4568,12 @@ class WalletApi:
         self.svc.db.check_file()
         return {"status": "ok", "version": __version__}
 
-    @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)", response={"type": "object"},
-              media=JSON_CONTENT_TYPE)
+    @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)",
+              response={"type": "object"}, media=JSON_CONTENT_TYPE)
     def openapi(self, call: Call) -> dict:
         environ = call.environ
-        host = environ.get("HTTP_HOST") or f"{environ.get('SERVER_NAME', 'localhost')}:{environ.get('SERVER_PORT', '80')}"
+        host = (environ.get("HTTP_HOST")
+                or f"{environ.get('SERVER_NAME', 'localhost')}:{environ.get('SERVER_PORT', '80')}")
         prefix = call.path.decode("latin-1")[: -len("/openapi.json")]
         return openapi_document(self.http.endpoints, f"{environ.get('wsgi.url_scheme', 'http')}://{host}{prefix}")
 
@@ -4495,8 +4597,8 @@ class AdminApi:
         self.svc = svc
         self.console = console
 
-    @endpoint("GET", CONSOLE_PATH, "The sandbox console (HTML): its login form, or the console once logged in",
-              response={"type": "string"}, media=HTML_CONTENT_TYPE)
+    @endpoint("GET", CONSOLE_PATH, "The sandbox console (HTML): its login form, or the console once"
+              " logged in", response={"type": "string"}, media=HTML_CONTENT_TYPE)
     def console_page(self, call: Call) -> str:
         session = self.console.session(call.environ)
         if session is None or not session.valid:
@@ -4505,12 +4607,14 @@ class AdminApi:
 
     @endpoint("POST", CONSOLE_PATH, "Log in to the console: the form field token, the admin token",
               response={"type": "string"}, media=HTML_CONTENT_TYPE, form=("token",),
-              answers=((303, "Logged in: the session cookie (Set-Cookie), and back to the console (Location)"),
+              answers=((303, ("Logged in: the session cookie (Set-Cookie), and back to the console"
+                              " (Location)")),
                        (401, "Not the admin token: the login form again (HTML)")))
     def console_login(self, call: Call) -> str:
         return self.console.log_in(call)
 
-    @endpoint("POST", CONSOLE_PATH + "/logout", "Log out of the console (ends the session cookie)", response=None)
+    @endpoint("POST", CONSOLE_PATH + "/logout", "Log out of the console (ends the session cookie)",
+              response=None)
     def console_logout(self, call: Call) -> None:
         self.console.log_out(call)
 
@@ -4557,13 +4661,14 @@ class AdminApi:
     def list_api_keys(self, call: Call, workspace_id: str) -> list:
         return self.svc.list_api_keys(workspace_id)
 
-    @endpoint("POST", "/_admin/workspaces/<workspace_id>/keys", "Create an API key (the secret is returned once)",
+    @endpoint("POST", "/_admin/workspaces/<workspace_id>/keys",
+              "Create an API key (the secret is returned once)",
               request="NewKeyBody", response="ApiKey",
               errors=(WorkspaceNotFound, NotFound))
     def create_api_key(self, call: Call, workspace_id: str) -> dict:
         body = call.json()
-        return self.svc.create_api_key(workspace_id, body.get("scopes", SCOPES), member_id=body.get("memberId"),
-                                       ip_whitelist=body.get("ipWhitelist"))
+        return self.svc.create_api_key(workspace_id, body.get("scopes", SCOPES),
+                                       member_id=body.get("memberId"), ip_whitelist=body.get("ipWhitelist"))
 
     @endpoint("POST", "/_admin/keys/<api_key>/enable", "Enable an API key", response="ApiKey",
               errors=(NotFound,))
@@ -4627,8 +4732,8 @@ class AdminApi:
     def set_wallet_status(self, call: Call, wallet_id: str) -> dict:
         return self.svc.set_wallet_status(wallet_id, call.json()["status"])
 
-    @endpoint("POST", "/_admin/wallets/<wallet_id>/deposit", "Deposit money from outside", request="AmountBody",
-              response="Flow",
+    @endpoint("POST", "/_admin/wallets/<wallet_id>/deposit", "Deposit money from outside",
+              request="AmountBody", response="Flow",
               errors=(WalletNotFound, WalletNotActive))
     def deposit(self, call: Call, wallet_id: str) -> dict:
         return self.svc.deposit(wallet_id, call.json()["amount"])
@@ -4639,8 +4744,8 @@ class AdminApi:
     def withdraw(self, call: Call, wallet_id: str) -> dict:
         return self.svc.withdraw(wallet_id, call.json()["amount"])
 
-    @endpoint("POST", "/_admin/transfers/<biz_id>/complete", "Complete a PENDING order", request="DecisionBody",
-              response="TransferOrder",
+    @endpoint("POST", "/_admin/transfers/<biz_id>/complete", "Complete a PENDING order",
+              request="DecisionBody", response="TransferOrder",
               errors=(TransferNotFound,))
     def complete_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.complete_transfer(biz_id, workspace_id=call.json().get("workspaceId"))
@@ -4657,8 +4762,8 @@ class AdminApi:
         self.svc.reset()
 
     @endpoint("POST", "/_admin/scenarios", "Make a world beside the others, with fresh ids and keys: the"
-              " scenario the sandbox started from, the built-in demo, or the one given", request="ScenarioBody",
-              response="World")
+              " scenario the sandbox started from, the built-in demo, or the one given",
+              request="ScenarioBody", response="World")
     def instantiate(self, call: Call) -> dict:
         body = call.json()
         if "workspaces" in body and "scenario" in body or body.get("scenario", "demo") != "demo":
@@ -4668,7 +4773,8 @@ class AdminApi:
         elif body.get("scenario") == "demo":
             scenario = DEMO_SCENARIO
         else:
-            scenario = {"workspaces": self.svc.start_scenario()["workspaces"]}  # (its clock and settings are the server's)
+            # (its clock and settings are the server's)
+            scenario = {"workspaces": self.svc.start_scenario()["workspaces"]}
         return self.svc.load_scenario(scenario, fresh_ids=True)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/reset", "Return one workspace to the state its world"
@@ -4687,7 +4793,8 @@ class AdminApi:
               query=[*_PAGE_PARAMETERS[:2],
                      *({"name": name, "in": "query", "schema": _STRING}
                        for name in ("method", "path", "code")),
-                     {"name": "body", "in": "query", "description": "body fields the entries must have (JSON)",
+                     {"name": "body", "in": "query",
+                      "description": "body fields the entries must have (JSON)",
                       "content": {"application/json": {"schema": {"type": "object"}}}},
                      *({"name": name, "in": "query", "schema": {"type": "integer", "minimum": 0}}
                        for name in ("after", "last"))])
@@ -4758,14 +4865,15 @@ class AdminApi:
         return {"now": iso_time(self.svc.now_ms()), "epochMillis": self.svc.now_ms(),
                 "frozen": bool(getattr(clock, "frozen", False)), "controllable": isinstance(clock, Clock)}
 
-    @endpoint("POST", "/_admin/clock", "Freeze, set, advance or unfreeze the service clock", request="ClockBody",
-              response="ClockState")
+    @endpoint("POST", "/_admin/clock", "Freeze, set, advance or unfreeze the service clock",
+              request="ClockBody", response="ClockState")
     def set_clock(self, call: Call) -> dict:
         """``{"freeze": true|false, "at": epoch seconds or RFC 3339, "advance": seconds}``."""
         body = call.json()
         clock = self.svc.clock
         if not isinstance(clock, Clock):
-            raise invalid("clock", "state", state="not controllable (start the service with a walletsvc.Clock)")
+            raise invalid("clock", "state",
+                          state="not controllable (start the service with a walletsvc.Clock)")
         at = admin_time(body.get("at"), "at")
         try:
             if at is not None:
@@ -4845,7 +4953,8 @@ def create_app(svc: WalletService, **settings: Any) -> WalletApp:
     """
     http = HttpApi(svc, svc.settings.replace("http", **settings))
     app = WalletApp(http)
-    handler_sets = [WalletApi(svc, http)] + ([AdminApi(svc, http.console)] if http.settings.admin_token else [])
+    handler_sets = [WalletApi(svc, http)] + ([AdminApi(svc, http.console)] if http.settings.admin_token
+                                             else [])
     for handlers in handler_sets:
         for declaration, handler in declared(handlers):
             check_declaration(declaration, handler)
@@ -5008,7 +5117,8 @@ def _client_method(declaration: Endpoint) -> Callable:
         path = re.sub(r"<(\w+)>", lambda match: _segment(arguments[match.group(1)]), declaration.path)
         body = None
         if declaration.request:
-            body = {name: arguments[snake] for snake, name in fields.items() if arguments.get(snake) is not None}
+            body = {name: arguments[snake] for snake, name in fields.items()
+                    if arguments.get(snake) is not None}
         return self.request(declaration.method, path, query=arguments.get("query"), body=body)
 
     method.__name__ = method.__qualname__ = declaration.name
@@ -5034,14 +5144,16 @@ def demo_instructions(base_url: str, demo: dict, admin_token: str | None = None)
   secret      : {secret}
   admin token : {admin_token or "(admin surface off)"}
   wallets     : {", ".join(demo["walletIds"])}
-  console     : {f"{base_url}{CONSOLE_PATH} (log in with the admin token)" if admin_token else "(needs an admin token)"}
+  console     : {f"{base_url}{CONSOLE_PATH} (log in with the admin token)" if admin_token
+                 else "(needs an admin token)"}
 
 Signed request from a shell (openssl + curl):
   KEY={key} SECRET={secret}
   TS=$(date +%s) NONCE=$(cat /proc/sys/kernel/random/uuid) P=/api/v1/wallets
   SIG=$(printf 'GET\\n%s\\n%s\\n%s\\n%s' "$P" "$TS" "$NONCE" "$(printf '' | sha256sum | cut -d' ' -f1)" \\
         | openssl dgst -sha256 -hmac "$SECRET" -binary | base64)
-  curl -s "{base_url}$P" -H "X-Api-Key: $KEY" -H "X-Timestamp: $TS" -H "X-Nonce: $NONCE" -H "X-Signature: $SIG"
+  curl -s "{base_url}$P" -H "X-Api-Key: $KEY" -H "X-Timestamp: $TS" -H "X-Nonce: $NONCE" \
+-H "X-Signature: $SIG"
 
 From Python:
   import json, urllib.request, walletsvc
@@ -5074,8 +5186,8 @@ def _raise_file_limit(needed: int) -> None:
         return
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (needed if hard == resource.RLIM_INFINITY else min(needed, hard),
-                                                    hard))
+        resource.setrlimit(resource.RLIMIT_NOFILE,
+                           (needed if hard == resource.RLIM_INFINITY else min(needed, hard), hard))
 
 
 CONTROL_THREADS = 2  # waitress threads of their own for /_admin/** and the console (and one for /healthz)
@@ -5140,8 +5252,8 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
     except OSError as exc:
         listener.close()
         if exc.errno == errno.EADDRINUSE:
-            raise RuntimeError(f"port {port} on {host} is already in use: stop what holds it, or pass --port 0"
-                               " to pick a free one") from None
+            raise RuntimeError(f"port {port} on {host} is already in use: stop what holds it,"
+                               " or pass --port 0 to pick a free one") from None
         raise
     listener.listen(1024)
     bound = listener.getsockname()[1]
@@ -5192,7 +5304,8 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
     return answering_in_envelopes(waitress.create_server(
         app, sockets=[listener], _dispatcher=_control_dispatcher(threads), ident="walletsvc",
         clear_untrusted_proxy_headers=False,
-        max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1), **WAITRESS_LIMITS))
+        max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1),
+        **WAITRESS_LIMITS))
 
 
 def answering_in_envelopes(server: Any) -> Any:
@@ -5211,8 +5324,8 @@ def answering_in_envelopes(server: Any) -> Any:
                 error = invalid("request", "http", problem=str(refusal.body)[:200])
             body = to_json(error_envelope(error, LOCALES[0], int(time.time() * 1000)))
             self.status = f"{refusal.code} {refusal.reason}"
-            self.response_headers.extend([("Content-Type", JSON_CONTENT_TYPE), ("Content-Language", LOCALES[0]),
-                                          ("Cache-Control", "no-store")])
+            self.response_headers.extend([("Content-Type", JSON_CONTENT_TYPE),
+                                          ("Content-Language", LOCALES[0]), ("Cache-Control", "no-store")])
             self.set_close_on_finish()
             self.content_length = len(body)
             self.write(body)
@@ -5294,8 +5407,8 @@ class Sandbox:
     world_id: str | None = None  # a world beside the sandbox's (``world()``): its workspace, reset alone
 
     @classmethod
-    def create(cls, database: str = ":memory:", *, scenario: str | os.PathLike | Mapping[str, Any] | None = None,
-               **settings: Any) -> Sandbox:
+    def create(cls, database: str = ":memory:", *,
+               scenario: str | os.PathLike | Mapping[str, Any] | None = None, **settings: Any) -> Sandbox:
         """A sandbox started from ``scenario`` (a TOML or JSON file, or a dict; by default the
         built-in DEMO_SCENARIO); the scenario's settings under ``settings``."""
         scenario = read_scenario(DEMO_SCENARIO if scenario is None else scenario)
@@ -5320,7 +5433,8 @@ class Sandbox:
         """A world of its own beside this one (``POST /_admin/scenarios``): the scenario (by default
         the one the sandbox started from) made again with fresh ids and a fresh key, sharing the service,
         the app, the clock and the server; its ``reset()`` resets only its workspace."""
-        scenario = {"workspaces": self.service.start_scenario()["workspaces"]} if scenario is None else scenario
+        scenario = {"workspaces": self.service.start_scenario()["workspaces"]} if scenario is None \
+            else scenario
         made = self.service.load_scenario(read_scenario(scenario), fresh_ids=True)
         world = dataclasses.replace(self, world_id=made["workspaces"][0]["id"])
         return world._enter(made["workspaces"][0])
@@ -5371,7 +5485,8 @@ class LiveServer:
         import waitress
 
         logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-        self._server = answering_in_envelopes(waitress.create_server(app, host="127.0.0.1", port=0, threads=threads))
+        self._server = answering_in_envelopes(waitress.create_server(
+            app, host="127.0.0.1", port=0, threads=threads))
         self.url = f"http://127.0.0.1:{self._server.effective_port}"
         self._thread = threading.Thread(target=self._server.run, name="walletsvc-live", daemon=True)
         self._thread.start()
@@ -5402,8 +5517,8 @@ def _build_pytest_plugin() -> Any:
     import pytest
 
     def pytest_configure(config: Any) -> None:
-        config.addinivalue_line("markers", "walletsvc(**settings): the walletsvc sandbox of this test gets these"
-                                           " settings (e.g. settlement='manual', magic_values=True)")
+        config.addinivalue_line("markers", "walletsvc(**settings): the walletsvc sandbox of this test gets"
+                                           " these settings (e.g. settlement='manual', magic_values=True)")
 
     def marked(request: Any) -> dict:
         marker = request.node.get_closest_marker("walletsvc")
@@ -5423,7 +5538,8 @@ def _build_pytest_plugin() -> Any:
 
     @pytest.fixture(scope="session")
     def walletsvc_session_sandboxes() -> dict:
-        """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct settings."""
+        """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct
+        settings."""
         return {}
 
     @pytest.fixture
@@ -5450,7 +5566,8 @@ def _build_pytest_plugin() -> Any:
 
     @pytest.fixture(scope="session")
     def walletsvc_session_lives() -> Iterator[dict]:
-        """Live Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with the session."""
+        """Live Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with
+        the session."""
         cache: dict = {}
         yield cache
         for sandbox in cache.values():
@@ -5551,7 +5668,8 @@ def _serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     scenario = DEMO_SCENARIO if args.demo else read_scenario(args.scenario) if args.scenario else None
     service_settings, settings = split_settings({"journal_size": SANDBOX_JOURNAL_SIZE,
-                                                 **((scenario or {}).get("settings") or {}), **dict(args.set or ())})
+                                                 **((scenario or {}).get("settings") or {}),
+                                                 **dict(args.set or ())})
     made = [path for path in (f"{args.db}-wal", f"{args.db}-shm") if not os.path.exists(path)]
     svc = None
     try:  # every request records its nonce: refuse to start on storage that cannot be written
@@ -5601,13 +5719,16 @@ def _serve_command(args: argparse.Namespace) -> int:
 def _write_ready_file(path: str, base_url: str, admin_token: str | None, world: list[dict]) -> None:
     """``--ready-file``: what a suite in another language needs, as JSON, written whole (a rename) once
     the socket listens: base URL, port, admin token, the scenario's keys and wallets (and its workspaces)."""
-    keys = [{"apiKey": key["apiKey"], "secret": key["secret"], "scopes": key["scopes"], "workspaceId": key["workspaceId"]}
+    keys = [{"apiKey": key["apiKey"], "secret": key["secret"], "scopes": key["scopes"],
+             "workspaceId": key["workspaceId"]}
             for workspace in world for key in workspace["keys"]]
     wallets = [{"id": wallet["id"], "name": wallet["name"], "currency": wallet["currency"],
-                "workspaceId": wallet["workspaceId"]} for workspace in world for wallet in workspace["wallets"]]
+                "workspaceId": wallet["workspaceId"]}
+               for workspace in world for wallet in workspace["wallets"]]
     ready = {"url": base_url, "port": int(base_url.rsplit(":", 1)[1]), "adminToken": admin_token,
-             "keys": keys, "wallets": wallets, "workspaces": [{"id": workspace["id"], "name": workspace["name"]}
-                                                              for workspace in world], "version": __version__}
+             "keys": keys, "wallets": wallets,
+             "workspaces": [{"id": workspace["id"], "name": workspace["name"]} for workspace in world],
+             "version": __version__}
     temporary = f"{path}.{os.getpid()}.tmp"
     with open(temporary, "w", encoding="utf-8") as handle:
         json.dump(ready, handle, indent=2)
@@ -5630,7 +5751,8 @@ def _audit_command(args: argparse.Namespace) -> int:
 def _setting_pair(text: str) -> tuple[str, str]:
     name, equals, value = text.partition("=")
     if not equals or name.strip() not in Settings.names():
-        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of {', '.join(Settings.names())}")
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE with NAME one of"
+                                         f" {', '.join(Settings.names())}")
     return name.strip(), value
 
 
@@ -5655,7 +5777,8 @@ def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
         parser.error(f"--url {args.url}: the port is not a number from 0 to 65535")
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         parser.error(f"--url {args.url}: give http(s)://HOST[:PORT][/PREFIX], without a query or fragment")
-    url = f"{parts.scheme}://{parts.netloc}{_rfc3986(parts.path, '/')}"  # a prefix is sent, and signed, encoded
+    # A prefix is sent, and signed, encoded.
+    url = f"{parts.scheme}://{parts.netloc}{_rfc3986(parts.path, '/')}"
     return url.rstrip("/"), _rfc3986(path, "/"), _rfc3986(query, "/?=&")
 
 
@@ -5694,7 +5817,8 @@ def _rfc3986(text: str, safe: str) -> str:
 
 
 def _leaf(commands: Any, name: str, common: argparse.ArgumentParser, help_text: str,
-          action: Callable[[WalletService, argparse.Namespace], Any], *arguments: str) -> argparse.ArgumentParser:
+          action: Callable[[WalletService, argparse.Namespace], Any],
+          *arguments: str) -> argparse.ArgumentParser:
     parser = commands.add_parser(name, parents=[common], help=help_text)
     for argument in arguments:
         parser.add_argument(argument)
@@ -5730,7 +5854,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    " wallets to PATH as JSON")
     starts = serve_parser.add_mutually_exclusive_group()
     starts.add_argument("--demo", action="store_true",
-                        help="start from the built-in scenario once (alice, bob, yen) and print its credentials")
+                        help="start from the built-in scenario once (alice, bob, yen) and print its"
+                             " credentials")
     starts.add_argument("--scenario", metavar="FILE",
                         help="start from this scenario (TOML, or JSON for .json) once; README, Scenarios")
     serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN"),
@@ -5765,7 +5890,8 @@ def build_parser() -> argparse.ArgumentParser:
     create_key.add_argument("--scope", action="append", choices=SCOPES, help="repeatable; default all")
     create_key.add_argument("--ip", action="append", help="whitelisted address or CIDR; repeatable")
     create_key.add_argument("--member", help="member id (default: the workspace owner)")
-    _leaf(verbs, "list", common, "list keys", lambda svc, a: svc.list_api_keys(a.workspace_id), "workspace_id")
+    _leaf(verbs, "list", common, "list keys", lambda svc, a: svc.list_api_keys(a.workspace_id),
+          "workspace_id")
     _leaf(verbs, "disable", common, "disable a key", lambda svc, a: svc.set_api_key_enabled(a.api_key, False),
           "api_key")
     _leaf(verbs, "enable", common, "enable a key", lambda svc, a: svc.set_api_key_enabled(a.api_key, True),
@@ -5778,7 +5904,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "workspace_id", "currency")
     create_wallet.add_argument("--name")
     _leaf(verbs, "list", common, "list a workspace's wallets",
-          lambda svc, a: svc.get_workspace(a.workspace_id) and svc.list_wallets(a.workspace_id, {"size": 100}),
+          lambda svc, a: (svc.get_workspace(a.workspace_id)
+                          and svc.list_wallets(a.workspace_id, {"size": 100})),
           "workspace_id")
     _leaf(verbs, "get", common, "show a wallet", lambda svc, a: svc.get_wallet(a.wallet_id), "wallet_id")
     for verb, status in (("freeze", "FROZEN"), ("unfreeze", "ACTIVE"), ("close", "CLOSED")):
@@ -5806,8 +5933,9 @@ def build_parser() -> argparse.ArgumentParser:
                   lambda svc, a: svc.reset() or {"reset": a.db})
     reset.add_argument("--yes", action="store_true", required=True, help="confirm")
 
-    for name, help_text, runner in (("request", "sign and send a request; print the answer", _request_command),
-                                    ("sign", "print the signature headers of a request", _sign_command)):
+    for name, help_text, runner in (
+            ("request", "sign and send a request; print the answer", _request_command),
+            ("sign", "print the signature headers of a request", _sign_command)):
         sub = commands.add_parser(name, help=help_text)
         sub.add_argument("method")
         sub.add_argument("path", help="path, e.g. /api/v1/wallets (a query string is not signed)")
@@ -5826,7 +5954,8 @@ def build_parser() -> argparse.ArgumentParser:
     openapi = commands.add_parser("openapi", help="print the OpenAPI 3.1 document (API and admin)")
     openapi.add_argument("--url", default="http://127.0.0.1:8080", help="the server URL the document names")
     openapi.set_defaults(run=lambda args: print(json.dumps(
-        openapi_document(create_app(WalletService(), admin_token="x").http.endpoints, args.url.rstrip("/")), indent=2)) or 0)
+        openapi_document(create_app(WalletService(), admin_token="x").http.endpoints, args.url.rstrip("/")),
+        indent=2)) or 0)
     return parser
 
 
@@ -5849,18 +5978,24 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 _CONSOLE_STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d2329; background: #f6f7f9; }
-header { display: flex; gap: 1.2em; align-items: center; padding: .6em 1.2em; background: #1d2329; color: #fff; }
+header { display: flex; gap: 1.2em; align-items: center; padding: .6em 1.2em;
+         background: #1d2329; color: #fff; }
 header nav { display: flex; gap: .9em; flex: 1; }
-header a { color: #b9c6d3; text-decoration: none; } header a.here { color: #fff; border-bottom: 2px solid #5fb3ff; }
+header a { color: #b9c6d3; text-decoration: none; }
+header a.here { color: #fff; border-bottom: 2px solid #5fb3ff; }
 main { padding: 0 1.2em 2em; } h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
 table { border-collapse: collapse; background: #fff; margin: .4em 0; }
 th, td { border-bottom: 1px solid #e3e6ea; padding: .3em .7em; text-align: left; vertical-align: top; }
-th { background: #eceff3; font-weight: 600; } td.num { text-align: right; font-variant-numeric: tabular-nums; }
+th { background: #eceff3; font-weight: 600; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; }
 tr.pick { cursor: pointer; } tr.pick:hover, tr.picked { background: #eaf4ff; }
-tr.invalid td { color: #a4161a; } .PENDING { color: #9a6700; } .FAILED { color: #a4161a; } .COMPLETED { color: #1a7f37; }
-pre { background: #fff; border: 1px solid #e3e6ea; padding: .6em; white-space: pre-wrap; word-break: break-all; }
+tr.invalid td { color: #a4161a; }
+.PENDING { color: #9a6700; } .FAILED { color: #a4161a; } .COMPLETED { color: #1a7f37; }
+pre { background: #fff; border: 1px solid #e3e6ea; padding: .6em; white-space: pre-wrap;
+      word-break: break-all; }
 code { font: 12px ui-monospace, monospace; } .hint { color: #57606a; }
-#message { margin: .5em 1.2em; min-height: 1.4em; } .bad { color: #a4161a; } .diagnosis { font-weight: 600; color: #a4161a; }
+#message { margin: .5em 1.2em; min-height: 1.4em; } .bad { color: #a4161a; }
+.diagnosis { font-weight: 600; color: #a4161a; }
 form { background: #fff; padding: .8em; border: 1px solid #e3e6ea; display: inline-block; margin: .3em 0; }
 form label { display: inline-block; margin: .2em .8em .2em 0; } textarea { width: 16em; height: 2.4em; }
 button { cursor: pointer; } button.danger { color: #a4161a; }
@@ -5887,9 +6022,11 @@ function el(tag, attributes, ...children) {
 }
 const cell = (value, kind) => el("td", kind ? {class: kind} : {}, value);
 const code = (value) => value ? el("code", {}, value) : "-";
-const table = (headings, rows) => el("table", {}, el("thead", {}, el("tr", {}, headings.map(h => el("th", {}, h)))),
+const table = (headings, rows) => el("table", {},
+                                     el("thead", {}, el("tr", {}, headings.map(h => el("th", {}, h)))),
                                      el("tbody", {}, rows));
-const fill = (selector, ...nodes) => document.querySelector(selector).replaceChildren(...nodes.flat(Infinity));
+const fill = (selector, ...nodes) =>
+  document.querySelector(selector).replaceChildren(...nodes.flat(Infinity));
 
 function show(selector, data, build) {  // rebuilt only when its data changed: clicks and selections survive
   const key = JSON.stringify(data);
@@ -5928,25 +6065,32 @@ async function act(method, path, body, done) {
 
 async function showWallets() {
   const workspaces = await api("GET", "workspaces");
-  const list = (workspace, what) => api("GET", `workspaces/${id(workspace.id)}/${what}?size=100&sort=createdAt,asc`);
+  const list = (workspace, what) =>
+    api("GET", `workspaces/${id(workspace.id)}/${what}?size=100&sort=createdAt,asc`);
   const pages = await Promise.all(workspaces.map(workspace => list(workspace, "wallets")));
   const balances = await Promise.all(workspaces.map(async workspace => Object.fromEntries(
     (await list(workspace, "balances")).content.map(balance => [balance.walletId, balance]))));
-  show("#wallets .data", [workspaces, pages, balances, selectedWallet], () => workspaces.length ? workspaces.map(
-    (workspace, n) => [el("h2", {}, workspace.name, " ", code(workspace.id)), table(
+  show("#wallets .data", [workspaces, pages, balances, selectedWallet], () => workspaces.length
+    ? workspaces.map((workspace, n) => [el("h2", {}, workspace.name, " ", code(workspace.id)), table(
       ["Id", "Name", "Currency", "Status", "Balance", "Available", "Pending"],
-      pages[n].content.map(w => el("tr", {class: w.id === selectedWallet ? "pick picked" : "pick", "data-wallet": w.id,
-                                               onclick: () => { selectedWallet = w.id; refresh(); }},
-        cell(code(w.id)), cell(w.name), cell(w.currency), cell(w.status, w.status), ...["balance", "available", "pending"].map(
+      pages[n].content.map(w => el("tr", {class: w.id === selectedWallet ? "pick picked" : "pick",
+                                          "data-wallet": w.id,
+                                          onclick: () => { selectedWallet = w.id; refresh(); }},
+        cell(code(w.id)), cell(w.name), cell(w.currency), cell(w.status, w.status),
+        ...["balance", "available", "pending"].map(
           field => cell(balances[n][w.id] ? balances[n][w.id][field] : "-", "num"))))),
       pages[n].page.totalElements > pages[n].content.length
-        ? el("p", {class: "hint"}, `The first ${pages[n].content.length} of ${pages[n].page.totalElements} wallets.`) : ""])
+        ? el("p", {class: "hint"},
+             `The first ${pages[n].content.length} of ${pages[n].page.totalElements} wallets.`) : ""])
     : el("p", {}, "No workspaces yet."));
   const flows = selectedWallet && await api("GET", `wallets/${id(selectedWallet)}/flows?size=100`);
-  show("#flows", [selectedWallet, flows], () => flows ? [el("h2", {}, "Flows of ", code(selectedWallet), ", newest first"), table(
-    ["At", "Type", "Direction", "Amount", "Balance after", "Counterparty", "bizId"],
-    flows.content.map(f => el("tr", {}, cell(f.createdAt), cell(f.type), cell(f.direction), cell(f.amount, "num"),
-                                     cell(f.balanceAfter, "num"), cell(code(f.counterpartyWalletId)), cell(f.bizId || "-"))))] : []);
+  show("#flows", [selectedWallet, flows], () => flows
+    ? [el("h2", {}, "Flows of ", code(selectedWallet), ", newest first"), table(
+      ["At", "Type", "Direction", "Amount", "Balance after", "Counterparty", "bizId"],
+      flows.content.map(f => el("tr", {}, cell(f.createdAt), cell(f.type), cell(f.direction),
+                                cell(f.amount, "num"), cell(f.balanceAfter, "num"),
+                                cell(code(f.counterpartyWalletId)), cell(f.bizId || "-"))))]
+    : []);
 }
 
 async function showTransfers() {
@@ -5957,16 +6101,19 @@ async function showTransfers() {
   }
   orders.sort((a, b) => b.createdAt.localeCompare(a.createdAt) || b.transferId.localeCompare(a.transferId));
   const decide = (order, verb, done) => /^\.\.?$/.test(order.bizId)  // browsers resolve it away in a URL
-    ? el("button", {disabled: true, title: `A browser cannot put the bizId "${order.bizId}" in a path: use the `
-                                           + "Python API or a client that sends the path as is"}, verb)
+    ? el("button", {disabled: true,
+                    title: `A browser cannot put the bizId "${order.bizId}" in a path: use the `
+                           + "Python API or a client that sends the path as is"}, verb)
     : el("button", {onclick: () => act("POST", `transfers/${id(order.bizId)}/${verb.toLowerCase()}`,
                                        {workspaceId: order.workspaceId}, `${order.bizId}: ${done}.`)}, verb);
   show("#transfers .data", orders, () => orders.length ? table(
     ["Created", "bizId", "From", "To", "Amount", "Status", ""],
-    orders.map(o => el("tr", {"data-biz": o.bizId}, cell(o.createdAt), cell(o.bizId), cell(code(o.sourceWalletId)),
-                              cell(code(o.targetWalletId)), cell(`${o.amount} ${o.currency}`, "num"),
+    orders.map(o => el("tr", {"data-biz": o.bizId}, cell(o.createdAt), cell(o.bizId),
+                              cell(code(o.sourceWalletId)), cell(code(o.targetWalletId)),
+                              cell(`${o.amount} ${o.currency}`, "num"),
                               cell(o.status, o.status), cell(o.status === "PENDING"
-                                ? [decide(o, "Complete", "completed"), " ", decide(o, "Fail", "failed")] : ""))))
+                                ? [decide(o, "Complete", "completed"), " ", decide(o, "Fail", "failed")]
+                                : ""))))
     : el("p", {}, "No transfer orders yet."));
 }
 
@@ -5991,9 +6138,11 @@ function showEntry() {
   fill("#entry", el("h2", {}, `${e.method} ${e.path}: ${e.status} ${e.code || ""}`),
     e.diagnosis ? el("p", {class: "diagnosis"}, "Diagnosis: ", e.diagnosis) : "",
     el("h3", {}, "Canonical message the server computed"),
-    el("pre", {class: "canonical"}, e.canonicalMessage ?? "(none: the request did not reach the signature check)"),
+    el("pre", {class: "canonical"},
+       e.canonicalMessage ?? "(none: the request did not reach the signature check)"),
     el("h3", {}, "Request headers"),
-    table(["Header", "Value"], Object.entries(e.headers).map(([name, value]) => el("tr", {}, cell(name), cell(code(value))))),
+    table(["Header", "Value"],
+          Object.entries(e.headers).map(([name, value]) => el("tr", {}, cell(name), cell(code(value))))),
     el("h3", {}, "Request body"), el("pre", {}, e.body || "(empty)"),
     el("h3", {}, "Response body"), el("pre", {}, e.responseBody));
 }
@@ -6001,19 +6150,22 @@ function showEntry() {
 async function showClock() {
   const clock = await api("GET", "clock");
   show("#clock .data", clock, () => [
-    el("p", {}, "Service time: ", el("strong", {id: "clock-now"}, clock.now), clock.frozen ? " (frozen)" : " (running)"),
+    el("p", {}, "Service time: ", el("strong", {id: "clock-now"}, clock.now),
+       clock.frozen ? " (frozen)" : " (running)"),
     clock.controllable ? "" : el("p", {class: "bad"}, "This service's clock is not controllable.")]);
 }
 
 async function showFaults() {
   const rules = await api("GET", "faults");
-  const matchers = r => ["query", "headers", "body"].filter(n => r[n]).map(n => `${n} ${JSON.stringify(r[n])}`).join("; ");
+  const matchers = r =>
+    ["query", "headers", "body"].filter(n => r[n]).map(n => `${n} ${JSON.stringify(r[n])}`).join("; ");
   show("#faults .data", rules, () => rules.length ? table(
     ["Id", "Action", "Method", "Path", "Code", "Status", "Latency s", "Times", "Fired", "Matchers", ""],
-    rules.map(r => el("tr", {"data-fault": r.id}, cell(r.id), cell(r.action), cell(r.method), cell(code(r.path)),
-      cell(r.code || "-"), cell(r.status ?? "-"), cell(r.latency, "num"), cell(r.times ?? "always"),
-      cell(r.fired, "num"), cell(matchers(r) || "-"),
-      cell(el("button", {onclick: () => act("DELETE", `faults/${id(r.id)}`, undefined, `${r.id} removed.`)}, "Remove")))))
+    rules.map(r => el("tr", {"data-fault": r.id}, cell(r.id), cell(r.action), cell(r.method),
+      cell(code(r.path)), cell(r.code || "-"), cell(r.status ?? "-"), cell(r.latency, "num"),
+      cell(r.times ?? "always"), cell(r.fired, "num"), cell(matchers(r) || "-"),
+      cell(el("button", {onclick: () => act("DELETE", `faults/${id(r.id)}`, undefined, `${r.id} removed.`)},
+              "Remove")))))
     : el("p", {}, "No fault rules."));
 }
 
@@ -6034,10 +6186,12 @@ function faultBody(form) {
 async function refresh() {
   const view = views[location.hash.slice(1)] ? location.hash.slice(1) : "wallets";
   for (const name of Object.keys(views)) document.getElementById(name).hidden = name !== view;
-  for (const link of document.querySelectorAll("nav a")) link.classList.toggle("here", link.hash === "#" + view);
+  for (const link of document.querySelectorAll("nav a"))
+    link.classList.toggle("here", link.hash === "#" + view);
   try {
     const clock = await api("GET", "clock");
-    document.getElementById("now").textContent = `service time ${clock.now}${clock.frozen ? " (frozen)" : ""}`;
+    document.getElementById("now").textContent =
+      `service time ${clock.now}${clock.frozen ? " (frozen)" : ""}`;
     await views[view]();
     if (failing) say("");  // the server answers again
     failing = false;
@@ -6047,13 +6201,17 @@ async function refresh() {
   }
 }
 
-for (const action of FAULT_ACTIONS) document.querySelector('#fault-form select[name="action"]').append(el("option", {}, action));
+for (const action of FAULT_ACTIONS)
+  document.querySelector('#fault-form select[name="action"]').append(el("option", {}, action));
 document.getElementById("fault-form").addEventListener("submit", event => {
   event.preventDefault();
-  try { act("POST", "faults", faultBody(event.target), "Fault rule added."); } catch (error) { say(error.message, true); }
+  try { act("POST", "faults", faultBody(event.target), "Fault rule added."); }
+  catch (error) { say(error.message, true); }
 });
-document.getElementById("clock-freeze").addEventListener("click", () => act("POST", "clock", {freeze: true}, "Clock frozen."));
-document.getElementById("clock-unfreeze").addEventListener("click", () => act("POST", "clock", {freeze: false}, "Clock running."));
+document.getElementById("clock-freeze").addEventListener("click", () =>
+  act("POST", "clock", {freeze: true}, "Clock frozen."));
+document.getElementById("clock-unfreeze").addEventListener("click", () =>
+  act("POST", "clock", {freeze: false}, "Clock running."));
 document.getElementById("clock-advance").addEventListener("submit", event => {
   event.preventDefault();
   const seconds = parseFloat(new FormData(event.target).get("advance"));
@@ -6111,16 +6269,19 @@ _CONSOLE_PAGE = """<!doctype html>
 </header>
 <p id="message" role="status"></p>
 <main>
-<section id="wallets" hidden><h1>Wallets</h1><p class="hint">Every workspace's wallets. Click one for its flows.</p>
+<section id="wallets" hidden><h1>Wallets</h1>
+  <p class="hint">Every workspace's wallets. Click one for its flows.</p>
   <div class="data"></div><div id="flows"></div></section>
 <section id="transfers" hidden><h1>Transfers</h1><p class="hint">Transfer orders, newest first.</p>
   <div class="data"></div></section>
 <section id="journal" hidden><h1>Journal</h1>
-  <p class="hint">Requests to /api/, newest first, live. Click one for its headers, body and signature check.</p>
+  <p class="hint">Requests to /api/, newest first, live. Click one for its headers, body and signature
+    check.</p>
   <div class="data"></div><div id="entry"></div></section>
 <section id="clock" hidden><h1>Clock</h1><div class="data"></div>
   <p><button id="clock-freeze">Freeze</button> <button id="clock-unfreeze">Unfreeze</button></p>
-  <form id="clock-advance"><label>Advance by <input name="advance" type="number" step="any" value="3600"> seconds</label>
+  <form id="clock-advance"><label>Advance by <input name="advance" type="number" step="any"
+    value="3600"> seconds</label>
     <button>Advance</button></form>
   <form id="clock-set"><label>Set to <input name="at" placeholder="2030-01-01T00:00:00Z" required></label>
     (RFC 3339: 2030-01-01T00:00:00Z, or a date)
@@ -6160,7 +6321,8 @@ _CONSOLE_LOGIN = """<!doctype html>
 <main>
 <h1>Log in</h1>
 <form method="post" action="console">
-  <label>Admin token <input name="token" type="password" autocomplete="current-password" required autofocus></label>
+  <label>Admin token <input name="token" type="password" autocomplete="current-password" required
+    autofocus></label>
   <button>Log in</button>
 </form>
 <p class="bad">__MESSAGE__</p>
