@@ -2409,9 +2409,12 @@ def test_the_fast_path_answers_as_bottles_own_dispatch(tmp_path) -> None:
     for method, path, body, headers in requests_made:
         answers = []
         for app in (fast, slow):
-            started = []
-            chunks = app(_environ(method, path, body, headers), lambda status, pairs, exc_info=None:
-                         started.extend((status, sorted(pairs))))
+            started: list = []
+
+            def start_response(status: str, pairs: list, exc_info: Any = None,
+                               started: list = started) -> None:
+                started.extend((status, sorted(pairs)))
+            chunks = app(_environ(method, path, body, headers), start_response)
             answers.append((*started, b"".join(chunks)))
         assert answers[0] == answers[1], (method, path)
     assert fast.hooks_added == [] and slow.hooks_added == ["before_request"]
@@ -6382,8 +6385,8 @@ def test_fuzzed_requests_over_a_socket_always_get_the_envelope() -> None:
 def test_the_module_docstring_lists_every_section_in_order() -> None:
     source = pathlib.Path(walletsvc.__file__).read_text(encoding="utf-8")
     rule = "#" * 79
-    banners = re.findall(rf"^{rule}\n# (.+?) #+\n{rule}$", source, re.M)
-    listed = re.findall(r"^ +(\d+)\. (.+?) - ", walletsvc.__doc__, re.M)
+    banners = re.findall(rf"^{rule}\n# (.+?) #+\n{rule}$", source, re.MULTILINE)
+    listed = re.findall(r"^ +(\d+)\. (.+?) - ", walletsvc.__doc__, re.MULTILINE)
     assert [int(number) for number, _ in listed] == list(range(1, len(banners) + 1))
     assert [name for _, name in listed] == banners
     for sought in ("The authentication pipeline", "Pagination", "Request journal", "The console's session"):
@@ -6407,7 +6410,7 @@ def test_each_section_uses_only_those_above_it() -> None:
     source = pathlib.Path(walletsvc.__file__).read_text(encoding="utf-8")
     rule = "#" * 79
     starts = [source[: match.start()].count("\n") + 1
-              for match in re.finditer(rf"^{rule}\n# .+? #+\n{rule}$", source, re.M)]
+              for match in re.finditer(rf"^{rule}\n# .+? #+\n{rule}$", source, re.MULTILINE)]
 
     def section(line: int) -> int:
         return sum(1 for start in starts if start < line)

@@ -522,26 +522,40 @@ ERRORS_BY_CODE: Mapping[str, type[WalletError]] = {error.code: error for error i
 
 # Why a parameter was refused, in each locale (InvalidParameter's reason).
 _REASONS = {
-    "required": ("is required", "为必填项"),
-    "string": ("must be a string", "必须是字符串"),
-    "integer": ("must be an integer", "必须是整数"),
-    "number": ("must be a number", "必须是数字"),
-    "boolean": ("must be true or false", "必须是 true 或 false"),
-    "array": ("must be an array", "必须是数组"),
-    "type": ("must be JSON {kinds}", "必须是 JSON {kinds}"),
-    "minimum": ("must be at least {minimum}", "不能小于 {minimum}"),
-    "maximum": ("must be at most {maximum}", "不能大于 {maximum}"),
-    "one_of": ("must be one of {choices}", "必须是以下之一：{choices}"),
-    "unknown_field": ("is not a known field", "不是可识别的字段"),
+    "required": ("is required",
+                 "为必填项"),
+    "string": ("must be a string",
+               "必须是字符串"),
+    "integer": ("must be an integer",
+                "必须是整数"),
+    "number": ("must be a number",
+               "必须是数字"),
+    "boolean": ("must be true or false",
+                "必须是 true 或 false"),
+    "array": ("must be an array",
+              "必须是数组"),
+    "type": ("must be JSON {kinds}",
+             "必须是 JSON {kinds}"),
+    "minimum": ("must be at least {minimum}",
+                "不能小于 {minimum}"),
+    "maximum": ("must be at most {maximum}",
+                "不能大于 {maximum}"),
+    "one_of": ("must be one of {choices}",
+               "必须是以下之一：{choices}"),
+    "unknown_field": ("is not a known field",
+                      "不是可识别的字段"),
     "sort_field": ("cannot sort by '{value}'; sortable fields: {choices}",
                    "不能按 '{value}' 排序；可排序字段：{choices}"),
-    "sort_direction": ("the direction must be asc or desc", "排序方向必须是 asc 或 desc"),
-    "currency": ("'{value}' is not an ISO 4217 currency code", "'{value}' 不是 ISO 4217 币种代码"),
+    "sort_direction": ("the direction must be asc or desc",
+                       "排序方向必须是 asc 或 desc"),
+    "currency": ("'{value}' is not an ISO 4217 currency code",
+                 "'{value}' 不是 ISO 4217 币种代码"),
     "amount": ("must be a positive decimal string such as \"10.00\" (no sign, exponent or leading zero)",
                "必须是正的十进制字符串，例如 \"10.00\"（不带符号、指数或前导零）"),
     "decimals": ("{currency} allows at most {exponent} decimal places",
                  "{currency} 最多允许 {exponent} 位小数"),
-    "too_large": ("is too large", "过大"),
+    "too_large": ("is too large",
+                  "过大"),
     "time": ("must be RFC 3339 (2027-01-15T08:00:00Z, or a date) or epoch milliseconds",
              "必须是 RFC 3339 时间（2027-01-15T08:00:00Z，或日期）或毫秒时间戳"),
     "time_iso": ("must be RFC 3339 (2027-01-15T08:00:00Z, or a date), or a JSON number of epoch seconds",
@@ -552,31 +566,43 @@ _REASONS = {
                 "看起来是毫秒时间戳；请发送秒级时间戳（或 RFC 3339 时间）"),
     "clock_range": ("must keep the clock between 1970-01-01 and 9999-12-31",
                     "必须使时钟保持在 1970-01-01 至 9999-12-31 之间"),
-    "biz_id": ("must be 1-64 characters of A-Z a-z 0-9 . _ : -", "必须是 1-64 个 A-Z a-z 0-9 . _ : - 字符"),
-    "max_length": ("must be at most {maximum} characters", "最多 {maximum} 个字符"),
-    "length": ("must be 1-{maximum} characters", "必须是 1-{maximum} 个字符"),
-    "json": ("is not a JSON object", "不是 JSON 对象"),
-    "http": ("is not valid HTTP: {problem}", "不是有效的 HTTP：{problem}"),
+    "biz_id": ("must be 1-64 characters of A-Z a-z 0-9 . _ : -",
+               "必须是 1-64 个 A-Z a-z 0-9 . _ : - 字符"),
+    "max_length": ("must be at most {maximum} characters",
+                   "最多 {maximum} 个字符"),
+    "length": ("must be 1-{maximum} characters",
+               "必须是 1-{maximum} 个字符"),
+    "json": ("is not a JSON object",
+             "不是 JSON 对象"),
+    "http": ("is not valid HTTP: {problem}",
+             "不是有效的 HTTP：{problem}"),
     "surrogate": ("holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no character",
                   "含有单独的 UTF-16 代理项（\\ud800-\\udfff），它不是字符"),
-    "nul": ("must not contain the NUL character", "不能包含 NUL 字符"),
-    "duplicate": ("appears more than once", "重复出现"),
+    "nul": ("must not contain the NUL character",
+            "不能包含 NUL 字符"),
+    "duplicate": ("appears more than once",
+                  "重复出现"),
     "unsigned_key": (("is not signed, so it is accepted only when equal to the body's bizId; send the key as"
                      " bizId in the signed body"),
                      "不在签名范围内，仅在与请求体的 bizId 相同时接受；请将该键作为 bizId 放入签名的请求体"),
-    "ip": ("'{value}' is not an IP address or CIDR block", "'{value}' 不是 IP 地址或 CIDR 网段"),
-    "scope": ("'{value}' is not a scope; scopes: {choices}", "'{value}' 不是权限范围；可选：{choices}"),
-    "state": ("is {state}", "状态为 {state}"),
+    "ip": ("'{value}' is not an IP address or CIDR block",
+           "'{value}' 不是 IP 地址或 CIDR 网段"),
+    "scope": ("'{value}' is not a scope; scopes: {choices}",
+              "'{value}' 不是权限范围；可选：{choices}"),
+    "state": ("is {state}",
+              "状态为 {state}"),
     "closed": ("cannot change: the wallet is CLOSED, which is final",
                "无法更改：钱包已关闭（CLOSED 为最终状态）"),
-    "taken": ("'{value}' is already taken", "'{value}' 已被占用"),
+    "taken": ("'{value}' is already taken",
+              "'{value}' 已被占用"),
     "scenario_id": ("must be an id starting {prefix} (1-64 of A-Z a-z 0-9 _ . : -)",
                     "必须是以 {prefix} 开头的 id（1-64 个 A-Z a-z 0-9 _ . : - 字符）"),
     "secret": ("must be 1-128 printable ASCII characters without spaces",
                "必须是 1-128 个不含空格的可打印 ASCII 字符"),
     "scenario_amount": ("must be a string such as \"1000.00\" (a TOML or JSON number could be rounded)",
                         "必须是字符串，例如 \"1000.00\"（TOML 或 JSON 数字可能被舍入）"),
-    "too_many": ("has reached its limit of {maximum}; remove some first", "已达上限 {maximum}，请先删除一些"),
+    "too_many": ("has reached its limit of {maximum}; remove some first",
+                 "已达上限 {maximum}，请先删除一些"),
 }
 
 
@@ -1753,10 +1779,7 @@ class Ledger:
 
     def list_members(self, workspace_id: str) -> list[dict]:
         """The workspace's members, oldest first (removed ones left out)."""
-        with self.db.connection() as conn:
-            self._workspace(conn, workspace_id)
-            rows = conn.execute("SELECT * FROM members WHERE workspace_id = ? AND removed_at IS NULL"
-                                " ORDER BY created_at, id", (workspace_id,)).fetchall()
+        rows = self._workspace_rows("members", workspace_id, "removed_at IS NULL")
         return [member_resource(row) for row in rows]
 
     def remove_member(self, workspace_id: str, member_id: str) -> None:
@@ -1802,11 +1825,7 @@ class Ledger:
 
     def list_api_keys(self, workspace_id: str) -> list[dict]:
         """The workspace's keys, oldest first, without their secrets."""
-        with self.db.connection() as conn:
-            self._workspace(conn, workspace_id)
-            rows = conn.execute("SELECT * FROM api_keys WHERE workspace_id = ?"
-                                " ORDER BY created_at, id", (workspace_id,)).fetchall()
-        return [api_key_resource(row) for row in rows]
+        return [api_key_resource(row) for row in self._workspace_rows("api_keys", workspace_id)]
 
     def set_api_key_enabled(self, api_key: str, enabled: bool) -> dict:
         """Disable (GA2021 from then on) or re-enable a key."""
@@ -2153,6 +2172,13 @@ class Ledger:
             raise AssertionError(f"walletsvc's ledger audit found {len(violations)} violation(s):\n{shown}")
 
     # Row access ##############################################################
+
+    def _workspace_rows(self, table: str, workspace_id: str, condition: str = "1") -> list[sqlite3.Row]:
+        """The rows of ``table`` a workspace holds (which must exist), oldest first."""
+        with self.db.connection() as conn:
+            self._workspace(conn, workspace_id)
+            return conn.execute(f"SELECT * FROM {table} WHERE workspace_id = ? AND {condition}"
+                                " ORDER BY created_at, id", (workspace_id,)).fetchall()
 
     @staticmethod
     def _workspace(conn: sqlite3.Connection, workspace_id: str) -> sqlite3.Row:
@@ -4502,14 +4528,12 @@ class WalletApi:
         return self.svc.get_wallet(wallet_id, workspace_id=call.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/balance", "Get a wallet balance", scope="wallet:read",
-              response="Balance",
-              errors=(WalletNotFound,))
+              response="Balance", errors=(WalletNotFound,))
     def get_balance(self, call: Call, wallet_id: str) -> dict:
         return self.svc.get_balance(wallet_id, workspace_id=call.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/flows", "List a wallet's flows", scope="wallet:read",
-              response="FlowPage", query=_FLOW_FILTERS,
-              errors=(WalletNotFound,))
+              response="FlowPage", query=_FLOW_FILTERS, errors=(WalletNotFound,))
     def list_flows(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_flows(wallet_id, call.query, workspace_id=call.principal.workspace_id)
 
@@ -4526,8 +4550,7 @@ class WalletApi:
         return self.svc.list_transfers(call.principal.workspace_id, call.query, wallet_id=wallet_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/<biz_id>", "Get a transfer order", scope="transfer:read",
-              response="TransferOrder",
-              errors=(TransferNotFound,))
+              response="TransferOrder", errors=(TransferNotFound,))
     def get_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.get_transfer(call.principal.workspace_id, biz_id)
 
@@ -4634,8 +4657,7 @@ class AdminApi:
         return self.svc.get_workspace(workspace_id)
 
     @endpoint("DELETE", "/_admin/workspaces/<workspace_id>", "Delete a workspace (its keys answer GA2032)",
-              response=None,
-              errors=(WorkspaceNotFound,))
+              response=None, errors=(WorkspaceNotFound,))
     def delete_workspace(self, call: Call, workspace_id: str) -> None:
         self.svc.delete_workspace(workspace_id)
 
@@ -4645,14 +4667,12 @@ class AdminApi:
         return self.svc.list_members(workspace_id)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/members", "Add a member", request="NameBody",
-              response="Member",
-              errors=(WorkspaceNotFound,))
+              response="Member", errors=(WorkspaceNotFound,))
     def add_member(self, call: Call, workspace_id: str) -> dict:
         return self.svc.add_member(workspace_id, call.json()["name"])
 
     @endpoint("DELETE", "/_admin/workspaces/<workspace_id>/members/<member_id>",
-              "Remove a member (its keys answer GA2034)", response=None,
-              errors=(WorkspaceNotFound, NotFound))
+              "Remove a member (its keys answer GA2034)", response=None, errors=(WorkspaceNotFound, NotFound))
     def remove_member(self, call: Call, workspace_id: str, member_id: str) -> None:
         self.svc.remove_member(workspace_id, member_id)
 
@@ -4663,8 +4683,7 @@ class AdminApi:
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/keys",
               "Create an API key (the secret is returned once)",
-              request="NewKeyBody", response="ApiKey",
-              errors=(WorkspaceNotFound, NotFound))
+              request="NewKeyBody", response="ApiKey", errors=(WorkspaceNotFound, NotFound))
     def create_api_key(self, call: Call, workspace_id: str) -> dict:
         body = call.json()
         return self.svc.create_api_key(workspace_id, body.get("scopes", SCOPES),
@@ -4681,8 +4700,7 @@ class AdminApi:
         return self.svc.set_api_key_enabled(api_key, False)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/wallets", "List a workspace's wallets",
-              response="WalletPage", query=_WALLET_FILTERS,
-              errors=(WorkspaceNotFound,))
+              response="WalletPage", query=_WALLET_FILTERS, errors=(WorkspaceNotFound,))
     def list_wallets(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_wallets(workspace_id, call.query)
@@ -4706,53 +4724,45 @@ class AdminApi:
         return self.svc.get_balance(wallet_id)
 
     @endpoint("GET", "/_admin/wallets/<wallet_id>/flows", "List a wallet's flows", response="FlowPage",
-              query=_FLOW_FILTERS,
-              errors=(WalletNotFound,))
+              query=_FLOW_FILTERS, errors=(WalletNotFound,))
     def list_flows(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_flows(wallet_id, call.query)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/balances",
               "List a workspace's wallets as balances (the same pages, filters and sorts as its wallets)",
-              response="BalancePage", query=_WALLET_FILTERS,
-              errors=(WorkspaceNotFound,))
+              response="BalancePage", query=_WALLET_FILTERS, errors=(WorkspaceNotFound,))
     def list_balances(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_wallets(workspace_id, call.query, balances=True)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/transfers", "List a workspace's transfer orders",
-              response="TransferOrderPage", query=_TRANSFER_FILTERS,
-              errors=(WorkspaceNotFound,))
+              response="TransferOrderPage", query=_TRANSFER_FILTERS, errors=(WorkspaceNotFound,))
     def list_transfers(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_transfers(workspace_id, call.query)
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/status", "Freeze, unfreeze or close a wallet",
-              request="StatusBody", response="Wallet",
-              errors=(WalletNotFound,))
+              request="StatusBody", response="Wallet", errors=(WalletNotFound,))
     def set_wallet_status(self, call: Call, wallet_id: str) -> dict:
         return self.svc.set_wallet_status(wallet_id, call.json()["status"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/deposit", "Deposit money from outside",
-              request="AmountBody", response="Flow",
-              errors=(WalletNotFound, WalletNotActive))
+              request="AmountBody", response="Flow", errors=(WalletNotFound, WalletNotActive))
     def deposit(self, call: Call, wallet_id: str) -> dict:
         return self.svc.deposit(wallet_id, call.json()["amount"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/withdraw", "Withdraw money", request="AmountBody",
-              response="Flow",
-              errors=(WalletNotFound, WalletNotActive, InsufficientBalance))
+              response="Flow", errors=(WalletNotFound, WalletNotActive, InsufficientBalance))
     def withdraw(self, call: Call, wallet_id: str) -> dict:
         return self.svc.withdraw(wallet_id, call.json()["amount"])
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/complete", "Complete a PENDING order",
-              request="DecisionBody", response="TransferOrder",
-              errors=(TransferNotFound,))
+              request="DecisionBody", response="TransferOrder", errors=(TransferNotFound,))
     def complete_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.complete_transfer(biz_id, workspace_id=call.json().get("workspaceId"))
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/fail", "Fail a PENDING order", request="DecisionBody",
-              response="TransferOrder",
-              errors=(TransferNotFound,))
+              response="TransferOrder", errors=(TransferNotFound,))
     def fail_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.fail_transfer(biz_id, workspace_id=call.json().get("workspaceId"))
 
@@ -6248,12 +6258,15 @@ setInterval(async () => {  // every view is live: the journal within a second of
 refresh();
 """.replace("__FAULT_ACTIONS__", json.dumps(list(FaultAction)))
 
-_CONSOLE_PAGE = """<!doctype html>
+# The start of both pages, up to what each adds to its head.
+_PAGE_HEAD = """<!doctype html>
 <html lang="en">
 <head>
 <meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<meta name="csrf" content="__CSRF__">
+"""
+
+_CONSOLE_PAGE = _PAGE_HEAD + """<meta name="csrf" content="__CSRF__">
 <link rel="icon" href="data:,">
 <title>walletsvc console</title>
 <style>""" + _CONSOLE_STYLE + """</style>
@@ -6307,12 +6320,7 @@ _CONSOLE_PAGE = """<!doctype html>
 </html>
 """
 
-_CONSOLE_LOGIN = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<link rel="icon" href="data:,">
+_CONSOLE_LOGIN = _PAGE_HEAD + """<link rel="icon" href="data:,">
 <title>walletsvc console: log in</title>
 <style>""" + _CONSOLE_STYLE + """</style>
 </head>
