@@ -3491,7 +3491,7 @@ class Endpoint:
     answers: tuple = ()  # (status, description) of answers other than 200 and the error envelope
     errors: tuple = ()  # the WalletErrors its handler answers besides every operation's (errors_answered)
 
-    @property
+    @functools.cached_property
     def surface(self) -> Surface:
         if re.match(r"/api(/|<|$)", self.path):
             return Surface.API
@@ -3742,9 +3742,23 @@ def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
     return False
 
 
-def _stamp(timestamp: str) -> int:
-    """X-Timestamp as epoch seconds, or -1 for one that is not 1-12 digits (step 4 says why)."""
-    return int(timestamp) if _TIMESTAMP.fullmatch(timestamp) else -1
+class SignedHeaders(NamedTuple):
+    """SPEC.md's four request headers as received ("" when absent), read once per request."""
+
+    api_key: str
+    timestamp: str
+    nonce: str
+    signature: str
+    stamp: int  # X-Timestamp as epoch seconds; -1 when it is not 1-12 digits (step 4 says why)
+
+    @classmethod
+    def of(cls, environ: Mapping[str, Any]) -> SignedHeaders:
+        api_key, timestamp, nonce, signature = map(environ.get, _SIGNED_KEYS, ("", "", "", ""))
+        return cls(api_key, timestamp, nonce, signature,
+                   int(timestamp) if _TIMESTAMP.fullmatch(timestamp) else -1)
+
+
+_SIGNED_KEYS = tuple(environ_key(name) for name in ("X-Api-Key", "X-Timestamp", "X-Nonce", "X-Signature"))
 
 
 class Authenticator:
@@ -3783,21 +3797,21 @@ class Authenticator:
         The nonce, checked at step 5, is left in ``call.nonce`` for the HTTP
         layer to record (``record_nonce``) in the transaction that ends the
         request: its write's, or the one that journals it."""
-        key = self.api_key(call)
+        signed = SignedHeaders.of(call.environ)
+        key = self.api_key(call, signed)
         self.key_status(key)
         self.workspace(key)
-        self.timestamp(call)
-        self.nonce(call, key)
-        self.signature(call, key)
+        self.timestamp(call, signed)
+        self.nonce(call, key, signed)
+        self.signature(call, key, signed)
         self.ip_whitelist(call, key)
         return Principal(key["id"], key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
 
-    def api_key(self, call: Call) -> sqlite3.Row:
+    def api_key(self, call: Call, signed: SignedHeaders) -> sqlite3.Row:
         """Step 1: the key, read with all that the later steps ask of the database (``_key``)."""
-        api_key = call.header("X-Api-Key")
-        if not api_key:
+        if not signed.api_key:
             raise ApiKeyMissing()
-        key = self._key(api_key, call.header("X-Nonce"), _stamp(call.header("X-Timestamp")))
+        key = self._key(signed.api_key, signed.nonce, signed.stamp)
         if key is None:
             raise ApiKeyNotFound()
         call.now = self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"])
@@ -3818,10 +3832,10 @@ class Authenticator:
         if key["member_removed"]:
             raise NotWorkspaceMember()
 
-    def timestamp(self, call: Call) -> None:
+    def timestamp(self, call: Call, signed: SignedHeaders) -> None:
         """Step 4: X-Timestamp within the window of the service clock, in whole seconds (DESIGN.md §5)."""
-        timestamp, tolerance = call.header("X-Timestamp"), self.settings.timestamp_tolerance
-        if _stamp(timestamp) < 0:
+        timestamp, tolerance = signed.timestamp, self.settings.timestamp_tolerance
+        if signed.stamp < 0:
             if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
                 raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
                               "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
@@ -3835,26 +3849,25 @@ class Authenticator:
                           f"（{iso_time(now * 1000)}），请求时间与其相差 {difference:+d} 秒。")
 
     @staticmethod
-    def nonce(call: Call, key: sqlite3.Row) -> None:
+    def nonce(call: Call, key: sqlite3.Row, signed: SignedHeaders) -> None:
         """Step 5: the nonce check. X-Nonce well formed, not recorded for this key and still
         in force, and its timestamp not forgotten (DESIGN.md §10); it is recorded only once
         the signature passed (``record_nonce``)."""
-        if not _NONCE.fullmatch(call.header("X-Nonce")):
+        if not _NONCE.fullmatch(signed.nonce):
             raise expired("X-Nonce must be 1-128 printable ASCII characters.",
                           "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
-        now_ms, stamp = int(call.now * 1000), _stamp(call.header("X-Timestamp"))
+        now_ms, stamp = int(call.now * 1000), signed.stamp
         if key["nonce_expires"] is not None and (key["nonce_expires"] > now_ms or key["nonce_ts"] == stamp):
             raise _nonce_used()
         if key["forgotten"]:
             raise _nonce_forgotten()
 
-    def signature(self, call: Call, key: sqlite3.Row) -> None:
+    def signature(self, call: Call, key: sqlite3.Row, signed: SignedHeaders) -> None:
         """Step 6: X-Signature against the canonical message the server computes; a sandbox
         with ``debug_signatures`` shows the message and the signing mistake it matches.
         Passed, the nonce is pending: it outlives the last moment this timestamp passes
         step 4, in any process's window."""
-        timestamp, nonce, provided = (call.header("X-Timestamp"), call.header("X-Nonce"),
-                                      call.header("X-Signature"))
+        timestamp, nonce, provided = signed.timestamp, signed.nonce, signed.signature
         call.canonical = message = canonical_message(call.environ["REQUEST_METHOD"], call.path, timestamp,
                                                      nonce, body_hash(call.body))
         call.verdict = "invalid"
