@@ -436,6 +436,18 @@ def _demo_of(log_path: pathlib.Path) -> tuple[str, str, dict, list[str]]:
     return key, secret, {"Authorization": f"Bearer {token}"}, wallets.split(", ")
 
 
+@contextlib.contextmanager
+def demo_process(tmp_path: pathlib.Path, name: str, *options: str):
+    """`walletsvc serve --demo` on tmp_path/NAME.db, logging to NAME.log, stopped at the end:
+    the server, and the key, secret, admin headers and wallet ids it printed."""
+    server = ServerProcess(str(tmp_path / f"{name}.db"), tmp_path / f"{name}.log", "--demo", *options)
+    server.start()
+    try:
+        yield server, _demo_of(tmp_path / f"{name}.log")
+    finally:
+        server.stop()
+
+
 @pytest.fixture
 def two_servers(tmp_path):
     """Two `walletsvc serve --demo` processes on one database file."""
@@ -5711,10 +5723,7 @@ def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tm
     """Defect: the file deleted under a running server, 20 transfers acknowledged into nothing; replaced,
     the server went on answering 200 while the file became malformed."""
     path = tmp_path / "sandbox.db"
-    server = ServerProcess(str(path), tmp_path / "sandbox.log", "--demo")
-    server.start()
-    try:
-        key, secret, admin, wallets = _demo_of(tmp_path / "sandbox.log")
+    with demo_process(tmp_path, "sandbox") as (server, (key, secret, admin, wallets)):
         swap(path)
         body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
                            "currency": "USD"}).encode()
@@ -5730,8 +5739,6 @@ def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tm
         assert requests.get(server.url + "/api/v1/wallets",
                             headers=_signed("GET", "/api/v1/wallets", key, secret),
                             timeout=10).status_code == 503  # a read records its nonce: a write too
-    finally:
-        server.stop()
     if path.exists():  # replaced: the new file is whole, and nothing was written into it
         conn = sqlite3.connect(path)
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
@@ -5746,10 +5753,7 @@ def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tm
 
 
 def test_workers_share_the_load_of_one_socket(tmp_path) -> None:
-    server = ServerProcess(str(tmp_path / "w.db"), tmp_path / "w.log", "--demo", "--workers", "2")
-    server.start()
-    try:
-        key, secret, admin, _ = _demo_of(tmp_path / "w.log")
+    with demo_process(tmp_path, "w", "--workers", "2") as (server, (key, secret, admin, _)):
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             list(pool.map(lambda _: requests.get(server.url + "/api/v1/wallets", timeout=10, headers=_signed(
                 "GET", "/api/v1/wallets", key, secret)), range(64)))
@@ -5757,8 +5761,6 @@ def test_workers_share_the_load_of_one_socket(tmp_path) -> None:
         assert len(set(re.findall(r"worker (\d+) serving", printed))) == 2
         assert requests.get(server.url + "/_admin/journal", params={"size": 1}, headers=admin,
                             timeout=10).json()["data"]["page"]["totalElements"] == 64
-    finally:
-        server.stop()
     assert server.process.returncode == 0
 
 
@@ -5767,10 +5769,7 @@ def test_workers_hold_their_own_locks_and_leave_with_their_parent(tmp_path) -> N
     outlived a killed parent; another process then deleted the WAL under them and acknowledged
     transfers were lost."""
     path = tmp_path / "locks.db"
-    server = ServerProcess(str(path), tmp_path / "locks.log", "--demo", "--workers", "2")
-    server.start()
-    try:
-        key, secret, _admin, wallets = _demo_of(tmp_path / "locks.log")
+    with demo_process(tmp_path, "locks", "--workers", "2") as (server, (key, secret, _admin, wallets)):
         body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
                            "currency": "USD"}).encode()
 
@@ -5793,8 +5792,6 @@ def test_workers_hold_their_own_locks_and_leave_with_their_parent(tmp_path) -> N
             time.sleep(0.1)
         else:
             raise AssertionError("the workers outlived their parent")
-    finally:
-        server.stop()
     conn = sqlite3.connect(path)
     assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == 80  # every acknowledged one
     conn.close()
@@ -5803,12 +5800,8 @@ def test_workers_hold_their_own_locks_and_leave_with_their_parent(tmp_path) -> N
 def test_healthz_and_admin_answer_within_a_second_while_a_writer_holds_the_lock(tmp_path) -> None:
     """Review: two admin writes waiting out the 5 s busy timeout took both control threads, and /healthz
     waited behind them."""
-    path = str(tmp_path / "held.db")
-    server = ServerProcess(path, tmp_path / "held.log", "--demo")
-    server.start()
-    holder = sqlite3.connect(path, isolation_level=None)
-    try:
-        _key, _secret, admin, _ = _demo_of(tmp_path / "held.log")
+    with (demo_process(tmp_path, "held") as (server, (_key, _secret, admin, _)),
+          contextlib.closing(sqlite3.connect(tmp_path / "held.db", isolation_level=None)) as holder):
         holder.execute("BEGIN IMMEDIATE")
         with concurrent.futures.ThreadPoolExecutor(3) as pool:
             started = time.monotonic()
@@ -5821,17 +5814,11 @@ def test_healthz_and_admin_answer_within_a_second_while_a_writer_holds_the_lock(
                 answer = write.result()
                 assert (answer.status_code, answer.json()["code"]) == (503, "S503")
             assert time.monotonic() - started < 2.0  # S503 after about half a second, not five
-    finally:
-        holder.close()
-        server.stop()
 
 
 def test_the_control_surface_answers_while_latency_holds_every_worker(tmp_path) -> None:
     """Defect: a 10 s latency rule with 8 clients kept /healthz waiting 19 s, DELETE /_admin/faults 10 s."""
-    server = ServerProcess(str(tmp_path / "slow.db"), tmp_path / "slow.log", "--demo", "--threads", "2")
-    server.start()
-    try:
-        key, secret, admin, _ = _demo_of(tmp_path / "slow.log")
+    with demo_process(tmp_path, "slow", "--threads", "2") as (server, (key, secret, admin, _)):
         requests.post(server.url + "/_admin/faults", json={"action": "latency", "latency": 3}, headers=admin,
                       timeout=10)
         with concurrent.futures.ThreadPoolExecutor(6) as pool:
@@ -5845,8 +5832,6 @@ def test_the_control_surface_answers_while_latency_holds_every_worker(tmp_path) 
                 assert answer.status_code == 200 and time.monotonic() - started < 1.0, (
                     path, answer.status_code)
             assert all(future.result().status_code == 200 for future in held)
-    finally:
-        server.stop()
 
 
 ###############################################################################
