@@ -1538,7 +1538,8 @@ def test_readme_python_blocks_run_as_printed_against_the_demo(demo_server, secti
     if section == "A signed request":
         assert done.stdout == "3 wallets\n"
     else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 1000.00
-        reply = walletsvc.Client(server.url, env["WALLETSVC_KEY"], env["WALLETSVC_SECRET"]).list_wallets(sort=["name,asc"])
+        client = walletsvc.Client(server.url, env["WALLETSVC_KEY"], env["WALLETSVC_SECRET"])
+        reply = client.list_wallets(sort=["name,asc"])
         assert [wallet["balance"] for wallet in reply["content"]] == ["989.00", "1011.00", "100000"]
 
 
@@ -3405,7 +3406,7 @@ def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
     server, banner = _start_demo(tmp_path / "demo.db")
     try:
         base_url = re.search(r"sandbox at (\S+)", banner).group(1)
-        assert f"database : {tmp_path / 'demo.db'}" in banner  # absolute: a relative --db elsewhere is another file
+        assert f"database : {tmp_path / 'demo.db'}" in banner  # absolute: a relative --db is another file
         exports = _block(banner, "examples below read:")
         assert re.fullmatch(r"export WALLETSVC_URL=\S+ WALLETSVC_KEY=ak_demo WALLETSVC_SECRET=sk_demo"
                             r" WALLETSVC_ADMIN_TOKEN=\S+", exports)
@@ -3765,8 +3766,7 @@ def test_request_refuses_a_url_it_cannot_use_in_one_line(url: str) -> None:
 
 def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_server) -> None:
     """Defect: for a POST it printed headers only, and the README's pattern then sent a GET (GA2012)."""
-    server, env = demo_server
-    env = dict(env)  # the banner's exports
+    _server, env = demo_server  # (env: the banner's exports)
     listed = json.loads(subprocess.run(
         ["bash", "-c", 'eval "$(walletsvc sign GET /api/v1/wallets --format curl)"'],
         capture_output=True, text=True, env=env, timeout=60, check=True).stdout)
@@ -3782,8 +3782,7 @@ def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_serv
 
 def test_sign_curl_sends_a_body_that_starts_with_at_as_written(demo_server) -> None:
     """Review: with --data-binary, a body starting with @ made curl send a file instead."""
-    server, env = demo_server
-    env = dict(env)  # the banner's exports
+    _server, env = demo_server  # (env: the banner's exports)
     command = ('eval "$(walletsvc sign POST /api/v1/transfer/command/create --data @/etc/hostname '
                '--format curl)"')
     answer = json.loads(subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env,
@@ -5295,7 +5294,8 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     signature = base64.b64encode(hmac.new(env["WALLETSVC_SECRET"].encode(), wrong.encode(),
                                           hashlib.sha256).digest()).decode()
     refused = requests.get(server.url + "/api/v1/wallets?size=5", timeout=10, headers={
-        "X-Api-Key": env["WALLETSVC_KEY"], "X-Timestamp": timestamp, "X-Nonce": nonce, "X-Signature": signature})
+        "X-Api-Key": env["WALLETSVC_KEY"], "X-Timestamp": timestamp, "X-Nonce": nonce,
+        "X-Signature": signature})
     assert refused.json()["code"] == "GA2012"
     view("Journal")
     row = until(browser, lambda: [row for row in browser.find_elements(By.CSS_SELECTOR,

@@ -3853,13 +3853,13 @@ class Authenticator:
                        f"（{iso_time(now * 1000)}），请求时间与其相差 {difference:+d} 秒。")
             if key["clock_frozen_at"] is not None or key["clock_offset"]:
                 frozen = key["clock_frozen_at"] is not None
-                english += (f" The sandbox clock is {'frozen' if frozen else 'moved'}: sign with its time (this"
-                            " answer's timestamp, in ms, over 1000), as walletsvc request and walletsvc.Client"
-                            " do" + (", or unfreeze it (POST /_admin/clock {\"freeze\": false})." if frozen
-                                     else "."))
-                chinese += (f"沙箱时钟已{'冻结' if frozen else '调整'}：请以沙箱时间签名（本响应的 timestamp"
-                            " 毫秒值除以 1000），walletsvc request 与 walletsvc.Client 即如此"
-                            + ("；或解冻时钟（POST /_admin/clock {\"freeze\": false}）。" if frozen else "。"))
+                english += (f" The sandbox clock is {'frozen' if frozen else 'moved'}: sign with its time"
+                            " (this answer's timestamp, in ms, over 1000), as walletsvc request and"
+                            " walletsvc.Client do")
+                english += ", or unfreeze it (POST /_admin/clock {\"freeze\": false})." if frozen else "."
+                chinese += (f"沙箱时钟已{'冻结' if frozen else '调整'}：请以沙箱时间签名（本响应的"
+                            " timestamp 毫秒值除以 1000），walletsvc request 与 walletsvc.Client 即如此")
+                chinese += "；或解冻时钟（POST /_admin/clock {\"freeze\": false}）。" if frozen else "。"
             raise expired(english, chinese)
 
     @staticmethod
