@@ -7,7 +7,7 @@ CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
 );
 INSERT INTO schema_version (version)
-    SELECT 3 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
+    SELECT 4 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
 
 -- The ledger's clock (DESIGN.md §7): the time of the last write transaction,
 -- so that times never go backwards within a database (a write waiting for the
@@ -55,33 +55,24 @@ CREATE TABLE IF NOT EXISTS api_keys (
 );
 CREATE INDEX IF NOT EXISTS api_keys_by_workspace ON api_keys (workspace_id, created_at);
 
--- Nonces are unique per key and recorded only after the signature passed;
--- a row outlives every timestamp that could carry its nonce, then is purged.
--- ts is the request's X-Timestamp (epoch seconds; added in version 3).
-CREATE TABLE IF NOT EXISTS nonces (
-    api_key     TEXT NOT NULL,
-    nonce       TEXT NOT NULL,
-    expires_at  INTEGER NOT NULL,
-    ts          INTEGER NOT NULL,
-    PRIMARY KEY (api_key, nonce)
-) WITHOUT ROWID;
-CREATE INDEX IF NOT EXISTS nonces_by_expiry ON nonces (expires_at);
-
--- Spans of X-Timestamps (epoch seconds) whose nonce records were purged
--- (DESIGN.md §10): a request timestamped inside one is refused, since it may be
--- a replay of a forgotten request. Few rows: neighbouring spans are merged.
--- (Added in schema version 3.)
-CREATE TABLE IF NOT EXISTS nonce_spans (
-    lo  INTEGER NOT NULL,
-    hi  INTEGER NOT NULL,
-    CHECK (lo <= hi)
+-- Replay protection (README, "Replay protection"): every nonce recorded, per key, with the
+-- second it was signed in (its X-Timestamp), in the order recorded (seq). Records are kept
+-- exactly, whatever the clock does, up to a count (the newest 100,000 by default); past it
+-- the oldest are forgotten, and each forgotten record's key and second go to
+-- nonces_forgotten: a request of that key signed in that second may be a replay and is
+-- refused. api_key '*' stands for every key (spans kept by schema version 3). (Version 4.)
+CREATE TABLE IF NOT EXISTS nonce_records (
+    seq      INTEGER PRIMARY KEY,
+    api_key  TEXT NOT NULL,
+    nonce    TEXT NOT NULL,
+    ts       INTEGER NOT NULL,
+    UNIQUE (api_key, nonce)
 );
-
--- A record taken over by a new request with the same nonce (the old one had
--- expired) leaves its expiry behind as a span, like a purged one.
-CREATE TRIGGER IF NOT EXISTS nonce_taken_over AFTER UPDATE OF expires_at ON nonces BEGIN
-    INSERT INTO nonce_spans (lo, hi) VALUES (OLD.ts, OLD.ts);
-END;
+CREATE TABLE IF NOT EXISTS nonces_forgotten (
+    api_key  TEXT NOT NULL,
+    ts       INTEGER NOT NULL,
+    PRIMARY KEY (api_key, ts)
+) WITHOUT ROWID;
 
 -- What controls the sandbox (DESIGN.md §9), shared by every process on this
 -- file: the clock (frozen at an epoch second, or real time plus an offset),
@@ -98,8 +89,7 @@ CREATE TABLE IF NOT EXISTS sandbox (
     fault_next       INTEGER NOT NULL,
     has_start        INTEGER NOT NULL,
     journal_floor    INTEGER NOT NULL,
-    nonce_tolerance  INTEGER NOT NULL  -- the widest timestamp window any process has used: nonce records
-                                       -- last for it, so that no process's window outlives a record
+    nonce_tolerance  INTEGER NOT NULL  -- unused since version 4 (nonce records no longer expire)
 );
 INSERT INTO sandbox (clock_frozen_at, clock_offset, id_seed, id_drawn, fault_rules, fault_version,
                      fault_next, has_start, journal_floor, nonce_tolerance)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import functools
 import hashlib
 import hmac
 import io
@@ -1399,7 +1400,7 @@ def test_file_database_uses_wal_and_a_schema_version(tmp_path) -> None:
     with second.db.connection() as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
-        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(3,)]
+        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(4,)]
 
 
 def test_schema_sql_applies_idempotently(tmp_path) -> None:
@@ -2557,26 +2558,46 @@ def test_bad_signature_does_not_burn_the_nonce(api: Api) -> None:
     data(api.get("/api/v1/wallets", **{"X-Nonce": "n-1"}))
 
 
-def test_nonce_records_expire_and_are_purged(svc, api: Api, clock: Clock) -> None:
-    for _ in range(5):
-        data(api.get("/api/v1/wallets"))
-    headers = api.headers("GET", "/api/v1/wallets", **{"X-Nonce": "again"})
-    data(api.request("GET", "/api/v1/wallets", headers=headers))
-    clock.advance(121)  # past twice the window
-    data(api.get("/api/v1/wallets", **{"X-Nonce": "again"}))  # an expired record is reusable
+def test_a_recorded_nonce_is_refused_whatever_the_clock_does(svc, api: Api, clock: Clock) -> None:
+    """DESIGN.md §5, §10: records are kept exactly, not by the clock: a nonce used once is refused for
+    its key a day later, after the clock went back, and signed at another time."""
+    data(api.get("/api/v1/wallets", **{"X-Nonce": "once"}))
+    for move in (86400, -2 * 86400, 121):
+        clock.advance(move)
+        error(api.get("/api/v1/wallets", **{"X-Nonce": "once"}), "GA2013", 401)
+    other = svc.create_api_key(api.key["workspaceId"])
+    headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", other["apiKey"], other["secret"],
+                                     timestamp=int(clock()), nonce="once")
+    data(api.request("GET", "/api/v1/wallets", headers=headers))  # unique per key: another key may use it
+
+
+def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_path, clock) -> None:
+    """DESIGN.md §10: the records stay bounded by a count (here the least, 1000); past it the oldest are
+    forgotten, and a forgotten second refuses only requests signed in that second for that key."""
+    svc = walletsvc.WalletService(str(tmp_path / "bounded.db"), clock=clock)
+    world_ = make_world(svc)
+    app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
+    key, other = world_["key"], svc.create_api_key(world_["ws"]["id"])
+    first = int(clock())
+    sign = functools.partial(walletsvc.sign_request, "GET", "/api/v1/wallets", b"")
+    for n in range(1400):
+        if n == 700:
+            clock.advance(5)  # the oldest 700 were signed in the first second, the rest five seconds later
+        assert app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"],
+                                                       timestamp=int(clock()))).json["success"]
     with svc.db.connection() as conn:
-        assert conn.execute("SELECT count(*) FROM nonces").fetchone()[0] == 1
-
-
-def test_nonce_table_stays_bounded_over_many_windows(svc, api: Api, clock: Clock) -> None:
-    sizes = []
-    for _ in range(12):
-        for _ in range(20):
-            data(api.get("/api/v1/wallets"))
-        clock.advance(30)
-        with svc.db.connection() as conn:
-            sizes.append(conn.execute("SELECT count(*) FROM nonces").fetchone()[0])
-    assert max(sizes) <= 20 * 6  # requests of at most 2 windows plus one purge interval
+        kept = conn.execute("SELECT count(*) FROM nonce_records").fetchone()[0]
+    assert 1000 <= kept < 1000 + 256
+    clock.now = first
+    refused = app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"], timestamp=first),
+                      expect_errors=True)
+    assert "forgotten" in error(refused, "GA2013", 401)["detail"]
+    assert app.get("/api/v1/wallets", headers=sign(other["apiKey"], other["secret"],
+                                                   timestamp=first)).json["success"]  # another key: no
+    for second in (first - 1, first + 1, first + 5):  # the seconds around it: nothing was forgotten there
+        clock.now = second
+        assert app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"],
+                                                       timestamp=second)).json["success"]
 
 
 def test_time_is_compared_in_whole_seconds(svc, api: Api, clock: Clock) -> None:
@@ -2595,13 +2616,6 @@ def test_no_replay_at_any_edge_of_the_window(svc, api: Api, clock: Clock, later:
     data(api.request("GET", "/api/v1/wallets", headers=headers))
     clock.now = NOW + later
     error(api.request("GET", "/api/v1/wallets", headers=headers), "GA2013", 401)
-
-
-def test_a_nonce_is_usable_again_once_its_timestamp_is_stale(svc, api: Api, clock: Clock) -> None:
-    first = api.headers("GET", "/api/v1/wallets", **{"X-Nonce": "reused"})
-    data(api.request("GET", "/api/v1/wallets", headers=first))
-    clock.now = NOW + 121
-    data(api.get("/api/v1/wallets", **{"X-Nonce": "reused"}))  # a new timestamp, a new signature
 
 
 ###############################################################################
@@ -3068,7 +3082,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path) -> None:
     assert upgraded.get_workspace(ws)["name"] == "old"
     assert upgraded.create_workspace("new")["name"] == "new"
     with upgraded.db.connection() as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 3
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 4
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -5247,9 +5261,9 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     from selenium.webdriver.common.by import By
 
     server, env = demo_server
-    assert f"console     : {server.url}/_admin/console" in server.log_path.read_text()
+    assert f"console  : {server.url}/_admin/console" in server.log_path.read_text()
     auth = walletsvc.HmacAuth(env["WALLETSVC_KEY"], env["WALLETSVC_SECRET"])
-    admin = {"Authorization": f"Bearer {env['TOKEN']}"}
+    admin = {"Authorization": f"Bearer {env['WALLETSVC_ADMIN_TOKEN']}"}
     shots = pathlib.Path(os.environ.get("WALLETSVC_SCREENSHOTS") or tmp_path)
 
     def wallets() -> dict:
@@ -5387,9 +5401,8 @@ def test_console_completes_a_pending_transfer_in_a_real_browser(browser, tmp_pat
                            "settlement=manual")
     server.start()
     try:
-        printed = server.log_path.read_text()
-        key, secret, token = (re.search(rf"{label}\s*: (\S+)", printed).group(1)
-                              for label in ("API key", "secret", "admin token"))
+        key, secret, admin, _wallets = _demo_of(server.log_path)
+        token = admin["Authorization"].removeprefix("Bearer ")
         client = walletsvc.Client(server.url, key, secret)
         ids = {wallet["name"]: wallet["id"] for wallet in client.list_wallets()["content"]}
         assert client.create_transfer(ids["alice"], ids["bob"], "10.00", "USD",
@@ -5434,56 +5447,61 @@ def test_readme_shows_the_console_screenshots() -> None:
 ###############################################################################
 
 
+def _trace_writers(svc: walletsvc.WalletService) -> dict[bool, list[str]]:
+    """The statements each write connection runs from now on, by durability (the one that syncs,
+    True, and the one that does not, False), each cut at its first parenthesis."""
+    statements: dict[bool, list[str]] = {True: [], False: []}
+    for durable in (True, False):
+        svc.db.run(lambda conn, durable=durable: conn.set_trace_callback(
+            lambda sql: statements[durable].append(sql.split(" (")[0])), durable=durable)
+        statements[durable].clear()
+    return statements
+
+
 @pytest.fixture
 def traced(tmp_path, clock):
-    """A file-backed service at default durability, its app, and the SQL its thread runs."""
+    """A file-backed service at default durability, its app, and the SQL its write connections run."""
     svc = walletsvc.WalletService(str(tmp_path / "durable.db"), clock=clock)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
-    statements: list[str] = []
-    with svc.db.connection() as conn:
-        conn.set_trace_callback(statements.append)
-    yield svc, api, world_, statements
+    yield svc, api, world_, _trace_writers(svc)
     svc.close()
 
 
 def test_a_read_records_its_nonce_without_waiting_for_a_disk_sync(traced) -> None:
+    """DESIGN.md §10: a read's one write is its nonce record, on the connection that does not sync."""
     _svc, api, world_, statements = traced
     data(api.get(f"/api/v1/wallets/{world_['a']}"))
-    writes = [s for s in statements if not s.startswith("SELECT")]
-    assert writes[0] == "PRAGMA synchronous = NORMAL" and writes[1].startswith("INSERT INTO nonces")
-    assert writes[-1] == "PRAGMA synchronous = FULL"  # and back to the configured durability
+    assert statements[True] == []
+    assert statements[False] == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records",
+                                 "RELEASE unit", "COMMIT"]  # no PRAGMA switched around it
 
 
 def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) -> None:
+    """DESIGN.md §7, §10: a transfer's nonce and ledger rows are one unit, committed once, durably."""
     _svc, api, world_, statements = traced
     data(api.transfer(transfer_body(world_)))
-    writes = [s for s in statements if not s.startswith("SELECT")]
-    assert writes[0] == "BEGIN IMMEDIATE" and writes[1].startswith("INSERT INTO nonces")
-    assert writes.count("COMMIT") == 1 and writes[-1] == "COMMIT"
-    assert not [s for s in writes if s.startswith("PRAGMA synchronous")]  # committed at FULL
+    writes = statements[True]
+    assert writes[:3] == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records"]
+    assert "INSERT INTO transfers" in writes and writes.count("COMMIT") == 1 and writes[-1] == "COMMIT"
+    assert statements[False] == [] and not [s for s in writes if s.startswith("PRAGMA")]
 
 
-def test_with_a_journal_a_read_records_nonce_and_entry_in_one_commit_without_a_disk_sync(tmp_path,
-                                                                                         clock) -> None:
+def test_with_a_journal_a_request_writes_once_nonce_entry_and_ledger_together(tmp_path, clock) -> None:
+    """DESIGN.md §10: a request writes at most once, at its end: a read its nonce and journal entry
+    (without a disk sync), a transfer those and its ledger rows (with one)."""
     svc = walletsvc.WalletService(str(tmp_path / "journaled.db"), clock=clock, journal_size=10)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
-    statements: list[str] = []
-    with svc.db.connection() as conn:
-        conn.set_trace_callback(statements.append)
+    statements = _trace_writers(svc)
     data(api.get(f"/api/v1/wallets/{world_['a']}"))
+    assert statements[False] == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records",
+                                 "INSERT INTO journal", "RELEASE unit", "COMMIT"]
     data(api.transfer(transfer_body(world_)))
-    writes = [s.split(" (")[0] for s in statements if not s.startswith("SELECT")]
-    read, transfer = writes[:writes.index("PRAGMA synchronous = FULL") + 1], writes[len(writes[:writes.index(
-        "PRAGMA synchronous = FULL") + 1]):]
-    assert read == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE", "INSERT INTO nonces",
-                    "INSERT INTO journal", "COMMIT", "PRAGMA synchronous = FULL"]
-    money = transfer[:transfer.index("COMMIT") + 1]  # the transfer and its nonce: one commit at FULL
-    assert money[:2] == ["BEGIN IMMEDIATE", "INSERT INTO nonces"] and "INSERT INTO transfers" in money
-    assert "PRAGMA synchronous = NORMAL" not in money
-    assert transfer[len(money):] == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE", "INSERT INTO journal",
-                                     "COMMIT", "PRAGMA synchronous = FULL"]  # then its entry, without a sync
+    money = statements[True]
+    assert money[:3] == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records"]
+    assert money.index("INSERT INTO transfers") < money.index("INSERT INTO journal") < money.index("COMMIT")
+    assert money.count("COMMIT") == 1 and len(statements[False]) == 6  # the read's, nothing more
     svc.close()
 
 
@@ -5636,16 +5654,21 @@ def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
     assert balances(svc, source, target) == ["999.00", "1.00"]
 
 
+def _on_every_writer(svc: walletsvc.WalletService, pragma: str) -> None:
+    """A pragma on each connection the service writes through: the one that syncs (money) and
+    the one that does not (nonce records and journal entries of reads)."""
+    for durable in (True, False):
+        svc.db.run(lambda conn: conn.execute(pragma), durable=durable)
+
+
 def test_read_only_storage_answers_s503_and_applies_nothing(tmp_path, clock) -> None:
     svc, api, source, target = _storage_world(tmp_path, clock)
     body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
             "bizId": "ro-1"}
-    with svc.db.connection() as conn:  # the connection this thread's requests use
-        conn.execute("PRAGMA query_only = ON")  # every write fails as on a read-only file
+    _on_every_writer(svc, "PRAGMA query_only = ON")  # every write fails as on a read-only file
     error(api.transfer(body), "S503", 503)
     error(api.get(f"/api/v1/wallets/{source}"), "S503", 503)  # a read must still record its nonce
-    with svc.db.connection() as conn:
-        conn.execute("PRAGMA query_only = OFF")
+    svc.db.close()  # its connections open anew, writable
     assert balances(svc, source, target) == ["1000.00", "0.00"]
     assert svc.list_transfers(api.key["workspaceId"], {})["content"] == []
     data(api.transfer(body))
@@ -5657,7 +5680,7 @@ def test_full_disk_answers_s503_and_never_half_applies(tmp_path, clock) -> None:
     with svc.db.connection() as conn:
         conn.execute("VACUUM")
         pages = conn.execute("PRAGMA page_count").fetchone()[0]
-        conn.execute(f"PRAGMA max_page_count = {pages}")  # the disk is full at the current size
+    _on_every_writer(svc, f"PRAGMA max_page_count = {pages}")  # the disk is full at the current size
     done = 0
     for n in range(500):
         body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
@@ -5672,8 +5695,7 @@ def test_full_disk_answers_s503_and_never_half_applies(tmp_path, clock) -> None:
     assert balances(svc, source, target) == [usd(100000 - 100 * done),
                                              usd(100 * done)]
     ledger_invariants(svc.db.path)
-    with svc.db.connection() as conn:
-        conn.execute("PRAGMA max_page_count = 1073741823")
+    _on_every_writer(svc, "PRAGMA max_page_count = 1073741823")
     data(api.transfer(body))  # the same bizId, retried once there is room: applied once
     assert balances(svc, source, target)[1] == usd(100 * (done + 1))
     ledger_invariants(svc.db.path)
@@ -5943,43 +5965,72 @@ def test_a_captured_transfer_is_refused_after_the_clock_moves_forward_and_back(w
     assert fresh.json["success"] is True  # a timestamp the purge did not cover passes
 
 
-def test_a_far_jump_back_refuses_only_timestamps_whose_records_were_forgotten(walletsvc_sandbox) -> None:
-    """README: moving the clock back to a span of time whose nonce records were purged refuses requests
-    signed inside that span (GA2013 that says so); every other time works."""
+def test_no_fresh_request_is_refused_after_the_clock_moves_and_returns(walletsvc_sandbox) -> None:
+    """The attack's reproduction (DESIGN.md §10): sign at real time T; freeze at T+59 and sign; advance
+    an hour and sign; return to real time. Every fresh request was then refused GA2013 for 60 s."""
     sandbox = walletsvc_sandbox
     app = webtest.TestApp(sandbox.app)
     key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
-    app.post_json("/_admin/clock", {"freeze": True, "at": NOW}, headers=ADMIN)
-    for second in range(0, 40, 10):
-        app.post_json("/_admin/clock", {"at": NOW + second}, headers=ADMIN)
-        app.get("/api/v1/wallets",
-                headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=NOW + second))
-    app.post_json("/_admin/clock", {"at": NOW + 86400}, headers=ADMIN)  # a day later: the records are purged
-    app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=NOW + 86400))
-    app.post_json("/_admin/clock", {"at": NOW + 20}, headers=ADMIN)
-    refused = app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
-                                                         timestamp=NOW + 20), expect_errors=True)
-    assert "forgotten" in error(refused, "GA2013", 401)["detail"]
-    app.post_json("/_admin/clock", {"at": NOW - 3600}, headers=ADMIN)  # an hour before anything was signed
-    assert app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret,
-                                                      timestamp=NOW - 3600)).json["success"] is True
+    captured = []
 
+    def fresh(at: int) -> None:
+        headers = _signed("GET", "/api/v1/wallets", key, secret, timestamp=at)
+        assert app.get("/api/v1/wallets", headers=headers).json["success"] is True
+        captured.append(headers)
 
-def test_the_nonce_table_stays_bounded_whatever_the_clock_does(walletsvc_sandbox) -> None:
-    sandbox = walletsvc_sandbox
-    app = webtest.TestApp(sandbox.app)
-    key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
-    sizes = []
-    for jump in range(60):  # forward a day, back a year, forward again: 60 regions of time
-        at = NOW + (jump % 3 - 1) * 86400 * 365 + jump * 86400
+    real = int(time.time())
+    fresh(real)
+    app.post_json("/_admin/clock", {"freeze": True, "at": real + 59}, headers=ADMIN)
+    fresh(real + 59)
+    app.post_json("/_admin/clock", {"advance": 3600}, headers=ADMIN)
+    fresh(real + 59 + 3600)
+    app.post_json("/_admin/clock", {"freeze": False, "at": time.time()}, headers=ADMIN)  # back to real time
+    app.post_json("/_admin/clock", {"advance": -_clock_offset(app)}, headers=ADMIN)
+    for _ in range(20):
+        fresh(int(json.loads(app.get("/_admin/clock", headers=ADMIN).body)["data"]["epochMillis"] // 1000))
+    for headers in captured[:-20]:  # and no captured request passes again, whatever the clock shows
+        at = int(headers["X-Timestamp"])
         app.post_json("/_admin/clock", {"freeze": True, "at": at}, headers=ADMIN)
-        for _ in range(10):
-            app.get("/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=at))
-        with sandbox.service.db.connection() as conn:
-            sizes.append([conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0]
-                          for table in ("nonces", "nonce_spans")])
-    assert max(nonces for nonces, _ in sizes) <= 20  # this window's, and at most one more region's
-    assert max(spans for _, spans in sizes) <= 32
+        assert app.get("/api/v1/wallets", headers=headers, expect_errors=True).json["code"] == "GA2013"
+
+
+def _clock_offset(app: webtest.TestApp, admin: dict = ADMIN) -> float:
+    """How far the sandbox clock is from real time, in seconds."""
+    return json.loads(app.get("/_admin/clock", headers=admin).body)["data"]["epochMillis"] / 1000 - time.time()
+
+
+def test_random_clock_moves_across_two_services_refuse_no_fresh_request_and_every_replay(tmp_path) -> None:
+    """DESIGN.md §10, 200 random freeze / advance / set / return moves through two services on one file
+    (every process's state is the file's): each fresh request signed at the sandbox's time passes, and
+    every request captured before is refused after every move."""
+    import random
+
+    path = str(tmp_path / "moves.db")
+    services = [walletsvc.WalletService(path, clock=walletsvc.Clock()) for _ in range(2)]
+    key = walletsvc.start_world(services[0], walletsvc.DEMO_SCENARIO)[0]["keys"][0]
+    apps = [webtest.TestApp(walletsvc.create_app(svc, admin_token="t")) for svc in services]
+    admin = {"Authorization": "Bearer t"}
+    rng, captured, real = random.Random(28), [], int(time.time())
+    for move in range(200):
+        app = apps[move % 2]
+        kind = rng.choice(["freeze", "advance", "set", "return"])
+        body = {"freeze": {"freeze": True, "at": real + rng.randint(-86400, 86400)},
+                "advance": {"advance": rng.choice([-3600, -61, -1, 1, 59, 3600])},
+                "set": {"at": real + rng.randint(-120, 120)},
+                "return": {"freeze": False}}[kind]
+        app.post_json("/_admin/clock", body, headers=admin)
+        if kind == "return":
+            app.post_json("/_admin/clock", {"advance": -_clock_offset(app, admin)}, headers=admin)
+        now = json.loads(app.get("/_admin/clock", headers=admin).body)["data"]["epochMillis"] // 1000
+        headers = _signed("GET", "/api/v1/wallets", key["apiKey"], key["secret"], timestamp=now)
+        answer = apps[(move + 1) % 2].get("/api/v1/wallets", headers=headers, expect_errors=True).json
+        assert answer["success"] is True, (move, kind, answer)
+        for old in captured[-30:] + [headers]:  # (the newest 30 each move: every one is replayed often)
+            replayed = apps[move % 2].get("/api/v1/wallets", headers=old, expect_errors=True)
+            assert replayed.json["code"] == "GA2013", (move, kind)
+        captured.append(headers)
+    for svc in services:
+        svc.close()
 
 
 def test_a_transfer_captured_on_one_server_never_replays_on_the_other(two_servers) -> None:

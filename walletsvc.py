@@ -8,36 +8,37 @@ the console's page, kept last as bottle keeps its template, which handlers read 
      2. Errors - the catalog: one class per code, bilingual messages
      3. Settings - every setting, its converter, default and layer
      4. Money - currencies, amounts as integer minor units
-     5. Storage - SQLite: schema, connections, transactions
+     5. Storage - SQLite: schema, connections, the write queue
      6. Signing - the canonical message, HMAC, signing mistakes
+     7. Replay protection - the nonce records: checked, recorded, forgotten past a count
   Service
-     7. Pagination - page and size, filters, how a page query is built
-     8. Resources - rows as the API's JSON
-     9. The ledger's invariants - the audits, as SQL
-    10. Wallets and transfers - the Ledger: workspaces, keys, wallets, orders
+     8. Pagination - page and size, filters, how a page query is built
+     9. Resources - rows as the API's JSON
+    10. The ledger's invariants - the audits, as SQL
+    11. Wallets and transfers - the Ledger: workspaces, keys, wallets, orders
   The sandbox's state (in the database, shared by every process)
-    11. The sandbox's clock - frozen, set, advanced; admin times
-    12. Request journal - what the journal keeps, and its assertions
-    13. Fault rules - forced errors, latency, commit then fail or drop
-    14. Scenarios and the starting state - WalletService, worlds, reset
+    12. The sandbox's clock - frozen, set, advanced; admin times
+    13. Request journal - what the journal keeps, and its assertions
+    14. Fault rules - forced errors, latency, commit then fail or drop
+    15. Scenarios and the starting state - WalletService, worlds, reset
   HTTP
-    15. HTTP schemas - the JSON shapes, and the request body check
-    16. Declared endpoints and the envelope - ``@endpoint``, the envelope
-    17. The per-request record - Principal, Call
-    18. The authentication pipeline - SPEC.md's steps 1-7, the nonce check
-    19. The console's session - how the console logs in
-    20. The one request path - HttpApi: body, pipeline, faults, render, journal, log
-    21. OpenAPI document - /openapi.json, from the declarations
-    22. API handlers - the endpoints of SPEC.md
-    23. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal, console
-    24. App factory - create_app, the WSGI app
+    16. HTTP schemas - the JSON shapes, and the request body check
+    17. Declared endpoints and the envelope - ``@endpoint``, the envelope
+    18. The per-request record - as received, as authenticated, as answered
+    19. The authentication pipeline - SPEC.md's steps 1-7
+    20. The console's session - how the console logs in
+    21. The one request path - HttpApi: body, pipeline, faults; render, settle, log
+    22. OpenAPI document - /openapi.json, from the declarations
+    23. API handlers - the endpoints of SPEC.md
+    24. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal, console
+    25. App factory - create_app, the WSGI app
   Tools
-    25. Client - a signing client, typed errors
-    26. Serving - ``serve``: waitress, workers, hostile networks
-    27. pytest plugin - the ``walletsvc_sandbox`` fixtures, Sandbox, LiveServer
-    28. Command line - ``walletsvc serve``, ``request``, ``sign``, admin commands
+    26. Client - a signing client, typed errors
+    27. Serving - ``serve``: waitress, workers, hostile networks
+    28. pytest plugin - the ``walletsvc_sandbox`` fixtures, Sandbox, LiveServer
+    29. Command line - ``walletsvc serve``, ``request``, ``sign``, admin commands
   Assets
-    29. The console's page - its HTML, style and script
+    30. The console's page - its HTML, style and script
 
 walletsvc implements the Wallet and Transfer Service HTTP interface
 (HMAC-signed requests, workspaces, API keys with scopes, wallets, balances,
@@ -65,6 +66,7 @@ from __future__ import annotations
 import argparse
 import base64
 import binascii
+import collections
 import contextlib
 import dataclasses
 import datetime
@@ -81,9 +83,9 @@ import importlib.metadata
 import inspect
 import io
 import ipaddress
+import itertools
 import json
 import logging
-import math
 import os
 import re
 import secrets
@@ -98,6 +100,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http import HTTPStatus
 from typing import Any, NamedTuple
@@ -156,6 +159,14 @@ class Surface(enum.StrEnum):
     ADMIN = "admin"  # /_admin/: the admin token, or the console's session
     CONSOLE = "console"  # the console's login page and form
     PUBLIC = "public"  # /healthz and /openapi.json
+
+
+class Verdict(enum.StrEnum):
+    """A request's signature, as the journal keeps it."""
+
+    VALID = "valid"
+    INVALID = "invalid"
+    UNCHECKED = "unchecked"
 
 
 class FaultAction(enum.StrEnum):
@@ -693,6 +704,15 @@ def _networks(value: Any) -> tuple:
     return tuple(parse_network(str(part).strip()) for part in value)
 
 
+def _at_least(minimum: int) -> Callable[[Any], int]:
+    def convert(value: Any) -> int:
+        number = int(value)
+        if number < minimum:
+            raise ValueError(f"must be >= {minimum}")
+        return number
+    return convert
+
+
 def _one_of(*choices: str) -> Callable[[Any], str]:
     def convert(value: Any) -> str:
         if value not in choices:
@@ -725,6 +745,10 @@ class Settings:
 
     timestamp_tolerance: int = _setting(
         "http", 60, _positive_int, "seconds X-Timestamp may differ from server time (SPEC.md Limits)")
+    nonce_records: int = _setting(
+        "http", 100_000, _at_least(1000),
+        "nonce records kept, newest first, however the clock moves; past it the oldest are forgotten"
+        " (README, Replay protection)")
     max_body_bytes: int = _setting(
         "http", 65536, _non_negative_int, "largest request body accepted; larger answers S413")
     debug_signatures: bool = _setting(
@@ -941,26 +965,76 @@ UPDATE ledger_clock SET
         ''));
 """
 
+# Run when a database of schema version 2 or 3 is upgraded: its nonce records move to
+# nonce_records (oldest first), and its forgotten spans (version 3) become forgotten seconds
+# of every key, each span's last 100,000 seconds at most.
+_NONCES_FROM_VERSION_3 = """
+INSERT OR IGNORE INTO nonce_records (api_key, nonce, ts)
+    SELECT api_key, nonce, ts FROM nonces ORDER BY expires_at;
+DROP TRIGGER IF EXISTS nonce_taken_over;
+DROP TABLE nonces;
+"""
+_SPANS_FROM_VERSION_3 = """
+WITH RECURSIVE second (ts, hi) AS (SELECT max(lo, hi - 99999), hi FROM nonce_spans
+                                   UNION ALL SELECT ts + 1, hi FROM second WHERE ts < hi)
+INSERT OR IGNORE INTO nonces_forgotten (api_key, ts) SELECT '*', ts FROM second;
+DROP TABLE nonce_spans;
+"""
+
 # SQLite results that mean "the storage cannot take this now" (S503), extended codes included.
 _UNAVAILABLE = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR",
                 "SQLITE_FULL")
 
 
+class LockTimeout(sqlite3.OperationalError):
+    """A write waited longer than its patience for the database's writer (S503)."""
+
+    sqlite_errorname = "SQLITE_BUSY"
+
+
+class FileGone(sqlite3.OperationalError):
+    """The database file, or its -wal, is no longer the one this process opened (S503)."""
+
+    sqlite_errorname = "SQLITE_CANTOPEN"
+
+
 def _is_busy(exc: sqlite3.Error) -> bool:
-    if not isinstance(exc, sqlite3.OperationalError):
-        return False
-    name = getattr(exc, "sqlite_errorname", None)
-    if name:
-        return name.startswith(_UNAVAILABLE)
-    return "locked" in str(exc)  # raised by this module: the per-process write lock timed out
+    return isinstance(exc, sqlite3.OperationalError) and (
+        getattr(exc, "sqlite_errorname", None) or "").startswith(_UNAVAILABLE)
+
+
+class _Write:
+    """One caller's place in a database's write queue: a unit (a function of the write
+    connection) that runs inside the batch's transaction, or ``solo`` (an ``atomic()`` block,
+    run by its own thread alone); then its result or its own exception."""
+
+    __slots__ = ("done", "durable", "error", "result", "solo", "taken", "unit")
+
+    def __init__(self, unit: Callable[[sqlite3.Connection], Any] | None, durable: bool) -> None:
+        self.unit, self.durable, self.solo = unit, durable, unit is None
+        self.taken = self.done = False
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+
+# Units one leader takes into one transaction: enough to share a commit among every request
+# thread, small enough that a batch holds the lock for a few milliseconds at most.
+MAX_BATCH = 64
 
 
 class Database:
-    """SQLite done one way: WAL, foreign keys, a busy timeout, BEGIN IMMEDIATE.
+    """SQLite done one way: WAL, foreign keys, one writer per database per process.
 
-    A file database gets one connection per thread (and per process: a forked
-    child opens its own). ``":memory:"`` is one connection shared by every
-    thread under a lock, so that an in-memory service works from many threads.
+    Reads use one connection per thread (and per process: a forked child opens its own).
+    Writes go through one queue, the LevelDB way (``DBImpl::Write``): the first waiting
+    thread leads, takes the units queued behind it (up to MAX_BATCH) and runs them in one
+    BEGIN IMMEDIATE transaction on the process's write connection, each in a savepoint of
+    its own (a unit that raises rolls back alone and gets its exception), checks that the
+    file is still the one it opened, commits once (with a disk sync if any unit is
+    durable) and hands every caller its result. No thread of this process ever waits in
+    SQLite's busy handler for a lock its own process holds; other processes are waited
+    for by the leader alone, in short steps. ``":memory:"`` is one connection shared by
+    every thread under a lock.
     """
 
     def __init__(self, path: str, busy_timeout: float = 5.0, synchronous: str = "FULL") -> None:
@@ -970,12 +1044,11 @@ class Database:
         self.synchronous = synchronous
         self._local = threading.local()
         self._lock = threading.RLock() if self.memory else contextlib.nullcontext()
-        # Writers of one process queue on this lock instead of in SQLite's busy
-        # handler, which sleeps in steps of milliseconds; other processes still
-        # meet the busy timeout.
-        self._write_lock = threading.RLock()
         self._shared: _Held | None = None
         self._file: tuple[int, int] | None = None  # (device, inode) of the file this database opened
+        self._wal: tuple[int, int] | None = None  # and of its -wal, once seen
+        self._writer_state()
+        _DATABASES.add(self)
         deadline = time.monotonic() + busy_timeout
         while True:  # two servers starting on one new file: the loser waits its turn (DESIGN.md §10)
             try:
@@ -984,34 +1057,45 @@ class Database:
                 break
             except sqlite3.OperationalError as exc:
                 self.close()
-                locked = (getattr(exc, "sqlite_errorname", None) or "").startswith(
-                    ("SQLITE_BUSY", "SQLITE_LOCKED"))
-                if not locked or time.monotonic() > deadline:
+                if not _is_busy(exc) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
         if not self.memory:
-            self._file = self._identity()
+            self._file = self._identity(self.path)
 
-    def _identity(self) -> tuple[int, int] | None:
+    def _writer_state(self) -> None:
+        """The write queue and this process's write connections (anew in a forked child)."""
+        self._queue: collections.deque[_Write] = collections.deque()
+        self._turn = threading.Condition(threading.Lock())
+        self._writers: dict[bool, sqlite3.Connection] = {}  # durable or not: its connection
+        self._writer_pid = os.getpid()
+
+    @staticmethod
+    def _identity(path: str) -> tuple[int, int] | None:
         try:
-            status = os.stat(self.path)
+            status = os.stat(path)
         except OSError:
             return None
         return status.st_dev, status.st_ino
 
     def check_file(self) -> None:
-        """ServiceBusy unless the file this database opened is still at its path (DESIGN.md §10):
-        a write into a deleted or replaced file would be acknowledged and then lost."""
-        if self._file is not None and self._identity() != self._file:
-            raise ServiceBusy(f"The database file {self.path} was deleted or replaced while the server ran;"
-                              " nothing more is written to it. Restart the server.",
-                              zh_extra=f"服务器运行期间数据库文件 {self.path} 被删除或替换；"
-                                       "不再向其写入。请重启服务器。")
+        """FileGone unless the file this database opened, and its -wal, are still at their
+        paths (DESIGN.md §10): a write into a deleted or replaced file would be acknowledged
+        and then lost. Checked inside every batch's lock, before its COMMIT."""
+        if self._file is None:
+            return
+        wal = self._identity(self.path + "-wal")
+        if self._wal is None and wal is not None:
+            self._wal = wal
+        if self._identity(self.path) != self._file or wal != self._wal:
+            what = "file" if self._identity(self.path) != self._file else "file's -wal"
+            raise FileGone(f"The database {what} {self.path} was deleted or replaced while the server ran;"
+                           " nothing more is written to it. Restart the server.")
 
-    def _connect(self) -> sqlite3.Connection:
+    def _connect(self, uri_mode: str = "rw") -> sqlite3.Connection:
         target, uri = self.path, False
         if self._file is not None:  # made: a thread opening it later must not make a new empty file there
-            target, uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=rw", True
+            target, uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode={uri_mode}", True
         conn = sqlite3.connect(target, timeout=self.busy_timeout, isolation_level=None,
                                check_same_thread=False, uri=uri)
         self._prepare_connection(conn)
@@ -1021,6 +1105,7 @@ class Database:
         conn.row_factory = sqlite3.Row
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        conn.execute("PRAGMA temp_store = MEMORY")  # no statement journal file made and unlinked per transfer
         if not self.memory:
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
@@ -1034,14 +1119,17 @@ class Database:
             row = None
         version = schema_version()
         if row is None or row[0] < version:  # new, or older: the script is idempotent
+            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
             columns = [column[1] for column in conn.execute("PRAGMA table_info(nonces)")]
             # Version 3 keeps each nonce's timestamp; an older record's is its expiry less the
             # default window then used (60 s, and the second past it).
             upgrade = ("ALTER TABLE nonces ADD COLUMN ts INTEGER NOT NULL DEFAULT 0;\n"
                        "UPDATE nonces SET ts = expires_at / 1000 - 61;\n") \
                 if columns and "ts" not in columns else ""
+            moved = (_NONCES_FROM_VERSION_3 if "nonces" in tables else "") \
+                + (_SPANS_FROM_VERSION_3 if "nonce_spans" in tables else "")
             conn.executescript(f"BEGIN IMMEDIATE;\n{upgrade}{_schema_sql()}\n{_LEDGER_CLOCK_FROM_DATA}\n"
-                               f"UPDATE schema_version SET version = {version};\nCOMMIT;")
+                               f"{moved}UPDATE schema_version SET version = {version};\nCOMMIT;")
             row = conn.execute("SELECT version FROM schema_version").fetchone()
         if row[0] != version:
             raise RuntimeError(f"{self.path} has schema version {row[0]}; "
@@ -1049,7 +1137,8 @@ class Database:
 
     def connection(self) -> _Held:
         """``with db.connection() as conn``: this thread's connection (the shared
-        one, under the lock, for ``:memory:``)."""
+        one, under the lock, for ``:memory:``; the write connection while this
+        thread runs a write)."""
         if self.memory:
             if self._shared is None:
                 with self._lock:
@@ -1057,59 +1146,182 @@ class Database:
                         self._shared = _Held(self._connect(), self._lock)
             return self._shared
         local, pid = self._local, os.getpid()
+        writing = getattr(local, "writing", None)
+        if writing is not None:
+            return writing
         if getattr(local, "pid", None) != pid:  # a new thread, or a child of os.fork: its own connection
             local.held, local.pid = _Held(self._connect(), None), pid
         return local.held
 
+    def run(self, unit: Callable[[sqlite3.Connection], Any], *, durable: bool = True) -> Any:
+        """Run ``unit(conn)`` in the next batch's transaction, each unit in a savepoint of its
+        own; its result once the batch committed, or the exception it raised (then rolled back
+        alone), or the batch's failure (a busy or missing database: nothing of it is kept).
+        ``durable=False``: the commit need not wait for a disk sync (records whose loss in a
+        power cut costs no money, DESIGN.md §10), unless another unit of its batch needs one."""
+        if getattr(self._local, "writing", None) is not None:  # inside a write already: join it
+            with self.connection() as conn:
+                return self._run_one(conn, unit)
+        write = _Write(unit, durable)
+        self._wait_for_turn(write)
+        if not write.done:  # the leader: run the units queued behind it
+            with self._turn:
+                batch = [write]
+                for waiting in itertools.islice(self._queue, 1, MAX_BATCH):
+                    if waiting.solo:
+                        break
+                    waiting.taken = True
+                    batch.append(waiting)
+            self._lead(batch)
+        if write.error is not None:
+            raise write.error
+        return write.result
+
     @contextlib.contextmanager
     def atomic(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
-        """One write transaction (BEGIN IMMEDIATE); rolls back on any exception.
-
-        Nested use joins the outer transaction. ``durable=False`` commits
-        without waiting for a disk sync (see ``write``).
-        """
-        with self.connection() as conn:
-            if conn.in_transaction:
+        """One write transaction of its own (BEGIN IMMEDIATE), in this thread: in the write
+        queue's order, alone in its batch; rolls back on any exception. Nested use, and use
+        inside ``run``'s unit, joins the write under way."""
+        if getattr(self._local, "writing", None) is not None:
+            with self.connection() as conn:
                 yield conn
-                return
-            self.check_file()
-            if not self._write_lock.acquire(timeout=self._lock_timeout()):
-                raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
-            relaxed = not durable and not self.memory and self.synchronous != "NORMAL"
-            try:
-                if relaxed:
-                    conn.execute("PRAGMA synchronous = NORMAL")
-                conn.execute("BEGIN IMMEDIATE")
+            return
+        write = _Write(None, durable)
+        self._wait_for_turn(write)
+        try:
+            with self._held(durable) as conn:
                 try:
                     yield conn
+                    self._commit(conn)
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     raise
-                conn.execute("COMMIT")
+        finally:
+            self._pass_turn([write])
+
+    def _wait_for_turn(self, write: _Write) -> None:
+        """Queue ``write``; return when it is at the front (this thread leads) or when a
+        leader has run it. LockTimeout if it waited past this thread's patience untaken."""
+        deadline = time.monotonic() + self._patience()
+        with self._turn:
+            if os.getpid() != self._writer_pid:
+                raise RuntimeError("a database's writer is its process's: open the database anew after fork")
+            self._queue.append(write)
+            while not write.done and self._queue[0] is not write:
+                left = deadline - time.monotonic()
+                if left <= 0 and not write.taken:
+                    self._queue.remove(write)
+                    self._turn.notify_all()
+                    raise LockTimeout("database is locked: the write waited its whole patience")
+                self._turn.wait(left if left > 0 else 0.05)
+
+    def _lead(self, batch: list[_Write]) -> None:
+        """Run a batch in one transaction and commit it once; every unit gets its outcome."""
+        try:
+            with self._held(any(write.durable for write in batch)) as conn:
+                try:
+                    for write in batch:
+                        try:
+                            write.result = self._run_one(conn, write.unit)
+                        except Exception as exc:
+                            write.error = exc
+                            if not conn.in_transaction:  # SQLite rolled the whole batch back (a full disk)
+                                raise
+                    self._commit(conn)
+                except BaseException:
+                    if conn.in_transaction:
+                        conn.execute("ROLLBACK")
+                    raise
+        except BaseException as exc:  # noqa: BLE001 - nothing of the batch is kept: its failure is each unit's
+            for write in batch:
+                write.result, write.error = None, exc
+        self._pass_turn(batch)
+
+    @staticmethod
+    def _run_one(conn: sqlite3.Connection, unit: Callable[[sqlite3.Connection], Any]) -> Any:
+        conn.execute("SAVEPOINT unit")
+        try:
+            result = unit(conn)
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK TO unit")
+                conn.execute("RELEASE unit")
+            raise
+        conn.execute("RELEASE unit")
+        return result
+
+    def _pass_turn(self, batch: list[_Write]) -> None:
+        """The batch is done: out of the queue, and the next in line leads."""
+        with self._turn:
+            for write in batch:
+                write.done = True
+                self._queue.remove(write)
+            self._turn.notify_all()
+
+    @contextlib.contextmanager
+    def _held(self, durable: bool) -> Iterator[sqlite3.Connection]:
+        """BEGIN IMMEDIATE on the write connection; while it lasts this thread's reads go to it
+        (and, for ``:memory:``, other threads wait for the commit)."""
+        with self._lock:
+            conn = self._begin(durable)
+            self._local.writing = self._shared if self.memory else _Held(conn, None)
+            try:
+                yield conn
             finally:
-                if relaxed:
-                    conn.execute(f"PRAGMA synchronous = {self.synchronous}")
-                self._write_lock.release()
+                self._local.writing = None
+
+    def _begin(self, durable: bool) -> sqlite3.Connection:
+        """BEGIN IMMEDIATE on the write connection for this durability. Another process's
+        batch is waited for here, in steps of at most 2 ms rather than SQLite's busy handler's
+        steps of up to 100 ms, at most this thread's patience."""
+        conn = self._writer(durable)
+        deadline, pause = time.monotonic() + self._patience(), 0.0002
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                return conn
+            except sqlite3.OperationalError as exc:
+                locked = (getattr(exc, "sqlite_errorname", None) or "").startswith(("SQLITE_BUSY",
+                                                                                    "SQLITE_LOCKED"))
+                if not locked or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.002)
+
+    def _commit(self, conn: sqlite3.Connection) -> None:
+        self.check_file()
+        conn.execute("COMMIT")
+
+    def _writer(self, durable: bool) -> sqlite3.Connection:
+        """The process's write connection: one that syncs as ``synchronous`` says, and one
+        that does not wait for a disk sync (synchronous NORMAL: in WAL mode, no fsync at
+        commit), so that durability is chosen per batch, not by switching pragmas."""
+        if self.memory:
+            with self.connection() as conn:
+                return conn
+        durable = durable and self.synchronous.upper() not in ("NORMAL", "OFF", "0", "1")
+        conn = self._writers.get(durable)
+        if conn is None:
+            conn = self._connect()
+            conn.execute("PRAGMA busy_timeout = 0")  # _begin waits, in shorter steps
+            if not durable:
+                conn.execute("PRAGMA synchronous = NORMAL")
+            self._writers[durable] = conn
+        return conn
 
     @contextlib.contextmanager
     def patience(self, seconds: float) -> Iterator[None]:
-        """This thread's writes wait at most ``seconds`` for the lock (if less than the busy
-        timeout): the admin surface answers S503 within a second rather than wait with the API."""
-        if self.memory or seconds >= self.busy_timeout:
+        """This thread's writes wait at most ``seconds`` (if less than the busy timeout) for
+        their turn: the admin surface answers S503 within a second rather than wait with the API."""
+        self._local.patience = seconds
+        try:
             yield
-            return
-        with self.connection() as conn:
-            conn.execute(f"PRAGMA busy_timeout = {int(seconds * 1000)}")
-            self._local.patience = seconds
-            try:
-                yield
-            finally:
-                self._local.patience = None
-                conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
+        finally:
+            self._local.patience = None
 
-    def _lock_timeout(self) -> float:
-        return getattr(self._local, "patience", None) or self.busy_timeout
+    def _patience(self) -> float:
+        return min(getattr(self._local, "patience", None) or self.busy_timeout, self.busy_timeout)
 
     def one(self, sql: str, params: Sequence = ()) -> sqlite3.Row | None:
         """The first row of one read statement, or None."""
@@ -1117,26 +1329,8 @@ class Database:
             return conn.execute(sql, params).fetchone()
 
     def write(self, sql: str, params: Sequence = (), *, durable: bool = True) -> int:
-        """One write statement in its own (implicit) transaction; the rows it changed.
-
-        ``durable=False`` commits without waiting for a disk sync (synchronous
-        NORMAL: in WAL mode, no fsync), for records whose loss in a power cut
-        costs no money (DESIGN.md §10); the next durable commit syncs it too.
-        """
-        self.check_file()
-        if not self._write_lock.acquire(timeout=self._lock_timeout()):
-            raise sqlite3.OperationalError("database is locked (busy timeout in this process)")
-        try:
-            with self.connection() as conn:
-                if durable or self.memory or self.synchronous == "NORMAL" or conn.in_transaction:
-                    return conn.execute(sql, params).rowcount
-                conn.execute("PRAGMA synchronous = NORMAL")
-                try:
-                    return conn.execute(sql, params).rowcount
-                finally:
-                    conn.execute(f"PRAGMA synchronous = {self.synchronous}")
-        finally:
-            self._write_lock.release()
+        """One write statement, as a unit of the next batch; the rows it changed."""
+        return self.run(lambda conn: conn.execute(sql, params).rowcount, durable=durable)
 
     def check_writable(self) -> None:
         """Raise sqlite3.OperationalError if this process cannot write the database
@@ -1169,7 +1363,8 @@ class Database:
                     conn.execute("COMMIT")
 
     def close(self) -> None:
-        """Close this thread's connection (all of them, for ``:memory:``)."""
+        """Close this thread's connection (all of them, for ``:memory:``), and the process's
+        write connections when no write is under way."""
         with self._lock:
             if self.memory and self._shared is not None:
                 self._shared.conn.close()
@@ -1178,6 +1373,18 @@ class Database:
             if held is not None:
                 held.conn.close()
                 self._local.held = self._local.pid = None
+        with self._turn:
+            if not self._queue and os.getpid() == self._writer_pid:
+                for conn in self._writers.values():
+                    conn.close()
+                self._writers.clear()
+                self._wal = None  # (SQLite removes the -wal when the last connection closes)
+
+
+_DATABASES: weakref.WeakSet[Database] = weakref.WeakSet()
+# A child of os.fork has no writer yet: the parent's connections and queue (and a lock another
+# thread may have held at the fork) are the parent's.
+os.register_at_fork(after_in_child=lambda: [database._writer_state() for database in list(_DATABASES)])
 
 
 class _Held:
@@ -1334,6 +1541,93 @@ def _hmac_finish(inner: Any, outer: Any, message: bytes) -> bytes:
     inner.update(message)
     outer.update(inner.digest())
     return outer.digest()
+
+
+###############################################################################
+# Replay protection ############################################################
+###############################################################################
+
+class PendingNonce(NamedTuple):
+    """A nonce that passed step 5 and the signature, not recorded yet."""
+
+    api_key: str
+    nonce: str
+    stamp: int  # its X-Timestamp, epoch seconds
+
+
+class Nonces:
+    """Replay protection, in one place: the nonce check (SPEC.md step 5), the record made
+    once the signature passed, and forgetting by count (DESIGN.md §5, §10).
+
+    Records are kept exactly, however the clock moves: a nonce recorded for a key is
+    refused for that key while its record is kept, at any time. Only past ``bound``
+    records are the oldest forgotten, a few hundred at a time; each forgotten record
+    leaves its key and second behind, and a request of that key signed in that very
+    second is refused (it may be a replay of the forgotten one). Nothing else names the
+    nonce tables.
+    """
+
+    # What step 1's key lookup reads for step 5 (``k`` the key's row; :nonce, :stamp the request's).
+    LOOKUP = ("EXISTS (SELECT 1 FROM nonce_records WHERE api_key = k.id AND nonce = :nonce) AS nonce_used,"
+              " EXISTS (SELECT 1 FROM nonces_forgotten WHERE api_key IN (k.id, '*') AND ts = :stamp)"
+              " AS nonce_forgotten")
+    # One statement, so that of two racing requests one wins; refused in a forgotten second.
+    _RECORD = ("INSERT INTO nonce_records (api_key, nonce, ts) SELECT :api_key, :nonce, :stamp"
+               " WHERE NOT EXISTS (SELECT 1 FROM nonces_forgotten WHERE api_key IN (:api_key, '*')"
+               " AND ts = :stamp) ON CONFLICT (api_key, nonce) DO NOTHING")
+    FORGET_EVERY = 256  # records between two forgettings (one DELETE of this many rows, ~0.3 ms)
+
+    def __init__(self, bound: int) -> None:
+        self.bound = bound
+
+    @staticmethod
+    def check(nonce: str, key: Mapping[str, Any]) -> None:
+        """Step 5: X-Nonce well formed, not recorded for this key, its second not forgotten."""
+        if not _NONCE.fullmatch(nonce):
+            raise expired("X-Nonce must be 1-128 printable ASCII characters.",
+                          "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
+        if key["nonce_used"]:
+            raise _nonce_used()
+        if key["nonce_forgotten"]:
+            raise _nonce_forgotten()
+
+    def record(self, conn: sqlite3.Connection, pending: PendingNonce) -> None:
+        """Record ``pending`` in ``conn``'s transaction; GA2013 if another request recorded it
+        first or its second was forgotten meanwhile."""
+        cursor = conn.execute(self._RECORD, pending._asdict())
+        if cursor.rowcount != 1:
+            raise _nonce_used()
+        seq = cursor.lastrowid
+        if seq > self.bound and seq % self.FORGET_EVERY == 0:
+            conn.execute("INSERT OR IGNORE INTO nonces_forgotten (api_key, ts)"
+                         " SELECT api_key, ts FROM nonce_records WHERE seq <= ?", (seq - self.bound,))
+            conn.execute("DELETE FROM nonce_records WHERE seq <= ?", (seq - self.bound,))
+
+    @staticmethod
+    def clear(conn: sqlite3.Connection) -> None:
+        """Forget every record and every forgotten second (the sandbox's reset)."""
+        conn.execute("DELETE FROM nonce_records")
+        conn.execute("DELETE FROM nonces_forgotten")
+
+    @staticmethod
+    def drop_keys(conn: sqlite3.Connection, api_keys: Sequence[str]) -> None:
+        """Forget what was recorded of keys that no longer exist."""
+        marks = ", ".join("?" * len(api_keys))
+        conn.execute(f"DELETE FROM nonce_records WHERE api_key IN ({marks})", api_keys)
+        conn.execute(f"DELETE FROM nonces_forgotten WHERE api_key IN ({marks})", api_keys)
+
+
+def _nonce_used() -> RequestExpired:
+    return expired("X-Nonce was already used.", "X-Nonce 已被使用。")
+
+
+def _nonce_forgotten() -> RequestExpired:
+    return expired(
+        "This key's nonce records of this X-Timestamp second were forgotten (only the newest are kept);"
+        " a request signed in that second may be a replay and is refused. Sign at another second"
+        " (or reset the sandbox).",
+        "该密钥在此 X-Timestamp 秒内的 nonce 记录已被清除（只保留最新的记录）；以该秒签名的请求可能是重放，"
+        "因此被拒绝。请以其他秒签名（或重置沙箱）。")
 
 
 ###############################################################################
@@ -2920,7 +3214,8 @@ class WalletService(Ledger):
         records. A busy database or a crash leaves it as it was or reset, never between."""
         with self.db.atomic() as conn:
             _empty_journal(conn)
-            for table in (*reversed(_STARTING_STATE), "nonces", "nonce_spans", "fault_rules"):
+            Nonces.clear(conn)
+            for table in (*reversed(_STARTING_STATE), "fault_rules"):
                 conn.execute(f"DELETE FROM {table}")
             for table in _STARTING_STATE:
                 if table == "counters":  # the triggers counted the rows in again: the saved counts instead
@@ -3037,12 +3332,12 @@ class WalletService(Ledger):
             key_marks, wallet_marks = ", ".join("?" * len(keys)), ", ".join("?" * len(wallets))
             conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
                          " coalesce((SELECT max(seq) FROM journal), 0))")  # seq never goes back
+            # The nonce records of the keys that stay stay (the clock was not reset): a request
+            # captured before the reset is refused after it.
+            Nonces.drop_keys(conn, gone)
             for sql, params in ((f"DELETE FROM flows WHERE wallet_id IN ({wallet_marks})", wallets),
                                 ("DELETE FROM transfers WHERE workspace_id = ?", [workspace_id]),
                                 ("DELETE FROM wallets WHERE workspace_id = ?", [workspace_id]),
-                                # the nonce records of the keys that stay stay (the clock was not reset):
-                                # a request captured before the reset is refused after it
-                                (f"DELETE FROM nonces WHERE api_key IN ({', '.join('?' * len(gone))})", gone),
                                 (f"DELETE FROM journal WHERE api_key IN ({key_marks})", keys),
                                 ("DELETE FROM api_keys WHERE workspace_id = ?", [workspace_id]),
                                 ("DELETE FROM members WHERE workspace_id = ?", [workspace_id]),
@@ -3654,19 +3949,20 @@ class Answer(NamedTuple):
     now: int  # the envelope's timestamp
 
 
-class PendingNonce(NamedTuple):
-    """A nonce that passed step 5 and the signature, not recorded yet."""
+class Deferred(NamedTuple):
+    """A write endpoint's handler, run inside the request's one write (``HttpApi.settle``)."""
 
-    api_key: str
-    nonce: str
-    now_ms: int
-    expires_ms: int  # when the record may go: after the last moment its timestamp passes step 4
-    stamp: int  # its X-Timestamp, epoch seconds
+    run: Callable[[], Any]
+    after: Callable[[Any], Any]  # what a fault rule makes of the applied result
 
 
-@dataclasses.dataclass(eq=False)
-class Call:
-    """One request on its way through the app: what each step learns, in one record."""
+def _applied(data: Any) -> Any:
+    return data
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Received:
+    """A request as it arrived: never changed after."""
 
     environ: Mapping[str, Any]
     endpoint: Endpoint | None  # None: bottle's router found nothing (404, 405)
@@ -3674,17 +3970,6 @@ class Call:
     started: float  # time.perf_counter()
     path: bytes  # as sent, prefix included: the signed path
     body: bytes = b""
-    principal: Principal | None = None
-    canonical: bytes | None = None  # the canonical message the server computed
-    verdict: str = "unchecked"  # of the signature: valid, invalid or unchecked
-    nonce: PendingNonce | None = None  # passed step 5 and the signature, not recorded yet
-    now: float | None = None  # the service clock as authentication read it
-    fault_rules: int = 0  # fault rules in force when it authenticated
-    diagnosis: tuple | None = None  # the signing mistake a GA2012 matched (debug_signatures)
-    headers: dict = dataclasses.field(default_factory=dict)  # extra response headers
-    status: int = 200  # of a success (the console's login answers 303 or 401)
-    quiet: bool = False  # left out of the access log (the console's polling)
-    drop: bool = False  # a commit_then_drop fault: cut the connection mid-response
 
     @functools.cached_property
     def query(self) -> dict[str, list[str]]:
@@ -3700,6 +3985,39 @@ class Call:
 
     def header(self, name: str) -> str:
         return self.environ.get(environ_key(name), "")
+
+
+@dataclasses.dataclass(eq=False)
+class Authenticated:
+    """What SPEC.md's pipeline found of a request, step by step."""
+
+    principal: Principal | None = None
+    canonical: bytes | None = None  # the canonical message the server computed
+    verdict: Verdict = Verdict.UNCHECKED  # of the signature
+    nonce: PendingNonce | None = None  # passed step 5 and the signature: recorded by the request's write
+    now_ms: int | None = None  # the service clock as step 1 read it
+    fault_rules: int = 0  # fault rules in force when it authenticated
+    diagnosis: tuple | None = None  # the signing mistake a GA2012 matched (debug_signatures)
+
+
+@dataclasses.dataclass(eq=False)
+class Reply:
+    """What the handler says of its answer besides its data."""
+
+    headers: dict = dataclasses.field(default_factory=dict)  # extra response headers
+    status: int = 200  # of a success (the console's login answers 303 or 401)
+    replayed: bool = False  # an idempotent replay of a transfer
+    quiet: bool = False  # left out of the access log (the console's polling)
+    drop: bool = False  # a commit_then_drop fault: cut the connection mid-response
+
+
+@dataclasses.dataclass(eq=False)
+class Call:
+    """One request on its way through the app: as received, as authenticated, as answered."""
+
+    request: Received
+    found: Authenticated = dataclasses.field(default_factory=Authenticated)
+    reply: Reply = dataclasses.field(default_factory=Reply)
 
 
 ###############################################################################
@@ -3769,57 +4087,40 @@ class Authenticator:
     """Steps 1-7 of SPEC.md's validation pipeline, in that order.
 
     Step 8 (the scope) needs the route and is checked by the HTTP layer. The
-    first failure raises and ends processing.
+    first failure raises and ends processing. Nothing here writes: a nonce that
+    passed is left pending, for the request's one write at its end.
     """
 
     def __init__(self, svc: WalletService, settings: Settings) -> None:
         self.svc = svc
         self.db = svc.db
         self.settings = settings
-        self._next_purge = 0  # this process purges nonce records every half window of the clock
-        self._last_purge = 0
-        self._window_shared = False  # this process's timestamp window is in the sandbox row
-        with contextlib.suppress(sqlite3.OperationalError, WalletError):  # (locked: the first record says it)
-            self._share_window(None)
-
-    def _share_window(self, conn: sqlite3.Connection | None) -> None:
-        """Every process's nonce records last for this process's window too (the sandbox row keeps
-        the widest)."""
-        params = (self.settings.timestamp_tolerance,) * 2
-        sql = "UPDATE sandbox SET nonce_tolerance = ? WHERE nonce_tolerance < ?"
-        if conn is None:
-            self.db.write(sql, params, durable=False)
-        else:
-            conn.execute(sql, params)
-        self._window_shared = True
+        self.nonces = Nonces(settings.nonce_records)
 
     def authenticate(self, call: Call) -> Principal:
-        """The request's Principal, or the first failure of steps 1-7; the call
-        records the canonical message, the signature's verdict, the service
-        clock's reading and how many fault rules are in force.
-
-        The nonce, checked at step 5, is left in ``call.nonce`` for the HTTP
-        layer to record (``record_nonce``) in the transaction that ends the
-        request: its write's, or the one that journals it."""
-        signed = SignedHeaders.of(call.environ)
-        key = self.api_key(call, signed)
+        """The request's Principal, or the first failure of steps 1-7; ``call.found`` keeps
+        the canonical message, the signature's verdict, the service clock's reading, how
+        many fault rules are in force, and the nonce to record."""
+        request, found = call.request, call.found
+        signed = SignedHeaders.of(request.environ)
+        key = self.api_key(found, signed)
         self.key_status(key)
         self.workspace(key)
-        self.timestamp(call, key, signed)
-        self.nonce(call, key, signed)
-        self.signature(call, key, signed)
-        self.ip_whitelist(call, key)
+        self.timestamp(found, key, signed)
+        self.nonces.check(signed.nonce, key)
+        self.signature(request, found, key, signed)
+        self.ip_whitelist(request, key)
         return Principal(key["id"], key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
 
-    def api_key(self, call: Call, signed: SignedHeaders) -> sqlite3.Row:
+    def api_key(self, found: Authenticated, signed: SignedHeaders) -> sqlite3.Row:
         """Step 1: the key, read with all that the later steps ask of the database (``_key``)."""
         if not signed.api_key:
             raise ApiKeyMissing()
         key = self._key(signed.api_key, signed.nonce, signed.stamp)
         if key is None:
             raise ApiKeyNotFound()
-        call.now = self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"])
-        call.fault_rules = key["fault_rules"]
+        found.now_ms = int(self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"]) * 1000)
+        found.fault_rules = key["fault_rules"]
         return key
 
     @staticmethod
@@ -3836,7 +4137,7 @@ class Authenticator:
         if key["member_removed"]:
             raise NotWorkspaceMember()
 
-    def timestamp(self, call: Call, key: sqlite3.Row, signed: SignedHeaders) -> None:
+    def timestamp(self, found: Authenticated, key: sqlite3.Row, signed: SignedHeaders) -> None:
         """Step 4: X-Timestamp within the window of the service clock, in whole seconds (DESIGN.md §5)."""
         timestamp, tolerance = signed.timestamp, self.settings.timestamp_tolerance
         if signed.stamp < 0:
@@ -3844,7 +4145,7 @@ class Authenticator:
                 raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
                               "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
             raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
-        now = math.floor(call.now)
+        now = found.now_ms // 1000
         if abs(now - int(timestamp)) > tolerance:
             difference = int(timestamp) - now
             english = (f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
@@ -3862,69 +4163,50 @@ class Authenticator:
                 chinese += "；或解冻时钟（POST /_admin/clock {\"freeze\": false}）。" if frozen else "。"
             raise expired(english, chinese)
 
-    @staticmethod
-    def nonce(call: Call, key: sqlite3.Row, signed: SignedHeaders) -> None:
-        """Step 5: the nonce check. X-Nonce well formed, not recorded for this key and still
-        in force, and its timestamp not forgotten (DESIGN.md §10); it is recorded only once
-        the signature passed (``record_nonce``)."""
-        if not _NONCE.fullmatch(signed.nonce):
-            raise expired("X-Nonce must be 1-128 printable ASCII characters.",
-                          "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
-        now_ms, stamp = int(call.now * 1000), signed.stamp
-        if key["nonce_expires"] is not None and (key["nonce_expires"] > now_ms or key["nonce_ts"] == stamp):
-            raise _nonce_used()
-        if key["forgotten"]:
-            raise _nonce_forgotten()
-
-    def signature(self, call: Call, key: sqlite3.Row, signed: SignedHeaders) -> None:
+    def signature(self, request: Received, found: Authenticated, key: sqlite3.Row,
+                  signed: SignedHeaders) -> None:
         """Step 6: X-Signature against the canonical message the server computes; a sandbox
         with ``debug_signatures`` shows the message and the signing mistake it matches.
-        Passed, the nonce is pending: it outlives the last moment this timestamp passes
-        step 4, in any process's window."""
-        timestamp, nonce, provided = signed.timestamp, signed.nonce, signed.signature
-        call.canonical = message = canonical_message(call.environ["REQUEST_METHOD"], call.path, timestamp,
-                                                     nonce, body_hash(call.body))
-        call.verdict = "invalid"
+        Passed, the nonce is pending: recorded by the request's one write, at its end."""
+        timestamp, nonce, provided, body = signed.timestamp, signed.nonce, signed.signature, request.body
+        found.canonical = message = canonical_message(request.environ["REQUEST_METHOD"], request.path,
+                                                      timestamp, nonce, body_hash(body))
+        found.verdict = Verdict.INVALID
         if not self._signature_matches(key["secret"], message, provided):
             if not self.settings.debug_signatures:
                 raise SignatureInvalid()
             # A sandbox aid: the message and what matched, never the secret or the expected signature.
             shown = message.decode("latin-1").replace("\n", "\\n")
-            english = f"Canonical message: {shown} ({len(call.body)} body bytes received)."
-            chinese = f"规范消息：{shown}（收到请求体 {len(call.body)} 字节）。"
-            call.diagnosis = diagnose_signature(key["secret"], call.environ, call.path, call.body, timestamp,
-                                                nonce, provided)
-            if call.diagnosis:
-                english += f" The signature matches a common mistake: {call.diagnosis[0]}."
-                chinese += f"签名符合一个常见错误：{call.diagnosis[1]}。"
+            english = f"Canonical message: {shown} ({len(body)} body bytes received)."
+            chinese = f"规范消息：{shown}（收到请求体 {len(body)} 字节）。"
+            found.diagnosis = diagnose_signature(key["secret"], request.environ, request.path, body,
+                                                 timestamp, nonce, provided)
+            if found.diagnosis:
+                english += f" The signature matches a common mistake: {found.diagnosis[0]}."
+                chinese += f"签名符合一个常见错误：{found.diagnosis[1]}。"
             raise SignatureInvalid(extra=english, zh_extra=chinese)
-        call.verdict = "valid"
-        stamp, widest = int(timestamp), max(self.settings.timestamp_tolerance, key["nonce_tolerance"])
-        call.nonce = PendingNonce(key["id"], nonce, int(call.now * 1000), (stamp + widest + 1) * 1000, stamp)
+        found.verdict = Verdict.VALID
+        found.nonce = PendingNonce(key["id"], nonce, int(timestamp))
 
-    def ip_whitelist(self, call: Call, key: sqlite3.Row) -> None:
+    def ip_whitelist(self, request: Received, key: sqlite3.Row) -> None:
         """Step 7, only when the key has a whitelist."""
         whitelist = json.loads(key["ip_whitelist"]) if key["ip_whitelist"] else None
-        if whitelist and not ip_allowed(client_ip(call.environ, self.settings.trusted_proxies), whitelist):
+        if whitelist and not ip_allowed(client_ip(request.environ, self.settings.trusted_proxies), whitelist):
             raise IpNotWhitelisted()
 
     def _key(self, api_key: str, nonce: str, stamp: int) -> sqlite3.Row | None:
-        """The key with its workspace and member state, the nonce's record (its expiry and
-        timestamp), whether the records of this timestamp were forgotten (DESIGN.md §10), the
-        widest window any process used, and the sandbox's clock."""
+        """The key with its workspace and member state, what step 5 needs of the nonce
+        (``Nonces.LOOKUP``), the sandbox's clock and how many fault rules are in force."""
         if len(api_key) > 128:
             return None
         return self.db.one(
             "SELECT k.id, k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
             "       w.deleted_at IS NOT NULL AS workspace_deleted,"
             "       m.removed_at IS NOT NULL AS member_removed,"
-            "       n.expires_at AS nonce_expires, n.ts AS nonce_ts,"
-            "       EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi) AS forgotten,"
-            "       s.nonce_tolerance, s.clock_frozen_at, s.clock_offset, s.fault_rules"
+            f"      {Nonces.LOOKUP}, s.clock_frozen_at, s.clock_offset, s.fault_rules"
             "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
-            "                  JOIN members m ON m.id = k.member_id"
-            "                  LEFT JOIN nonces n ON n.api_key = k.id AND n.nonce = ?, sandbox s"
-            " WHERE k.id = ?", (stamp, nonce, api_key))
+            "                  JOIN members m ON m.id = k.member_id, sandbox s"
+            " WHERE k.id = :api_key", {"api_key": api_key, "nonce": nonce, "stamp": stamp})
 
     @staticmethod
     def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
@@ -3933,88 +4215,6 @@ class Authenticator:
         except (UnicodeEncodeError, binascii.Error, ValueError):
             return False
         return hmac.compare_digest(hmac.digest(secret.encode("utf-8"), message, "sha256"), given)
-
-    # One statement, so two racing requests cannot both win; refused inside a forgotten
-    # span; an expired record of another timestamp is taken over in place (the trigger
-    # nonce_taken_over keeps its timestamp as a span: the request it recorded cannot come back).
-    _RECORD = ("INSERT INTO nonces (api_key, nonce, expires_at, ts) SELECT ?, ?, ?, ?"
-               " WHERE NOT EXISTS (SELECT 1 FROM nonce_spans WHERE ? BETWEEN lo AND hi)"
-               " ON CONFLICT (api_key, nonce)"
-               " DO UPDATE SET expires_at = excluded.expires_at, ts = excluded.ts"
-               " WHERE nonces.expires_at <= ? AND nonces.ts <> excluded.ts")
-
-    def record_nonce(self, call: Call, conn: sqlite3.Connection | None = None) -> None:
-        """Record the call's nonce in ``conn``'s transaction, or on its own without waiting
-        for a disk sync; GA2013 when another request recorded it first, or when its
-        timestamp falls in a forgotten span."""
-        pending, call.nonce = call.nonce, None
-        params = (pending.api_key, pending.nonce, pending.expires_ms, pending.stamp, pending.stamp,
-                  pending.now_ms)
-        if not self._window_shared:  # (the database was locked when this process started)
-            self._share_window(conn)
-        if conn is None:
-            won = self.db.write(self._RECORD, params, durable=False) == 1
-        else:
-            won = conn.execute(self._RECORD, params).rowcount == 1
-        now_ms = pending.now_ms
-        # Every half window, or the clock went back.
-        if now_ms >= self._next_purge or now_ms < self._last_purge:
-            self._next_purge, self._last_purge = now_ms + self.settings.timestamp_tolerance * 500, now_ms
-            if conn is None:
-                with self.db.atomic(durable=False) as own:
-                    self.purge(own, now_ms)
-            else:
-                self.purge(conn, now_ms)
-        if not won:
-            raise _nonce_used()
-
-    def purge(self, conn: sqlite3.Connection, now_ms: int) -> None:
-        """Forget the nonce records no timestamp in the window around ``now_ms`` can carry,
-        keeping each forgotten run of timestamps as a span (DESIGN.md §10): records of the
-        past, and records a clock that was ahead made. The table stays bounded by the window."""
-        tolerance = max(self.settings.timestamp_tolerance,
-                        conn.execute("SELECT nonce_tolerance FROM sandbox").fetchone()[0])
-        reach = (2 * tolerance + 2) * 1000  # the farthest expiry a fresh request makes, in any process
-        for where, params in (("expires_at <= ?", (now_ms,)), ("expires_at > ?", (now_ms + reach,))):
-            lo, hi = conn.execute(f"SELECT min(ts), max(ts) FROM nonces WHERE {where}", params).fetchone()
-            if lo is not None:
-                conn.execute(f"DELETE FROM nonces WHERE {where}", params)
-                conn.execute("INSERT INTO nonce_spans (lo, hi) VALUES (?, ?)", (lo, hi))
-        self._merge_spans(conn, now_ms // 1000, 2 * tolerance + 2)
-
-    @staticmethod
-    def _merge_spans(conn: sqlite3.Connection, now: int, reach: int) -> None:
-        """Merge spans (of seconds) less than ``reach`` apart, and the closest ones beyond MAX_SPANS;
-        never across the window around ``now``, where requests are being recorded."""
-        spans = conn.execute("SELECT rowid, lo, hi FROM nonce_spans ORDER BY lo").fetchall()
-        merged: list[list[int]] = []
-        for _, lo, hi in spans:
-            if merged and lo - merged[-1][1] <= reach and not merged[-1][1] < now < lo:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        while len(merged) > MAX_SPANS:
-            gaps = [(merged[i + 1][0] - merged[i][1], i) for i in range(len(merged) - 1)
-                    if not merged[i][1] < now < merged[i + 1][0]]
-            _, i = min(gaps)
-            merged[i:i + 2] = [[merged[i][0], max(merged[i][1], merged[i + 1][1])]]
-        if len(merged) != len(spans):
-            conn.execute("DELETE FROM nonce_spans")
-            conn.executemany("INSERT INTO nonce_spans (lo, hi) VALUES (?, ?)", merged)
-
-
-MAX_SPANS = 32  # forgotten spans of nonce expiry kept; beyond, the closest merge
-def _nonce_used() -> RequestExpired:
-    return expired("X-Nonce was already used.", "X-Nonce 已被使用。")
-
-
-def _nonce_forgotten() -> RequestExpired:
-    return expired(
-        "The nonce records of this X-Timestamp were forgotten after the sandbox clock moved past it;"
-        " a request signed at this time may be a replay and is refused."
-        " Sign at another time (or reset the sandbox).",
-        "沙箱时钟越过该 X-Timestamp 后，其 nonce 记录已被清除；以此时间签名的请求可能是重放，因此被拒绝。"
-        "请以其他时间签名（或重置沙箱）。")
 
 
 ###############################################################################
@@ -4098,43 +4298,43 @@ class Console:
     def cookie(self, call: Call, value: str, max_age: int) -> str:
         """A Set-Cookie value scoped to the admin surface under whatever prefix the app is mounted
         (/_admin/ itself when the path as sent does not say it plainly)."""
-        head, found, _ = call.path.decode("latin-1").rpartition("/_admin/")
+        head, found, _ = call.request.path.decode("latin-1").rpartition("/_admin/")
         path = head + found if found and re.fullmatch(r"[\w./~-]*", head) else "/_admin/"
-        attributes = [f"{self.cookie_name(call.environ)}={value}", f"Path={path}", f"Max-Age={max_age}",
-                      "HttpOnly", "SameSite=Strict"]
-        if call.environ.get("wsgi.url_scheme") == "https":
+        attributes = [f"{self.cookie_name(call.request.environ)}={value}", f"Path={path}",
+                      f"Max-Age={max_age}", "HttpOnly", "SameSite=Strict"]
+        if call.request.environ.get("wsgi.url_scheme") == "https":
             attributes.append("Secure")
         return "; ".join(attributes)
 
     def log_in(self, call: Call) -> str:
         """The login form's POST: a session cookie and a redirect to the console, or the form again."""
         try:
-            form = urllib.parse.parse_qs(call.body.decode("utf-8", "replace"), max_num_fields=20)
+            form = urllib.parse.parse_qs(call.request.body.decode("utf-8", "replace"), max_num_fields=20)
         except ValueError:
             form = {}
         token = (form.get("token") or [""])[0].strip().encode("utf-8")
         if not self.key or not hmac.compare_digest(token, self.key):
-            call.status = 401
+            call.reply.status = 401
             return self.login_form(call, "That is not the admin token.")
         nonce, expires = secrets.token_urlsafe(18), str(int(time.time()) + self.SESSION_SECONDS)
-        call.status = 303
-        call.headers.update({"Location": "console",
+        call.reply.status = 303
+        call.reply.headers.update({"Location": "console",
                              "Set-Cookie": self.cookie(call, self.session_value(nonce, expires),
                                                        self.SESSION_SECONDS)})
         return ""
 
     def log_out(self, call: Call) -> None:
-        session = self.session(call.environ)
+        session = self.session(call.request.environ)
         if session is not None and session.valid:
             self.end(session.nonce)
-        call.headers["Set-Cookie"] = self.cookie(call, "", 0)
+        call.reply.headers["Set-Cookie"] = self.cookie(call, "", 0)
 
     def login_form(self, call: Call, message: str = "") -> str:
-        call.headers.update(_PAGE_HEADERS)
+        call.reply.headers.update(_PAGE_HEADERS)
         return _CONSOLE_LOGIN.replace("__MESSAGE__", html.escape(message))
 
     def page(self, call: Call, nonce: str) -> str:
-        call.headers.update(_PAGE_HEADERS)
+        call.reply.headers.update(_PAGE_HEADERS)
         return _CONSOLE_PAGE.replace("__CSRF__", self.mac("csrf", nonce))
 
 
@@ -4183,11 +4383,12 @@ class HttpApi:
 
         ``handler`` is the route's callback, or what plugins made of it."""
         declaration = route.config["endpoint"]
-        call = self.begin(environ, declaration)
+        call, refused = self.begin(environ, declaration)
         try:
-            call.body = self.read_body(environ)
+            if refused is not None:
+                raise refused
             if declaration.surface is Surface.API:
-                data = self.call_api(call, route, url_args, handler)
+                data = self.call_api(call, url_args, handler)
             else:
                 if declaration.surface is Surface.ADMIN:
                     self.check_admin(call)
@@ -4199,100 +4400,110 @@ class HttpApi:
 
     def fail(self, environ: Mapping[str, Any], exc: BaseException) -> tuple[int, list, Iterable[bytes]]:
         """Answer a request that reached no endpoint: bottle's 404, 405 or 500."""
-        error = exc
-        call = self.begin(environ, None)
-        if isinstance(exc, bottle.HTTPError):
+        call, too_large = self.begin(environ, None)  # the size limit comes first (DESIGN.md §4), a 404's too
+        error = too_large or exc
+        if too_large is None and isinstance(exc, bottle.HTTPError):
             error = {404: not_found("path"), 405: MethodNotAllowed()}.get(
                 exc.status_code, exc.exception or RuntimeError(exc.body))
             if exc.status_code == 405 and exc.get_header("Allow"):
-                call.headers["Allow"] = exc.get_header("Allow")
-        try:
-            self.read_body(environ)  # the size limit comes before anything else (DESIGN.md §4), a 404 too
-        except WalletError as too_large:
-            error = too_large
+                call.reply.headers["Allow"] = exc.get_header("Allow")
         return self.finish(call, None, self.as_wallet_error(error))
 
-    def begin(self, environ: Mapping[str, Any], declaration: Endpoint | None) -> Call:
-        return Call(environ, declaration, self.locale(environ), time.perf_counter(),
-                    raw_request_path(environ))
+    def begin(self, environ: Mapping[str, Any],
+              declaration: Endpoint | None) -> tuple[Call, WalletError | None]:
+        """The request as received, its body read; the error if the body was refused."""
+        started, refused, body = time.perf_counter(), None, b""
+        try:
+            body = self.read_body(environ)
+        except WalletError as exc:
+            refused = exc
+        return Call(Received(environ, declaration, self.locale(environ), started, raw_request_path(environ),
+                             body)), refused
 
     def finish(self, call: Call, data: Any, error: WalletError | None) -> tuple[int, list, Iterable[bytes]]:
-        """End a request: render its answer, after recording its nonce if still pending, and
-        journal it (an /api/ request, when the journal is on); then the access log line."""
-        if call.endpoint is not None and call.endpoint.surface is Surface.API and self.svc.journal.enabled:
-            answer = self.render_journaled(call, data, error)
-        else:
-            answer = self.render(call, *self.nonce_recorded(call, data, error))
+        """End every request one way: render (pure), settle (its one write), log."""
+        deferred = data if isinstance(data, Deferred) else None
+        answer = None if deferred else self.render(call, data, error)
+        answer = self.settle(call, answer, deferred)
         self.log(call, answer)
-        return answer.status, answer.headers, _dropped(answer.body) if call.drop else [answer.body]
+        return answer.status, answer.headers, _dropped(answer.body) if call.reply.drop else [answer.body]
 
-    def nonce_recorded(self, call: Call, data: Any,
-                       error: WalletError | None) -> tuple[Any, WalletError | None]:
-        """The answer once the call's pending nonce is recorded, in one statement of its own
-        (measured: 20 us less than a transaction): the error if it was a replay or the
-        database refused."""
-        if call.nonce is None:
-            return data, error
-        try:
-            self.auth.record_nonce(call)
-        except (sqlite3.Error, WalletError) as exc:
-            return None, self.as_wallet_error(exc)
-        return data, error
+    def settle(self, call: Call, answer: Answer | None, deferred: Deferred | None) -> Answer:
+        """The request's one write, at its end (DESIGN.md §10), as one unit of the write queue:
+        its nonce record, a transfer's ledger rows (``deferred``, durable: answered only once
+        its batch committed) and its journal entry. The answer is rendered again only when the
+        nonce is refused (a replay that lost the race) or the write failed."""
+        request, nonce = call.request, call.found.nonce
+        journal = self.svc.journal.enabled and request.endpoint is not None \
+            and request.endpoint.surface is Surface.API
+        if deferred is None and nonce is None and not journal:
+            return answer
 
-    def render_journaled(self, call: Call, data: Any, error: WalletError | None) -> Answer:
-        """Record the pending nonce, render and journal, in one transaction without a disk sync."""
-        nonce_pending = call.nonce is not None
+        def unit(conn: sqlite3.Connection) -> Answer:
+            settled = answer
+            try:
+                if nonce is not None:
+                    self.auth.nonces.record(conn, nonce)  # a replay: GA2013, and nothing applied
+                if deferred is not None:  # in a savepoint of its own: a failure rolls back its writes alone
+                    applied = self.svc.db.run(lambda _: deferred.run())
+                    settled = self.render(call, deferred.after(applied), None)
+            except Exception as exc:
+                if isinstance(exc, sqlite3.Error) and not conn.in_transaction:
+                    raise  # the whole batch was lost (a full disk): S503 for each of its requests
+                settled = self.render(call, None, self.as_wallet_error(exc))
+            if journal:
+                self.svc.journal.record(self.journal_entry(call, settled), conn)
+            return settled
+
         try:
-            with self.svc.db.atomic(durable=False) as conn:
-                if nonce_pending:
-                    try:
-                        self.auth.record_nonce(call, conn)
-                    except WalletError as lost:
-                        data, error = None, lost
-                answer = self.render(call, data, error)
-                self.svc.journal.record(self.journal_entry(call, answer), conn)
-        except (sqlite3.Error, WalletError) as exc:
-            if nonce_pending:  # the storage refused: a nonce not recorded cannot be trusted
-                return self.render(call, None, self.as_wallet_error(exc))
-            log.warning("request not journaled: %s", exc)  # what was done is done (a transfer committed)
-            return self.render(call, data, error)
-        return answer
+            return self.svc.db.run(unit, durable=deferred is not None)
+        except Exception as exc:  # noqa: BLE001 - the write failed: nothing of it was kept
+            if deferred is None and nonce is None:
+                log.warning("request not journaled: %s", exc)
+                return answer
+            return self.render(call, None, self.as_wallet_error(exc))  # an unrecorded nonce is not trusted
 
     def render(self, call: Call, data: Any, error: WalletError | None) -> Answer:
         """The one renderer: the envelope (or a bare document), its status and headers."""
-        now = call.now
+        now = call.found.now_ms
         if now is None:
             try:
-                now = self.svc.clock()
+                now = self.svc.now_ms()
             except (sqlite3.Error, WalletError):  # a sandbox clock the database cannot show: real time
-                now = time.time()
-        now = int(now * 1000)
-        media = call.endpoint.media if error is None else None
+                now = int(time.time() * 1000)
+        media = call.request.endpoint.media if error is None else None
         if error is None:
-            status, payload = call.status, data if media else envelope(data, now)
+            status, payload = call.reply.status, data if media else envelope(data, now)
         else:
-            status, payload = error.status, error_envelope(error, call.locale, now)
+            status, payload = error.status, error_envelope(error, call.request.locale, now)
         body = payload.encode("utf-8") if isinstance(payload, str) else to_json(payload)
-        headers = [("Content-Type", media or JSON_CONTENT_TYPE), ("Content-Language", call.locale),
-                   ("Cache-Control", "no-store"), ("Content-Length", str(len(body))), *call.headers.items()]
+        headers = [("Content-Type", media or JSON_CONTENT_TYPE), ("Content-Language", call.request.locale),
+                   ("Cache-Control", "no-store"), ("Content-Length", str(len(body))),
+                   *call.reply.headers.items()]
+        if call.reply.replayed and error is None:
+            headers.append(("Idempotent-Replayed", "true"))
         code = error.code if error is not None else (None if media else SUCCESS_CODE)
         return Answer(status, headers, body, code, now)
 
     @staticmethod
     def journal_entry(call: Call, answer: Answer) -> JournalEntry:
-        environ = call.environ
+        request = call.request
+        environ = request.environ
         return JournalEntry(
-            answer.now, environ["REQUEST_METHOD"], call.path, environ.get("QUERY_STRING", ""),
-            environ.get("HTTP_X_API_KEY") or None, answer.status, answer.code, call.canonical, call.verdict,
-            "Idempotent-Replayed" in call.headers, received_headers(environ), call.body, answer.body,
-            round((time.perf_counter() - call.started) * 1000, 3), call.diagnosis and call.diagnosis[0])
+            answer.now, environ["REQUEST_METHOD"], request.path, environ.get("QUERY_STRING", ""),
+            environ.get("HTTP_X_API_KEY") or None, answer.status, answer.code, call.found.canonical,
+            call.found.verdict, call.reply.replayed and answer.code == SUCCESS_CODE,
+            received_headers(environ), request.body, answer.body,
+            round((time.perf_counter() - request.started) * 1000, 3),
+            call.found.diagnosis and call.found.diagnosis[0])
 
     def log(self, call: Call, answer: Answer) -> None:
         """The access log line (``walletsvc serve``), unless the call is quiet."""
-        if self.access_log is not None and not call.quiet:
-            self.access_log.info("%s %s %s %s %.1fms", call.environ.get("REQUEST_METHOD"),
-                                 call.path.decode("latin-1"), answer.status, answer.code or "-",
-                                 (time.perf_counter() - call.started) * 1000)
+        if self.access_log is not None and not call.reply.quiet:
+            request = call.request
+            self.access_log.info("%s %s %s %s %.1fms", request.environ.get("REQUEST_METHOD"),
+                                 request.path.decode("latin-1"), answer.status, answer.code or "-",
+                                 (time.perf_counter() - request.started) * 1000)
 
     def read_body(self, environ: Mapping[str, Any]) -> bytes:
         """The request body, read once, exactly, within the size limit, which is
@@ -4315,82 +4526,71 @@ class HttpApi:
             raise PayloadTooLarge(limit=limit)
         return body
 
-    def call_api(self, call: Call, route: bottle.Route, url_args: dict, handler: Callable) -> Any:
-        """SPEC.md's pipeline (steps 1-8), the fault rules, then the endpoint."""
-        call.principal = self.auth.authenticate(call)
+    def call_api(self, call: Call, url_args: dict, handler: Callable) -> Any:
+        """SPEC.md's pipeline (steps 1-8), the fault rules, then the endpoint: a read's data, or
+        a write's Deferred, which runs inside the request's one write (``settle``)."""
+        call.found.principal = self.auth.authenticate(call)
         self.check_scope(call)
-        fault = self.take_fault(call) if call.fault_rules else None
-        if fault is None:
-            return self.run(call, handler, url_args)
-        return self.run_with_fault(call, fault, lambda: self.run(call, handler, url_args))
+        fault = self.take_fault(call) if call.found.fault_rules else None
+        deferred = Deferred(functools.partial(handler, call, **url_args), _applied)
+        if fault is not None:
+            deferred = self.with_fault(call, fault, deferred)
+        if call.request.endpoint.method == "GET":
+            return deferred.after(deferred.run())
+        return deferred
 
     @staticmethod
     def check_scope(call: Call) -> None:
         """Step 8: the endpoint's scope. A path or method no endpoint declares is denied by
         default (SPEC.md Scopes)."""
-        scope = call.endpoint.scope
-        if scope is None or call.environ["REQUEST_METHOD"] != call.endpoint.method:
+        scope = call.request.endpoint.scope
+        if scope is None or call.request.environ["REQUEST_METHOD"] != call.request.endpoint.method:
             raise ApiAccessDenied()
-        if scope not in call.principal.scopes:
+        if scope not in call.found.principal.scopes:
             raise ScopeRequired(scope=scope)
 
     def take_fault(self, call: Call) -> dict | None:
         """The fault rule this authenticated request fires, if any. Rules name the app's own
         paths: PATH_INFO's last segments, as many as the endpoint's path has, leave out any
         prefix a mount put there."""
-        environ = call.environ
-        depth = call.endpoint.path.count("/")
+        request = call.request
+        environ = request.environ
+        depth = request.endpoint.path.count("/")
         path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-depth:])
-        return self.svc.faults.take(environ["REQUEST_METHOD"], path, call.principal.workspace_id, lambda: {
-            "query": environ.get("QUERY_STRING", ""), "body": call.body.decode("utf-8", "replace"),
-            "headers": dict(received_headers(environ))})
+        return self.svc.faults.take(
+            environ["REQUEST_METHOD"], path, call.found.principal.workspace_id, lambda: {
+                "query": environ.get("QUERY_STRING", ""), "body": request.body.decode("utf-8", "replace"),
+                "headers": dict(received_headers(environ))})
 
     @staticmethod
-    def run_with_fault(call: Call, fault: dict, run: Callable[[], Any]) -> Any:
-        """What a fault rule makes of the request: its latency first (outside any transaction:
-        other requests go on), then a forced error instead of ``run``, or after it."""
+    def with_fault(call: Call, fault: dict, deferred: Deferred) -> Deferred:
+        """What a fault rule makes of the request: its latency now (outside any transaction:
+        other requests go on), then a forced error instead of the handler, or after it (the
+        handler's writes kept)."""
         if fault["latency"]:
             time.sleep(fault["latency"])
         if fault["action"] == FaultAction.ERROR:
             raise forced_error(fault)
-        data = run()
-        if fault["action"] == FaultAction.COMMIT_THEN_FAIL:
-            raise InternalError(text=f"Forced by fault rule {fault['id']} after the request was applied.")
-        call.drop = fault["action"] == FaultAction.COMMIT_THEN_DROP
-        return data
 
-    def run(self, call: Call, handler: Callable, url_args: dict) -> Any:
-        """The handler; a write runs in one transaction with its nonce record (one commit,
-        DESIGN.md §10): a handler that fails leaves the nonce recorded and nothing else. A
-        read's nonce is recorded when the request ends (``finish``)."""
-        if call.environ["REQUEST_METHOD"] == "GET":
-            return handler(call, **url_args)
-        failure = None
-        with self.svc.db.atomic() as conn:
-            self.auth.record_nonce(call, conn)  # a replay: GA2013, rolled back, nothing applied
-            conn.execute("SAVEPOINT endpoint")
-            try:
-                data = handler(call, **url_args)
-            except Exception as exc:  # noqa: BLE001 - re-raised once the nonce is committed
-                conn.execute("ROLLBACK TO endpoint")
-                failure = exc
-            conn.execute("RELEASE endpoint")
-        if failure is not None:
-            raise failure
-        return data
+        def after(data: Any) -> Any:
+            if fault["action"] == FaultAction.COMMIT_THEN_FAIL:
+                raise InternalError(text=f"Forced by fault rule {fault['id']} after the request was applied.")
+            call.reply.drop = fault["action"] == FaultAction.COMMIT_THEN_DROP
+            return data
+        return deferred._replace(after=after)
 
     def check_admin(self, call: Call) -> None:
         """The bearer token; or the console's session cookie, which authorizes only with
         the page's CSRF header and from the same origin (S403 otherwise)."""
-        session = self.console.session(call.environ)
-        if session is None or "HTTP_AUTHORIZATION" in call.environ:
-            self.check_admin_token(call.environ)
+        session = self.console.session(call.request.environ)
+        if session is None or "HTTP_AUTHORIZATION" in call.request.environ:
+            self.check_admin_token(call.request.environ)
         elif not session.valid:
             raise Unauthorized()
-        elif not self.console.same_origin(call.environ, session.nonce):
+        elif not self.console.same_origin(call.request.environ, session.nonce):
             raise CrossSiteRefused()
         else:  # the console's own polling stays out of the access log; its actions do not
-            call.quiet = call.environ["REQUEST_METHOD"] == "GET"
+            call.reply.quiet = call.request.environ["REQUEST_METHOD"] == "GET"
 
     def check_admin_token(self, environ: Mapping[str, Any]) -> None:
         scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
@@ -4411,8 +4611,11 @@ class HttpApi:
         if isinstance(exc, sqlite3.Error) and _is_busy(exc):
             try:
                 self.svc.db.check_file()  # the file gone says so, rather than "busy"
-            except ServiceBusy as gone:
-                return gone
+            except FileGone as gone:
+                exc = gone
+            if isinstance(exc, FileGone):
+                return ServiceBusy(str(exc), zh_extra=f"服务器运行期间数据库文件 {self.svc.db.path}"
+                                   "（或其 -wal）被删除或替换；不再向其写入。请重启服务器。")
             return ServiceBusy()
         log.error("unexpected error while serving a request", exc_info=exc)
         return InternalError()
@@ -4545,47 +4748,49 @@ class WalletApi:
               query=_WALLET_FILTERS,
               links=(("Wallet", "get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),))
     def list_wallets(self, call: Call) -> dict:
-        return self.svc.list_wallets(call.principal.workspace_id, call.query)
+        return self.svc.list_wallets(call.found.principal.workspace_id, call.request.query)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>", "Get a wallet", scope="wallet:read", response="Wallet",
               links=(("Balance", "get_balance", {"wallet_id": "$response.body#/data/id"}),
                      ("Flows", "list_flows", {"wallet_id": "$response.body#/data/id"})),
               errors=(WalletNotFound,))
     def get_wallet(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.get_wallet(wallet_id, workspace_id=call.principal.workspace_id)
+        return self.svc.get_wallet(wallet_id, workspace_id=call.found.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/balance", "Get a wallet balance", scope="wallet:read",
               response="Balance", errors=(WalletNotFound,))
     def get_balance(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.get_balance(wallet_id, workspace_id=call.principal.workspace_id)
+        return self.svc.get_balance(wallet_id, workspace_id=call.found.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/flows", "List a wallet's flows", scope="wallet:read",
               response="FlowPage", query=_FLOW_FILTERS, errors=(WalletNotFound,))
     def list_flows(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.list_flows(wallet_id, call.query, workspace_id=call.principal.workspace_id)
+        return self.svc.list_flows(wallet_id, call.request.query,
+                                   workspace_id=call.found.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders", "List transfer orders", scope="transfer:read",
               response="TransferOrderPage", query=_TRANSFER_FILTERS,
               links=(("Order", "get_transfer", {"biz_id": "$response.body#/data/content/0/bizId"}),))
     def list_transfers(self, call: Call) -> dict:
-        return self.svc.list_transfers(call.principal.workspace_id, call.query)
+        return self.svc.list_transfers(call.found.principal.workspace_id, call.request.query)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/wallet/<wallet_id>", "List a wallet's transfer orders",
               scope="transfer:read", response="TransferOrderPage", query=_TRANSFER_FILTERS,
               errors=(WalletNotFound,))
     def list_wallet_transfers(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.list_transfers(call.principal.workspace_id, call.query, wallet_id=wallet_id)
+        return self.svc.list_transfers(call.found.principal.workspace_id, call.request.query,
+                                       wallet_id=wallet_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/<biz_id>", "Get a transfer order", scope="transfer:read",
               response="TransferOrder", errors=(TransferNotFound,))
     def get_transfer(self, call: Call, biz_id: str) -> dict:
-        return self.svc.get_transfer(call.principal.workspace_id, biz_id)
+        return self.svc.get_transfer(call.found.principal.workspace_id, biz_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/<biz_id>/completed",
               "Check whether a transfer order is completed", scope="transfer:read", response="Completion",
               errors=(TransferNotFound,))
     def transfer_completed(self, call: Call, biz_id: str) -> dict:
-        return self.svc.transfer_completion(call.principal.workspace_id, biz_id)
+        return self.svc.transfer_completion(call.found.principal.workspace_id, biz_id)
 
     @endpoint("POST", "/api/v1/transfer/command/create", "Create a transfer order", scope="transfer:create",
               request="CreateTransfer", response="TransferOrder",
@@ -4598,18 +4803,18 @@ class WalletApi:
               errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance,
                       CurrencyMismatch, SameWallet, IdempotencyConflict))
     def create_transfer(self, call: Call) -> dict:
-        media_type = call.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
+        media_type = call.request.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
         if media_type != "application/json":
             raise UnsupportedMediaType()
-        body = call.json()
-        header_key = call.header("Idempotency-Key")
+        body = call.request.json()
+        header_key = call.request.header("Idempotency-Key")
         if header_key and header_key != body.get("bizId"):  # unsigned: it cannot change the request
             raise invalid("Idempotency-Key", "unsigned_key")
         order, replayed = self.svc.transfer(
-            call.principal.workspace_id, body["sourceWalletId"], body["targetWalletId"], body["amount"],
+            call.found.principal.workspace_id, body["sourceWalletId"], body["targetWalletId"], body["amount"],
             body["currency"], biz_id=body.get("bizId"), description=body.get("description"))
         if replayed:
-            call.headers["Idempotent-Replayed"] = "true"
+            call.reply.replayed = True
         return order
 
     @endpoint("GET", "/healthz", "Health check: S503 once the database file is gone or replaced",
@@ -4621,10 +4826,10 @@ class WalletApi:
     @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)",
               response={"type": "object"}, media=JSON_CONTENT_TYPE)
     def openapi(self, call: Call) -> dict:
-        environ = call.environ
+        environ = call.request.environ
         host = (environ.get("HTTP_HOST")
                 or f"{environ.get('SERVER_NAME', 'localhost')}:{environ.get('SERVER_PORT', '80')}")
-        prefix = call.path.decode("latin-1")[: -len("/openapi.json")]
+        prefix = call.request.path.decode("latin-1")[: -len("/openapi.json")]
         return openapi_document(self.http.endpoints, f"{environ.get('wsgi.url_scheme', 'http')}://{host}{prefix}")
 
 
@@ -4650,7 +4855,7 @@ class AdminApi:
     @endpoint("GET", CONSOLE_PATH, "The sandbox console (HTML): its login form, or the console once"
               " logged in", response={"type": "string"}, media=HTML_CONTENT_TYPE)
     def console_page(self, call: Call) -> str:
-        session = self.console.session(call.environ)
+        session = self.console.session(call.request.environ)
         if session is None or not session.valid:
             return self.console.login_form(call)
         return self.console.page(call, session.nonce)
@@ -4676,7 +4881,7 @@ class AdminApi:
               links=[(name, name, {"workspace_id": "$response.body#/data/id"})
                      for name in ("get_workspace", "list_members", "create_api_key", "create_wallet")])
     def create_workspace(self, call: Call) -> dict:
-        return self.svc.create_workspace(call.json()["name"])
+        return self.svc.create_workspace(call.request.json()["name"])
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>", "Get a workspace", response="Workspace",
               errors=(WorkspaceNotFound,))
@@ -4696,7 +4901,7 @@ class AdminApi:
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/members", "Add a member", request="NameBody",
               response="Member", errors=(WorkspaceNotFound,))
     def add_member(self, call: Call, workspace_id: str) -> dict:
-        return self.svc.add_member(workspace_id, call.json()["name"])
+        return self.svc.add_member(workspace_id, call.request.json()["name"])
 
     @endpoint("DELETE", "/_admin/workspaces/<workspace_id>/members/<member_id>",
               "Remove a member (its keys answer GA2034)", response=None, errors=(WorkspaceNotFound, NotFound))
@@ -4712,7 +4917,7 @@ class AdminApi:
               "Create an API key (the secret is returned once)",
               request="NewKeyBody", response="ApiKey", errors=(WorkspaceNotFound, NotFound))
     def create_api_key(self, call: Call, workspace_id: str) -> dict:
-        body = call.json()
+        body = call.request.json()
         return self.svc.create_api_key(workspace_id, body.get("scopes", SCOPES),
                                        member_id=body.get("memberId"), ip_whitelist=body.get("ipWhitelist"))
 
@@ -4730,14 +4935,14 @@ class AdminApi:
               response="WalletPage", query=_WALLET_FILTERS, errors=(WorkspaceNotFound,))
     def list_wallets(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
-        return self.svc.list_wallets(workspace_id, call.query)
+        return self.svc.list_wallets(workspace_id, call.request.query)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/wallets", "Create a wallet", request="NewWalletBody",
               response="Wallet", errors=(WorkspaceNotFound,),
               links=[(name, name, {"wallet_id": "$response.body#/data/id"})
                      for name in ("get_wallet", "deposit", "withdraw", "set_wallet_status")])
     def create_wallet(self, call: Call, workspace_id: str) -> dict:
-        body = call.json()
+        body = call.request.json()
         return self.svc.create_wallet(workspace_id, body["currency"], name=body.get("name"))
 
     @endpoint("GET", "/_admin/wallets/<wallet_id>", "Get a wallet", response="Wallet",
@@ -4753,45 +4958,45 @@ class AdminApi:
     @endpoint("GET", "/_admin/wallets/<wallet_id>/flows", "List a wallet's flows", response="FlowPage",
               query=_FLOW_FILTERS, errors=(WalletNotFound,))
     def list_flows(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.list_flows(wallet_id, call.query)
+        return self.svc.list_flows(wallet_id, call.request.query)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/balances",
               "List a workspace's wallets as balances (the same pages, filters and sorts as its wallets)",
               response="BalancePage", query=_WALLET_FILTERS, errors=(WorkspaceNotFound,))
     def list_balances(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
-        return self.svc.list_wallets(workspace_id, call.query, balances=True)
+        return self.svc.list_wallets(workspace_id, call.request.query, balances=True)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/transfers", "List a workspace's transfer orders",
               response="TransferOrderPage", query=_TRANSFER_FILTERS, errors=(WorkspaceNotFound,))
     def list_transfers(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
-        return self.svc.list_transfers(workspace_id, call.query)
+        return self.svc.list_transfers(workspace_id, call.request.query)
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/status", "Freeze, unfreeze or close a wallet",
               request="StatusBody", response="Wallet", errors=(WalletNotFound,))
     def set_wallet_status(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.set_wallet_status(wallet_id, call.json()["status"])
+        return self.svc.set_wallet_status(wallet_id, call.request.json()["status"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/deposit", "Deposit money from outside",
               request="AmountBody", response="Flow", errors=(WalletNotFound, WalletNotActive))
     def deposit(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.deposit(wallet_id, call.json()["amount"])
+        return self.svc.deposit(wallet_id, call.request.json()["amount"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/withdraw", "Withdraw money", request="AmountBody",
               response="Flow", errors=(WalletNotFound, WalletNotActive, InsufficientBalance))
     def withdraw(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.withdraw(wallet_id, call.json()["amount"])
+        return self.svc.withdraw(wallet_id, call.request.json()["amount"])
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/complete", "Complete a PENDING order",
               request="DecisionBody", response="TransferOrder", errors=(TransferNotFound,))
     def complete_transfer(self, call: Call, biz_id: str) -> dict:
-        return self.svc.complete_transfer(biz_id, workspace_id=call.json().get("workspaceId"))
+        return self.svc.complete_transfer(biz_id, workspace_id=call.request.json().get("workspaceId"))
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/fail", "Fail a PENDING order", request="DecisionBody",
               response="TransferOrder", errors=(TransferNotFound,))
     def fail_transfer(self, call: Call, biz_id: str) -> dict:
-        return self.svc.fail_transfer(biz_id, workspace_id=call.json().get("workspaceId"))
+        return self.svc.fail_transfer(biz_id, workspace_id=call.request.json().get("workspaceId"))
 
     @endpoint("POST", "/_admin/reset", "Back to the starting state (one transaction): its data and clock,"
               " no journal, no fault rules", response=None)
@@ -4802,7 +5007,7 @@ class AdminApi:
               " scenario the sandbox started from, the built-in demo, or the one given",
               request="ScenarioBody", response="World")
     def instantiate(self, call: Call) -> dict:
-        body = call.json()
+        body = call.request.json()
         if "workspaces" in body and "scenario" in body or body.get("scenario", "demo") != "demo":
             raise invalid("scenario", "one_of", choices="demo (or no scenario, and workspaces or none)")
         if "workspaces" in body:
@@ -4840,15 +5045,16 @@ class AdminApi:
         (JSON); ``after``: only entries whose seq is greater (what is new since a poll);
         ``last``: only the newest so many of the matching entries; ``page`` and ``size`` as
         the API's lists (size 20 by default, at most 100)."""
-        after, last = (_page_integer(call.query, name, -1, 0) for name in ("after", "last"))
-        number = _page_integer(call.query, "page", 0, 0)
-        size = min(_page_integer(call.query, "size", DEFAULT_PAGE_SIZE, 1), MAX_PAGE_SIZE)
-        criteria: dict[str, Any] = {name: first(call.query, name) for name in ("method", "path", "code")}
+        after, last = (_page_integer(call.request.query, name, -1, 0) for name in ("after", "last"))
+        number = _page_integer(call.request.query, "page", 0, 0)
+        size = min(_page_integer(call.request.query, "size", DEFAULT_PAGE_SIZE, 1), MAX_PAGE_SIZE)
+        query = call.request.query
+        criteria: dict[str, Any] = {name: first(query, name) for name in ("method", "path", "code")}
         for kind, field in (("query.", "query"), ("header.", "headers")):
-            criteria[field] = {name[len(kind):]: values[0] for name, values in call.query.items()
+            criteria[field] = {name[len(kind):]: values[0] for name, values in call.request.query.items()
                                if name.startswith(kind)}
-        if first(call.query, "body") is not None:
-            criteria["body"] = json_object(first(call.query, "body").encode("utf-8"))
+        if first(call.request.query, "body") is not None:
+            criteria["body"] = json_object(first(call.request.query, "body").encode("utf-8"))
         entries = self.svc.journal.entries(after=max(after, 0), **criteria)
         if last >= 0:
             entries = entries[len(entries) - min(last, len(entries)):]
@@ -4858,7 +5064,7 @@ class AdminApi:
     @endpoint("POST", "/_admin/journal/assert", "Assert on the journal: passed, the count, the near misses",
               request="JournalAssertBody", response="JournalVerdict")
     def assert_journal(self, call: Call) -> dict:
-        body = call.json()
+        body = call.request.json()
         counts = {"times": body.pop("times", None), "at_least": body.pop("atLeast", None),
                   "never": body.pop("never", False)}
         try:
@@ -4877,7 +5083,7 @@ class AdminApi:
 
     @endpoint("POST", "/_admin/faults", "Add a fault rule", request="FaultBody", response="Fault")
     def add_fault(self, call: Call) -> dict:
-        body = call.json()
+        body = call.request.json()
         if "workspaceId" in body:
             body["workspace_id"] = body.pop("workspaceId")
         return self.svc.faults.add(**body)
@@ -4894,7 +5100,7 @@ class AdminApi:
     @endpoint("POST", "/_admin/ids", "Seed the ids and secrets that follow (null: random again)",
               request="SeedBody", response=None)
     def seed_ids(self, call: Call) -> None:
-        self.svc.seed_ids(call.json()["seed"])
+        self.svc.seed_ids(call.request.json()["seed"])
 
     @endpoint("GET", "/_admin/clock", "The service clock", response="ClockState")
     def get_clock(self, call: Call) -> dict:
@@ -4906,7 +5112,7 @@ class AdminApi:
               request="ClockBody", response="ClockState")
     def set_clock(self, call: Call) -> dict:
         """``{"freeze": true|false, "at": epoch seconds or RFC 3339, "advance": seconds}``."""
-        body = call.json()
+        body = call.request.json()
         clock = self.svc.clock
         if not isinstance(clock, Clock):
             raise invalid("clock", "state",
