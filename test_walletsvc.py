@@ -351,12 +351,39 @@ def live(tmp_path, svc, world):
 
 
 README = pathlib.Path(__file__).parent / "README.md"
+# README and the pages of docs/: every ```python, ```sh... block in them runs in this suite as printed.
+DOC_PAGES = (README, *sorted((README.parent / "docs").glob("*.md")))
 
 
-def readme_blocks(section: str, language: str) -> list[str]:
-    """The ```language blocks of one README section, as printed."""
-    text = README.read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return [block.split("```", 1)[0] for block in text.split(f"```{language}\n")[1:]]
+def doc_section(title: str) -> str:
+    """The text of the one section titled ``## TITLE``, on whichever page of README and docs/ holds it."""
+    heading = f"\n## {title}\n"
+    texts = [page.read_text(encoding="utf-8") for page in DOC_PAGES]
+    found = [text.split(heading, 1)[1].split("\n## ", 1)[0] for text in texts if heading in text]
+    assert len(found) == 1, f"the section {title!r} is on {len(found)} pages of README and docs/"
+    return found[0]
+
+
+def doc_blocks(section: str, language: str) -> list[str]:
+    """The ```language blocks of one section of README or docs/, as printed."""
+    return [block.split("```", 1)[0] for block in doc_section(section).split(f"```{language}\n")[1:]]
+
+
+def printed_shell_env(tmp_path: pathlib.Path, **variables: str) -> dict:
+    """The environment a printed shell block runs in without an activated virtualenv: the commands
+    it names (python, pip, walletsvc, flask, django-admin, uvicorn, gunicorn) are this interpreter's,
+    as ``sys.executable -m ...``; pip never reaches an index (the packages are installed already)."""
+    shims = tmp_path / "printed-bin"
+    shims.mkdir(exist_ok=True)
+    for command, module in (("python", ""), ("python3", ""), ("pip", "-m pip"), ("walletsvc", "-m walletsvc"),
+                            ("flask", "-m flask"), ("django-admin", "-m django"), ("uvicorn", "-m uvicorn"),
+                            ("gunicorn", "-m gunicorn")):
+        shim = shims / command
+        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {module} "$@"\n')
+        shim.chmod(0o755)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WALLETSVC_")}
+    return {**env, "PATH": f"{shims}{os.pathsep}{os.environ.get('PATH', '')}", "PIP_NO_INDEX": "1",
+            **variables}
 
 
 def _free_port() -> int:
@@ -407,9 +434,16 @@ def demo_server(tmp_path):
     server = ServerProcess(str(tmp_path / "demo.db"), tmp_path / "demo.log", "--demo")
     server.start()
     printed = (tmp_path / "demo.log").read_text()
-    env = {**os.environ, **{name: re.search(rf"{label}\s*: (\S+)", printed).group(1)
-                            for name, label in (("KEY", "API key"), ("SECRET", "secret"),
-                                                ("TOKEN", "admin token"))}}
+    exported = re.search(r"^export (WALLETSVC_URL=.*)$", printed, flags=re.MULTILINE)
+    if exported:  # the banner's first line: export WALLETSVC_URL=... WALLETSVC_KEY=... (README's names)
+        names = dict(word.split("=", 1) for word in shlex.split(exported.group(1)))
+    else:
+        names = {name: re.search(rf"{label}\s*: (\S+)", printed).group(1)
+                 for name, label in (("WALLETSVC_KEY", "API key"), ("WALLETSVC_SECRET", "secret"),
+                                     ("WALLETSVC_ADMIN_TOKEN", "admin token"))}
+    names["WALLETSVC_URL"] = server.url
+    env = {**os.environ, **names, "KEY": names["WALLETSVC_KEY"], "SECRET": names["WALLETSVC_SECRET"],
+           "TOKEN": names["WALLETSVC_ADMIN_TOKEN"]}
     yield server, env
     server.stop()
 
@@ -1322,12 +1356,49 @@ def test_in_memory_service_works_from_many_threads(svc, world) -> None:
     assert balances(svc, world["b"]) == ["2.00"]
 
 
-def test_every_readme_python_block_runs_in_the_suite() -> None:
-    """A new Python block in README needs a test that runs it; these are the tested sections."""
-    sections = re.findall(r"^## (.+)$", README.read_text(encoding="utf-8"), flags=re.MULTILINE)
-    with_python = {section for section in sections if readme_blocks(section, "python")}
-    assert with_python == {"A signed request", "Embedding", "Clients", "Using walletsvc in your tests",
-                           "Adding an endpoint", "One sandbox, however many processes"}
+# The languages of the blocks the suite runs; a ```text or ```json block is shown, not run.
+DOC_LANGUAGES = ("python", "bash", "sh", "console", "toml", "js", "java")
+
+
+def test_every_code_block_of_readme_and_docs_runs_in_the_suite() -> None:
+    """A new block in README or docs/ needs a test that runs it: these are the sections whose blocks
+    the tests below run, with how many blocks of each language."""
+    found, fences = {}, []
+    for page in DOC_PAGES:
+        text = page.read_text(encoding="utf-8")
+        fences += [(page.name, label) for label in re.findall(r"^ *```(\w*)$", text, flags=re.MULTILINE)[::2]]
+        assert not any(f"```{language}\n" in text.split("\n## ", 1)[0] for language in DOC_LANGUAGES), page
+        for title in re.findall(r"^## (.+)$", text, flags=re.MULTILINE):
+            counts = {language: len(doc_blocks(title, language)) for language in DOC_LANGUAGES}
+            if any(counts.values()):
+                found[f"{page.name}: {title}"] = {language: n for language, n in counts.items() if n}
+    assert [fence for fence in fences if fence[1] not in (*DOC_LANGUAGES, "text", "json")] == []
+    assert found == {
+        "README.md: Prerequisites": {"sh": 1},
+        "README.md: The two commands": {"sh": 2},
+        "README.md: Your first request": {"sh": 1},
+        "README.md: A test with the pytest plugin": {"python": 1},
+        "README.md: Embedding": {"python": 1},
+        "contributing.md: Adding an endpoint": {"python": 1},
+        "embedding.md: The Python API": {"python": 1},
+        "embedding.md: A key for your app": {"python": 1, "sh": 1},
+        "embedding.md: Flask": {"python": 1, "sh": 2},
+        "embedding.md: Django": {"python": 1, "sh": 3},
+        "embedding.md: Starlette": {"python": 1, "sh": 2},
+        "operations.md: When things go wrong": {"sh": 1},
+        "reference.md: Command line": {"bash": 1},
+        "sandbox.md: Serving the sandbox": {"sh": 1},
+        "sandbox.md: Driving the sandbox from any language": {"sh": 1},
+        "sandbox.md: Scenarios": {"toml": 1},
+        "sandbox.md: One sandbox, however many processes": {"python": 1},
+        "signing.md: Signing with curl": {"sh": 2},
+        "signing.md: Signing in Python": {"python": 1},
+        "signing.md: Signing in JavaScript": {"js": 1},
+        "signing.md: Signing in Java": {"java": 1},
+        "signing.md: Clients": {"python": 1},
+        "testing.md: The pytest plugin": {"python": 2},
+        "testing.md: Other languages": {"sh": 1, "js": 1, "java": 1},
+    }
 
 
 ###############################################################################
@@ -1373,9 +1444,8 @@ def test_timestamp_tolerance_setting_changes_the_window(svc, world, clock) -> No
     data(strict.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 5)}))
 
 
-def test_readme_settings_table_lists_every_setting() -> None:
-    readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Settings", 1)[1].split("\n## ", 1)[0]
+def test_the_settings_table_of_the_reference_lists_every_setting() -> None:
+    section = doc_section("Settings")
     rows = re.findall(r"^\| `(\w+)` \| (service|HTTP) \|", section, flags=re.MULTILINE)
     assert sorted(name for name, _ in rows) == sorted(walletsvc.Settings.names())
     for name, layer in rows:
@@ -1526,14 +1596,14 @@ def test_hmac_auth_signs_requests_and_httpx(svc, live, world, clock) -> None:
     assert balances(svc, world["b"]) == ["2.00"]
 
 
-@pytest.mark.parametrize("section", ["A signed request", "Clients"])
-def test_readme_python_blocks_run_as_printed_against_the_demo(demo_server, section, tmp_path) -> None:
-    server, env = demo_server
-    for block in readme_blocks(section, "python"):
-        done = subprocess.run([sys.executable, "-c", block.replace("http://127.0.0.1:8080", server.url)],
-                              env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
+@pytest.mark.parametrize("section", ["Signing in Python", "Clients"])
+def test_signing_python_blocks_run_as_printed_against_the_demo(demo_server, section, tmp_path) -> None:
+    server, env = demo_server  # WALLETSVC_URL, _KEY, _SECRET as the banner exports them
+    for block in doc_blocks(section, "python"):
+        done = subprocess.run([sys.executable, "-c", block], env=env, capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
-    if section == "A signed request":
+    if section == "Signing in Python":
         assert done.stdout == "3 wallets\n"
     else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 1000.00
         reply = walletsvc.Client(server.url, env["KEY"], env["SECRET"]).list_wallets(sort=["name,asc"])
@@ -2112,7 +2182,7 @@ def test_readme_adding_an_endpoint_block_serves_an_endpoint(svc, world, clock, m
     """README, "Adding an endpoint": the three pieces, as printed, are all the HTTP layer needs."""
     import textwrap
 
-    (block,) = readme_blocks("Adding an endpoint", "python")
+    (block,) = doc_blocks("Adding an endpoint", "python")
     handler, service, resource = (textwrap.dedent(piece.split("\n", 1)[1])
                                   for piece in re.split(r"^# \d\. ", block, flags=re.MULTILINE)[1:])
     resource, schema = resource.split("\n\n")
@@ -2263,56 +2333,51 @@ def test_wsgiref_which_gives_no_raw_path_serves_the_same(tmp_path) -> None:
         server.server_close()
 
 
-def _django_project(tmp_path: pathlib.Path) -> dict:
-    (block,) = [b for b in readme_blocks("Embedding", "python") if b.startswith("# mysite/wsgi.py")]
-    site = tmp_path / "mysite"
-    site.mkdir()
-    (site / "__init__.py").write_text("")
-    (site / "wsgi.py").write_text(block)
-    (site / "urls.py").write_text("urlpatterns = []\n")
-    (site / "settings.py").write_text('SECRET_KEY = "test"\nDEBUG = False\nALLOWED_HOSTS = ["*"]\n'
-                                      'ROOT_URLCONF = "mysite.urls"\n'
-                                      'WSGI_APPLICATION = "mysite.wsgi.application"\n'
-                                      "INSTALLED_APPS = []\nDATABASES = {}\n")
-    return {**os.environ, "PYTHONPATH": str(tmp_path)}
+@contextlib.contextmanager
+def _printed_server(command: str, cwd: pathlib.Path, env: dict):
+    """A server started by a printed shell command, in a process group of its own (a development
+    server's reloader is a child), stopped with the whole group."""
+    import signal
 
-
-@pytest.mark.parametrize("host", ["runserver", "gunicorn"])
-def test_readme_django_recipe_serves_walletsvc_below_payments(tmp_path, host: str) -> None:
-    env = _django_project(tmp_path)
-    key = _funded_database(str(tmp_path / "payments.db"))
-    port = _free_port()
-    command = {"runserver": [sys.executable, "-m", "django", "runserver", f"127.0.0.1:{port}", "--noreload",
-                             "--settings", "mysite.settings"],
-               "gunicorn": [sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}",
-                            "mysite.wsgi:application"]}
-    process = subprocess.Popen(command[host], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}/payments"
+    process = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        _wait_for(base_url + "/healthz", process)
-        _hosted_checks(base_url, key)
-        assert requests.get(f"http://127.0.0.1:{port}/elsewhere", timeout=10).status_code == 404  # Django's
+        yield process
     finally:
-        process.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=10)
 
 
-def test_readme_asgi_recipe_serves_walletsvc_on_uvicorn(tmp_path) -> None:
-    (block,) = [b for b in readme_blocks("Embedding", "python") if b.startswith("# asgi.py")]
-    (tmp_path / "asgi.py").write_text(block)
-    key = _funded_database(str(tmp_path / "payments.db"))
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "asgi:app", "--port", str(port),
-                                "--log-level", "warning"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}/payments"
-    try:
+@pytest.mark.parametrize("recipe, server", [("Flask", 0), ("Django", 0), ("Django", 1), ("Starlette", 0)],
+                         ids=["flask", "django-runserver", "django-gunicorn", "starlette"])
+def test_an_embedding_recipe_goes_from_an_empty_folder_to_a_signed_200(tmp_path, recipe, server) -> None:
+    """docs/embedding.md as printed: the packages, make_key.py, the app's files, the server, then
+    `walletsvc request` in a second shell (the port 8000 of the page is a free one here)."""
+    port = str(_free_port())
+    env = printed_shell_env(tmp_path)
+    (make_key,) = doc_blocks("A key for your app", "python")
+    (tmp_path / "make_key.py").write_text(make_key.replace("8000", port))
+    setup, *servers = doc_blocks(recipe, "sh")
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", setup], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for block in doc_blocks(recipe, "python"):
+        name = block.split("\n", 1)[0].removeprefix("# ").split(":", 1)[0]  # "# app.py: ..." names its file
+        (tmp_path / name).write_text(block)
+    env_file = (tmp_path / "payments.env").read_text()
+    key = dict(re.findall(r"WALLETSVC_(KEY|SECRET)=(\S+)", env_file))
+    with _printed_server(servers[server].replace("8000", port), tmp_path, env) as process:
+        base_url = f"http://127.0.0.1:{port}/payments"
         _wait_for(base_url + "/healthz", process)
-        _hosted_checks(base_url, key)
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+        (request,) = doc_blocks("A key for your app", "sh")
+        answer = subprocess.run(["bash", "-euo", "pipefail", "-c", request], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=60, check=False)
+        assert answer.returncode == 0 and answer.stderr.startswith("HTTP 200"), answer.stdout + answer.stderr
+        assert json.loads(answer.stdout)["data"]["page"]["totalElements"] == 2
+        _hosted_checks(base_url, {"apiKey": key["KEY"], "secret": key["SECRET"]})
+        if recipe != "Starlette":  # the host's own pages are still its own
+            assert requests.get(f"http://127.0.0.1:{port}/elsewhere", timeout=10).status_code == 404
 
 
 def test_waitress_serves_the_same_path(tmp_path) -> None:
@@ -2353,16 +2418,22 @@ def test_gunicorn_serves_the_same_path(tmp_path) -> None:
         process.wait(timeout=10)
 
 
-def test_readme_embedding_block_runs_as_printed(tmp_path, monkeypatch) -> None:
-    readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## Embedding", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+def test_the_python_api_block_runs_as_printed(tmp_path, monkeypatch) -> None:
+    (block,) = doc_blocks("The Python API", "python")
     monkeypatch.chdir(tmp_path)  # it opens wallet.db
     scope: dict = {}
-    exec(compile(block, "README.md (Embedding)", "exec"), scope)  # noqa: S102 - the README is ours
+    exec(compile(block, "docs/embedding.md (The Python API)", "exec"), scope)  # noqa: S102 - the page is ours
     manual, ws = scope["manual"], scope["ws"]
     assert [manual.get_transfer(ws["id"], biz)["status"] for biz in ("invoice-1", "invoice-2")] == [
         "COMPLETED", "FAILED"]
     assert manual.audit() == []
+
+
+def test_readme_embedding_block_runs_as_printed(tmp_path) -> None:
+    (block,) = doc_blocks("Embedding", "python")
+    done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert (done.returncode, done.stdout) == (0, "100.00\n"), done.stderr
 
 
 def _twin_app(tmp_path: pathlib.Path, name: str) -> tuple[walletsvc.WalletApp, dict, dict]:
@@ -3803,7 +3874,7 @@ def test_readme_curl_walk_through_runs_as_printed(demo_server) -> None:
     if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
         pytest.skip("the walk-through needs bash, curl, openssl and sha256sum")
     server, env = demo_server
-    script = readme_blocks("Driving the sandbox from any language", "sh")[0]  # (the other starts a server)
+    script = doc_blocks("Driving the sandbox from any language", "sh")[0]  # (the other starts a server)
     script = script.replace("http://127.0.0.1:8080", server.url)
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
                           timeout=60, check=False)
@@ -3866,7 +3937,7 @@ def test_readme_gunicorn_recipe_with_two_workers_is_one_sandbox(tmp_path) -> Non
     import socket
     import textwrap
 
-    (block,) = readme_blocks("One sandbox, however many processes", "python")
+    (block,) = doc_blocks("One sandbox, however many processes", "python")
     (tmp_path / "sandbox_wsgi.py").write_text(textwrap.dedent(block))
     svc = walletsvc.WalletService(str(tmp_path / "sandbox.db"))
     workspace = svc.create_workspace("gunicorn")["id"]
@@ -3983,7 +4054,7 @@ credentials."""
 
 
 def _readme_scenario(tmp_path: pathlib.Path, replace: tuple[str, str] | None = None) -> pathlib.Path:
-    (block,) = readme_blocks("Scenarios and parallel worlds", "toml")
+    (block,) = doc_blocks("Scenarios and parallel worlds", "toml")
     if replace:
         block = block.replace(*replace, 1)
     (tmp_path / "shop.toml").write_text(block)
@@ -4204,8 +4275,8 @@ def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path)
             raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
         pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
     section = "Driving the sandbox from any language"
-    (start,), (js,), (java,) = (readme_blocks(section, "sh")[1:], readme_blocks(section, "js"),
-                                readme_blocks(section, "java"))
+    (start,), (js,), (java,) = (doc_blocks(section, "sh")[1:], doc_blocks(section, "js"),
+                                doc_blocks(section, "java"))
     assert start.strip() == "walletsvc serve --scenario shop.toml --ready-file walletsvc-ready.json"
     (tmp_path / "walletsvc.test.mjs").write_text(js)
     (tmp_path / "WalletsvcExample.java").write_text(java)
