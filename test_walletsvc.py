@@ -3765,10 +3765,11 @@ def test_request_refuses_a_url_it_cannot_use_in_one_line(url: str) -> None:
     assert done.returncode == 2 and "--url" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_server) -> None:
+def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_server, tmp_path) -> None:
     """Defect: for a POST it printed headers only, and the README's pattern then sent a GET (GA2012)."""
-    server, env = demo_server
-    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"], "WALLETSVC_URL": server.url}
+    _server, env = demo_server  # walletsvc is `sys.executable -m walletsvc`, not whatever PATH holds
+    env = printed_shell_env(tmp_path, **{name: env[name] for name in ("WALLETSVC_URL", "WALLETSVC_KEY",
+                                                                       "WALLETSVC_SECRET")})
     listed = json.loads(subprocess.run(
         ["bash", "-c", 'eval "$(walletsvc sign GET /api/v1/wallets --format curl)"'],
         capture_output=True, text=True, env=env, timeout=60, check=True).stdout)
@@ -3782,10 +3783,11 @@ def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_serv
     assert json.loads(posted.stdout)["data"]["description"] == "it's paid"
 
 
-def test_sign_curl_sends_a_body_that_starts_with_at_as_written(demo_server) -> None:
+def test_sign_curl_sends_a_body_that_starts_with_at_as_written(demo_server, tmp_path) -> None:
     """Review: with --data-binary, a body starting with @ made curl send a file instead."""
-    server, env = demo_server
-    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"], "WALLETSVC_URL": server.url}
+    _server, env = demo_server
+    env = printed_shell_env(tmp_path, **{name: env[name] for name in ("WALLETSVC_URL", "WALLETSVC_KEY",
+                                                                       "WALLETSVC_SECRET")})
     command = ('eval "$(walletsvc sign POST /api/v1/transfer/command/create --data @/etc/hostname '
                '--format curl)"')
     answer = json.loads(subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env,
@@ -3798,7 +3800,7 @@ def test_every_environment_variable_the_cli_reads_is_documented() -> None:
     read = set(re.findall(r"os\.environ\.get\(\"(WALLETSVC_[A-Z_]+)\"", source))
     assert read >= {"WALLETSVC_DB", "WALLETSVC_ADMIN_TOKEN", "WALLETSVC_URL", "WALLETSVC_KEY",
                     "WALLETSVC_SECRET"}
-    section = README.read_text(encoding="utf-8").split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+    section = doc_section("Command line")
     assert {name for name in read if f"`{name}`" not in section} == set()
 
 
@@ -3868,14 +3870,13 @@ throughout."""
         server.stop()
 
 
-def test_readme_curl_walk_through_runs_as_printed(demo_server) -> None:
+def test_the_sandbox_curl_walk_through_runs_as_printed(demo_server) -> None:
     import shutil
 
     if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
         pytest.skip("the walk-through needs bash, curl, openssl and sha256sum")
-    server, env = demo_server
-    script = doc_blocks("Driving the sandbox from any language", "sh")[0]  # (the other starts a server)
-    script = script.replace("http://127.0.0.1:8080", server.url)
+    _server, env = demo_server  # the four variables the banner exports
+    (script,) = doc_blocks("Driving the sandbox from any language", "sh")
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -4054,7 +4055,7 @@ credentials."""
 
 
 def _readme_scenario(tmp_path: pathlib.Path, replace: tuple[str, str] | None = None) -> pathlib.Path:
-    (block,) = doc_blocks("Scenarios and parallel worlds", "toml")
+    (block,) = doc_blocks("Scenarios", "toml")
     if replace:
         block = block.replace(*replace, 1)
     (tmp_path / "shop.toml").write_text(block)
@@ -4124,7 +4125,7 @@ def test_readme_shows_the_refusal_of_a_bad_scenario_as_printed(tmp_path) -> None
     scenario = _readme_scenario(tmp_path, ('currency = "USD"', 'currency = "USX"'))
     done = _cli("serve", "--db", str(tmp_path / "bad.db"), "--port", "0", "--scenario", scenario.name,
                 cwd=tmp_path)
-    section = README.read_text(encoding="utf-8").split("\n## Scenarios and parallel worlds\n", 1)[1]
+    section = doc_section("Scenarios")
     printed = re.search(r"`(walletsvc: scenario shop.toml: .*?)`", section, flags=re.DOTALL).group(1)
     assert done.stderr.strip() == " ".join(printed.split())
 
@@ -4265,8 +4266,9 @@ def test_a_world_in_python_resets_alone(walletsvc_sandbox) -> None:
         world.client.list_wallets()
 
 
-def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path) -> None:
-    """Two suites in other languages, from the ready file, each in a world of its own, at the same time."""
+def test_javascript_and_java_blocks_run_as_printed(tmp_path) -> None:
+    """Two suites in other languages, from the ready file, each in a world of its own, at the same time;
+    then the signing pages' JavaScript and Java."""
     import shutil
 
     missing = [tool for tool in ("node", "java") if not shutil.which(tool)]
@@ -4274,9 +4276,8 @@ def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path)
         if os.environ.get("WALLETSVC_LANGUAGES") == "required":
             raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
         pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
-    section = "Driving the sandbox from any language"
-    (start,), (js,), (java,) = (doc_blocks(section, "sh")[1:], doc_blocks(section, "js"),
-                                doc_blocks(section, "java"))
+    section = "Other languages"
+    (start,), (js,), (java,) = (doc_blocks(section, language) for language in ("sh", "js", "java"))
     assert start.strip() == "walletsvc serve --scenario shop.toml --ready-file walletsvc-ready.json"
     (tmp_path / "walletsvc.test.mjs").write_text(js)
     (tmp_path / "WalletsvcExample.java").write_text(java)
@@ -4297,6 +4298,15 @@ def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path)
         names = [w["name"] for w in requests.get(server.url + "/_admin/workspaces", headers=admin,
                                                  timeout=10).json()["data"]]
         assert names == ["Shop"] * 3  # the scenario's, and a world for each suite
+        # docs/signing.md's JavaScript and Java, with the reader key: they sign at the frozen clock (2030)
+        (tmp_path / "sign.mjs").write_text(doc_blocks("Signing in JavaScript", "js")[0])
+        (tmp_path / "Sign.java").write_text(doc_blocks("Signing in Java", "java")[0])
+        env = {**env, "WALLETSVC_URL": server.url, "WALLETSVC_KEY": "ak_shop_reader",
+               "WALLETSVC_SECRET": "shop-reader-secret-0001"}
+        for command in (["node", "sign.mjs"], ["java", "Sign.java"]):
+            done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+                                  check=False)
+            assert (done.returncode, done.stdout) == (0, "2000 3 wallets\n"), done.stdout + done.stderr
     finally:
         server.stop()
 
@@ -4349,20 +4359,16 @@ def test_live_fixture_serves_over_http(walletsvc_live) -> None:
     assert sandbox.client.get_wallet(sandbox.wallets["yen"]["id"])["balance"] == "100000"
 
 
-def test_readme_pytest_example_passes_as_written(tmp_path) -> None:
-    import subprocess
-    import sys
-
-    readme = (pathlib.Path(__file__).parent / "README.md").read_text()
-    section = readme.split("## Using walletsvc in your tests", 1)[1].split("\n## ", 1)[0]
-    example = "\n\n".join(block.split("```", 1)[0] for block in section.split("```python\n")[1:])
-    (tmp_path / "test_readme_example.py").write_text(example)  # every Python block of the section
+@pytest.mark.parametrize("section, passed", [("The pytest plugin", 5), ("A test with the pytest plugin", 1)])
+def test_pytest_examples_pass_as_written(tmp_path, section: str, passed: int) -> None:
+    example = "\n\n".join(doc_blocks(section, "python"))  # every Python block of the section
+    (tmp_path / "test_pay.py").write_text(example)
     for extra in ([], ["-n", "2"]):  # also under pytest-xdist: a sandbox and a port per worker
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra,
-                                 str(tmp_path / "test_readme_example.py")], capture_output=True, text=True,
+                                 str(tmp_path / "test_pay.py")], capture_output=True, text=True,
                                 timeout=120, cwd=tmp_path, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
-        assert "5 passed" in result.stdout
+        assert f"{passed} passed" in result.stdout
 
 
 @pytest.mark.walletsvc(settlement="manual", magic_values=True)
@@ -5153,7 +5159,7 @@ def test_console_under_a_mount_prefix_scopes_its_cookie_to_it(svc) -> None:
 ###############################################################################
 
 
-SCREENSHOTS = ("console-wallets.png", "console-journal.png")  # in docs/, shown in README
+SCREENSHOTS = ("console-wallets.png", "console-journal.png")  # in docs/, shown in docs/sandbox.md
 
 
 @pytest.fixture
@@ -5423,11 +5429,11 @@ def test_console_completes_a_pending_transfer_in_a_real_browser(browser, tmp_pat
         server.stop()
 
 
-def test_readme_shows_the_console_screenshots() -> None:
-    """The two screenshots the browser test takes (WALLETSVC_SCREENSHOTS=docs) are in README."""
-    readme = README.read_text(encoding="utf-8")
+def test_the_sandbox_page_shows_the_console_screenshots() -> None:
+    """The two screenshots the browser test takes (WALLETSVC_SCREENSHOTS=docs) are in docs/sandbox.md."""
+    page = (README.parent / "docs" / "sandbox.md").read_text(encoding="utf-8")
     for name in SCREENSHOTS:
-        assert f"(docs/{name})" in readme
+        assert f"]({name})" in page
         assert (README.parent / "docs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
