@@ -1401,6 +1401,144 @@ def test_every_code_block_of_readme_and_docs_runs_in_the_suite() -> None:
     }
 
 
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_readme_and_docs_resolve_and_no_page_cites_a_file_the_repository_lacks() -> None:
+    for page in DOC_PAGES:
+        text = page.read_text(encoding="utf-8")
+        assert "SPEC.md" not in text and "DESIGN.md" not in text, page
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: {target}"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(encoding="utf-8"), flags=re.MULTILINE)
+                assert anchor in {_slug(heading) for heading in headings}, f"{page.name}: {target}"
+
+
+def test_readme_is_a_first_screen_of_short_sentences() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    prose = " ".join(line for line in prose.splitlines() if not line.startswith(("|", "#")))
+    long = [sentence for sentence in re.split(r"(?<=[.!?:])\s+", prose) if len(sentence.split()) > 40]
+    assert long == []
+
+
+def test_readme_prerequisites_make_the_virtualenv_of_a_clone(tmp_path) -> None:
+    """README, "Prerequisites": the clone (of this checkout here), then its block as printed."""
+    subprocess.run(["git", "clone", "-q", str(README.parent), str(tmp_path / "walletsvc")], check=True,
+                   timeout=120, capture_output=True)
+    (block,) = doc_blocks("Prerequisites", "sh")
+    script = block + "\npython -c 'import sys; print(sys.prefix)'"
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path,
+                          env=printed_shell_env(tmp_path), capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "walletsvc" / ".venv")  # activated
+    assert "python_requires = >=3.11" in (README.parent / "setup.cfg").read_text()  # "Python 3.11 or later"
+
+
+def test_readme_two_commands_are_what_ci_and_this_suite_run() -> None:
+    serve, test = doc_blocks("The two commands", "sh")
+    assert test.strip() == (README.parent / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert serve.strip() == "pip install . && walletsvc serve --demo"  # demo_server: serve --demo
+    (serving,) = doc_blocks("Serving the sandbox", "sh")
+    assert serving.strip() == "walletsvc serve --demo"
+    # "Three tests skip when their tools are missing": two browser tests, one JavaScript and Java test
+    source = pathlib.Path(__file__).read_text(encoding="utf-8")
+    assert len(re.findall(r"^def test_\w+\(browser\b", source, flags=re.MULTILINE)) == 2
+    assert source.count('pytest.skip(f"{\', \'.join(missing)} not installed') == 1
+    assert "Three tests skip" in doc_section("The two commands")
+
+
+def test_readme_first_request_needs_nothing_filled_in(tmp_path) -> None:
+    """README, "Your first request": `walletsvc request GET /api/v1/wallets` after `serve --demo`, with
+    no WALLETSVC_ variable; on 127.0.0.1:8080 when it is free, else with WALLETSVC_URL only."""
+    import socket
+
+    server = ServerProcess(str(tmp_path / "walletsvc.db"), tmp_path / "demo.log", "--demo")
+    variables = {}
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", 8080))
+            server.port, server.url = 8080, "http://127.0.0.1:8080"
+        except OSError:
+            variables["WALLETSVC_URL"] = server.url
+    (block,) = doc_blocks("Your first request", "sh")
+    server.start()
+    try:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path,
+                              env=printed_shell_env(tmp_path, **variables), capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert done.returncode == 0 and done.stderr.startswith("HTTP 200"), done.stderr
+        wallets = json.loads(done.stdout)["data"]["content"]
+        assert sorted((w["name"], w["balance"]) for w in wallets) == [
+            ("alice", "1000.00"), ("bob", "1000.00"), ("yen", "100000")]
+    finally:
+        server.stop()
+
+
+def test_signing_curl_blocks_and_walletsvc_sign_run_as_printed(demo_server, tmp_path) -> None:
+    import shutil
+
+    if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
+        pytest.skip("the curl blocks need bash, curl, openssl and sha256sum")
+    server, env = demo_server
+    env = printed_shell_env(tmp_path, **{name: value for name, value in env.items()
+                                         if name.startswith("WALLETSVC_")})
+    get, post = doc_blocks("Signing with curl", "sh")
+    (sign,) = doc_blocks("Command line", "bash")
+
+    def run(block: str) -> dict:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert run(get)["data"]["page"] == {"size": 5, "number": 0, "totalElements": 3, "totalPages": 1}
+    assert run(sign)["data"]["page"]["totalElements"] == 3
+    assert run(post)["data"]["status"] == "COMPLETED"
+    _clock(server.url, {"Authorization": f"Bearer {env['WALLETSVC_ADMIN_TOKEN']}"}, freeze=True,
+           at="2030-01-01T00:00:00Z")  # the POST signs at the server's time: a frozen clock is no matter
+    assert run(post)["data"]["createdAt"] == "2030-01-01T00:00:00.000Z"
+
+
+def test_the_soak_command_selects_the_five_slow_tests(tmp_path) -> None:
+    (soak,) = doc_blocks("When things go wrong", "sh")
+    assert "The five marked `slow`" in doc_section("When things go wrong")
+    done = subprocess.run(["bash", "-c", soak.strip() + " --collect-only -q -p no:cacheprovider"],
+                          cwd=README.parent, env=printed_shell_env(tmp_path), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert re.search(r"^(5/\d+ tests collected|test_walletsvc.py: 5$)", done.stdout, flags=re.MULTILINE), (
+        done.stdout[-2000:] + done.stderr[-2000:])
+
+
+def test_the_error_catalog_of_the_reference_is_the_codes() -> None:
+    row = r"^\| (\w+) \| ([A-Z_]+) \| (\d{3}) \|"
+    rows = re.findall(row, doc_section("Error catalog"), flags=re.MULTILINE)
+
+    def classes(root: type) -> list[type]:
+        return [root, *(c for sub in root.__subclasses__() for c in classes(sub))]
+
+    raised = {(error.code, error.name, str(error.status)) for error in classes(walletsvc.WalletError)}
+    assert sorted(rows) == sorted(raised)
+
+
+def test_the_command_line_reference_names_every_verb() -> None:
+    import argparse
+
+    (verbs,) = [action.choices for action in walletsvc.build_parser()._actions
+                if isinstance(action, argparse._SubParsersAction)]
+    section = doc_section("Command line")
+    assert [verb for verb in verbs if f"walletsvc {verb}" not in section] == []
+
+
 ###############################################################################
 # Python API: settings (DESIGN.md §2) ##########################################
 ###############################################################################
