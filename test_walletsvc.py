@@ -434,16 +434,9 @@ def demo_server(tmp_path):
     server = ServerProcess(str(tmp_path / "demo.db"), tmp_path / "demo.log", "--demo")
     server.start()
     printed = (tmp_path / "demo.log").read_text()
-    exported = re.search(r"^export (WALLETSVC_URL=.*)$", printed, flags=re.MULTILINE)
-    if exported:  # the banner's first line: export WALLETSVC_URL=... WALLETSVC_KEY=... (README's names)
-        names = dict(word.split("=", 1) for word in shlex.split(exported.group(1)))
-    else:
-        names = {name: re.search(rf"{label}\s*: (\S+)", printed).group(1)
-                 for name, label in (("WALLETSVC_KEY", "API key"), ("WALLETSVC_SECRET", "secret"),
-                                     ("WALLETSVC_ADMIN_TOKEN", "admin token"))}
-    names["WALLETSVC_URL"] = server.url
-    env = {**os.environ, **names, "KEY": names["WALLETSVC_KEY"], "SECRET": names["WALLETSVC_SECRET"],
-           "TOKEN": names["WALLETSVC_ADMIN_TOKEN"]}
+    exported = dict(word.split("=", 1) for word in shlex.split(re.search(r"^export .*$", printed,
+                                                                           re.MULTILINE).group(0))[1:])
+    env = {**os.environ, **exported}  # README's four names: WALLETSVC_URL, _KEY, _SECRET, _ADMIN_TOKEN
     yield server, env
     server.stop()
 
@@ -465,9 +458,11 @@ def _list_wallets(server: ServerProcess, key: dict, skew: int = 0) -> requests.R
 def _demo_of(log_path: pathlib.Path) -> tuple[str, str, dict, list[str]]:
     """Key, secret, admin headers and wallet ids, as `serve --demo` printed them."""
     printed = log_path.read_text()
-    key, secret, token, wallets = (re.search(rf"{label}\s*: (.+)", printed).group(1).strip()
-                                   for label in ("API key", "secret", "admin token", "wallets"))
-    return key, secret, {"Authorization": f"Bearer {token}"}, wallets.split(", ")
+    exported = dict(word.split("=", 1) for word in shlex.split(re.search(r"^export .*$", printed,
+                                                                           re.MULTILINE).group(0))[1:])
+    wallets = re.search(r"wallets\s*: (.+)", printed).group(1).strip()
+    return (exported["WALLETSVC_KEY"], exported["WALLETSVC_SECRET"],
+            {"Authorization": f"Bearer {exported['WALLETSVC_ADMIN_TOKEN']}"}, wallets.split(", "))
 
 
 @contextlib.contextmanager
@@ -1480,6 +1475,9 @@ def test_readme_first_request_needs_nothing_filled_in(tmp_path) -> None:
         wallets = json.loads(done.stdout)["data"]["content"]
         assert sorted((w["name"], w["balance"]) for w in wallets) == [
             ("alice", "1000.00"), ("bob", "1000.00"), ("yen", "100000")]
+        (shown,) = re.findall(r"```text\n(export .*)…\n```", doc_section("Your first request"))
+        printed = re.search(r"^export .*$", (tmp_path / "demo.log").read_text(), re.MULTILINE).group(0)
+        assert printed.startswith(shown.replace("http://127.0.0.1:8080", server.url))
     finally:
         server.stop()
 
@@ -1744,7 +1742,8 @@ def test_signing_python_blocks_run_as_printed_against_the_demo(demo_server, sect
     if section == "Signing in Python":
         assert done.stdout == "3 wallets\n"
     else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 1000.00
-        reply = walletsvc.Client(server.url, env["KEY"], env["SECRET"]).list_wallets(sort=["name,asc"])
+        client = walletsvc.Client(server.url, env["WALLETSVC_KEY"], env["WALLETSVC_SECRET"])
+        reply = client.list_wallets(sort=["name,asc"])
         assert [wallet["balance"] for wallet in reply["content"]] == ["989.00", "1011.00", "100000"]
 
 
@@ -3581,7 +3580,7 @@ def _start_demo(db_path, *extra: str):
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     banner = ""
     deadline = time.monotonic() + 30
-    while "print(json.load" not in banner and time.monotonic() < deadline:
+    while "print(walletsvc.Client()" not in banner and time.monotonic() < deadline:
         line = server.stdout.readline()
         if not line and server.poll() is not None:
             break
@@ -3590,35 +3589,42 @@ def _start_demo(db_path, *extra: str):
 
 
 def _block(banner: str, title: str) -> str:
-    """The indented example under a heading of the demo banner, dedented."""
-    import textwrap
+    """The example under a heading of the demo banner, as printed: up to the next blank line."""
+    return banner.split(title, 1)[1].split("\n", 1)[1].split("\n\n", 1)[0]
 
-    lines = banner.split(title, 1)[1].splitlines()[1:]
-    block = []
-    for line in lines:
-        if not line.startswith("  "):
-            break
-        block.append(line)
-    return textwrap.dedent("\n".join(block))
+
+def _banner_shell(banner: str, title: str) -> subprocess.CompletedProcess:
+    """A banner example run as pasted into a shell after the banner's export line, without an
+    activated virtualenv (``walletsvc`` is this interpreter's)."""
+    bin_dir = pathlib.Path(sys.executable).parent
+    script = f"{_block(banner, 'examples below read:')}\n{_block(banner, title)}"
+    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
+    env = {name: value for name, value in env.items() if not name.startswith("WALLETSVC_")}
+    return subprocess.run(["bash", "-c", script], capture_output=True, check=False, text=True, timeout=30,
+                          env=env)
 
 
 def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
     import re
     import signal
-    import subprocess
-    import sys
 
     server, banner = _start_demo(tmp_path / "demo.db")
     try:
         base_url = re.search(r"sandbox at (\S+)", banner).group(1)
-        curl = subprocess.run(["bash", "-c", _block(banner, "(openssl + curl):")], capture_output=True,
-                              check=False, text=True, timeout=30)
+        assert f"database : {tmp_path / 'demo.db'}" in banner  # absolute: a relative --db is another file
+        exports = _block(banner, "examples below read:")
+        assert re.fullmatch(r"export WALLETSVC_URL=\S+ WALLETSVC_KEY=ak_demo WALLETSVC_SECRET=sk_demo"
+                            r" WALLETSVC_ADMIN_TOKEN=\S+", exports)
+        curl = _banner_shell(banner, "(openssl + curl), at the sandbox's clock:")
         answer = json.loads(curl.stdout)
         assert answer["success"] is True and answer["data"]["page"]["totalElements"] == 3
+        exported = dict(word.split("=", 1) for word in shlex.split(exports)[1:])
         python = subprocess.run([sys.executable, "-c", _block(banner, "From Python:")], capture_output=True,
-                                check=False, text=True, timeout=30)
-        assert "'success': True" in python.stdout, python.stderr
-        token = re.search(r"admin token : (\S+)", banner).group(1)
+                                check=False, text=True, timeout=30, env={**os.environ, **exported})
+        assert "'totalElements': 3" in python.stdout, python.stderr
+        request = _banner_shell(banner, "from another shell:")
+        assert json.loads(request.stdout)["data"]["page"]["totalElements"] == 3, request.stderr
+        token = re.search(r"WALLETSVC_ADMIN_TOKEN=(\S+)", banner).group(1)
         import urllib.request
         request = urllib.request.Request(base_url + "/_admin/workspaces",
                                          headers={"Authorization": f"Bearer {token}"})
@@ -3634,7 +3640,7 @@ def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
     again, second_banner = _start_demo(tmp_path / "demo.db")  # same database: same credentials
     again.send_signal(signal.SIGTERM)
     again.communicate(timeout=15)
-    credentials = r"API key +: \S+\n +secret +: \S+\n +admin token : \S+"
+    credentials = r"WALLETSVC_KEY=.*"  # (the port is a new one)
     assert re.search(credentials, banner).group(0) == re.search(credentials, second_banner).group(0)
 
 
@@ -3876,17 +3882,77 @@ def test_cli_request_prints_the_http_status(live, world, capsys, monkeypatch, cl
     assert (code, err.strip(), json.loads(out)["code"]) == (1, "HTTP 404 Not Found", "W1001")
 
 
-def test_cli_request_without_credentials_is_a_usage_error(capsys, monkeypatch) -> None:
-    monkeypatch.delenv("WALLETSVC_KEY", raising=False)
+def test_cli_request_with_an_empty_key_is_a_usage_error(capsys, monkeypatch) -> None:
+    monkeypatch.setenv("WALLETSVC_KEY", "")
     with pytest.raises(SystemExit) as exited:
         walletsvc.main(["request", "GET", "/api/v1/wallets"])
     assert exited.value.code == 2
 
 
+def test_request_and_client_need_nothing_against_the_demo(tmp_path, monkeypatch) -> None:
+    """DESIGN.md §9, the first five minutes: after `walletsvc serve --demo` (on 8080), a signed request
+    needs no flag, variable or placeholder; the demo's key is fixed (ak_demo / sk_demo)."""
+    for name in ("WALLETSVC_URL", "WALLETSVC_KEY", "WALLETSVC_SECRET"):
+        monkeypatch.delenv(name, raising=False)
+    client = walletsvc.Client()
+    assert (client.target, client.api_key, client.secret) == ("http://127.0.0.1:8080", "ak_demo", "sk_demo")
+    svc = walletsvc.WalletService(str(tmp_path / "demo.db"))
+    walletsvc.start_world(svc, walletsvc.DEMO_SCENARIO)
+    app = walletsvc.create_app(svc)
+    assert len(walletsvc.Client(app).list_wallets()["content"]) == 3
+    monkeypatch.setenv("WALLETSVC_KEY", "ak_other")
+    assert walletsvc.Client(app).api_key == "ak_other"
+
+
+def test_walletsvcs_clients_sign_at_a_frozen_or_moved_sandbox_clock(tmp_path, monkeypatch) -> None:
+    """DESIGN.md §9: Client and `walletsvc request` sign at the sandbox's clock; a GA2013 for the
+    timestamp says that the clock is frozen (or moved) and how to sign at it."""
+    clock = walletsvc.Clock(frozen_at=1893456000)  # 2030-01-01, as a scenario's clock
+    svc = walletsvc.WalletService(str(tmp_path / "frozen.db"), clock=clock)
+    key = walletsvc.start_world(svc, walletsvc.DEMO_SCENARIO)[0]["keys"][0]
+    app = walletsvc.create_app(svc)
+    headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"])
+    refused = webtest.TestApp(app).get("/api/v1/wallets", headers=headers, expect_errors=True).json
+    assert refused["code"] == "GA2013" and "sandbox clock is frozen" in refused["detail"]
+    assert '{"freeze": false}' in refused["detail"]
+    client = walletsvc.Client(app, key["apiKey"], key["secret"])
+    assert len(client.list_wallets()["content"]) == 3
+    assert abs(client.offset - (1893456000 - time.time())) < 2  # kept for the next request
+    clock.unfreeze()
+    clock.advance(-7200)  # moved: two hours behind real time
+    assert len(client.list_wallets()["content"]) == 3
+    moved = webtest.TestApp(app).get("/api/v1/wallets", headers=walletsvc.sign_request(
+        "GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"]), expect_errors=True).json
+    assert "sandbox clock is moved" in moved["detail"] and "freeze" not in moved["detail"]
+
+
+def test_request_command_signs_at_a_scenarios_frozen_clock(tmp_path) -> None:
+    """The README's shop: a scenario with its clock frozen in 2030, `walletsvc request` with the banner's
+    exports answers 200 (it answered GA2013 "-97957570 s from it")."""
+    scenario = tmp_path / "frozen.json"
+    scenario.write_text(json.dumps({"clock": {"at": "2030-01-01T00:00:00Z", "frozen": True},
+                                    "workspaces": [{"name": "shop", "keys": [{"scopes": ["wallet:read"]}],
+                                                    "wallets": [{"name": "till", "currency": "EUR"}]}]}))
+    server = ServerProcess(str(tmp_path / "shop.db"), tmp_path / "shop.log", "--scenario", str(scenario))
+    server.start()
+    try:
+        printed = (tmp_path / "shop.log").read_text()
+        exported = dict(word.split("=", 1) for word in shlex.split(re.search(r"^export .*$", printed,
+                                                                               re.MULTILINE).group(0))[1:])
+        env = {**os.environ, **exported}
+        done = subprocess.run([sys.executable, "-m", "walletsvc", "request", "GET", "/api/v1/wallets"],
+                              capture_output=True, text=True, env=env, timeout=60, check=False)
+        assert done.returncode == 0, done.stdout + done.stderr
+        assert json.loads(done.stdout)["data"]["content"][0]["name"] == "till"
+        assert "TS=1893456000 " in printed  # the banner's curl signs at the frozen clock
+    finally:
+        server.stop()
+
+
 def test_request_takes_paths_queries_and_urls_as_people_type_them(demo_server) -> None:
     """Defects: a path without / and a query with a space printed tracebacks; a URL without http:// failed."""
     server, env = demo_server
-    env = {**env, "WALLETSVC_KEY": env["KEY"], "WALLETSVC_SECRET": env["SECRET"]}
+    env = dict(env)
     host = server.url.removeprefix("http://")
     missing = _cli("request", "GET", "api/v1/wallets", "--url", host, env=env)
     assert (missing.returncode == 2 and "must start with /" in missing.stderr
@@ -5395,7 +5461,7 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
 
     server, env = demo_server
     assert f"console     : {server.url}/_admin/console" in server.log_path.read_text()
-    auth = walletsvc.HmacAuth(env["KEY"], env["SECRET"])
+    auth = walletsvc.HmacAuth(env["WALLETSVC_KEY"], env["WALLETSVC_SECRET"])
     admin = {"Authorization": f"Bearer {env['TOKEN']}"}
     shots = pathlib.Path(os.environ.get("WALLETSVC_SCREENSHOTS") or tmp_path)
 
@@ -5410,7 +5476,7 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     browser.find_element(By.NAME, "token").send_keys("not-the-token")
     browser.find_element(By.CSS_SELECTOR, "form button").click()
     until(browser, lambda: "That is not the admin token." in browser.page_source)
-    console_log_in(browser, server.url, env["TOKEN"])
+    console_log_in(browser, server.url, env["WALLETSVC_ADMIN_TOKEN"])
     cookie = browser.get_cookie(f"walletsvc_console_{server.port}")
     assert cookie["httpOnly"] is True and cookie["sameSite"] == "Strict"
     assert [link.text for link in browser.find_elements(By.CSS_SELECTOR, "nav a")] == [
@@ -5438,10 +5504,11 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     # A bad signature (the query string signed): the journal row opens on the server's diagnosis.
     timestamp, nonce = str(int(time.time())), str(uuid.uuid4())
     wrong = f"GET\n/api/v1/wallets?size=5\n{timestamp}\n{nonce}\n{hashlib.sha256(b'').hexdigest()}"
-    signature = base64.b64encode(hmac.new(env["SECRET"].encode(), wrong.encode(),
+    signature = base64.b64encode(hmac.new(env["WALLETSVC_SECRET"].encode(), wrong.encode(),
                                           hashlib.sha256).digest()).decode()
     refused = requests.get(server.url + "/api/v1/wallets?size=5", timeout=10, headers={
-        "X-Api-Key": env["KEY"], "X-Timestamp": timestamp, "X-Nonce": nonce, "X-Signature": signature})
+        "X-Api-Key": env["WALLETSVC_KEY"], "X-Timestamp": timestamp, "X-Nonce": nonce,
+        "X-Signature": signature})
     assert refused.json()["code"] == "GA2012"
     view("Journal")
     row = until(browser, lambda: [row for row in browser.find_elements(By.CSS_SELECTOR,
@@ -5452,7 +5519,7 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     assert "the query string was signed" in diagnosis[0].text
     canonical = browser.find_element(By.CSS_SELECTOR, "#entry pre.canonical").text
     assert canonical.startswith(f"GET\n/api/v1/wallets\n{timestamp}\n{nonce}\n")
-    assert env["SECRET"] not in browser.page_source
+    assert env["WALLETSVC_SECRET"] not in browser.page_source
     browser.save_screenshot(str(shots / SCREENSHOTS[1]))
 
     # Faults: add one with the form (it fires on the next transfer), then remove it.
@@ -5490,8 +5557,8 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
         browser.get(evil.url)
         until(browser, lambda: '"S403"' in browser.page_source)  # the form's answer, shown by the browser
     assert requests.get(server.url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
-    assert walletsvc.Client(server.url, env["KEY"],
-                            env["SECRET"]).get_balance(ids["alice"])["balance"] == "990.00"
+    assert walletsvc.Client(server.url, env["WALLETSVC_KEY"],
+                            env["WALLETSVC_SECRET"]).get_balance(ids["alice"])["balance"] == "990.00"
 
     browser.get(server.url + "/_admin/console")  # still logged in
     until(browser, lambda: wallets())

@@ -2842,9 +2842,13 @@ def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
 
 
 DEMO_WORKSPACE = "walletsvc demo"
-# The built-in scenario: `walletsvc serve --demo` and the pytest sandbox start from it.
+# The demo's fixed credentials, as stripe-mock's test key: `walletsvc request` and Client() use them
+# when no WALLETSVC_URL / WALLETSVC_KEY / WALLETSVC_SECRET is set, so a first request needs nothing filled in.
+DEMO_URL, DEMO_KEY, DEMO_SECRET = "http://127.0.0.1:8080", "ak_demo", "sk_demo"
+# The built-in scenario: `walletsvc serve --demo` and the pytest sandbox start from it (the sandbox,
+# like every world made over HTTP, with fresh ids and a fresh secret).
 DEMO_SCENARIO: Mapping[str, Any] = {"workspaces": [{
-    "name": DEMO_WORKSPACE, "keys": [{"scopes": list(SCOPES)}],
+    "name": DEMO_WORKSPACE, "keys": [{"id": DEMO_KEY, "secret": DEMO_SECRET, "scopes": list(SCOPES)}],
     "wallets": [{"name": "alice", "currency": "USD", "balance": "1000.00"},
                 {"name": "bob", "currency": "USD", "balance": "1000.00"},
                 {"name": "yen", "currency": "JPY", "balance": "100000"}]}]}
@@ -3801,7 +3805,7 @@ class Authenticator:
         key = self.api_key(call, signed)
         self.key_status(key)
         self.workspace(key)
-        self.timestamp(call, signed)
+        self.timestamp(call, key, signed)
         self.nonce(call, key, signed)
         self.signature(call, key, signed)
         self.ip_whitelist(call, key)
@@ -3832,7 +3836,7 @@ class Authenticator:
         if key["member_removed"]:
             raise NotWorkspaceMember()
 
-    def timestamp(self, call: Call, signed: SignedHeaders) -> None:
+    def timestamp(self, call: Call, key: sqlite3.Row, signed: SignedHeaders) -> None:
         """Step 4: X-Timestamp within the window of the service clock, in whole seconds (DESIGN.md §5)."""
         timestamp, tolerance = signed.timestamp, self.settings.timestamp_tolerance
         if signed.stamp < 0:
@@ -3843,10 +3847,20 @@ class Authenticator:
         now = math.floor(call.now)
         if abs(now - int(timestamp)) > tolerance:
             difference = int(timestamp) - now
-            raise expired(f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
-                          f" {now} ({iso_time(now * 1000)}), the request's is {difference:+d} s from it.",
-                          f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {now}"
-                          f"（{iso_time(now * 1000)}），请求时间与其相差 {difference:+d} 秒。")
+            english = (f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
+                       f" {now} ({iso_time(now * 1000)}), the request's is {difference:+d} s from it.")
+            chinese = (f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {now}"
+                       f"（{iso_time(now * 1000)}），请求时间与其相差 {difference:+d} 秒。")
+            if key["clock_frozen_at"] is not None or key["clock_offset"]:
+                frozen = key["clock_frozen_at"] is not None
+                english += (f" The sandbox clock is {'frozen' if frozen else 'moved'}: sign with its time"
+                            " (this answer's timestamp, in ms, over 1000), as walletsvc request and"
+                            " walletsvc.Client do")
+                english += ", or unfreeze it (POST /_admin/clock {\"freeze\": false})." if frozen else "."
+                chinese += (f"沙箱时钟已{'冻结' if frozen else '调整'}：请以沙箱时间签名（本响应的"
+                            " timestamp 毫秒值除以 1000），walletsvc request 与 walletsvc.Client 即如此")
+                chinese += "；或解冻时钟（POST /_admin/clock {\"freeze\": false}）。" if frozen else "。"
+            raise expired(english, chinese)
 
     @staticmethod
     def nonce(call: Call, key: sqlite3.Row, signed: SignedHeaders) -> None:
@@ -5039,15 +5053,25 @@ class Client:
     sent is the path signed. One method per endpoint, made from its
     declaration; each returns the envelope's ``data`` and raises the
     WalletError subclass of the answer's code.
+
+    Left out, the target, key and secret are WALLETSVC_URL, WALLETSVC_KEY and
+    WALLETSVC_SECRET, else the demo's (``walletsvc serve --demo``). It signs at
+    the sandbox's clock: refused for its timestamp (GA2013), it takes the
+    server's time from the answer, keeps the difference and sends once more.
     """
 
-    def __init__(self, target: str | Callable, api_key: str, secret: str, *, prefix: str = "",
-                 timeout: float = 10.0, clock: Callable[[], float] = time.time) -> None:
+    def __init__(self, target: str | Callable | None = None, api_key: str | None = None,
+                 secret: str | None = None, *, prefix: str = "", timeout: float = 10.0,
+                 clock: Callable[[], float] = time.time) -> None:
+        target = target or os.environ.get("WALLETSVC_URL") or DEMO_URL
         if isinstance(target, str):
             parts = urllib.parse.urlsplit(target)
             target, prefix = f"{parts.scheme}://{parts.netloc}", parts.path + prefix
         self.target, self.prefix = target, prefix.rstrip("/")
-        self.api_key, self.secret, self.timeout, self.clock = api_key, secret, timeout, clock
+        self.api_key = api_key or os.environ.get("WALLETSVC_KEY") or DEMO_KEY
+        self.secret = secret or os.environ.get("WALLETSVC_SECRET") or DEMO_SECRET
+        self.timeout, self.clock = timeout, clock
+        self.offset = 0  # seconds the sandbox's clock is from ``clock``, as its last GA2013 said
         self.last_headers: dict[str, str] = {}
 
     def request(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
@@ -5067,13 +5091,24 @@ class Client:
         """Sign and send ``path`` below the prefix; (HTTP status, response headers, envelope)
         whatever the outcome."""
         raw = body or b""
-        full_path = self.prefix + path
-        headers = sign_request(method, full_path, raw, self.api_key, self.secret, timestamp=int(self.clock()))
-        if raw:
-            headers["Content-Type"] = "application/json"
         if not isinstance(query, str):
             query = urllib.parse.urlencode(
                 {name: value for name, value in (query or {}).items() if value is not None}, doseq=True)
+        stamp = int(self.clock()) + self.offset
+        status, response_headers, answer = self._signed(method, path, query, raw, stamp)
+        server = answer.get("timestamp")
+        if answer.get("code") == RequestExpired.code and isinstance(server, int) and server // 1000 != stamp:
+            # The sandbox's clock is frozen or moved: sign at its time (a refused request did nothing).
+            self.offset = server // 1000 - int(self.clock())
+            status, response_headers, answer = self._signed(method, path, query, raw, server // 1000)
+        return status, response_headers, answer
+
+    def _signed(self, method: str, path: str, query: str, raw: bytes,
+                stamp: int) -> tuple[int, dict, dict]:
+        full_path = self.prefix + path
+        headers = sign_request(method, full_path, raw, self.api_key, self.secret, timestamp=stamp)
+        if raw:
+            headers["Content-Type"] = "application/json"
         status, response_headers, payload = self._send(method, full_path, query, headers, raw)
         try:
             return status, response_headers, json.loads(payload)
@@ -5159,30 +5194,38 @@ for _declaration, _handler in declared(WalletApi):
 # Serving ######################################################################
 ###############################################################################
 
-def demo_instructions(base_url: str, demo: dict, admin_token: str | None = None) -> str:
-    """What ``serve --demo`` prints: credentials and examples that work as printed."""
-    key, secret = demo["apiKey"], demo["secret"]
+def demo_instructions(base_url: str, demo: dict, admin_token: str | None, database: str,
+                      clock: tuple[float | None, float] = (None, 0.0)) -> str:
+    """What ``serve --demo`` (or ``--scenario``) prints: one export line with the names every
+    example uses, and examples that paste as printed and sign at the sandbox's clock."""
+    names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": demo["apiKey"], "WALLETSVC_SECRET": demo["secret"]}
+    if admin_token:
+        names["WALLETSVC_ADMIN_TOKEN"] = admin_token
+    frozen_at, offset = clock
+    stamp = (f"{int(frozen_at)}" if frozen_at is not None
+             else f"$(( $(date +%s) + {int(offset)} ))" if int(offset) else "$(date +%s)")
     return f"""walletsvc sandbox at {base_url}
-  API key     : {key}
-  secret      : {secret}
-  admin token : {admin_token or "(admin surface off)"}
-  wallets     : {", ".join(demo["walletIds"])}
-  console     : {f"{base_url}{CONSOLE_PATH} (log in with the admin token)" if admin_token
-                 else "(needs an admin token)"}
+database : {os.path.abspath(database)}
+wallets  : {", ".join(demo["walletIds"])}
+console  : {f"{base_url}{CONSOLE_PATH} (log in with WALLETSVC_ADMIN_TOKEN)" if admin_token
+            else "(off: it needs an admin token)"}
 
-Signed request from a shell (openssl + curl):
-  KEY={key} SECRET={secret}
-  TS=$(date +%s) NONCE=$(cat /proc/sys/kernel/random/uuid) P=/api/v1/wallets
-  SIG=$(printf 'GET\\n%s\\n%s\\n%s\\n%s' "$P" "$TS" "$NONCE" "$(printf '' | sha256sum | cut -d' ' -f1)" \\
-        | openssl dgst -sha256 -hmac "$SECRET" -binary | base64)
-  curl -s "{base_url}$P" -H "X-Api-Key: $KEY" -H "X-Timestamp: $TS" -H "X-Nonce: $NONCE" \
--H "X-Signature: $SIG"
+What walletsvc request, walletsvc.Client() and the examples below read:
+export {" ".join(f"{name}={shlex.quote(value)}" for name, value in names.items())}
+
+A signed request, from another shell:
+walletsvc request GET /api/v1/wallets
+
+Signed by hand (openssl + curl), at the sandbox's clock:
+TS={stamp} NONCE=$(cat /proc/sys/kernel/random/uuid) P=/api/v1/wallets
+SIG=$(printf 'GET\\n%s\\n%s\\n%s\\n%s' "$P" "$TS" "$NONCE" "$(printf '' | sha256sum | cut -d' ' -f1)" \\
+  | openssl dgst -sha256 -hmac "$WALLETSVC_SECRET" -binary | base64)
+curl -s "$WALLETSVC_URL$P" -H "X-Api-Key: $WALLETSVC_KEY" -H "X-Timestamp: $TS" -H "X-Nonce: $NONCE" \\
+  -H "X-Signature: $SIG"
 
 From Python:
-  import json, urllib.request, walletsvc
-  path = "/api/v1/wallets"
-  headers = walletsvc.sign_request("GET", path, b"", "{key}", "{secret}")
-  print(json.load(urllib.request.urlopen(urllib.request.Request("{base_url}" + path, headers=headers))))
+import walletsvc
+print(walletsvc.Client().list_wallets())
 """
 
 
@@ -5722,7 +5765,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         if args.ready_file:
             _write_ready_file(args.ready_file, base_url, settings.get("admin_token"), world or [])
         if demo and demo["apiKey"]:
-            print(demo_instructions(base_url, demo, settings.get("admin_token")), flush=True)
+            print(demo_instructions(base_url, demo, settings.get("admin_token"), args.db, svc.clock.state()),
+                  flush=True)
         elif keys:
             print(f"walletsvc serving {args.db} at {base_url}\nIt holds {keys} API key(s) in {workspaces}"
                   f" workspace(s): walletsvc workspace list --db {args.db}, walletsvc key list WORKSPACE_ID"
@@ -5963,14 +6007,17 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("method")
         sub.add_argument("path", help="path, e.g. /api/v1/wallets (a query string is not signed)")
         sub.add_argument("--data", help="the exact JSON body")
-        sub.add_argument("--key", default=os.environ.get("WALLETSVC_KEY"))
-        sub.add_argument("--secret", default=os.environ.get("WALLETSVC_SECRET"))
+        sub.add_argument("--key", default=os.environ.get("WALLETSVC_KEY", DEMO_KEY),
+                         help="the API key (WALLETSVC_KEY; the demo's if unset)")
+        sub.add_argument("--secret", default=os.environ.get("WALLETSVC_SECRET", DEMO_SECRET),
+                         help="its secret (WALLETSVC_SECRET; the demo's if unset)")
         if name == "request":
-            sub.add_argument("--url", default=os.environ.get("WALLETSVC_URL", "http://127.0.0.1:8080"))
+            sub.add_argument("--url", default=os.environ.get("WALLETSVC_URL", DEMO_URL),
+                             help="the server (WALLETSVC_URL); requests are signed at its clock")
         else:
             sub.add_argument("--format", choices=("headers", "curl"), default="headers",
                              help="headers, or a whole curl command (with --url)")
-            sub.add_argument("--url", default=os.environ.get("WALLETSVC_URL", "http://127.0.0.1:8080"),
+            sub.add_argument("--url", default=os.environ.get("WALLETSVC_URL", DEMO_URL),
                              help="the server (for --format curl; a path prefix in it is signed)")
         sub.set_defaults(run=lambda args, runner=runner, sub=sub: runner(args, sub))
 
