@@ -352,12 +352,39 @@ def live(tmp_path, svc, world):
 
 
 README = pathlib.Path(__file__).parent / "README.md"
+# README and the pages of docs/: every ```python, ```sh... block in them runs in this suite as printed.
+DOC_PAGES = (README, *sorted((README.parent / "docs").glob("*.md")))
 
 
-def readme_blocks(section: str, language: str) -> list[str]:
-    """The ```language blocks of one README section, as printed."""
-    text = README.read_text(encoding="utf-8").split(f"\n## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return [block.split("```", 1)[0] for block in text.split(f"```{language}\n")[1:]]
+def doc_section(title: str) -> str:
+    """The text of the one section titled ``## TITLE``, on whichever page of README and docs/ holds it."""
+    heading = f"\n## {title}\n"
+    texts = [page.read_text(encoding="utf-8") for page in DOC_PAGES]
+    found = [text.split(heading, 1)[1].split("\n## ", 1)[0] for text in texts if heading in text]
+    assert len(found) == 1, f"the section {title!r} is on {len(found)} pages of README and docs/"
+    return found[0]
+
+
+def doc_blocks(section: str, language: str) -> list[str]:
+    """The ```language blocks of one section of README or docs/, as printed."""
+    return [block.split("```", 1)[0] for block in doc_section(section).split(f"```{language}\n")[1:]]
+
+
+def printed_shell_env(tmp_path: pathlib.Path, **variables: str) -> dict:
+    """The environment a printed shell block runs in without an activated virtualenv: the commands
+    it names (python, pip, walletsvc, flask, django-admin, uvicorn, gunicorn) are this interpreter's,
+    as ``sys.executable -m ...``; pip never reaches an index (the packages are installed already)."""
+    shims = tmp_path / "printed-bin"
+    shims.mkdir(exist_ok=True)
+    for command, module in (("python", ""), ("python3", ""), ("pip", "-m pip"), ("walletsvc", "-m walletsvc"),
+                            ("flask", "-m flask"), ("django-admin", "-m django"), ("uvicorn", "-m uvicorn"),
+                            ("gunicorn", "-m gunicorn")):
+        shim = shims / command
+        shim.write_text(f'#!/bin/sh\nexec {shlex.quote(sys.executable)} {module} "$@"\n')
+        shim.chmod(0o755)
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WALLETSVC_")}
+    return {**env, "PATH": f"{shims}{os.pathsep}{os.environ.get('PATH', '')}", "PIP_NO_INDEX": "1",
+            **variables}
 
 
 def _free_port() -> int:
@@ -410,7 +437,7 @@ def demo_server(tmp_path):
     printed = (tmp_path / "demo.log").read_text()
     exported = dict(word.split("=", 1) for word in shlex.split(re.search(r"^export .*$", printed,
                                                                            re.MULTILINE).group(0))[1:])
-    env = {**os.environ, **exported}
+    env = {**os.environ, **exported}  # README's four names: WALLETSVC_URL, _KEY, _SECRET, _ADMIN_TOKEN
     yield server, env
     server.stop()
 
@@ -1325,12 +1352,190 @@ def test_in_memory_service_works_from_many_threads(svc, world) -> None:
     assert balances(svc, world["b"]) == ["2.00"]
 
 
-def test_every_readme_python_block_runs_in_the_suite() -> None:
-    """A new Python block in README needs a test that runs it; these are the tested sections."""
-    sections = re.findall(r"^## (.+)$", README.read_text(encoding="utf-8"), flags=re.MULTILINE)
-    with_python = {section for section in sections if readme_blocks(section, "python")}
-    assert with_python == {"A signed request", "Embedding", "Clients", "Using walletsvc in your tests",
-                           "Adding an endpoint", "One sandbox, however many processes"}
+# The languages of the blocks the suite runs; a ```text or ```json block is shown, not run.
+DOC_LANGUAGES = ("python", "bash", "sh", "console", "toml", "js", "java")
+
+
+def test_every_code_block_of_readme_and_docs_runs_in_the_suite() -> None:
+    """A new block in README or docs/ needs a test that runs it: these are the sections whose blocks
+    the tests below run, with how many blocks of each language."""
+    found, fences = {}, []
+    for page in DOC_PAGES:
+        text = page.read_text(encoding="utf-8")
+        fences += [(page.name, label) for label in re.findall(r"^ *```(\w*)$", text, flags=re.MULTILINE)[::2]]
+        assert not any(f"```{language}\n" in text.split("\n## ", 1)[0] for language in DOC_LANGUAGES), page
+        for title in re.findall(r"^## (.+)$", text, flags=re.MULTILINE):
+            counts = {language: len(doc_blocks(title, language)) for language in DOC_LANGUAGES}
+            if any(counts.values()):
+                found[f"{page.name}: {title}"] = {language: n for language, n in counts.items() if n}
+    assert [fence for fence in fences if fence[1] not in (*DOC_LANGUAGES, "text", "json")] == []
+    assert found == {
+        "README.md: Prerequisites": {"sh": 1},
+        "README.md: The two commands": {"sh": 2},
+        "README.md: Your first request": {"sh": 1},
+        "README.md: A test with the pytest plugin": {"python": 1},
+        "README.md: Embedding": {"python": 1},
+        "contributing.md: Adding an endpoint": {"python": 1},
+        "embedding.md: The Python API": {"python": 1},
+        "embedding.md: A key for your app": {"python": 1, "sh": 1},
+        "embedding.md: Flask": {"python": 1, "sh": 2},
+        "embedding.md: Django": {"python": 1, "sh": 3},
+        "embedding.md: Starlette": {"python": 1, "sh": 2},
+        "operations.md: When things go wrong": {"sh": 1},
+        "reference.md: Command line": {"bash": 1},
+        "sandbox.md: Serving the sandbox": {"sh": 1},
+        "sandbox.md: Driving the sandbox from any language": {"sh": 1},
+        "sandbox.md: Scenarios": {"toml": 1},
+        "sandbox.md: One sandbox, however many processes": {"python": 1},
+        "signing.md: Signing with curl": {"sh": 2},
+        "signing.md: Signing in Python": {"python": 1},
+        "signing.md: Signing in JavaScript": {"js": 1},
+        "signing.md: Signing in Java": {"java": 1},
+        "signing.md: Clients": {"python": 1},
+        "testing.md: The pytest plugin": {"python": 2},
+        "testing.md: Other languages": {"sh": 1, "js": 1, "java": 1},
+    }
+
+
+def _slug(heading: str) -> str:
+    """The anchor GitHub gives a heading."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def test_links_between_readme_and_docs_resolve_and_no_page_cites_a_file_the_repository_lacks() -> None:
+    for page in DOC_PAGES:
+        text = page.read_text(encoding="utf-8")
+        assert "SPEC.md" not in text and "DESIGN.md" not in text, page
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://")):
+                continue
+            path, _, anchor = target.partition("#")
+            linked = (page.parent / path).resolve() if path else page
+            assert linked.exists(), f"{page.name}: {target}"
+            if anchor:
+                headings = re.findall(r"^#+ (.+)$", linked.read_text(encoding="utf-8"), flags=re.MULTILINE)
+                assert anchor in {_slug(heading) for heading in headings}, f"{page.name}: {target}"
+
+
+def test_readme_is_a_first_screen_of_short_sentences() -> None:
+    text = README.read_text(encoding="utf-8")
+    assert len(text.splitlines()) <= 300
+    prose = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    prose = " ".join(line for line in prose.splitlines() if not line.startswith(("|", "#")))
+    long = [sentence for sentence in re.split(r"(?<=[.!?:])\s+", prose) if len(sentence.split()) > 40]
+    assert long == []
+
+
+def test_readme_prerequisites_make_the_virtualenv_of_a_clone(tmp_path) -> None:
+    """README, "Prerequisites": the clone (of this checkout here), then its block as printed."""
+    subprocess.run(["git", "clone", "-q", str(README.parent), str(tmp_path / "walletsvc")], check=True,
+                   timeout=120, capture_output=True)
+    (block,) = doc_blocks("Prerequisites", "sh")
+    script = block + "\npython -c 'import sys; print(sys.prefix)'"
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path,
+                          env=printed_shell_env(tmp_path), capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == str(tmp_path / "walletsvc" / ".venv")  # activated
+    assert "python_requires = >=3.11" in (README.parent / "setup.cfg").read_text()  # "Python 3.11 or later"
+
+
+def test_readme_two_commands_are_what_ci_and_this_suite_run() -> None:
+    serve, test = doc_blocks("The two commands", "sh")
+    assert test.strip() == (README.parent / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert serve.strip() == "pip install . && walletsvc serve --demo"  # demo_server: serve --demo
+    (serving,) = doc_blocks("Serving the sandbox", "sh")
+    assert serving.strip() == "walletsvc serve --demo"
+    # "Three tests skip when their tools are missing": two browser tests, one JavaScript and Java test
+    source = pathlib.Path(__file__).read_text(encoding="utf-8")
+    assert len(re.findall(r"^def test_\w+\(browser\b", source, flags=re.MULTILINE)) == 2
+    assert source.count('pytest.skip(f"{\', \'.join(missing)} not installed') == 1
+    assert "Three tests skip" in doc_section("The two commands")
+
+
+def test_readme_first_request_needs_nothing_filled_in(tmp_path) -> None:
+    """README, "Your first request": `walletsvc request GET /api/v1/wallets` after `serve --demo`, with
+    no WALLETSVC_ variable; on 127.0.0.1:8080 when it is free, else with WALLETSVC_URL only."""
+    import socket
+
+    server = ServerProcess(str(tmp_path / "walletsvc.db"), tmp_path / "demo.log", "--demo")
+    variables = {}
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", 8080))
+            server.port, server.url = 8080, "http://127.0.0.1:8080"
+        except OSError:
+            variables["WALLETSVC_URL"] = server.url
+    (block,) = doc_blocks("Your first request", "sh")
+    server.start()
+    try:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path,
+                              env=printed_shell_env(tmp_path, **variables), capture_output=True, text=True,
+                              timeout=60, check=False)
+        assert done.returncode == 0 and done.stderr.startswith("HTTP 200"), done.stderr
+        wallets = json.loads(done.stdout)["data"]["content"]
+        assert sorted((w["name"], w["balance"]) for w in wallets) == [
+            ("alice", "1000.00"), ("bob", "1000.00"), ("yen", "100000")]
+        (shown,) = re.findall(r"```text\n(export .*)…\n```", doc_section("Your first request"))
+        printed = re.search(r"^export .*$", (tmp_path / "demo.log").read_text(), re.MULTILINE).group(0)
+        assert printed.startswith(shown.replace("http://127.0.0.1:8080", server.url))
+    finally:
+        server.stop()
+
+
+def test_signing_curl_blocks_and_walletsvc_sign_run_as_printed(demo_server, tmp_path) -> None:
+    import shutil
+
+    if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
+        pytest.skip("the curl blocks need bash, curl, openssl and sha256sum")
+    server, env = demo_server
+    env = printed_shell_env(tmp_path, **{name: value for name, value in env.items()
+                                         if name.startswith("WALLETSVC_")})
+    get, post = doc_blocks("Signing with curl", "sh")
+    (sign,) = doc_blocks("Command line", "bash")
+
+    def run(block: str) -> dict:
+        done = subprocess.run(["bash", "-euo", "pipefail", "-c", block], cwd=tmp_path, env=env,
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 0, done.stderr
+        return json.loads(done.stdout)
+
+    assert run(get)["data"]["page"] == {"size": 5, "number": 0, "totalElements": 3, "totalPages": 1}
+    assert run(sign)["data"]["page"]["totalElements"] == 3
+    assert run(post)["data"]["status"] == "COMPLETED"
+    _clock(server.url, {"Authorization": f"Bearer {env['WALLETSVC_ADMIN_TOKEN']}"}, freeze=True,
+           at="2030-01-01T00:00:00Z")  # the POST signs at the server's time: a frozen clock is no matter
+    assert run(post)["data"]["createdAt"] == "2030-01-01T00:00:00.000Z"
+
+
+def test_the_soak_command_selects_the_five_slow_tests(tmp_path) -> None:
+    (soak,) = doc_blocks("When things go wrong", "sh")
+    assert "The five marked `slow`" in doc_section("When things go wrong")
+    done = subprocess.run(["bash", "-c", soak.strip() + " --collect-only -q -p no:cacheprovider"],
+                          cwd=README.parent, env=printed_shell_env(tmp_path), capture_output=True, text=True,
+                          timeout=120, check=False)
+    assert re.search(r"^(5/\d+ tests collected|test_walletsvc.py: 5$)", done.stdout, flags=re.MULTILINE), (
+        done.stdout[-2000:] + done.stderr[-2000:])
+
+
+def test_the_error_catalog_of_the_reference_is_the_codes() -> None:
+    row = r"^\| (\w+) \| ([A-Z_]+) \| (\d{3}) \|"
+    rows = re.findall(row, doc_section("Error catalog"), flags=re.MULTILINE)
+
+    def classes(root: type) -> list[type]:
+        return [root, *(c for sub in root.__subclasses__() for c in classes(sub))]
+
+    raised = {(error.code, error.name, str(error.status)) for error in classes(walletsvc.WalletError)}
+    assert sorted(rows) == sorted(raised)
+
+
+def test_the_command_line_reference_names_every_verb() -> None:
+    import argparse
+
+    (verbs,) = [action.choices for action in walletsvc.build_parser()._actions
+                if isinstance(action, argparse._SubParsersAction)]
+    section = doc_section("Command line")
+    assert [verb for verb in verbs if f"walletsvc {verb}" not in section] == []
 
 
 ###############################################################################
@@ -1376,9 +1581,8 @@ def test_timestamp_tolerance_setting_changes_the_window(svc, world, clock) -> No
     data(strict.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 5)}))
 
 
-def test_readme_settings_table_lists_every_setting() -> None:
-    readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
-    section = readme.split("## Settings", 1)[1].split("\n## ", 1)[0]
+def test_the_settings_table_of_the_reference_lists_every_setting() -> None:
+    section = doc_section("Settings")
     rows = re.findall(r"^\| `(\w+)` \| (service|HTTP) \|", section, flags=re.MULTILINE)
     assert sorted(name for name, _ in rows) == sorted(walletsvc.Settings.names())
     for name, layer in rows:
@@ -1529,14 +1733,14 @@ def test_hmac_auth_signs_requests_and_httpx(svc, live, world, clock) -> None:
     assert balances(svc, world["b"]) == ["2.00"]
 
 
-@pytest.mark.parametrize("section", ["A signed request", "Clients"])
-def test_readme_python_blocks_run_as_printed_against_the_demo(demo_server, section, tmp_path) -> None:
-    server, env = demo_server
-    for block in readme_blocks(section, "python"):
-        done = subprocess.run([sys.executable, "-c", block.replace("http://127.0.0.1:8080", server.url)],
-                              env=env, capture_output=True, text=True, timeout=60, cwd=tmp_path, check=False)
+@pytest.mark.parametrize("section", ["Signing in Python", "Clients"])
+def test_signing_python_blocks_run_as_printed_against_the_demo(demo_server, section, tmp_path) -> None:
+    server, env = demo_server  # WALLETSVC_URL, _KEY, _SECRET as the banner exports them
+    for block in doc_blocks(section, "python"):
+        done = subprocess.run([sys.executable, "-c", block], env=env, capture_output=True, text=True,
+                              timeout=60, cwd=tmp_path, check=False)
         assert done.returncode == 0, done.stdout + done.stderr
-    if section == "A signed request":
+    if section == "Signing in Python":
         assert done.stdout == "3 wallets\n"
     else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 1000.00
         client = walletsvc.Client(server.url, env["WALLETSVC_KEY"], env["WALLETSVC_SECRET"])
@@ -2116,7 +2320,7 @@ def test_readme_adding_an_endpoint_block_serves_an_endpoint(svc, world, clock, m
     """README, "Adding an endpoint": the three pieces, as printed, are all the HTTP layer needs."""
     import textwrap
 
-    (block,) = readme_blocks("Adding an endpoint", "python")
+    (block,) = doc_blocks("Adding an endpoint", "python")
     handler, service, resource = (textwrap.dedent(piece.split("\n", 1)[1])
                                   for piece in re.split(r"^# \d\. ", block, flags=re.MULTILINE)[1:])
     resource, schema = resource.split("\n\n")
@@ -2267,56 +2471,51 @@ def test_wsgiref_which_gives_no_raw_path_serves_the_same(tmp_path) -> None:
         server.server_close()
 
 
-def _django_project(tmp_path: pathlib.Path) -> dict:
-    (block,) = [b for b in readme_blocks("Embedding", "python") if b.startswith("# mysite/wsgi.py")]
-    site = tmp_path / "mysite"
-    site.mkdir()
-    (site / "__init__.py").write_text("")
-    (site / "wsgi.py").write_text(block)
-    (site / "urls.py").write_text("urlpatterns = []\n")
-    (site / "settings.py").write_text('SECRET_KEY = "test"\nDEBUG = False\nALLOWED_HOSTS = ["*"]\n'
-                                      'ROOT_URLCONF = "mysite.urls"\n'
-                                      'WSGI_APPLICATION = "mysite.wsgi.application"\n'
-                                      "INSTALLED_APPS = []\nDATABASES = {}\n")
-    return {**os.environ, "PYTHONPATH": str(tmp_path)}
+@contextlib.contextmanager
+def _printed_server(command: str, cwd: pathlib.Path, env: dict):
+    """A server started by a printed shell command, in a process group of its own (a development
+    server's reloader is a child), stopped with the whole group."""
+    import signal
 
-
-@pytest.mark.parametrize("host", ["runserver", "gunicorn"])
-def test_readme_django_recipe_serves_walletsvc_below_payments(tmp_path, host: str) -> None:
-    env = _django_project(tmp_path)
-    key = _funded_database(str(tmp_path / "payments.db"))
-    port = _free_port()
-    command = {"runserver": [sys.executable, "-m", "django", "runserver", f"127.0.0.1:{port}", "--noreload",
-                             "--settings", "mysite.settings"],
-               "gunicorn": [sys.executable, "-m", "gunicorn", "-b", f"127.0.0.1:{port}",
-                            "mysite.wsgi:application"]}
-    process = subprocess.Popen(command[host], cwd=tmp_path, env=env, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}/payments"
+    process = subprocess.Popen(["bash", "-c", command], cwd=cwd, env=env, stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        _wait_for(base_url + "/healthz", process)
-        _hosted_checks(base_url, key)
-        assert requests.get(f"http://127.0.0.1:{port}/elsewhere", timeout=10).status_code == 404  # Django's
+        yield process
     finally:
-        process.terminate()
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGTERM)
         process.wait(timeout=10)
 
 
-def test_readme_asgi_recipe_serves_walletsvc_on_uvicorn(tmp_path) -> None:
-    (block,) = [b for b in readme_blocks("Embedding", "python") if b.startswith("# asgi.py")]
-    (tmp_path / "asgi.py").write_text(block)
-    key = _funded_database(str(tmp_path / "payments.db"))
-    port = _free_port()
-    process = subprocess.Popen([sys.executable, "-m", "uvicorn", "asgi:app", "--port", str(port),
-                                "--log-level", "warning"], cwd=tmp_path, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL)
-    base_url = f"http://127.0.0.1:{port}/payments"
-    try:
+@pytest.mark.parametrize("recipe, server", [("Flask", 0), ("Django", 0), ("Django", 1), ("Starlette", 0)],
+                         ids=["flask", "django-runserver", "django-gunicorn", "starlette"])
+def test_an_embedding_recipe_goes_from_an_empty_folder_to_a_signed_200(tmp_path, recipe, server) -> None:
+    """docs/embedding.md as printed: the packages, make_key.py, the app's files, the server, then
+    `walletsvc request` in a second shell (the port 8000 of the page is a free one here)."""
+    port = str(_free_port())
+    env = printed_shell_env(tmp_path)
+    (make_key,) = doc_blocks("A key for your app", "python")
+    (tmp_path / "make_key.py").write_text(make_key.replace("8000", port))
+    setup, *servers = doc_blocks(recipe, "sh")
+    done = subprocess.run(["bash", "-euo", "pipefail", "-c", setup], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    for block in doc_blocks(recipe, "python"):
+        name = block.split("\n", 1)[0].removeprefix("# ").split(":", 1)[0]  # "# app.py: ..." names its file
+        (tmp_path / name).write_text(block)
+    env_file = (tmp_path / "payments.env").read_text()
+    key = dict(re.findall(r"WALLETSVC_(KEY|SECRET)=(\S+)", env_file))
+    with _printed_server(servers[server].replace("8000", port), tmp_path, env) as process:
+        base_url = f"http://127.0.0.1:{port}/payments"
         _wait_for(base_url + "/healthz", process)
-        _hosted_checks(base_url, key)
-    finally:
-        process.terminate()
-        process.wait(timeout=10)
+        (request,) = doc_blocks("A key for your app", "sh")
+        answer = subprocess.run(["bash", "-euo", "pipefail", "-c", request], cwd=tmp_path, env=env,
+                                capture_output=True, text=True, timeout=60, check=False)
+        assert answer.returncode == 0 and answer.stderr.startswith("HTTP 200"), answer.stdout + answer.stderr
+        assert json.loads(answer.stdout)["data"]["page"]["totalElements"] == 2
+        _hosted_checks(base_url, {"apiKey": key["KEY"], "secret": key["SECRET"]})
+        if recipe != "Starlette":  # the host's own pages are still its own
+            assert requests.get(f"http://127.0.0.1:{port}/elsewhere", timeout=10).status_code == 404
 
 
 def test_waitress_serves_the_same_path(tmp_path) -> None:
@@ -2357,16 +2556,22 @@ def test_gunicorn_serves_the_same_path(tmp_path) -> None:
         process.wait(timeout=10)
 
 
-def test_readme_embedding_block_runs_as_printed(tmp_path, monkeypatch) -> None:
-    readme = (pathlib.Path(__file__).parent / "README.md").read_text(encoding="utf-8")
-    block = readme.split("## Embedding", 1)[1].split("```python", 1)[1].split("```", 1)[0]
+def test_the_python_api_block_runs_as_printed(tmp_path, monkeypatch) -> None:
+    (block,) = doc_blocks("The Python API", "python")
     monkeypatch.chdir(tmp_path)  # it opens wallet.db
     scope: dict = {}
-    exec(compile(block, "README.md (Embedding)", "exec"), scope)  # noqa: S102 - the README is ours
+    exec(compile(block, "docs/embedding.md (The Python API)", "exec"), scope)  # noqa: S102 - the page is ours
     manual, ws = scope["manual"], scope["ws"]
     assert [manual.get_transfer(ws["id"], biz)["status"] for biz in ("invoice-1", "invoice-2")] == [
         "COMPLETED", "FAILED"]
     assert manual.audit() == []
+
+
+def test_readme_embedding_block_runs_as_printed(tmp_path) -> None:
+    (block,) = doc_blocks("Embedding", "python")
+    done = subprocess.run([sys.executable, "-c", block], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert (done.returncode, done.stdout) == (0, "100.00\n"), done.stderr
 
 
 def _twin_app(tmp_path: pathlib.Path, name: str) -> tuple[walletsvc.WalletApp, dict, dict]:
@@ -3778,9 +3983,11 @@ def test_request_refuses_a_url_it_cannot_use_in_one_line(url: str) -> None:
     assert done.returncode == 2 and "--url" in done.stderr and "Traceback" not in done.stderr
 
 
-def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_server) -> None:
+def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_server, tmp_path) -> None:
     """Defect: for a POST it printed headers only, and the README's pattern then sent a GET (GA2012)."""
-    _server, env = demo_server  # (env: the banner's exports)
+    _server, env = demo_server  # walletsvc is `sys.executable -m walletsvc`, not whatever PATH holds
+    env = printed_shell_env(tmp_path, **{name: env[name] for name in ("WALLETSVC_URL", "WALLETSVC_KEY",
+                                                                       "WALLETSVC_SECRET")})
     listed = json.loads(subprocess.run(
         ["bash", "-c", 'eval "$(walletsvc sign GET /api/v1/wallets --format curl)"'],
         capture_output=True, text=True, env=env, timeout=60, check=True).stdout)
@@ -3794,9 +4001,11 @@ def test_sign_format_curl_prints_a_command_that_works_for_every_method(demo_serv
     assert json.loads(posted.stdout)["data"]["description"] == "it's paid"
 
 
-def test_sign_curl_sends_a_body_that_starts_with_at_as_written(demo_server) -> None:
+def test_sign_curl_sends_a_body_that_starts_with_at_as_written(demo_server, tmp_path) -> None:
     """Review: with --data-binary, a body starting with @ made curl send a file instead."""
-    _server, env = demo_server  # (env: the banner's exports)
+    _server, env = demo_server
+    env = printed_shell_env(tmp_path, **{name: env[name] for name in ("WALLETSVC_URL", "WALLETSVC_KEY",
+                                                                       "WALLETSVC_SECRET")})
     command = ('eval "$(walletsvc sign POST /api/v1/transfer/command/create --data @/etc/hostname '
                '--format curl)"')
     answer = json.loads(subprocess.run(["bash", "-c", command], capture_output=True, text=True, env=env,
@@ -3809,7 +4018,7 @@ def test_every_environment_variable_the_cli_reads_is_documented() -> None:
     read = set(re.findall(r"os\.environ\.get\(\"(WALLETSVC_[A-Z_]+)\"", source))
     assert read >= {"WALLETSVC_DB", "WALLETSVC_ADMIN_TOKEN", "WALLETSVC_URL", "WALLETSVC_KEY",
                     "WALLETSVC_SECRET"}
-    section = README.read_text(encoding="utf-8").split("\n## Command line\n", 1)[1].split("\n## ", 1)[0]
+    section = doc_section("Command line")
     assert {name for name in read if f"`{name}`" not in section} == set()
 
 
@@ -3879,14 +4088,13 @@ throughout."""
         server.stop()
 
 
-def test_readme_curl_walk_through_runs_as_printed(demo_server) -> None:
+def test_the_sandbox_curl_walk_through_runs_as_printed(demo_server) -> None:
     import shutil
 
     if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
         pytest.skip("the walk-through needs bash, curl, openssl and sha256sum")
-    server, env = demo_server
-    script = readme_blocks("Driving the sandbox from any language", "sh")[0]  # (the other starts a server)
-    script = script.replace("http://127.0.0.1:8080", server.url)
+    _server, env = demo_server  # the four variables the banner exports
+    (script,) = doc_blocks("Driving the sandbox from any language", "sh")
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
                           timeout=60, check=False)
     assert done.returncode == 0, done.stdout + done.stderr
@@ -3948,7 +4156,7 @@ def test_readme_gunicorn_recipe_with_two_workers_is_one_sandbox(tmp_path) -> Non
     import socket
     import textwrap
 
-    (block,) = readme_blocks("One sandbox, however many processes", "python")
+    (block,) = doc_blocks("One sandbox, however many processes", "python")
     (tmp_path / "sandbox_wsgi.py").write_text(textwrap.dedent(block))
     svc = walletsvc.WalletService(str(tmp_path / "sandbox.db"))
     workspace = svc.create_workspace("gunicorn")["id"]
@@ -4065,7 +4273,7 @@ credentials."""
 
 
 def _readme_scenario(tmp_path: pathlib.Path, replace: tuple[str, str] | None = None) -> pathlib.Path:
-    (block,) = readme_blocks("Scenarios and parallel worlds", "toml")
+    (block,) = doc_blocks("Scenarios", "toml")
     if replace:
         block = block.replace(*replace, 1)
     (tmp_path / "shop.toml").write_text(block)
@@ -4135,7 +4343,7 @@ def test_readme_shows_the_refusal_of_a_bad_scenario_as_printed(tmp_path) -> None
     scenario = _readme_scenario(tmp_path, ('currency = "USD"', 'currency = "USX"'))
     done = _cli("serve", "--db", str(tmp_path / "bad.db"), "--port", "0", "--scenario", scenario.name,
                 cwd=tmp_path)
-    section = README.read_text(encoding="utf-8").split("\n## Scenarios and parallel worlds\n", 1)[1]
+    section = doc_section("Scenarios")
     printed = re.search(r"`(walletsvc: scenario shop.toml: .*?)`", section, flags=re.DOTALL).group(1)
     assert done.stderr.strip() == " ".join(printed.split())
 
@@ -4276,8 +4484,9 @@ def test_a_world_in_python_resets_alone(walletsvc_sandbox) -> None:
         world.client.list_wallets()
 
 
-def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path) -> None:
-    """Two suites in other languages, from the ready file, each in a world of its own, at the same time."""
+def test_javascript_and_java_blocks_run_as_printed(tmp_path) -> None:
+    """Two suites in other languages, from the ready file, each in a world of its own, at the same time;
+    then the signing pages' JavaScript and Java."""
     import shutil
 
     missing = [tool for tool in ("node", "java") if not shutil.which(tool)]
@@ -4285,9 +4494,8 @@ def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path)
         if os.environ.get("WALLETSVC_LANGUAGES") == "required":
             raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
         pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
-    section = "Driving the sandbox from any language"
-    (start,), (js,), (java,) = (readme_blocks(section, "sh")[1:], readme_blocks(section, "js"),
-                                readme_blocks(section, "java"))
+    section = "Other languages"
+    (start,), (js,), (java,) = (doc_blocks(section, language) for language in ("sh", "js", "java"))
     assert start.strip() == "walletsvc serve --scenario shop.toml --ready-file walletsvc-ready.json"
     (tmp_path / "walletsvc.test.mjs").write_text(js)
     (tmp_path / "WalletsvcExample.java").write_text(java)
@@ -4308,6 +4516,15 @@ def test_readme_javascript_and_java_suites_run_as_printed_side_by_side(tmp_path)
         names = [w["name"] for w in requests.get(server.url + "/_admin/workspaces", headers=admin,
                                                  timeout=10).json()["data"]]
         assert names == ["Shop"] * 3  # the scenario's, and a world for each suite
+        # docs/signing.md's JavaScript and Java, with the reader key: they sign at the frozen clock (2030)
+        (tmp_path / "sign.mjs").write_text(doc_blocks("Signing in JavaScript", "js")[0])
+        (tmp_path / "Sign.java").write_text(doc_blocks("Signing in Java", "java")[0])
+        env = {**env, "WALLETSVC_URL": server.url, "WALLETSVC_KEY": "ak_shop_reader",
+               "WALLETSVC_SECRET": "shop-reader-secret-0001"}
+        for command in (["node", "sign.mjs"], ["java", "Sign.java"]):
+            done = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+                                  check=False)
+            assert (done.returncode, done.stdout) == (0, "2000 3 wallets\n"), done.stdout + done.stderr
     finally:
         server.stop()
 
@@ -4360,20 +4577,16 @@ def test_live_fixture_serves_over_http(walletsvc_live) -> None:
     assert sandbox.client.get_wallet(sandbox.wallets["yen"]["id"])["balance"] == "100000"
 
 
-def test_readme_pytest_example_passes_as_written(tmp_path) -> None:
-    import subprocess
-    import sys
-
-    readme = (pathlib.Path(__file__).parent / "README.md").read_text()
-    section = readme.split("## Using walletsvc in your tests", 1)[1].split("\n## ", 1)[0]
-    example = "\n\n".join(block.split("```", 1)[0] for block in section.split("```python\n")[1:])
-    (tmp_path / "test_readme_example.py").write_text(example)  # every Python block of the section
+@pytest.mark.parametrize("section, passed", [("The pytest plugin", 5), ("A test with the pytest plugin", 1)])
+def test_pytest_examples_pass_as_written(tmp_path, section: str, passed: int) -> None:
+    example = "\n\n".join(doc_blocks(section, "python"))  # every Python block of the section
+    (tmp_path / "test_pay.py").write_text(example)
     for extra in ([], ["-n", "2"]):  # also under pytest-xdist: a sandbox and a port per worker
         result = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *extra,
-                                 str(tmp_path / "test_readme_example.py")], capture_output=True, text=True,
+                                 str(tmp_path / "test_pay.py")], capture_output=True, text=True,
                                 timeout=120, cwd=tmp_path, check=False)
         assert result.returncode == 0, result.stdout + result.stderr
-        assert "5 passed" in result.stdout
+        assert f"{passed} passed" in result.stdout
 
 
 @pytest.mark.walletsvc(settlement="manual", magic_values=True)
@@ -5164,7 +5377,7 @@ def test_console_under_a_mount_prefix_scopes_its_cookie_to_it(svc) -> None:
 ###############################################################################
 
 
-SCREENSHOTS = ("console-wallets.png", "console-journal.png")  # in docs/, shown in README
+SCREENSHOTS = ("console-wallets.png", "console-journal.png")  # in docs/, shown in docs/sandbox.md
 
 
 @pytest.fixture
@@ -5434,11 +5647,11 @@ def test_console_completes_a_pending_transfer_in_a_real_browser(browser, tmp_pat
         server.stop()
 
 
-def test_readme_shows_the_console_screenshots() -> None:
-    """The two screenshots the browser test takes (WALLETSVC_SCREENSHOTS=docs) are in README."""
-    readme = README.read_text(encoding="utf-8")
+def test_the_sandbox_page_shows_the_console_screenshots() -> None:
+    """The two screenshots the browser test takes (WALLETSVC_SCREENSHOTS=docs) are in docs/sandbox.md."""
+    page = (README.parent / "docs" / "sandbox.md").read_text(encoding="utf-8")
     for name in SCREENSHOTS:
-        assert f"(docs/{name})" in readme
+        assert f"]({name})" in page
         assert (README.parent / "docs" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
