@@ -1060,8 +1060,9 @@ def latency_rule_isolation(tmp: str, latency: float, seconds: float) -> list:
     ``latency`` s: the waits of the requests the rule does not match, before and after."""
     token = "bench-admin-token"
     with served(tmp, "isolation", "--admin-token", token) as (_, ready):
-        slow = {**plan_for(ready, "GET"), "wallets": plan_for(ready, "GET")["wallets"][:1]}
-        other = {**slow, "wallets": plan_for(ready, "GET")["wallets"][1:]}
+        everyone = plan_for(ready, "GET")
+        slow, other = ({**everyone, "wallets": wallets} for wallets in (everyone["wallets"][:1],
+                                                                        everyone["wallets"][1:]))
         plans = [slow] * 10 + [other] * 10
         before = drive(ready["port"], plans, seconds=min(seconds, 1.0))[10:]
         admin_request(ready["port"], token, "POST", "/_admin/faults", {
