@@ -1,13 +1,19 @@
 """Benchmarks of walletsvc, each figure a ratio against a baseline measured in the same run.
 
-    python bench_walletsvc.py            # every figure (about eight minutes on 2 cores)
-    python bench_walletsvc.py --quick    # smaller counts, for a smoke run
-    python bench_walletsvc.py --only previous --previous REV   # in process, against walletsvc.py at a git REV
+    python bench_walletsvc.py            # every figure (about ten minutes on 2 cores)
+    python bench_walletsvc.py --quick    # every section, smaller counts: a smoke run (well under a minute)
+    python bench_walletsvc.py --only previous --previous REV   # against walletsvc.py at a git REV
 
 Baselines built here: **bare** (a bottle route answering a same-sized envelope: no auth, no SQL)
 and **floor** (the least work a correct signed request must do, written straight-line with
-sqlite3 and hmac on the same database: key row, nonce check and insert, HMAC, the wallet row or
-the transfer transaction, the JSON envelope). Medians of several rounds; prints a table.
+sqlite3 and hmac: key row, nonce check and insert, HMAC, the wallet row or the transfer
+transaction, the JSON envelope). Medians of several rounds; prints a table.
+
+Only walletsvc's public surfaces are used (WalletService, create_app, sign_request, Sandbox,
+Clock, `walletsvc serve` in a child process, the /_admin/ HTTP surface), so that the bench keeps
+working while its internals change; the bulk dataset of the scale section alone writes SQL to
+the tables of schema.sql. wrk and strace are used when installed; without them the figures come
+from a Python load generator, and what cannot be measured prints "n/a".
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from __future__ import annotations
 import argparse
 import base64
 import contextlib
+import ctypes
 import hashlib
 import hmac
 import http.client
@@ -28,6 +35,7 @@ import pathlib
 import random
 import re
 import shutil
+import signal
 import sqlite3
 import statistics
 import subprocess
@@ -43,8 +51,10 @@ import walletsvc
 
 # walletsvc's defaults, as users get them (synchronous=FULL); the floor follows the same policy
 SETTINGS: dict = {}
-SERVER_THREADS = int(os.environ.get("BENCH_THREADS", "4"))  # waitress threads, bare and walletsvc alike
 TRANSFER = "/api/v1/transfer/command/create"
+MODULE_FOLDER = str(pathlib.Path(walletsvc.__file__).resolve().parent)  # the walletsvc.py a server runs
+WRK = shutil.which("wrk")  # Debian's wrk when installed, else the Python load generator
+STRACE = shutil.which("strace")  # for the disk syncs per transfer; without it they are n/a
 
 
 ###############################################################################
@@ -107,6 +117,91 @@ def bare_app(get_body: bytes, post_body: bytes) -> bottle.Bottle:
 
 
 ###############################################################################
+# `walletsvc serve` in a child process ##########################################
+###############################################################################
+
+
+def write_scenario(tmp: str, name: str, wallets: int = 10) -> str:
+    """A scenario file: one workspace, a full-scope key, ``wallets`` USD wallets funded for any bench."""
+    path = os.path.join(tmp, f"{name}.scenario.json")
+    funded = [{"name": f"w{n}", "currency": "USD", "balance": "1000000000.00"} for n in range(wallets)]
+    with open(path, "w") as handle:
+        json.dump({"workspaces": [{"name": "bench", "keys": [{"scopes": list(walletsvc.SCOPES)}],
+                                   "wallets": funded}]}, handle)
+    return path
+
+
+@contextlib.contextmanager
+def served(tmp: str, name: str, *options: str, folder: str = MODULE_FOLDER, scenario: bool = True,
+           lifetime: float = 900):
+    """`walletsvc serve` at its defaults (plus ``options``) on 127.0.0.1 in a child process, from
+    the walletsvc.py in ``folder``, serving ``tmp/name.db`` (with ``scenario``: started from a bench
+    scenario); yields (process, ready file as a dict: url, port, keys, wallets). Stopped by its pid
+    on leaving, or after ``lifetime`` seconds."""
+    db, ready_path = os.path.join(tmp, f"{name}.db"), os.path.join(tmp, f"{name}.ready.json")
+    command = [sys.executable, "-m", "walletsvc", "serve", "--db", db, "--port", "0", "--host", "127.0.0.1",
+               "--ready-file", ready_path, *options]
+    if scenario and "--scenario" not in options:
+        command += ["--scenario", write_scenario(tmp, name)]
+    log = os.path.join(tmp, f"{name}.log")
+    with open(log, "w") as output:  # the child writes to its own copy of the descriptor
+        # cwd and PYTHONPATH both: `-m` puts the cwd first, and the venv may hold another walletsvc
+        process = subprocess.Popen(command, cwd=folder, env={**os.environ, "PYTHONPATH": folder},
+                                   stdout=output, stderr=subprocess.STDOUT,
+                                   preexec_fn=_stop_with_parent)  # noqa: PLW1509 - it calls prctl only
+    watchdog = threading.Timer(lifetime, process.kill)  # bounded even if the bench itself is stuck
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        deadline = time.monotonic() + 30
+        while not os.path.exists(ready_path):
+            if process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"walletsvc serve {name} did not start: "
+                                   f"{pathlib.Path(log).read_text()[-500:]}")
+            time.sleep(0.02)
+        with open(ready_path) as handle:
+            yield process, json.load(handle)
+    finally:
+        watchdog.cancel()
+        stop(process)
+
+
+_PRCTL = ctypes.CDLL(None, use_errno=True).prctl  # looked up before any fork: the child only calls it
+
+
+def _stop_with_parent() -> None:
+    """In the child, before exec: SIGTERM when the bench dies, so that no server outlives it."""
+    _PRCTL(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def stop(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=10)
+
+
+def plan_for(ready: dict, method: str) -> dict:
+    """What a load generator needs to sign requests against a served scenario."""
+    key = ready["keys"][0]
+    return {"method": method, "wallets": [wallet["id"] for wallet in ready["wallets"]],
+            "key": key["apiKey"], "secret": key["secret"]}
+
+
+def threads_of(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def default_threads(tmp: str, serving: subprocess.Popen) -> int:
+    """The request threads `walletsvc serve` runs by default, counted rather than assumed: the OS
+    threads of the default server less those of one started with --threads 1, plus that one."""
+    with served(tmp, "one-thread", "--threads", "1") as (single, _):
+        return threads_of(serving.pid) - threads_of(single.pid) + 1
+
+
+###############################################################################
 # Floor: the least work of a correct signed request ############################
 ###############################################################################
 
@@ -137,23 +232,23 @@ CREATE INDEX flows_by_created ON flows (wallet_id, created_at, id);
 
 
 class Floor:
-    """Straight-line sqlite3 + hmac on a minimal schema (MINIMAL_SCHEMA, copied from the
-    service's key and wallets), served as a WSGI app like the other two. It follows the
-    same durability policy: a read's nonce is committed without a disk sync, a transfer
-    and its nonce are one transaction committed at synchronous=FULL."""
+    """Straight-line sqlite3 + hmac on a minimal schema (MINIMAL_SCHEMA, holding the service's key
+    and wallets as its public API gives them), served as a WSGI app like the other two. It follows
+    the same durability policy: a read's nonce is committed without a disk sync, a transfer and its
+    nonce are one transaction committed at synchronous=FULL."""
 
-    def __init__(self, service_path: str, path: str) -> None:
+    def __init__(self, path: str, key: dict, wallets: list[dict]) -> None:
         self.conn = sqlite3.connect(path, isolation_level=None, check_same_thread=False)
         self.conn.execute("PRAGMA journal_mode = WAL")
         self.conn.execute("PRAGMA busy_timeout = 5000")
         self.conn.execute("PRAGMA synchronous = FULL")
         self.conn.executescript(MINIMAL_SCHEMA)
-        self.conn.execute("ATTACH ? AS service", (service_path,))
-        self.conn.execute("INSERT INTO api_keys SELECT id, secret, workspace_id, enabled"
-                          " FROM service.api_keys")
-        self.conn.execute("INSERT INTO wallets SELECT id, workspace_id, name, currency, status, balance,"
-                          " pending, created_at, updated_at FROM service.wallets")
-        self.conn.execute("DETACH service")
+        now_ms = int(time.time() * 1000)
+        self.conn.execute("INSERT INTO api_keys VALUES (?, ?, ?, 1)",
+                          (key["apiKey"], key["secret"], wallets[0]["workspaceId"]))
+        self.conn.executemany("INSERT INTO wallets VALUES (?, ?, ?, ?, ?, ?, 0, ?, ?)", [
+            (w["id"], w["workspaceId"], w["name"] or "", w["currency"], w["status"],
+             int(w["balance"].replace(".", "")), now_ms, now_ms) for w in wallets])
 
     def __call__(self, environ: dict, start_response) -> list:
         if environ["REQUEST_METHOD"] == "GET":
@@ -253,7 +348,7 @@ class Floor:
 def in_process(tmp: str, calls: int, rounds: int) -> list:
     svc, _, key, wallets = seeded(os.path.join(tmp, "inproc.db"))
     app = walletsvc.create_app(svc)
-    floor = Floor(os.path.join(tmp, "inproc.db"), os.path.join(tmp, "floor.db"))
+    floor = Floor(os.path.join(tmp, "floor.db"), key, [svc.get_wallet(wallet) for wallet in wallets])
     path = f"/api/v1/wallets/{wallets[0]}"
     sign = walletsvc.sign_request
     get_body = call_wsgi(app, "GET", path, b"", sign("GET", path, b"", key["apiKey"], key["secret"]))
@@ -300,27 +395,8 @@ def in_process(tmp: str, calls: int, rounds: int) -> list:
 
 
 ###############################################################################
-# Figure 2: over HTTP through waitress ##########################################
+# Load generators: wrk, else Python ##############################################
 ###############################################################################
-
-
-def serve_for_bench(kind: str, db: str, ready) -> None:
-    """Child process: serve the bare app or walletsvc on waitress; report the port."""
-    import waitress
-
-    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-    if os.environ.get("BENCH_SWITCH"):
-        sys.setswitchinterval(float(os.environ["BENCH_SWITCH"]))
-    if kind == "walletsvc":  # as `walletsvc serve` runs it, at its defaults
-        walletsvc.serve(walletsvc.WalletService(db, **SETTINGS), port=0, threads=SERVER_THREADS,
-                        on_ready=lambda url: ready.put(int(url.rsplit(":", 1)[1])))
-        return
-    with open(db + ".bodies", "rb") as handle:
-        get_body, post_body = json.loads(handle.read())
-    server = waitress.create_server(bare_app(get_body.encode(), post_body.encode()), host="127.0.0.1", port=0,
-                                    threads=SERVER_THREADS)  # waitress's defaults otherwise
-    ready.put(server.effective_port)
-    server.run()
 
 
 def signed_request(plan: dict, rng: random.Random) -> tuple[str, bytes, dict]:
@@ -344,32 +420,47 @@ def signed_request(plan: dict, rng: random.Random) -> tuple[str, bytes, dict]:
     return path, body, headers
 
 
-def load_worker(port: int, plan: dict, seconds: float, threads: int, results) -> None:
-    """Child process: ``threads`` keep-alive connections sending signed requests."""
-    counts = []
+def drive(port: int, plans: list[dict], *, seconds: float | None = None, requests: int | None = None,
+          seed: int = 0, timeout: float = 30) -> list[list[tuple[int, float]]]:
+    """One keep-alive connection per plan, each a thread of this process sending its plan's signed
+    requests until ``seconds`` have passed or it has sent ``requests``: per connection, the
+    (status, seconds waited) of every request."""
+    deadline = time.monotonic() + (3600 if seconds is None else seconds)
+    answers: list[list[tuple[int, float]]] = [[] for _ in plans]
 
-    def loop(seed: int) -> None:
-        rng = random.Random(seed)
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
-        done, deadline = 0, time.monotonic() + seconds
-        while time.monotonic() < deadline:
-            path, body, headers = signed_request(plan, rng)
-            conn.request(plan["method"], path, body=body or None, headers=headers)
-            reply = conn.getresponse()
-            reply.read()
-            done += reply.status == 200
-        counts.append(done)
-        conn.close()
+    def loop(n: int) -> None:
+        rng = random.Random(seed * 1000 + n)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+        try:
+            while time.monotonic() < deadline and (requests is None or len(answers[n]) < requests):
+                path, body, headers = signed_request(plans[n], rng)
+                started = time.perf_counter()
+                conn.request(plans[n]["method"], path, body=body or None, headers=headers)
+                reply = conn.getresponse()
+                reply.read()
+                answers[n].append((reply.status, time.perf_counter() - started))
+        finally:
+            conn.close()
 
-    workers = [threading.Thread(target=loop, args=(n,)) for n in range(threads)]
-    for worker in workers:
-        worker.start()
-    for worker in workers:
-        worker.join()
-    results.put(sum(counts))
+    threads = [threading.Thread(target=loop, args=(n,)) for n in range(len(plans))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return answers
 
 
-WRK = shutil.which("wrk")  # Debian's wrk when installed, else the Python load generator
+def load_worker(port: int, plan: dict, seconds: float, connections: int, seed: int, results) -> None:
+    """Child process: ``drive`` with ``connections`` connections; puts (answered 200, latencies)."""
+    answers = [answer for connection in drive(port, [plan] * connections, seconds=seconds, seed=seed)
+               for answer in connection]
+    results.put((sum(status == 200 for status, _ in answers), [waited for _, waited in answers]))
+
+
+def p99_ms(latencies: list[float]) -> float:
+    ordered = sorted(latencies)
+    return ordered[min(len(ordered) - 1, int(len(ordered) * 0.99))] * 1000 if ordered else float("nan")
+
 
 _WRK_SCRIPT = """
 local requests = {%s}
@@ -380,12 +471,12 @@ function request() n = n + threads; return requests[(n %% #requests) + 1] end
 """
 
 
-def requests_per_second(port: int, plan: dict, seconds: float) -> tuple[float, float | None]:
-    """Signed requests answered 200 per second, and the p99 latency in ms (wrk only):
-    wrk when present, else Python."""
+def requests_per_second(port: int, plan: dict, seconds: float) -> tuple[float, float]:
+    """Signed requests answered 200 per second over 8 keep-alive connections, and the p99 latency
+    in ms: wrk when present, else Python."""
     if WRK:
         return wrk_requests_per_second(port, plan, seconds)
-    return python_requests_per_second(port, plan, seconds), None
+    return python_requests_per_second(port, plan, seconds)
 
 
 def wrk_requests_per_second(port: int, plan: dict, seconds: float) -> tuple[float, float]:
@@ -411,82 +502,118 @@ def wrk_requests_per_second(port: int, plan: dict, seconds: float) -> tuple[floa
     duration = float(elapsed.group(1)) / (1000 if elapsed.group(2) == "ms" else 1)
     failed = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     p99 = re.search(r"99%\s+([\d.]+)(us|ms|s)\b", out)
-    p99_ms = float(p99.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[p99.group(2)]
-    return (total - (int(failed.group(1)) if failed else 0)) / duration, p99_ms
+    p99 = float(p99.group(1)) * {"us": 0.001, "ms": 1, "s": 1000}[p99.group(2)]
+    return (total - (int(failed.group(1)) if failed else 0)) / duration, p99
 
 
-def python_requests_per_second(port: int, plan: dict, seconds: float) -> float:
+def python_requests_per_second(port: int, plan: dict, seconds: float) -> tuple[float, float]:
+    """Two processes of four connections each (one process would be bound by its GIL)."""
     context = multiprocessing.get_context("spawn")
     results = context.Queue()
-    workers = [context.Process(target=load_worker, args=(port, plan, seconds, 4, results)) for _ in range(2)]
+    workers = [context.Process(target=load_worker, args=(port, plan, seconds, 4, seed, results))
+               for seed in range(2)]
     for worker in workers:
         worker.start()
-    total = sum(results.get(timeout=seconds + 60) for _ in workers)
+    answered, latencies = 0, []
+    for _ in workers:
+        ok, waited = results.get(timeout=seconds + 60)
+        answered, latencies = answered + ok, latencies + waited
     for worker in workers:
         worker.join()
-    return total / seconds
+    return answered / seconds, p99_ms(latencies)
+
+
+def load_tool() -> str:
+    return "wrk" if WRK else "python"
+
+
+###############################################################################
+# Figure 2: over HTTP through waitress ##########################################
+###############################################################################
+
+
+def serve_bare(get_body: bytes, post_body: bytes, threads: int, ready) -> None:
+    """Child process: the bare app on waitress (its defaults but for ``threads``); reports the port."""
+    import waitress
+
+    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+    server = waitress.create_server(bare_app(get_body, post_body), host="127.0.0.1", port=0, threads=threads)
+    ready.put(server.effective_port)
+    server.run()
+
+
+@contextlib.contextmanager
+def bare_server(get_body: bytes, post_body: bytes, threads: int):
+    context = multiprocessing.get_context("spawn")
+    ready = context.Queue()
+    server = context.Process(target=serve_bare, args=(get_body, post_body, threads, ready), daemon=True)
+    server.start()
+    try:
+        yield ready.get(timeout=30)
+    finally:
+        server.terminate()
+        server.join(timeout=10)
+
+
+def answer_body(port: int, plan: dict) -> bytes:
+    """One signed request's answer (it must be a 200): what the bare app answers, same-sized."""
+    path, body, headers = signed_request(plan, random.Random(0))
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(plan["method"], path, body=body or None, headers=headers)
+    reply = conn.getresponse()
+    payload = reply.read()
+    conn.close()
+    if reply.status != 200:
+        raise RuntimeError(f"{plan['method']} {path}: {reply.status} {payload[:200]!r}")
+    return payload
+
+
+HTTP_FIGURES = {"GET": ("HTTP signed GET at defaults, 8 connections", 0.6, 10),
+                "POST": ("HTTP POST create transfer at defaults, 8 connections", 0.3, 25)}
 
 
 def over_http(tmp: str, seconds: float, rounds: int) -> list:
-    db = os.path.join(tmp, "http.db")
-    svc, _, key, wallets = seeded(db)
-    app = walletsvc.create_app(svc)
-    path = f"/api/v1/wallets/{wallets[0]}"
-    get_body = call_wsgi(app, "GET", path, b"", walletsvc.sign_request("GET", path, b"", key["apiKey"],
-                                                                       key["secret"]))
-    body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "0.01",
-                       "currency": "USD"}).encode()
-    post_body = call_wsgi(app, "POST", TRANSFER, body, walletsvc.sign_request("POST", TRANSFER, body,
-                                                                              key["apiKey"], key["secret"]))
-    svc.close()
-    with open(db + ".bodies", "w") as handle:
-        json.dump([get_body.decode(), post_body.decode()], handle)
-    context = multiprocessing.get_context("spawn")
-    ports, servers = {}, {}
-    for kind in ("bare", "walletsvc"):
-        ready = context.Queue()
-        servers[kind] = context.Process(target=serve_for_bench, args=(kind, db, ready), daemon=True)
-        servers[kind].start()
-        ports[kind] = ready.get(timeout=30)
-    peer = start_localstripe()
-    rows = []
-    try:
-        for method, target in (("GET", 0.7), ("POST", 0.3)):
-            plan = {"method": method, "wallets": wallets, "key": key["apiKey"], "secret": key["secret"]}
-            measured: dict = {"bare": [], "walletsvc": [], "localstripe": []}
-            for _ in range(rounds):
-                for kind in ("bare", "walletsvc"):
-                    measured[kind].append(requests_per_second(ports[kind], plan, seconds))
+    """`walletsvc serve` as users start it against the bare app on waitress at as many threads."""
+    with served(tmp, "http") as (process, ready):
+        threads = default_threads(tmp, process)
+        plans = {method: plan_for(ready, method) for method in HTTP_FIGURES}
+        bodies = [answer_body(ready["port"], plans[method]) for method in HTTP_FIGURES]
+        with bare_server(*bodies, threads) as bare_port:
+            peer = start_localstripe()
+            try:
+                return [row for method, plan in plans.items()
+                        for row in http_rows(method, plan, {"bare": bare_port, "walletsvc": ready["port"]},
+                                             peer, threads, seconds, rounds)]
+            finally:
                 if peer:
-                    measured["localstripe"].append(requests_per_second(peer["port"], {**plan, **peer},
-                                                                       seconds))
-            (bare, bare_p99), (ours, p99) = (_median_pair(measured[kind]) for kind in ("bare", "walletsvc"))
-            name = "GET /api/v1/wallets/{id}" if method == "GET" else "POST create transfer"
-            rows.append((f"HTTP {name}", f"{ours:.0f} req/s", f"bare {bare:.0f} req/s", ours / bare,
-                         f">= {target:.2f}x bare"))
-            if p99 is not None:
-                rows.append((f"HTTP {name} p99", f"{p99:.1f} ms", f"bare {bare_p99:.1f} ms", None,
-                             "<= 25 ms"))
-            if peer:
-                theirs, their_p99 = _median_pair(measured["localstripe"])
-                what = "GET a customer" if method == "GET" else "POST create a customer"
-                rows.append((f"HTTP {name} vs localstripe ({what})", f"{ours:.0f} req/s",
-                             f"localstripe {theirs:.0f} req/s (p99 {their_p99 or 0:.0f} ms)", ours / theirs,
-                             "> 1x"))
-    finally:
-        for server in servers.values():
-            server.terminate()
-            server.join(timeout=10)
+                    stop(peer["process"])
+
+
+def http_rows(method: str, plan: dict, ports: dict, peer: dict | None, threads: int, seconds: float,
+              rounds: int) -> list:
+    name, target, p99_target = HTTP_FIGURES[method]
+    measured: dict = {"bare": [], "walletsvc": [], "localstripe": []}
+    for _ in range(rounds):  # interleaved, so that noise hits both alike
+        for kind, port in ports.items():
+            measured[kind].append(requests_per_second(port, plan, seconds))
         if peer:
-            peer["process"].terminate()
-            peer["process"].wait(timeout=10)
+            their_plan = {**plan, **{name: value for name, value in peer.items() if name != "process"}}
+            measured["localstripe"].append(requests_per_second(peer["port"], their_plan, seconds))
+    (bare, bare_p99), (ours, p99) = (_median_pair(measured[kind]) for kind in ("bare", "walletsvc"))
+    rows = [(name, f"{ours:.0f} req/s", f"bare {bare:.0f} req/s ({threads} threads, {load_tool()})",
+             ours / bare, f">= {target:.2f}x bare"),
+            (f"{name.split(',')[0]} p99", f"{p99:.1f} ms", f"bare {bare_p99:.1f} ms", p99 / bare_p99,
+             f"<= {p99_target} ms")]
+    if peer:
+        theirs, their_p99 = _median_pair(measured["localstripe"])
+        what = "GET a customer" if method == "GET" else "POST create a customer"
+        rows.append((f"{name.split(',')[0]} vs localstripe ({what})", f"{ours:.0f} req/s",
+                     f"localstripe {theirs:.0f} req/s (p99 {their_p99:.0f} ms)", ours / theirs, "> 1x"))
     return rows
 
 
 def _median_pair(pairs: list) -> tuple:
-    rates = [rate for rate, _ in pairs]
-    latencies = [p99 for _, p99 in pairs if p99 is not None]
-    return statistics.median(rates), statistics.median(latencies) if latencies else None
+    return statistics.median(rate for rate, _ in pairs), statistics.median(p99 for _, p99 in pairs)
 
 
 LOCALSTRIPE = os.environ.get("LOCALSTRIPE") or shutil.which("localstripe")  # the peer, when installed
@@ -536,13 +663,12 @@ def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
     conn = sqlite3.connect(path, isolation_level=None)
     conn.execute("PRAGMA synchronous = OFF")
     conn.execute("BEGIN IMMEDIATE")
-    for trigger in ("transfers_counted", "transfers_recounted", "flows_counted"):
-        conn.execute(f"DROP TRIGGER {trigger}")
-    indexes = [name for (name,) in conn.execute(  # rebuilt in one sorted pass after the insert
-        "SELECT name FROM sqlite_master WHERE type = 'index' AND tbl_name IN ('transfers', 'flows')"
-        " AND sql IS NOT NULL")]
-    for index in indexes:
-        conn.execute(f"DROP INDEX {index}")
+    # the triggers (counters, computed after) and indexes (rebuilt in one sorted pass) of the two
+    # tables filled here, whatever schema.sql names them; schema.sql brings them back
+    dropped = conn.execute("SELECT type, name FROM sqlite_master WHERE type IN ('trigger', 'index')"
+                           " AND tbl_name IN ('transfers', 'flows') AND sql IS NOT NULL").fetchall()
+    for kind, name in dropped:
+        conn.execute(f"DROP {kind.upper()} {name}")
     conn.execute("CREATE TEMP TABLE w (k INTEGER PRIMARY KEY, id TEXT)")
     conn.executemany("INSERT INTO w VALUES (?, ?)", list(enumerate(ids)))
     base = int(time.time() * 1000) - transfers
@@ -586,9 +712,8 @@ def build_dataset(path: str, transfers: int, wallets: int = 100) -> tuple:
     with sqlite3.connect(path) as again:  # the schema script is idempotent: triggers and indexes come back
         again.executescript(pathlib.Path(walletsvc.__file__).with_name("schema.sql").read_text())
     with sqlite3.connect(path) as check:
-        assert check.execute("SELECT count(*) FROM sqlite_master WHERE type = 'trigger'").fetchone()[0] == 3
-        restored = {name for (name,) in check.execute("SELECT name FROM sqlite_master WHERE type = 'index'")}
-        assert set(indexes) <= restored
+        restored = set(check.execute("SELECT type, name FROM sqlite_master"))
+        assert set(dropped) <= restored, set(dropped) - restored
     return ws, key, ids, time.perf_counter() - started
 
 
@@ -622,17 +747,10 @@ def audit_row(path: str, label: str) -> tuple:
     return (f"svc.audit() of {label} transfers (clean)", f"{seconds:.1f} s", "", None, "report")
 
 
-def peak_rss_kib(path: str, key: dict, wallet_id: str) -> int:
+def peak_rss_kib(tmp: str, name: str, key: dict, wallet_id: str) -> int:
     """Serve the dataset with `walletsvc serve`, exercise the lists, read VmHWM."""
-    server = subprocess.Popen([sys.executable, "-m", "walletsvc", "serve", "--db", path, "--port", "0"],
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    try:
-        port = None
-        while port is None:
-            line = server.stdout.readline()
-            if "serving on" in line:
-                port = int(line.rsplit(":", 1)[1])
-        client = walletsvc.Client(f"http://127.0.0.1:{port}", key["apiKey"], key["secret"])
+    with served(tmp, name, scenario=False) as (server, ready):
+        client = walletsvc.Client(ready["url"], key["apiKey"], key["secret"])
         for _ in range(20):
             client.list_transfers(size=100)
             client.list_transfers(status="FAILED", size=100)
@@ -641,9 +759,6 @@ def peak_rss_kib(path: str, key: dict, wallet_id: str) -> int:
             client.list_wallet_transfers(wallet_id, size=100)
         with open(f"/proc/{server.pid}/status") as status:
             return next(int(line.split()[1]) for line in status if line.startswith("VmHWM"))
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
 
 
 def scale(tmp: str, transfers: int, calls: int, rounds: int) -> list:
@@ -662,7 +777,7 @@ def scale(tmp: str, transfers: int, calls: int, rounds: int) -> list:
         rows.append((f"{label} transfers: {shown}", f"{big_t[name]:.0f} us", f"1,000: {small_t[name]:.0f} us",
                      big_t[name] / small_t[name], target))
     rows.append(audit_row(big, label))
-    rss = peak_rss_kib(big, big_key, big_ids[3])
+    rss = peak_rss_kib(tmp, "big", big_key, big_ids[3])
     rows.append((f"peak RSS of a server holding {label} transfers", f"{rss / 1024:.0f} MiB", "", None,
                  "report"))
     return rows
@@ -673,26 +788,32 @@ def scale(tmp: str, transfers: int, calls: int, rounds: int) -> list:
 ###############################################################################
 
 
-def nonce_table(requests: int) -> list:
+def nonce_table(tmp: str, requests: int) -> list:
+    """Signed GETs spread over 300 s of a frozen, advanced service clock; the nonce records are
+    counted by a connection of our own (the file's table, not walletsvc's objects)."""
+    db = os.path.join(tmp, "nonces.db")
     clock = walletsvc.Clock(frozen_at=time.time())
-    svc = walletsvc.WalletService(":memory:", clock=clock)
+    svc = walletsvc.WalletService(db, clock=clock)
     ws = svc.create_workspace("nonces")
     key = svc.create_api_key(ws["id"])
     wallet = svc.create_wallet(ws["id"], "USD")
     app = walletsvc.create_app(svc)
     path = f"/api/v1/wallets/{wallet['id']}"
     step = 300 / requests  # spread over 300 s of service clock: five 60 s windows
+    counter = sqlite3.connect(db)
     largest = 0
-    for n in range(requests):
+    for n in range(requests + 1):
+        if n % max(1, requests // 50) == 0 or n == requests:
+            largest = max(largest, counter.execute("SELECT count(*) FROM nonces").fetchone()[0])
+        if n == requests:
+            break
         headers = walletsvc.sign_request("GET", path, b"", key["apiKey"], key["secret"],
                                          timestamp=int(clock()))
         call_wsgi(app, "GET", path, b"", headers)
         clock.advance(step)
-        if n % 1000 == 0:
-            with svc.db.connection() as conn:
-                largest = max(largest, conn.execute("SELECT count(*) FROM nonces").fetchone()[0])
-    with svc.db.connection() as conn:
-        final = conn.execute("SELECT count(*) FROM nonces").fetchone()[0]
+    final = counter.execute("SELECT count(*) FROM nonces").fetchone()[0]
+    counter.close()
+    svc.close()
     per_window = requests / 5
     return [(f"nonce rows after {requests:,} requests over 300 s", f"{final:,} (peak {largest:,})",
              f"{per_window:,.0f} requests per 60 s window", largest / per_window, "bounded (~2.5 windows)")]
@@ -721,8 +842,8 @@ def startup(rounds: int) -> list:
     overhead_ms = (median_of_rounds(per_test, 200, rounds) - median_of_rounds(empty_test, 200, rounds)) / 1000
     rows = [("fresh in-memory service + app + seed", f"{fresh_ms:.2f} ms", "", None, "<= 3 ms"),
             ("Sandbox.reset (restore the saved start)", f"{reset_ms:.2f} ms", "", None, "<= 3 ms"),
-            ("walletsvc_sandbox per test (reset + audit) over an empty test", f"{overhead_ms:.2f} ms", "",
-             None, "<= 0.5 ms")]
+            ("test double per-test overhead (walletsvc_sandbox: reset + audit)", f"{overhead_ms:.2f} ms",
+             f"fresh service {fresh_ms:.2f} ms", overhead_ms / fresh_ms, "<= 0.5 ms")]
     return rows + live_teardown_and_world_reset(rounds)
 
 
@@ -764,8 +885,8 @@ def live_teardown_and_world_reset(rounds: int) -> list:
 ###############################################################################
 
 
-def previous_module(rev: str, tmp: str):
-    """walletsvc.py and schema.sql as they were at git revision ``rev``, imported under another name."""
+def previous_folder(rev: str, tmp: str) -> str:
+    """A folder holding walletsvc.py and schema.sql as they were at git revision ``rev``."""
     folder = os.path.join(tmp, "previous")
     os.makedirs(folder, exist_ok=True)
     here = pathlib.Path(__file__).parent
@@ -773,6 +894,11 @@ def previous_module(rev: str, tmp: str):
         text = subprocess.run(["git", "show", f"{rev}:{name}"], cwd=here, capture_output=True, text=True,
                               check=True).stdout
         pathlib.Path(folder, name).write_text(text)
+    return folder
+
+
+def previous_module(folder: str):
+    """The walletsvc.py in ``folder``, imported under another name."""
     spec = importlib.util.spec_from_file_location("walletsvc_previous", os.path.join(folder, "walletsvc.py"))
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # (its dataclasses look themselves up there)
@@ -787,7 +913,7 @@ def against_previous(tmp: str, rev: str, calls: int, rounds: int) -> list:
     """The in-process signed GET and create transfer of this walletsvc and of the one at ``rev``,
     on file databases, at the defaults and with the sandbox's journal (journal_size=1000), rounds
     interleaved so that noise hits both alike."""
-    previous = previous_module(rev, tmp)
+    previous = previous_module(previous_folder(rev, tmp))
     runs: dict = {}
     for settings, label in (({}, "defaults"), ({"journal_size": 1000}, "journal on")):
         for version, module in (("now", walletsvc), ("previous", previous)):
@@ -817,16 +943,25 @@ def against_previous(tmp: str, rev: str, calls: int, rounds: int) -> list:
     return rows
 
 
+def previous_over_http(tmp: str, rev: str, seconds: float, rounds: int) -> list:
+    """Create transfer over HTTP: `walletsvc serve` of this walletsvc.py and of the one at ``rev``
+    (run from its own folder), both at their defaults, the same load, rounds interleaved."""
+    folder = previous_folder(rev, tmp)
+    measured: dict = {"now": [], "previous": []}
+    with served(tmp, "now") as (_, now), served(tmp, "previous", folder=folder) as (_, before):
+        for _ in range(rounds):
+            for version, ready in (("now", now), ("previous", before)):
+                measured[version].append(requests_per_second(ready["port"], plan_for(ready, "POST"), seconds))
+    (ours, p99), (theirs, their_p99) = (_median_pair(measured[version]) for version in ("now", "previous"))
+    return [(f"HTTP POST create transfer vs {rev}", f"{ours:.0f} req/s",
+             f"{rev} {theirs:.0f} req/s ({load_tool()})", ours / theirs, f">= 2x {rev}"),
+            (f"HTTP POST create transfer p99 vs {rev}", f"{p99:.1f} ms", f"{rev} {their_p99:.1f} ms",
+             p99 / their_p99, "report")]
+
+
 ###############################################################################
 # Workers: --workers 1 against --workers 2 over HTTP ##############################
 ###############################################################################
-
-
-def serve_workers(db: str, workers: int, ready) -> None:
-    """Child process: `walletsvc serve --workers N` at its defaults; reports the port."""
-    logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-    walletsvc.serve(walletsvc.WalletService(db, **SETTINGS), port=0, threads=SERVER_THREADS, workers=workers,
-                    on_ready=lambda url: ready.put(int(url.rsplit(":", 1)[1])))
 
 
 def cpu_seconds(root: int) -> float:
@@ -850,46 +985,153 @@ def cpu_seconds(root: int) -> float:
 
 
 def workers_over_http(tmp: str, seconds: float, rounds: int) -> list:
-    """Throughput, p99 and CPU seconds per request of --workers 1 and --workers 2 (one database):
+    """Throughput, p99 and CPU seconds per request of `walletsvc serve --workers 1` and `--workers 2`:
     the CPU per request says whether N workers would scale with N cores on a bigger machine than
     this 2-core one, where the load generator takes a core."""
-    db = os.path.join(tmp, "workers.db")
-    svc, _, key, wallets = seeded(db)
-    svc.close()
-    context = multiprocessing.get_context("spawn")
-    servers, ports = {}, {}
-    for workers in (1, 2):
-        ready = context.Queue()
-        servers[workers] = context.Process(target=serve_workers, args=(db, workers, ready), daemon=True)
-        servers[workers].start()
-        ports[workers] = ready.get(timeout=30)
-    rows = []
-    try:
+    with served(tmp, "workers1", "--workers", "1") as (one_process, one_ready), \
+            served(tmp, "workers2", "--workers", "2") as (two_process, two_ready):
+        servers = {1: (one_process, one_ready), 2: (two_process, two_ready)}
         time.sleep(0.5)  # the forked workers are up
-        for method in ("GET", "POST"):
-            plan = {"method": method, "wallets": wallets, "key": key["apiKey"], "secret": key["secret"]}
-            measured: dict = {1: [], 2: []}
-            for _ in range(rounds):
-                for workers in (1, 2):
-                    before = cpu_seconds(servers[workers].pid)
-                    rate, p99 = requests_per_second(ports[workers], plan, seconds)
-                    cpu = (cpu_seconds(servers[workers].pid) - before) / max(rate * seconds, 1)
-                    measured[workers].append((rate, p99, cpu))
-            (one, two) = ([statistics.median(values) if None not in values else None
-                           for values in zip(*measured[workers])] for workers in (1, 2))
-            name = "GET /api/v1/wallets/{id}" if method == "GET" else "POST create transfer"
-            rows.append((f"HTTP {name}, --workers 2 vs 1", f"{two[0]:.0f} req/s",
-                         f"1 worker {one[0]:.0f} req/s", two[0] / one[0], "report"))
-            if one[1] is not None:
-                rows.append((f"HTTP {name} p99, --workers 2 vs 1", f"{two[1]:.1f} ms",
-                             f"1 worker {one[1]:.1f} ms", two[1] / one[1], "report"))
-            rows.append((f"HTTP {name} CPU per request, --workers 2 vs 1", f"{two[2] * 1e6:.0f} us",
-                         f"1 worker {one[2] * 1e6:.0f} us", two[2] / one[2], "~1x: scales with cores"))
-    finally:
-        for server in servers.values():
-            server.terminate()
-            server.join(timeout=10)
-    return rows
+        return [row for method in ("GET", "POST") for row in workers_rows(method, servers, seconds, rounds)]
+
+
+def workers_rows(method: str, servers: dict, seconds: float, rounds: int) -> list:
+    measured: dict = {1: [], 2: []}
+    for _ in range(rounds):
+        for workers, (process, ready) in servers.items():
+            before = cpu_seconds(process.pid)
+            rate, p99 = requests_per_second(ready["port"], plan_for(ready, method), seconds)
+            cpu = (cpu_seconds(process.pid) - before) / max(rate * seconds, 1)
+            measured[workers].append((rate, p99, cpu))
+    one, two = ([statistics.median(values) for values in zip(*measured[workers])] for workers in (1, 2))
+    name = "GET /api/v1/wallets/{id}" if method == "GET" else "POST create transfer"
+    return [(f"HTTP {name}, --workers 2 vs 1", f"{two[0]:.0f} req/s", f"1 worker {one[0]:.0f} req/s",
+             two[0] / one[0], "report"),
+            (f"HTTP {name} p99, --workers 2 vs 1", f"{two[1]:.1f} ms", f"1 worker {one[1]:.1f} ms",
+             two[1] / one[1], "<= 25 ms"),
+            (f"HTTP {name} CPU per request, --workers 2 vs 1", f"{two[2] * 1e6:.0f} us",
+             f"1 worker {one[2] * 1e6:.0f} us", two[2] / one[2], "~1x: scales with cores")]
+
+
+###############################################################################
+# Disk syncs per acknowledged transfer (strace) ##################################
+###############################################################################
+
+
+FSYNC_FIGURE = "commits with fsync per acknowledged transfer, 8 connections"
+
+
+def fsyncs_per_transfer(tmp: str, transfers: int) -> list:
+    """`walletsvc serve` at its defaults, strace attached to every thread once it serves: the
+    fsync and fdatasync calls while 8 connections send ``transfers`` transfers, per one answered 200."""
+    if not STRACE:
+        return [(FSYNC_FIGURE, "n/a", "strace not installed", None, "<= 0.35")]
+    with served(tmp, "fsync") as (process, ready):
+        plan = plan_for(ready, "POST")
+        drive(ready["port"], [plan] * 8, requests=2)  # the connections' first requests: not what is counted
+        summary = os.path.join(tmp, "fsync.strace")
+        tracer = subprocess.Popen([STRACE, "-f", "-c", "-e", "trace=fsync,fdatasync", "-o", summary,
+                                   "-p", str(process.pid)], stderr=subprocess.PIPE, text=True)
+        try:
+            if "attached" not in tracer.stderr.readline():  # attached to every thread from here on
+                return [(FSYNC_FIGURE, "n/a", "strace could not attach", None, "<= 0.35")]
+            answers = drive(ready["port"], [plan] * 8, requests=-(-transfers // 8), seed=1)
+        finally:
+            tracer.send_signal(signal.SIGINT)  # detaches and writes its summary
+            tracer.communicate(timeout=30)
+    syncs = sum(int(line.split()[3]) for line in pathlib.Path(summary).read_text().splitlines()
+                if line.split()[-1:] in (["fsync"], ["fdatasync"]))
+    acknowledged = sum(status == 200 for connection in answers for status, _ in connection)
+    return [(FSYNC_FIGURE, f"{syncs / acknowledged:.2f}", f"{syncs:,} syncs / {acknowledged:,} acknowledged",
+             syncs / acknowledged, "<= 0.35")]
+
+
+###############################################################################
+# A latency fault rule slows only what it matches ################################
+###############################################################################
+
+
+ISOLATION_FIGURE = "latency rule isolation: non-matching requests"
+
+
+def latency_rule_isolation(tmp: str, latency: float, seconds: float) -> list:
+    """`walletsvc serve` at its defaults; 10 connections GET one wallet and 10 GET the others, first
+    with no rule, then with a rule (POST /_admin/faults) delaying the first wallet's GET by
+    ``latency`` s: the waits of the requests the rule does not match, before and after."""
+    token = "bench-admin-token"
+    with served(tmp, "isolation", "--admin-token", token) as (_, ready):
+        everyone = plan_for(ready, "GET")
+        slow, other = ({**everyone, "wallets": wallets} for wallets in (everyone["wallets"][:1],
+                                                                        everyone["wallets"][1:]))
+        plans = [slow] * 10 + [other] * 10
+        before = drive(ready["port"], plans, seconds=min(seconds, 1.0))[10:]
+        admin_request(ready["port"], token, "POST", "/_admin/faults", {
+            "action": "latency", "method": "GET", "path": f"/api/v1/wallets/{slow['wallets'][0]}",
+            "latency": latency})
+        after = drive(ready["port"], plans, seconds=seconds, seed=1, timeout=latency + 30)[10:]
+    waits, calm = ([waited for connection in run for _, waited in connection] for run in (after, before))
+    ruled = f"a {latency:g} s rule on another path"
+    return [(f"{ISOLATION_FIGURE}, p99 wait", f"{p99_ms(waits):.1f} ms", f"no rule {p99_ms(calm):.1f} ms",
+             p99_ms(waits) / p99_ms(calm), f"<= 100 ms ({ruled})"),
+            (f"{ISOLATION_FIGURE}, max wait", f"{max(waits) * 1000:.1f} ms",
+             f"no rule {max(calm) * 1000:.1f} ms", max(waits) / max(calm), f"not slowed ({ruled})")]
+
+
+def admin_request(port: int, token: str, method: str, path: str, body: dict) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    conn.request(method, path, body=json.dumps(body),
+                 headers={"Authorization": f"Bearer {token}", "Content-Type": "application/json"})
+    reply = conn.getresponse()
+    payload = reply.read()
+    conn.close()
+    if reply.status != 200:
+        raise RuntimeError(f"{method} {path}: {reply.status} {payload[:200]!r}")
+    return json.loads(payload)
+
+
+###############################################################################
+# Scenario load: wallets with fixed ids, and without #############################
+###############################################################################
+
+
+SCENARIO_FIGURE = "scenario load, wallets with fixed ids vs without"
+
+# Child process: load a scenario file into a fresh file database; print the seconds load_scenario took.
+_LOAD_SCENARIO = """
+import json, sys, time, walletsvc
+scenario = json.load(open(sys.argv[1]))
+svc = walletsvc.WalletService(sys.argv[2])
+started = time.perf_counter()
+svc.load_scenario(scenario)
+print(time.perf_counter() - started)
+"""
+
+
+def scenario_load(tmp: str, wallets: int, limit: float) -> list:
+    """load_scenario of one workspace of ``wallets`` wallets, without then with fixed ids
+    (``"id": "wal_..."``), each in a child process stopped after ``limit`` seconds."""
+    seconds = {}
+    for fixed in (False, True):
+        made = [{"name": f"w{n}", "currency": "USD", **({"id": f"wal_bench{n:08d}"} if fixed else {})}
+                for n in range(wallets)]
+        path = os.path.join(tmp, f"load-{fixed}.json")
+        with open(path, "w") as handle:
+            json.dump({"workspaces": [{"name": "bench", "wallets": made}]}, handle)
+        try:
+            seconds[fixed] = float(subprocess.run(
+                [sys.executable, "-c", _LOAD_SCENARIO, path, os.path.join(tmp, f"load-{fixed}.db")],
+                cwd=MODULE_FOLDER, env={**os.environ, "PYTHONPATH": MODULE_FOLDER}, capture_output=True,
+                text=True, timeout=limit, check=True).stdout.split()[-1])
+        except subprocess.TimeoutExpired:  # run() kills the child
+            seconds[fixed] = None
+    without, with_ids = seconds[False], seconds[True]
+    label = f"{SCENARIO_FIGURE} ({wallets:,} wallets)"
+    if without is None:
+        return [(label, f"> {limit:g} s", f"without ids > {limit:g} s", None, "<= 1.2x")]
+    if with_ids is None:
+        return [(label, f"> {limit:g} s", f"without ids {without:.2f} s", f"> {limit / without:.1f}x",
+                 "<= 1.2x")]
+    return [(label, f"{with_ids:.2f} s", f"without ids {without:.2f} s", with_ids / without, "<= 1.2x")]
 
 
 ###############################################################################
@@ -897,44 +1139,67 @@ def workers_over_http(tmp: str, seconds: float, rounds: int) -> list:
 ###############################################################################
 
 
-SECTIONS = ("startup", "in_process", "previous", "http", "workers", "nonce", "scale")
+SECTIONS = ("startup", "in_process", "previous", "http", "workers", "fsync", "isolation", "nonce",
+            "scenario", "scale")
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="smaller counts for a smoke run")
+    parser.add_argument("--quick", action="store_true", help="every section with small counts: a smoke run")
     parser.add_argument("--only", action="append", choices=SECTIONS, help="run only this section; repeatable")
     parser.add_argument("--previous", metavar="REV", default="HEAD",
                         help="the git revision the 'previous' section measures against (default HEAD)")
     args = parser.parse_args()
     quick = args.quick
     rounds = 3 if quick else 7
+    seconds, http_rounds = (1.0, 1) if quick else (3.0, 5)  # of load per measurement, and rounds of those
     rows = []
+    started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         sections = {"startup": lambda: startup(rounds),
                     "in_process": lambda: in_process(tmp, 200 if quick else 1000, rounds),
-                    "previous": lambda: against_previous(tmp, args.previous, 200 if quick else 1000, rounds),
-                    "workers": lambda: workers_over_http(tmp, 1.0 if quick else 3.0, 3 if quick else 5),
-                    "http": lambda: over_http(tmp, 1.0 if quick else 3.0, 3 if quick else 5),
-                    "nonce": lambda: nonce_table(20_000 if quick else 200_000),
-                    "scale": lambda: scale(tmp, 100_000 if quick else 1_000_000, 50 if quick else 200,
+                    "previous": lambda: previous_rows(tmp, args.previous, 200 if quick else 1000, rounds,
+                                                      seconds, http_rounds),
+                    "http": lambda: over_http(tmp, seconds, http_rounds),
+                    "workers": lambda: workers_over_http(tmp, seconds, http_rounds),
+                    "fsync": lambda: fsyncs_per_transfer(tmp, 240 if quick else 2000),
+                    "isolation": lambda: latency_rule_isolation(tmp, 1.0 if quick else 5.0,
+                                                                2.0 if quick else 6.0),
+                    "nonce": lambda: nonce_table(tmp, 5_000 if quick else 200_000),
+                    "scenario": lambda: scenario_load(tmp, 5_000 if quick else 100_000, 10 if quick else 60),
+                    "scale": lambda: scale(tmp, 10_000 if quick else 1_000_000, 50 if quick else 200,
                                            rounds)}
         for name in args.only or SECTIONS:
             for row in sections[name]():
                 rows.append(row)
                 print_row(row)
-    print()
+    print(f"\n{len(rows)} figures in {time.monotonic() - started:.0f} s (load: {load_tool()},"
+          f" strace: {'yes' if STRACE else 'no'})\n")
     print("| figure | walletsvc | baseline | ratio | target |")
     print("|---|---|---|---|---|")
     for name, value, baseline, ratio, target in rows:
-        print(f"| {name} | {value} | {baseline} | {'' if ratio is None else f'{ratio:.2f}x'} | {target} |")
+        print(f"| {name} | {value} | {baseline} | {shown(ratio)} | {target} |")
     return 0
+
+
+def previous_rows(tmp: str, rev: str, calls: int, rounds: int, seconds: float, http_rounds: int) -> list:
+    """In process and over HTTP against the walletsvc.py at ``rev``; n/a when git cannot show it."""
+    try:
+        previous_folder(rev, tmp)
+    except (OSError, subprocess.CalledProcessError) as exc:
+        reason = f"git show {rev}: {getattr(exc, 'stderr', None) or exc}".strip()[:60]
+        return [(f"HTTP POST create transfer vs {rev}", "n/a", reason, None, f">= 2x {rev}")]
+    return against_previous(tmp, rev, calls, rounds) + previous_over_http(tmp, rev, seconds, http_rounds)
+
+
+def shown(ratio: float | str | None) -> str:
+    """A ratio as the table shows it; a string is a bound ("> 12.0x") already written."""
+    return "" if ratio is None else ratio if isinstance(ratio, str) else f"{ratio:.2f}x"
 
 
 def print_row(row: tuple) -> None:
     name, value, baseline, ratio, target = row
-    shown = "" if ratio is None else f"{ratio:.2f}x"
-    print(f"{name:<55} {value:>18} {baseline:>24} {shown:>8}  {target}", flush=True)
+    print(f"{name:<55} {value:>18} {baseline:>24} {shown(ratio):>8}  {target}", flush=True)
 
 
 if __name__ == "__main__":

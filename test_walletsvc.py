@@ -6759,3 +6759,31 @@ def test_each_section_uses_only_those_above_it() -> None:
             if isinstance(name, ast.Name) and defined.get(name.id, 0) > here and defined[name.id] != last:
                 later.add((here, name.id))
     assert later == set()
+
+
+###############################################################################
+# The benchmark script (README, "Benchmarks") ##################################
+###############################################################################
+
+
+@pytest.mark.slow
+def test_bench_quick_runs_every_section_and_prints_every_target_figure() -> None:
+    """`bench_walletsvc.py --quick` (every section, small counts; wrk and strace not needed) ends
+    well, and its table has a row for each figure the write path's issues set a target for."""
+    done = subprocess.run([sys.executable, "bench_walletsvc.py", "--quick"], capture_output=True, text=True,
+                          cwd=pathlib.Path(__file__).parent, timeout=180, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = {line.split(" | ")[0][2:]: line.split(" | ") for line in done.stdout.splitlines()
+            if line.startswith("| ") and not line.startswith("| figure |")}
+    figures = ["HTTP signed GET at defaults, 8 connections", "HTTP signed GET at defaults p99",
+               "HTTP POST create transfer vs HEAD", "HTTP POST create transfer at defaults p99",
+               "HTTP GET /api/v1/wallets/{id} p99, --workers 2 vs 1",
+               "HTTP POST create transfer p99, --workers 2 vs 1",
+               "commits with fsync per acknowledged transfer, 8 connections",
+               "in-process GET /api/v1/wallets/{id}",
+               "test double per-test overhead (walletsvc_sandbox: reset + audit)",
+               "scenario load, wallets with fixed ids vs without (5,000 wallets)",
+               "latency rule isolation: non-matching requests, p99 wait",
+               "latency rule isolation: non-matching requests, max wait"]
+    assert [figure for figure in figures if figure not in rows] == []
+    assert all(len(rows[figure]) == 5 for figure in figures)  # name, value, baseline, ratio, target
