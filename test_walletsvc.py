@@ -4053,10 +4053,7 @@ throughout."""
     server = ServerProcess(str(tmp_path / "demo.db"), tmp_path / "demo.log", "--demo")
     server.start()
     try:
-        printed = (tmp_path / "demo.log").read_text()
-        key, secret, token = (re.search(rf"{label}\s*: (\S+)", printed).group(1)
-                              for label in ("API key", "secret", "admin token"))
-        admin = {"Authorization": f"Bearer {token}"}
+        key, secret, admin, _wallets = _demo_of(tmp_path / "demo.log")
         url = server.url
         frozen = requests.post(url + "/_admin/clock", json={"freeze": True, "at": "2030-01-01T00:00:00Z"},
                                headers=admin, timeout=10).json()["data"]
