@@ -1508,13 +1508,13 @@ def test_signing_curl_blocks_and_walletsvc_sign_run_as_printed(demo_server, tmp_
     assert run(post)["data"]["createdAt"] == "2030-01-01T00:00:00.000Z"
 
 
-def test_the_soak_command_selects_the_five_slow_tests(tmp_path) -> None:
+def test_the_soak_command_selects_the_six_slow_tests(tmp_path) -> None:
     (soak,) = doc_blocks("When things go wrong", "sh")
-    assert "The five marked `slow`" in doc_section("When things go wrong")
+    assert "The six marked `slow`" in doc_section("When things go wrong")
     done = subprocess.run(["bash", "-c", soak.strip() + " --collect-only -q -p no:cacheprovider"],
                           cwd=README.parent, env=printed_shell_env(tmp_path), capture_output=True, text=True,
                           timeout=120, check=False)
-    assert re.search(r"^(5/\d+ tests collected|test_walletsvc.py: 5$)", done.stdout, flags=re.MULTILINE), (
+    assert re.search(r"^(6/\d+ tests collected|test_walletsvc.py: 6$)", done.stdout, flags=re.MULTILINE), (
         done.stdout[-2000:] + done.stderr[-2000:])
 
 
@@ -6019,7 +6019,20 @@ def _replace(path: pathlib.Path) -> None:
     os.replace(f"{path}.other", path)
 
 
-@pytest.mark.parametrize("swap", [_delete, _replace], ids=["deleted", "replaced"])
+def _delete_wal(path: pathlib.Path) -> None:
+    os.remove(f"{path}-wal")
+
+
+def _replace_wal(path: pathlib.Path) -> None:
+    pathlib.Path(f"{path}-wal.other").write_bytes(b"")
+    os.replace(f"{path}-wal.other", f"{path}-wal")
+
+
+SWAPS = [_delete, _replace, _delete_wal, _replace_wal]
+SWAP_NAMES = ["deleted", "replaced", "wal-deleted", "wal-replaced"]
+
+
+@pytest.mark.parametrize("swap", SWAPS, ids=SWAP_NAMES)
 def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tmp_path, swap) -> None:
     """Defect: the file deleted under a running server, 20 transfers acknowledged into nothing; replaced,
     the server went on answering 200 while the file became malformed."""
@@ -6040,12 +6053,168 @@ def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tm
         assert requests.get(server.url + "/api/v1/wallets",
                             headers=_signed("GET", "/api/v1/wallets", key, secret),
                             timeout=10).status_code == 503  # a read records its nonce: a write too
-    if path.exists():  # replaced: the new file is whole, and nothing was written into it
+    if path.exists():  # the file at the path is whole, and nothing was written into it
         conn = sqlite3.connect(path)
         assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
-        assert conn.execute("SELECT count(*) FROM workspaces WHERE name = 'lost'").fetchone()[0] == 0
-        assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == 0
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master")}
+        if "workspaces" in tables:  # (a new file's tables live in its -wal until the first checkpoint)
+            assert conn.execute("SELECT count(*) FROM workspaces WHERE name = 'lost'").fetchone()[0] == 0
+            assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == 0
         conn.close()
+
+
+@pytest.mark.parametrize("swap", SWAPS, ids=SWAP_NAMES)
+def test_under_load_with_two_workers_nothing_is_acknowledged_into_a_swapped_file(tmp_path, swap) -> None:
+    """The attack's reproduction (DESIGN.md §10): under `--workers 2` and six transfer clients, the file
+    or its -wal deleted or replaced: 2-5 transfers were answered 200 into the unlinked file, and a
+    deleted -wal gave S500 "malformed". Now every transfer sent after the change answers S503 (never
+    200, never 500), and after a kill -9 the file at its path passes integrity_check."""
+    path = tmp_path / "load.db"
+    with demo_process(tmp_path, "load", "--workers", "2") as (server, (key, secret, _admin, wallets)):
+        swapped = threading.Event()
+        answers: list[tuple[bool, int, str]] = []  # (sent after the swap, status, code)
+
+        def client(n: int) -> None:
+            session = requests.Session()
+            for attempt in range(400):
+                body = json.dumps({"sourceWalletId": wallets[n % 2], "targetWalletId": wallets[1 - n % 2],
+                                   "amount": "0.01", "currency": "USD", "bizId": f"c{n}-{attempt}"}).encode()
+                after = swapped.is_set()
+                reply = session.post(server.url + TRANSFER_PATH, data=body, timeout=10,
+                                     headers=_signed("POST", TRANSFER_PATH, key, secret, body))
+                answers.append((after, reply.status_code, reply.json()["code"]))
+                if after and len([a for a in answers if a[0]]) > 60:
+                    return
+
+        clients = [threading.Thread(target=client, args=(n,)) for n in range(6)]
+        for thread in clients:
+            thread.start()
+        time.sleep(0.5)
+        swap(path)
+        swapped.set()
+        for thread in clients:
+            thread.join(60)
+        server.kill()
+        time.sleep(1)  # its workers stop with it
+    before = [status for after, status, _ in answers if not after]
+    after = [(status, code) for sent_after, status, code in answers if sent_after]
+    assert before.count(200) > 10 and len(after) > 30
+    assert set(after) == {(503, "S503")}, sorted(set(after))
+    if path.exists():
+        conn = sqlite3.connect(path)
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        conn.close()
+
+
+def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path) -> None:
+    """DESIGN.md §7: writes waiting together run in one transaction, each in its own savepoint, and
+    commit once; the one that raises gets its own exception and leaves nothing; the others commit."""
+    svc = walletsvc.WalletService(str(tmp_path / "batch.db"))
+    db = svc.db
+    db.run(lambda conn: conn.execute("CREATE TABLE probe (n INTEGER PRIMARY KEY)"))
+    statements = _trace_writers(svc)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:  # a writer of this process holds the turn while eight units queue behind it
+        with db.atomic():
+            holding.set()
+            release.wait(10)
+
+    results: dict[int, Any] = {}
+
+    def unit(n: int) -> None:
+        def write(conn: sqlite3.Connection) -> int:
+            conn.execute("INSERT INTO probe VALUES (?)", (n,))
+            if n == 3:
+                raise ValueError("unit 3 fails")
+            return n * 10
+        try:
+            results[n] = db.run(write)
+        except ValueError as exc:
+            results[n] = exc
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+    threads = [threading.Thread(target=unit, args=(n,)) for n in range(8)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)
+    release.set()
+    for thread in [holder, *threads]:
+        thread.join(10)
+    assert isinstance(results.pop(3), ValueError)
+    assert results == {n: n * 10 for n in range(8) if n != 3}
+    kept = set(db.one("SELECT group_concat(n) FROM probe")[0].split(","))
+    assert kept == {str(n) for n in range(8) if n != 3}
+    assert statements[True].count("COMMIT") == 2  # the holder's, then one for all eight units
+    assert statements[True].count("ROLLBACK TO unit") == 1
+    svc.close()
+
+
+@pytest.mark.parametrize("what", ["database", "wal"])
+def test_a_file_gone_during_a_batch_answers_s503_for_every_unit_and_acknowledges_none(tmp_path, what) -> None:
+    """DESIGN.md §10: the file's identity is checked inside the batch's lock, before its COMMIT."""
+    path = tmp_path / "gone.db"
+    svc = walletsvc.WalletService(str(path))
+    world_ = make_world(svc)
+    app = walletsvc.create_app(svc)
+    holding, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with contextlib.suppress(sqlite3.Error), svc.db.atomic():
+            holding.set()
+            release.wait(10)
+
+    holder = threading.Thread(target=hold)
+    holder.start()
+    holding.wait(10)
+    answers: list[dict] = []
+
+    def transfer(n: int) -> None:
+        client = walletsvc.Client(app, world_["key"]["apiKey"], world_["key"]["secret"])
+        body = {"sourceWalletId": world_["a"], "targetWalletId": world_["b"], "amount": "1.00",
+                "currency": "USD", "bizId": f"gone-{n}"}
+        answers.append(client.send("POST", TRANSFER_PATH, body=json.dumps(body).encode())[2])
+
+    threads = [threading.Thread(target=transfer, args=(n,)) for n in range(6)]
+    for thread in threads:
+        thread.start()
+    time.sleep(0.3)  # all six wait behind the holder
+    os.remove(f"{path}-wal" if what == "wal" else path)
+    release.set()
+    for thread in [holder, *threads]:
+        thread.join(10)
+    assert [answer["code"] for answer in answers] == ["S503"] * 6
+    assert all("deleted or replaced" in answer["detail"] for answer in answers)
+    health = webtest.TestApp(app).get("/healthz", expect_errors=True)
+    assert (health.status_int, health.json["code"]) == (503, "S503")
+
+
+def test_a_replay_sent_at_once_from_eight_threads_and_two_processes_wins_once(tmp_path, two_servers) -> None:
+    """DESIGN.md §5: a nonce is recorded atomically; of 16 copies of one signed transfer sent at once to
+    two processes, exactly one is applied and the others answer GA2013."""
+    servers, (key, secret, _admin, wallets) = two_servers
+    body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
+                       "currency": "USD", "bizId": "once"}).encode()
+    headers = _signed("POST", TRANSFER_PATH, key, secret, body)
+    start = threading.Barrier(16)
+    answers: list[tuple[int, str]] = []
+
+    def send(server: ServerProcess) -> None:
+        session = requests.Session()
+        start.wait(10)
+        reply = session.post(server.url + TRANSFER_PATH, data=body, headers=headers, timeout=10)
+        answers.append((reply.status_code, reply.json()["code"]))
+
+    threads = [threading.Thread(target=send, args=(servers[n % 2],)) for n in range(16)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert sorted(answers) == [(200, "2000")] + [(401, "GA2013")] * 15
+    balances = _balances_over_http(servers[0].url, key, secret)
+    assert (balances["alice"], balances["bob"]) == ("999.00", "1001.00")  # moved once
 
 
 ###############################################################################
@@ -6456,8 +6625,8 @@ def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> N
     for wallet_id in wallets:
         svc.deposit(wallet_id, "1000.00")
     svc.close()
-    servers = [ServerProcess(path, tmp_path / f"server{n}.log", "--set", "busy_timeout=0.3")
-               for n in range(2)]
+    servers = [ServerProcess(path, tmp_path / f"server{n}.log", "--set", "busy_timeout=0.3", "--threads", "8")
+               for n in range(2)]  # 2 processes x 8 threads, their writes grouped by each one's writer
     for server in servers:
         server.start()
     deadline = time.monotonic() + seconds
@@ -6512,6 +6681,9 @@ def test_bank_workload_across_two_server_processes(tmp_path, crashes: bool) -> N
     assert not rejected & set(stored)
     assert len(acknowledged) > 50
     assert nonce_checks and all(nonce_checks)
+    audit = subprocess.run([sys.executable, "-m", "walletsvc", "audit", "--db", path], capture_output=True,
+                           text=True, timeout=60, check=False)
+    assert audit.returncode == 0, audit.stdout + audit.stderr
     if crashes:
         assert not [kill for kill in kills if isinstance(kill, Exception)], kills
         assert len(kills) >= 3 and locks

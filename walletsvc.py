@@ -1047,6 +1047,7 @@ class Database:
         self._shared: _Held | None = None
         self._file: tuple[int, int] | None = None  # (device, inode) of the file this database opened
         self._wal: tuple[int, int] | None = None  # and of its -wal, once seen
+        self._gone: FileGone | None = None  # once either was seen swapped: every use of the database fails
         self._writer_state()
         _DATABASES.add(self)
         deadline = time.monotonic() + busy_timeout
@@ -1087,10 +1088,12 @@ class Database:
         wal = self._identity(self.path + "-wal")
         if self._wal is None and wal is not None:
             self._wal = wal
-        if self._identity(self.path) != self._file or wal != self._wal:
+        if self._gone is None and (self._identity(self.path) != self._file or wal != self._wal):
             what = "file" if self._identity(self.path) != self._file else "file's -wal"
-            raise FileGone(f"The database {what} {self.path} was deleted or replaced while the server ran;"
-                           " nothing more is written to it. Restart the server.")
+            self._gone = FileGone(f"The database {what} {self.path} was deleted or replaced while the server"
+                                  " ran; nothing more is read from or written to it. Restart the server.")
+        if self._gone is not None:
+            raise self._gone
 
     def _connect(self, uri_mode: str = "rw") -> sqlite3.Connection:
         target, uri = self.path, False
@@ -1145,6 +1148,8 @@ class Database:
                     if self._shared is None:
                         self._shared = _Held(self._connect(), self._lock)
             return self._shared
+        if self._gone is not None:  # (a new connection would open whatever file is at the path now)
+            raise self._gone
         local, pid = self._local, os.getpid()
         writing = getattr(local, "writing", None)
         if writing is not None:
@@ -1290,7 +1295,16 @@ class Database:
             pause = min(pause * 2, 0.002)
 
     def _commit(self, conn: sqlite3.Connection) -> None:
-        self.check_file()
+        try:
+            self.check_file()
+        except FileGone:
+            conn.execute("ROLLBACK")
+            # What this process committed before goes from its -wal into the file it opened (the one
+            # at the path if only the -wal was swapped), and the -wal is left empty, so that a stale
+            # one cannot corrupt a new file at the path when it is next opened.
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            raise
         conn.execute("COMMIT")
 
     def _writer(self, durable: bool) -> sqlite3.Connection:
@@ -4608,15 +4622,14 @@ class HttpApi:
     def as_wallet_error(self, exc: BaseException) -> WalletError:
         if isinstance(exc, WalletError):
             return exc
-        if isinstance(exc, sqlite3.Error) and _is_busy(exc):
+        if isinstance(exc, sqlite3.Error):
             try:
-                self.svc.db.check_file()  # the file gone says so, rather than "busy"
+                self.svc.db.check_file()  # the file gone says so, rather than "busy" or "malformed"
             except FileGone as gone:
-                exc = gone
-            if isinstance(exc, FileGone):
-                return ServiceBusy(str(exc), zh_extra=f"服务器运行期间数据库文件 {self.svc.db.path}"
+                return ServiceBusy(str(gone), zh_extra=f"服务器运行期间数据库文件 {self.svc.db.path}"
                                    "（或其 -wal）被删除或替换；不再向其写入。请重启服务器。")
-            return ServiceBusy()
+            if _is_busy(exc):
+                return ServiceBusy()
         log.error("unexpected error while serving a request", exc_info=exc)
         return InternalError()
 
@@ -5771,7 +5784,8 @@ class LiveServer:
         server = self._server
         server.task_dispatcher.shutdown(timeout=1)  # the requests in hand are answered first
         if self._thread.is_alive():
-            server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
+            with contextlib.suppress(OSError):  # EBADF: the loop ended meanwhile and closed its trigger
+                server.trigger.pull_trigger(lambda: wasyncore.close_all(server._map))
             self._thread.join(timeout=5)
 
 
