@@ -1020,6 +1020,9 @@ class _Write:
 # Units one leader takes into one transaction: enough to share a commit among every request
 # thread, small enough that a batch holds the lock for a few milliseconds at most.
 MAX_BATCH = 64
+# Batches between two checkpoints of the -wal (SQLite's own: a checkpoint per 1000 pages, about
+# 30 batches of one transfer each).
+CHECKPOINT_EVERY = 32
 
 
 class Database:
@@ -1070,6 +1073,8 @@ class Database:
         self._turn = threading.Condition(threading.Lock())
         self._writers: dict[bool, sqlite3.Connection] = {}  # durable or not: its connection
         self._writer_pid = os.getpid()
+        self._batches = 0
+        self._checkpointing = threading.Lock()
 
     @staticmethod
     def _identity(path: str) -> tuple[int, int] | None:
@@ -1178,6 +1183,7 @@ class Database:
                     waiting.taken = True
                     batch.append(waiting)
             self._lead(batch)
+            self._checkpoint_when_due()
         if write.error is not None:
             raise write.error
         return write.result
@@ -1204,6 +1210,20 @@ class Database:
                     raise
         finally:
             self._pass_turn([write])
+        self._checkpoint_when_due()
+
+    def _checkpoint_when_due(self) -> None:
+        """Every CHECKPOINT_EVERY batches, copy the -wal into the database from this thread's read
+        connection, once its batch was answered: the writer goes on meanwhile (SQLite's automatic
+        checkpoint ran inside the COMMIT, while every other writer of the process waited)."""
+        self._batches += 1
+        if self.memory or self._batches % CHECKPOINT_EVERY or not self._checkpointing.acquire(blocking=False):
+            return
+        try:
+            with contextlib.suppress(sqlite3.Error), self.connection() as conn:
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        finally:
+            self._checkpointing.release()
 
     def _wait_for_turn(self, write: _Write) -> None:
         """Queue ``write``; return when it is at the front (this thread leads) or when a
@@ -1281,7 +1301,7 @@ class Database:
         batch is waited for here, in steps of at most 2 ms rather than SQLite's busy handler's
         steps of up to 100 ms, at most this thread's patience."""
         conn = self._writer(durable)
-        deadline, pause = time.monotonic() + self._patience(), 0.0002
+        deadline, pause = time.monotonic() + self._patience(), 0.00005
         while True:
             try:
                 conn.execute("BEGIN IMMEDIATE")
@@ -1292,7 +1312,7 @@ class Database:
                 if not locked or time.monotonic() + pause > deadline:
                     raise
             time.sleep(pause)
-            pause = min(pause * 2, 0.002)
+            pause = min(pause * 2, 0.00025)
 
     def _commit(self, conn: sqlite3.Connection) -> None:
         try:
@@ -1319,6 +1339,7 @@ class Database:
         if conn is None:
             conn = self._connect()
             conn.execute("PRAGMA busy_timeout = 0")  # _begin waits, in shorter steps
+            conn.execute("PRAGMA wal_autocheckpoint = 0")  # _checkpoint_when_due, outside the turn
             if not durable:
                 conn.execute("PRAGMA synchronous = NORMAL")
             self._writers[durable] = conn
