@@ -6954,6 +6954,7 @@ def test_bench_quick_runs_every_section_and_prints_every_target_figure() -> None
                "test double per-test overhead (walletsvc_sandbox: reset + audit)",
                "scenario load, wallets with fixed ids vs without (5,000 wallets)",
                "latency rule isolation: non-matching requests, p99 wait",
-               "latency rule isolation: non-matching requests, max wait"]
+               "latency rule isolation: non-matching requests, max wait",
+               "nonce records after 5,000 requests over 300 s"]
     assert [figure for figure in figures if figure not in rows] == []
     assert all(len(rows[figure]) == 5 for figure in figures)  # name, value, baseline, ratio, target
