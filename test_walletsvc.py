@@ -3367,6 +3367,26 @@ def test_audit_over_the_cli_and_the_admin_surface(tmp_path, capsys) -> None:
     assert {violation["check"] for violation in answer} == {v["check"] for v in json.loads(out)}
 
 
+def test_audit_sums_are_exact_however_large(tmp_path, capsys) -> None:
+    """The attack (DESIGN.md §10): ten KWD wallets of 999999999999999.999 each (within the cap) made
+    `walletsvc audit` print "integer overflow" (exit 2) and GET /_admin/audit answer 500."""
+    path = str(tmp_path / "rich.db")
+    svc = walletsvc.WalletService(path)
+    ws = svc.create_workspace("rich")["id"]
+    for _ in range(10):
+        svc.deposit(svc.create_wallet(ws, "KWD")["id"], "999999999999999.999")
+    assert svc.audit() == []
+    admin = webtest.TestApp(walletsvc.create_app(svc, admin_token="t"))
+    assert admin.get("/_admin/audit", headers={"Authorization": "Bearer t"}).json["data"] == []
+    assert run_cli(capsys, "audit", "--db", path) == (0, "[]\n", "")
+    with svc.db.connection() as conn:  # one minor unit too many, in a sum past 2^63
+        conn.execute("UPDATE wallets SET balance = balance + 1"
+                     " WHERE rowid = (SELECT min(rowid) FROM wallets)")
+    (conservation,) = [v for v in svc.audit() if v["check"] == "conservation"]
+    assert conservation["rows"]["balances"] == str(10 * 999999999999999999 + 1)
+    assert conservation["rows"]["external"] == str(10 * 999999999999999999)
+
+
 def test_the_plugin_audit_says_a_violation_is_a_walletsvc_bug() -> None:
     sandbox = walletsvc.Sandbox.create()
     sandbox.audit()

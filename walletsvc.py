@@ -998,6 +998,21 @@ class FileGone(sqlite3.OperationalError):
     sqlite_errorname = "SQLITE_CANTOPEN"
 
 
+class _ExactSum:
+    """SQL ``exact_sum(x)``: integers added as Python adds them, exact however large (SQLite's
+    sum() stops at 2^63 with "integer overflow"), as decimal text (a subquery of no rows is NULL)."""
+
+    def __init__(self) -> None:
+        self.total = 0
+
+    def step(self, value: int | None) -> None:
+        if value is not None:
+            self.total += value
+
+    def finalize(self) -> str:
+        return str(self.total)
+
+
 def _is_busy(exc: sqlite3.Error) -> bool:
     return isinstance(exc, sqlite3.OperationalError) and (
         getattr(exc, "sqlite_errorname", None) or "").startswith(_UNAVAILABLE)
@@ -1111,6 +1126,7 @@ class Database:
 
     def _prepare_connection(self, conn: sqlite3.Connection) -> None:
         conn.row_factory = sqlite3.Row
+        conn.create_aggregate("exact_sum", 1, _ExactSum)
         conn.execute("PRAGMA foreign_keys = ON")
         conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout * 1000)}")
         conn.execute("PRAGMA temp_store = MEMORY")  # no statement journal file made and unlinked per transfer
@@ -1891,20 +1907,21 @@ def completion_resource(row: sqlite3.Row) -> dict:
 ###############################################################################
 
 # The ledger's invariants, each a query returning the rows that break it
-# (WalletService.audit): (check, detail template over the row, SQL).
+# (WalletService.audit): (check, detail template over the row, SQL). Sums of money are
+# exact_sum's, as decimal text: ten wallets of 10^18 minor units sum past SQLite's integers.
 _SIGNED_FLOW = "CASE f.direction WHEN 'CREDIT' THEN f.amount ELSE -f.amount END"
 _AUDITS = (
     ("conservation", "{currency}: deposits - withdrawals = {external}, balances sum to {balances}",
-     ("SELECT w.currency, sum(w.balance) AS balances,"
-     "       coalesce((SELECT sum(CASE f.type WHEN 'DEPOSIT' THEN f.amount ELSE -f.amount END)"
-     "                 FROM flows f JOIN wallets v ON v.id = f.wallet_id"
-     "                 WHERE v.currency = w.currency AND f.type IN ('DEPOSIT', 'WITHDRAWAL')), 0) AS external"
+     ("SELECT w.currency, exact_sum(w.balance) AS balances,"
+     "       coalesce((SELECT exact_sum(CASE f.type WHEN 'DEPOSIT' THEN f.amount ELSE -f.amount END)"
+     "                   FROM flows f JOIN wallets v ON v.id = f.wallet_id"
+     "                  WHERE v.currency = w.currency AND f.type IN ('DEPOSIT', 'WITHDRAWAL')), '0') AS external"
      "  FROM wallets w GROUP BY w.currency HAVING balances <> external")),
     ("negative", "wallet {id}: balance {balance}, pending {pending}",
      "SELECT id, balance, pending FROM wallets WHERE balance < 0 OR pending < 0 OR balance - pending < 0"),
     ("flows_sum", "wallet {id}: flows sum to {flows}, balance is {balance}",
-     (f"SELECT w.id, w.balance, coalesce(sum({_SIGNED_FLOW}), 0) AS flows"
-     "  FROM wallets w LEFT JOIN flows f ON f.wallet_id = w.id GROUP BY w.id HAVING flows <> w.balance")),
+     (f"SELECT w.id, w.balance, exact_sum({_SIGNED_FLOW}) AS flows FROM wallets w"
+     "  LEFT JOIN flows f ON f.wallet_id = w.id GROUP BY w.id HAVING flows <> CAST(w.balance AS TEXT)")),
     ("running_balance", "flow {id} of wallet {wallet_id}: {before} then {signed} gives {balance_after}",
      (f"SELECT id, wallet_id, before, signed, balance_after FROM ("
      f"  SELECT f.id, f.wallet_id, f.balance_after, {_SIGNED_FLOW} AS signed,"
@@ -1916,9 +1933,9 @@ _AUDITS = (
      "                         ORDER BY f.created_at DESC, f.id DESC LIMIT 1) AS balance_after"
      "  FROM wallets w WHERE balance_after IS NOT NULL AND balance_after <> w.balance")),
     ("pending", "wallet {id}: pending {pending}, PENDING orders hold {held}",
-     ("SELECT w.id, w.pending, coalesce((SELECT sum(t.amount) FROM transfers t"
-     "                                  WHERE t.source_wallet_id = w.id AND t.status = 'PENDING'), 0) AS held"
-     "  FROM wallets w WHERE held <> w.pending")),
+     ("SELECT w.id, w.pending, coalesce((SELECT exact_sum(t.amount) FROM transfers t"
+     "                                   WHERE t.source_wallet_id = w.id AND t.status = 'PENDING'), '0') AS held"
+     "  FROM wallets w WHERE held <> CAST(w.pending AS TEXT)")),
     ("order_flows", "order {id} ({status}): {outs} TRANSFER_OUT and {ins} TRANSFER_IN flows",
      ("SELECT t.id, t.status,"
       "       coalesce(sum(f.type = 'TRANSFER_OUT' AND f.wallet_id = t.source_wallet_id"
