@@ -1915,7 +1915,8 @@ _AUDITS = (
      ("SELECT w.currency, exact_sum(w.balance) AS balances,"
      "       coalesce((SELECT exact_sum(CASE f.type WHEN 'DEPOSIT' THEN f.amount ELSE -f.amount END)"
      "                   FROM flows f JOIN wallets v ON v.id = f.wallet_id"
-     "                  WHERE v.currency = w.currency AND f.type IN ('DEPOSIT', 'WITHDRAWAL')), '0') AS external"
+     "                  WHERE v.currency = w.currency AND f.type IN ('DEPOSIT', 'WITHDRAWAL')), '0')"
+     "         AS external"
      "  FROM wallets w GROUP BY w.currency HAVING balances <> external")),
     ("negative", "wallet {id}: balance {balance}, pending {pending}",
      "SELECT id, balance, pending FROM wallets WHERE balance < 0 OR pending < 0 OR balance - pending < 0"),
@@ -1934,7 +1935,8 @@ _AUDITS = (
      "  FROM wallets w WHERE balance_after IS NOT NULL AND balance_after <> w.balance")),
     ("pending", "wallet {id}: pending {pending}, PENDING orders hold {held}",
      ("SELECT w.id, w.pending, coalesce((SELECT exact_sum(t.amount) FROM transfers t"
-     "                                   WHERE t.source_wallet_id = w.id AND t.status = 'PENDING'), '0') AS held"
+     "                                   WHERE t.source_wallet_id = w.id AND t.status = 'PENDING'), '0')"
+     "         AS held"
      "  FROM wallets w WHERE held <> CAST(w.pending AS TEXT)")),
     ("order_flows", "order {id} ({status}): {outs} TRANSFER_OUT and {ins} TRANSFER_IN flows",
      ("SELECT t.id, t.status,"
