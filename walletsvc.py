@@ -205,7 +205,18 @@ def parse_network(text: Any) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
     """An address or CIDR block (NETWORK_PATTERN) as a network; ValueError if it is not one."""
     if not isinstance(text, str) or not _NETWORK.fullmatch(text):
         raise ValueError(f"{str(text)[:60]!r} is not an IP address or CIDR block")
-    return ipaddress.ip_network(text, strict=False)
+    network = ipaddress.ip_network(text, strict=False)
+    if "/" in text and network.network_address != ipaddress.ip_address(text.split("/")[0]):
+        raise HostBitsSet(f"{text!r} has host bits set: write {network} (it is never widened)", network)
+    return network
+
+
+class HostBitsSet(ValueError):
+    """A CIDR block whose address has bits past its prefix (``10.0.0.1/8``): refused, not widened."""
+
+    def __init__(self, message: str, network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> None:
+        super().__init__(message)
+        self.network = network
 
 
 DESCRIPTION_MAX = 255  # characters of a transfer's description
@@ -598,6 +609,10 @@ _REASONS = {
                      "不在签名范围内，仅在与请求体的 bizId 相同时接受；请将该键作为 bizId 放入签名的请求体"),
     "ip": ("'{value}' is not an IP address or CIDR block",
            "'{value}' 不是 IP 地址或 CIDR 网段"),
+    "host_bits": ("'{value}' has host bits set: write {network} (a block is never widened)",
+                  "'{value}' 含有主机位：请写作 {network}（网段不会被自动放宽）"),
+    "empty_whitelist": ("must not be empty: leave it out (or null) for no whitelist",
+                        "不能为空：不设白名单时请省略（或设为 null）"),
     "scope": ("'{value}' is not a scope; scopes: {choices}",
               "'{value}' 不是权限范围；可选：{choices}"),
     "state": ("is {state}",
@@ -2017,6 +2032,25 @@ _INSERT_TRANSFER = (
     " :status, :description, :created_at, :updated_at, :completed_at, :settle_at)")
 
 
+def ip_whitelist_entries(value: Any, field: str = "ipWhitelist") -> list[str]:
+    """A key's whitelist as stored: each entry an address or a CIDR block without host bits, at
+    least one (None, not an empty list, means no whitelist); S012 naming the entry otherwise."""
+    entries = [value] if isinstance(value, str) else value
+    if not isinstance(entries, list | tuple):
+        raise invalid(field, "array")
+    if not entries:
+        raise invalid(field, "empty_whitelist")
+    kept = []
+    for entry in entries:
+        try:
+            kept.append(str(parse_network(entry)))
+        except HostBitsSet as wide:
+            raise invalid(field, "host_bits", value=str(entry)[:60], network=str(wide.network)) from None
+        except ValueError:
+            raise invalid(field, "ip", value=str(entry)[:60]) from None
+    return list(dict.fromkeys(kept))
+
+
 class Ledger:
     """The service without the sandbox: workspaces, members, keys, wallets, the ledger
     and transfers over one SQLite database (WalletService adds the sandbox's state).
@@ -2149,14 +2183,7 @@ class Ledger:
                 raise invalid("scopes", "scope", value=str(scope)[:40], choices=", ".join(SCOPES))
         if not scopes:
             raise invalid("scopes", "required")
-        whitelist = None
-        if ip_whitelist is not None:
-            whitelist = []
-            for entry in [ip_whitelist] if isinstance(ip_whitelist, str) else ip_whitelist:
-                try:
-                    whitelist.append(str(parse_network(str(entry))))
-                except ValueError:
-                    raise invalid("ipWhitelist", "ip", value=str(entry)[:60]) from None
+        whitelist = None if ip_whitelist is None else ip_whitelist_entries(ip_whitelist)
         with self.writing() as (conn, now):
             key_id, secret = self.new_id("ak_", now), self.new_secret()
             self._workspace(conn, workspace_id)
@@ -3170,13 +3197,7 @@ def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
         if not isinstance(value, list) or not value or any(scope not in SCOPES for scope in value):
             raise invalid(field, "one_of", choices=", ".join(SCOPES))
     elif kind == "networks":
-        if not isinstance(value, list):
-            raise invalid(field, "array")
-        for entry in value:
-            try:
-                parse_network(entry)
-            except ValueError:
-                raise invalid(field, "ip", value=str(entry)[:60]) from None
+        ip_whitelist_entries(value, field)
     elif kind == "currency":
         currency_exponent(value, field)
     elif kind == "amount":
@@ -3337,9 +3358,9 @@ class WalletService(Ledger):
             conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
                          " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                          (fixed(key, "ak_", field), secret or self.new_secret(), workspace_id, member_id,
-                          " ".join(key.get("scopes", SCOPES)),
-                          json.dumps(key["ipWhitelist"]) if key.get("ipWhitelist") is not None else None,
-                          now))
+                          " ".join(dict.fromkeys(key.get("scopes", SCOPES))),
+                          json.dumps(ip_whitelist_entries(key["ipWhitelist"], f"{field}.ipWhitelist"))
+                          if key.get("ipWhitelist") is not None else None, now))
         for index, wallet in enumerate(spec.get("wallets", ())):
             wallet_id = fixed(wallet, "wal_", f"{where}.wallets[{index}]")
             conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
@@ -3600,7 +3621,8 @@ def _scenario_schema(kind: str) -> dict:
     kinds = {"name": _NAME_SCHEMA, "wallet_name": {**_NAME_SCHEMA, "minLength": 0}, "string": _STRING,
              "boolean": {"type": "boolean"}, "secret": {"type": "string", "pattern": f"^{_NONCE.pattern}$"},
              "scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1},
-             "networks": {"type": "array", "items": _NETWORK_SCHEMA}, "currency": _CURRENCY_SCHEMA,
+             "networks": {"type": "array", "items": _NETWORK_SCHEMA, "minItems": 1},
+             "currency": _CURRENCY_SCHEMA,
              "amount": _STRING, "status": _enum(WALLET_STATUSES),
              "time": SCHEMAS_CLOCK_AT}
     fields = {}
@@ -3664,7 +3686,10 @@ SCHEMAS: Mapping[str, dict] = {
     "NameBody": _object({"name": _NAME_SCHEMA}),
     "NewKeyBody": _object({"scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1},
                            "memberId": _STRING,
-                           "ipWhitelist": {"type": "array", "items": _NETWORK_SCHEMA}}, []),
+                           "ipWhitelist": {"type": ["array", "null"], "items": _NETWORK_SCHEMA, "minItems": 1,
+                                           "description": "addresses or CIDR blocks without host bits"
+                                                          " (10.0.0.1/8 is S012); null: no whitelist"}},
+                          []),
     "NewWalletBody": _object({"currency": _CURRENCY_SCHEMA, "name": {**_NAME_SCHEMA, "minLength": 0}},
                              ["currency"]),
     "StatusBody": _object({"status": _enum(WALLET_STATUSES)}),
@@ -3843,6 +3868,7 @@ class Endpoint:
     form: tuple = ()  # an HTML form's fields (the console's login), instead of a JSON body
     answers: tuple = ()  # (status, description) of answers other than 200 and the error envelope
     errors: tuple = ()  # the WalletErrors its handler answers besides every operation's (errors_answered)
+    rules: tuple = ()  # (field, rule): why a body its schema allows is still S012, stated in the document
 
     @functools.cached_property
     def surface(self) -> Surface:
@@ -3867,12 +3893,12 @@ class Endpoint:
 def endpoint(method: str, path: str, summary: str, *, response: str | dict | None, scope: str | None = None,
              request: str | None = None, query: Iterable[dict] = (), media: str | None = None,
              links: Iterable[tuple] = (), form: Iterable[str] = (), answers: Iterable[tuple] = (),
-             errors: Iterable[type[WalletError]] = ()) -> Callable:
+             errors: Iterable[type[WalletError]] = (), rules: Iterable[tuple[str, str]] = ()) -> Callable:
     """Declare the decorated handler as ``method path`` (see Endpoint)."""
     def declare(handler: Callable) -> Callable:
         handler.endpoint = Endpoint(method, path, summary, response, scope, request, tuple(query), media,
                                     handler.__name__, tuple(links), tuple(form), tuple(answers),
-                                    tuple(errors))
+                                    tuple(errors), tuple(rules))
         return handler
     return declare
 
@@ -4737,6 +4763,9 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
                                               {"schema": success}}},
                           **_error_responses(declared_endpoint.errors_answered)},
             "security": security[surface]}
+        if declared_endpoint.rules:  # what no JSON Schema can say, stated so that a client knows
+            operation["description"] = "Beyond the schema, S012 INVALID_PARAMETER names the field when:\n" + \
+                "\n".join(f"- `{field}`: {rule}" for field, rule in declared_endpoint.rules)
         if declared_endpoint.links:  # (to an operation of the same surface)
             operation["responses"]["200"]["links"] = {
                 name: {"operationId": f"admin_{target}" if surface is Surface.ADMIN else target,
@@ -4782,6 +4811,14 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
             },
         },
     }
+
+
+# Rules a schema cannot state, shared by several operations (Endpoint.rules).
+_WHITELIST_RULE = ("ipWhitelist", ("each entry is an address or a CIDR block without host bits (10.0.0.1/8 is"
+                                  " refused, not widened); an empty list is refused (null: no whitelist)"))
+_DECIDED_RULE = ("bizId", "only a PENDING order is completed or failed")
+_SCENARIO_RULES = (("id", "the fixed ids of one scenario differ from each other"),
+                   ("member", "a key's member is a member of its workspace (or owner)"), _WHITELIST_RULE)
 
 
 ###############################################################################
@@ -4853,6 +4890,8 @@ class WalletApi:
                       "schema": {"type": "string", "pattern": f"^({_ID.pattern})?$"},
                       "description": "unsigned: accepted only equal to the body's bizId"
                                      " (empty: as if absent)"},),
+              rules=(("Idempotency-Key", ("the header is not signed: it is accepted only equal to the signed"
+                                         " body's bizId")),),
               errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance,
                       CurrencyMismatch, SameWallet, IdempotencyConflict))
     def create_transfer(self, call: Call) -> dict:
@@ -4968,7 +5007,8 @@ class AdminApi:
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/keys",
               "Create an API key (the secret is returned once)",
-              request="NewKeyBody", response="ApiKey", errors=(WorkspaceNotFound, NotFound))
+              request="NewKeyBody", response="ApiKey", errors=(WorkspaceNotFound, NotFound),
+              rules=(_WHITELIST_RULE,))
     def create_api_key(self, call: Call, workspace_id: str) -> dict:
         body = call.request.json()
         return self.svc.create_api_key(workspace_id, body.get("scopes", SCOPES),
@@ -5027,27 +5067,32 @@ class AdminApi:
         return self.svc.list_transfers(workspace_id, call.request.query)
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/status", "Freeze, unfreeze or close a wallet",
-              request="StatusBody", response="Wallet", errors=(WalletNotFound,))
+              request="StatusBody", response="Wallet", errors=(WalletNotFound,),
+              rules=(("status", "a CLOSED wallet stays CLOSED: CLOSED is final"),))
     def set_wallet_status(self, call: Call, wallet_id: str) -> dict:
         return self.svc.set_wallet_status(wallet_id, call.request.json()["status"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/deposit", "Deposit money from outside",
-              request="AmountBody", response="Flow", errors=(WalletNotFound, WalletNotActive))
+              request="AmountBody", response="Flow", errors=(WalletNotFound, WalletNotActive),
+              rules=(("amount", ("has the wallet's currency's decimals, and the balance stays within"
+                                " 999999999999999999 minor units")),))
     def deposit(self, call: Call, wallet_id: str) -> dict:
         return self.svc.deposit(wallet_id, call.request.json()["amount"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/withdraw", "Withdraw money", request="AmountBody",
-              response="Flow", errors=(WalletNotFound, WalletNotActive, InsufficientBalance))
+              response="Flow", errors=(WalletNotFound, WalletNotActive, InsufficientBalance),
+              rules=(("amount", "has the wallet's currency's decimals"),))
     def withdraw(self, call: Call, wallet_id: str) -> dict:
         return self.svc.withdraw(wallet_id, call.request.json()["amount"])
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/complete", "Complete a PENDING order",
-              request="DecisionBody", response="TransferOrder", errors=(TransferNotFound,))
+              request="DecisionBody", response="TransferOrder", errors=(TransferNotFound,),
+              rules=(_DECIDED_RULE,))
     def complete_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.complete_transfer(biz_id, workspace_id=call.request.json().get("workspaceId"))
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/fail", "Fail a PENDING order", request="DecisionBody",
-              response="TransferOrder", errors=(TransferNotFound,))
+              response="TransferOrder", errors=(TransferNotFound,), rules=(_DECIDED_RULE,))
     def fail_transfer(self, call: Call, biz_id: str) -> dict:
         return self.svc.fail_transfer(biz_id, workspace_id=call.request.json().get("workspaceId"))
 
@@ -5058,7 +5103,7 @@ class AdminApi:
 
     @endpoint("POST", "/_admin/scenarios", "Make a world beside the others, with fresh ids and keys: the"
               " scenario the sandbox started from, the built-in demo, or the one given",
-              request="ScenarioBody", response="World")
+              request="ScenarioBody", response="World", rules=_SCENARIO_RULES)
     def instantiate(self, call: Call) -> dict:
         body = call.request.json()
         if "workspaces" in body and "scenario" in body or body.get("scenario", "demo") != "demo":
@@ -5134,7 +5179,8 @@ class AdminApi:
     def list_faults(self, call: Call) -> list:
         return self.svc.faults.rules()
 
-    @endpoint("POST", "/_admin/faults", "Add a fault rule", request="FaultBody", response="Fault")
+    @endpoint("POST", "/_admin/faults", "Add a fault rule", request="FaultBody", response="Fault",
+              rules=(("faults", f"at most {Faults.MAX_RULES} rules are in force at a time"),))
     def add_fault(self, call: Call) -> dict:
         body = call.request.json()
         if "workspaceId" in body:
@@ -5162,7 +5208,9 @@ class AdminApi:
                 "frozen": bool(getattr(clock, "frozen", False)), "controllable": isinstance(clock, Clock)}
 
     @endpoint("POST", "/_admin/clock", "Freeze, set, advance or unfreeze the service clock",
-              request="ClockBody", response="ClockState")
+              request="ClockBody", response="ClockState",
+              rules=(("at", "the clock stays between 1970 and 9999 UTC"),
+                     ("advance", "the clock stays between 1970 and 9999 UTC, wherever it stands")))
     def set_clock(self, call: Call) -> dict:
         """``{"freeze": true|false, "at": epoch seconds or RFC 3339, "advance": seconds}``."""
         body = call.request.json()
