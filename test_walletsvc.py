@@ -3405,6 +3405,47 @@ def test_a_scenario_key_is_stored_as_the_admin_api_stores_it(tmp_path) -> None:
     assert key["scopes"] == ["wallet:read"] and key["ipWhitelist"] == ["10.0.0.0/8"]
 
 
+def test_what_holds_secrets_is_private_and_never_written_through_a_symlink(tmp_path) -> None:
+    """The attack (DESIGN.md §10): the database and the ready file were 0644; the ready file's temporary
+    was opened through a planted symlink (a victim file got the secrets); a refused start left it."""
+    import stat
+
+    def mode(path: pathlib.Path) -> int:
+        return stat.S_IMODE(os.stat(path).st_mode)
+
+    old_umask = os.umask(0o022)
+    try:
+        victim = tmp_path / "victim.txt"
+        victim.write_text("untouched")
+        for n in range(40000, 40100):  # the old temporary's names (PATH.<pid>.tmp), planted
+            with contextlib.suppress(FileExistsError):
+                os.symlink(victim, tmp_path / f"ready.json.{n}.tmp")
+        server = ServerProcess(str(tmp_path / "private.db"), tmp_path / "private.log", "--demo",
+                               "--ready-file", str(tmp_path / "ready.json"))
+        server.start()
+        try:
+            assert mode(tmp_path / "private.db") == 0o600
+            assert {mode(tmp_path / f"private.db{suffix}") for suffix in ("-wal", "-shm")} == {0o600}
+            deadline = time.monotonic() + 10
+            while not (tmp_path / "ready.json").exists() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert mode(tmp_path / "ready.json") == 0o600 and not (tmp_path / "ready.json").is_symlink()
+            assert json.loads((tmp_path / "ready.json").read_text())["keys"][0]["secret"] == "sk_demo"
+        finally:
+            server.stop()
+        assert victim.read_text() == "untouched"
+        (tmp_path / "taken").mkdir()
+        refused = subprocess.run([sys.executable, "-m", "walletsvc", "serve", "--demo", "--port", "0", "--db",
+                                  str(tmp_path / "refused.db"), "--ready-file", str(tmp_path / "taken")],
+                                 capture_output=True, text=True, timeout=60, check=False)
+        assert refused.returncode == 2 and "--ready-file" in refused.stderr
+        assert len(refused.stderr.strip().splitlines()) == 1
+        left = {path.name for path in tmp_path.iterdir()}
+        assert not [name for name in left if name.startswith(("taken.", "refused.db"))], left
+    finally:
+        os.umask(old_umask)
+
+
 def test_audit_sums_are_exact_however_large(tmp_path, capsys) -> None:
     """The attack (DESIGN.md §10): ten KWD wallets of 999999999999999.999 each (within the cap) made
     `walletsvc audit` print "integer overflow" (exit 2) and GET /_admin/audit answer 500."""

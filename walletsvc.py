@@ -93,6 +93,7 @@ import shlex
 import signal
 import sqlite3
 import sys
+import tempfile
 import threading
 import time
 import tomllib
@@ -1083,6 +1084,9 @@ class Database:
         self._gone: FileGone | None = None  # once either was seen swapped: every use of the database fails
         self._writer_state()
         _DATABASES.add(self)
+        if not self.memory:  # it holds API secrets: private from the start, and never made through a symlink
+            with contextlib.suppress(FileExistsError):
+                os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o600))
         deadline = time.monotonic() + busy_timeout
         while True:  # two servers starting on one new file: the loser waits its turn (DESIGN.md §10)
             try:
@@ -6044,7 +6048,11 @@ def _serve_command(args: argparse.Namespace) -> int:
     service_settings, settings = split_settings({"journal_size": SANDBOX_JOURNAL_SIZE,
                                                  **((scenario or {}).get("settings") or {}),
                                                  **dict(args.set or ())})
-    made = [path for path in (f"{args.db}-wal", f"{args.db}-shm") if not os.path.exists(path)]
+    if args.ready_file and (os.path.isdir(args.ready_file)
+                            or not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file)))):
+        raise RuntimeError(f"cannot write --ready-file {args.ready_file}: give a file's path in an existing"
+                           " folder")
+    made = [path for path in (args.db, f"{args.db}-wal", f"{args.db}-shm") if not os.path.exists(path)]
     svc = None
     try:  # every request records its nonce: refuse to start on storage that cannot be written
         svc = WalletService(args.db, clock=Clock(), **service_settings)  # controllable over /_admin/clock
@@ -6052,7 +6060,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     except sqlite3.OperationalError as exc:
         if svc is not None:
             svc.close()
-        for path in made:  # SQLite made them with the file's read-only mode: they would block the next start
+        for path in made:  # what this start made (SQLite's with the file's read-only mode) would block the next
             with contextlib.suppress(OSError):
                 os.remove(path)
         raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be "
@@ -6104,10 +6112,18 @@ def _write_ready_file(path: str, base_url: str, admin_token: str | None, world: 
              "keys": keys, "wallets": wallets,
              "workspaces": [{"id": workspace["id"], "name": workspace["name"]} for workspace in world],
              "version": __version__}
-    temporary = f"{path}.{os.getpid()}.tmp"
-    with open(temporary, "w", encoding="utf-8") as handle:
-        json.dump(ready, handle, indent=2)
-    os.replace(temporary, path)
+    # Secrets inside: made private (0600) and new (O_EXCL, never through a planted symlink) beside the
+    # target, renamed over it whole, and removed if anything failed.
+    descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                             prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+            json.dump(ready, handle, indent=2)
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
 
 
 def _audit_command(args: argparse.Namespace) -> int:
