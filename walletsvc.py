@@ -6060,7 +6060,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     except sqlite3.OperationalError as exc:
         if svc is not None:
             svc.close()
-        for path in made:  # what this start made (SQLite's with the file's read-only mode) would block the next
+        for path in made:  # what this start made (SQLite's, with the file's mode) would block the next
             with contextlib.suppress(OSError):
                 os.remove(path)
         raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be "
