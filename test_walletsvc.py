@@ -3446,6 +3446,40 @@ def test_what_holds_secrets_is_private_and_never_written_through_a_symlink(tmp_p
         os.umask(old_umask)
 
 
+def test_errors_say_what_to_do(tmp_path, capsys, walletsvc_sandbox) -> None:
+    """Issue 29, errors that say what to do: an unknown world's reset is GA2032 as for any unknown
+    workspace in the admin API; an undeclared path (a trailing slash) is denied by default (DESIGN.md §4)
+    saying there is no such endpoint; --threads, --workers and --port say a bad value in one line."""
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    unknown = app.post_json("/_admin/workspaces/ws_nothing/reset", {}, headers=ADMIN, expect_errors=True)
+    assert (unknown.status_int, unknown.json["code"]) == (404, "GA2032")
+    key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
+    slashed = app.get("/api/v1/wallets/", headers=_signed("GET", "/api/v1/wallets/", key, secret),
+                      expect_errors=True)
+    assert (slashed.status_int, slashed.json["code"]) == (403, "50090201")
+    assert "No endpoint is GET /api/v1/wallets/ (without its trailing /?)" in slashed.json["detail"]
+    for option, value in (("--threads", "abc"), ("--workers", "abc"), ("--port", "abc"), ("--port", "70000")):
+        done = subprocess.run([sys.executable, "-m", "walletsvc", "serve", option, value],
+                              capture_output=True, text=True, timeout=60, check=False)
+        assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+        assert option in done.stderr and value in done.stderr
+
+
+def test_a_body_over_the_limit_says_the_apps_limit_not_waitresss(tmp_path) -> None:
+    """Issue 29: a body of exactly 1 MiB was refused as "exceeds 1048576 bytes" (waitress's buffer); the
+    limit is max_body_bytes (65536 by default), and a body at the limit is taken."""
+    with demo_process(tmp_path, "limits") as (server, (key, secret, _admin, _wallets)):
+        for size, status in ((1 << 20, 413), (65536, 415)):  # at the limit: read, then S415 (no JSON type)
+            body = b"x" * size
+            answer = requests.post(server.url + TRANSFER_PATH, data=body, timeout=30,
+                                   headers={**_signed("POST", TRANSFER_PATH, key, secret, body),
+                                            "Content-Type": "text/plain"})
+            assert answer.status_code == status, answer.text
+            if status == 413:
+                assert "65536" in answer.json()["detail"] and "1048576" not in answer.json()["detail"]
+
+
 def test_audit_sums_are_exact_however_large(tmp_path, capsys) -> None:
     """The attack (DESIGN.md §10): ten KWD wallets of 999999999999999.999 each (within the cap) made
     `walletsvc audit` print "integer overflow" (exit 2) and GET /_admin/audit answer 500."""

@@ -104,7 +104,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http import HTTPStatus
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, NoReturn
 
 import bottle
 
@@ -435,8 +435,8 @@ class ScopeRequired(WalletError):
 
 class ApiAccessDenied(WalletError):
     code, name, status = "50090201", "API_ACCESS_DENIED", 403
-    messages = ("This endpoint is not available to API keys.",
-                "该接口不对 API 密钥开放。")
+    messages = ("Not open to API keys (deny by default).",
+                "不对 API 密钥开放（默认拒绝）。")
 
 
 class InvalidParameter(WalletError):
@@ -3398,11 +3398,13 @@ class WalletService(Ledger):
         saved starting state), in one transaction: its members, keys, wallets, orders and
         flows; its keys' journal entries and its fault rules go (the nonce records stay: a
         request captured before is refused after). Other workspaces, and the clock, are
-        untouched. S404 for a workspace no world began with."""
+        untouched. GA2032 for no such workspace, S404 for one no world began with."""
         with self.db.atomic() as conn:
             saved = conn.execute("SELECT rows FROM world_starts WHERE workspace_id = ?",
                                  (workspace_id,)).fetchone()
             if saved is None:
+                if conn.execute("SELECT 1 FROM workspaces WHERE id = ?", (workspace_id,)).fetchone() is None:
+                    raise WorkspaceNotFound()  # as the admin API answers for any unknown workspace
                 raise not_found("world")
             saved, current = json.loads(saved[0]), self._world_rows(conn, workspace_id)
             keys = sorted({row[0] for rows in (saved, current) for row in rows["api_keys"]})
@@ -4628,8 +4630,13 @@ class HttpApi:
         """Step 8: the endpoint's scope. A path or method no endpoint declares is denied by
         default (SPEC.md Scopes)."""
         scope = call.request.endpoint.scope
-        if scope is None or call.request.environ["REQUEST_METHOD"] != call.request.endpoint.method:
-            raise ApiAccessDenied()
+        method = call.request.environ["REQUEST_METHOD"]
+        if scope is None or method != call.request.endpoint.method:  # deny by default, saying what is there
+            path = call.request.path.decode("latin-1")
+            slash = " (without its trailing /?)" if path.endswith("/") and len(path) > 1 else ""
+            zh_slash = "（去掉末尾的 /？）" if slash else ""
+            raise ApiAccessDenied(f"No endpoint is {method} {path}{slash}; /openapi.json lists them.",
+                                  zh_extra=f"不存在接口 {method} {path}{zh_slash}；见 /openapi.json。")
         if scope not in call.found.principal.scopes:
             raise ScopeRequired(scope=scope)
 
@@ -5682,13 +5689,14 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
         app, sockets=[listener], _dispatcher=_control_dispatcher(threads), ident="walletsvc",
         clear_untrusted_proxy_headers=False,
         max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1),
-        **WAITRESS_LIMITS))
+        **WAITRESS_LIMITS), app.http.settings.max_body_bytes)
 
 
-def answering_in_envelopes(server: Any) -> Any:
+def answering_in_envelopes(server: Any, limit: int) -> Any:
     """A waitress ``server`` whose own answers to what it cannot parse (a malformed header, a body or
     headers over its limits), which never reach the app, are the error envelope too (DESIGN.md §4),
-    not waitress's text: S413 for a body over its limit, S012 otherwise, with waitress's status."""
+    not waitress's text: S413 for a body over its limit (saying the app's ``limit``, not the size
+    waitress buffers), S012 otherwise, with waitress's status."""
     from waitress.channel import HTTPChannel
     from waitress.task import ErrorTask
 
@@ -5696,7 +5704,7 @@ def answering_in_envelopes(server: Any) -> Any:
         def execute(self) -> None:
             refusal = self.request.error
             if refusal.code == 413:
-                error: WalletError = PayloadTooLarge(limit=self.channel.server.adj.max_request_body_size)
+                error: WalletError = PayloadTooLarge(limit=limit)
             else:
                 error = invalid("request", "http", problem=str(refusal.body)[:200])
             body = to_json(error_envelope(error, LOCALES[0], int(time.time() * 1000)))
@@ -6217,6 +6225,26 @@ def _leaf(commands: Any, name: str, common: argparse.ArgumentParser, help_text: 
     return parser
 
 
+class _OneLineParser(argparse.ArgumentParser):
+    """argparse, saying a bad argument in one line (and where the help is), not under the usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
+
+
+def _whole_number(minimum: int, maximum: int) -> Callable[[str], int]:
+    """An argparse type: a whole number in [minimum, maximum], or a one-line error naming the range."""
+    def convert(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if not minimum <= number <= maximum:
+            raise argparse.ArgumentTypeError(f"{number} is not from {minimum} to {maximum}")
+        return number
+    return convert
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``walletsvc`` command line: serve, one verb per admin action, request, sign."""
     def global_options(parser: argparse.ArgumentParser, default: Any) -> argparse.ArgumentParser:
@@ -6227,18 +6255,19 @@ def build_parser() -> argparse.ArgumentParser:
         return parser
 
     # Before or after the subcommand: the subcommand's copy only overrides when given.
-    common = global_options(argparse.ArgumentParser(add_help=False), lambda value: argparse.SUPPRESS)
-    parser = global_options(argparse.ArgumentParser(prog="walletsvc", description=__doc__.splitlines()[0]),
+    common = global_options(_OneLineParser(add_help=False), lambda value: argparse.SUPPRESS)
+    parser = global_options(_OneLineParser(prog="walletsvc", description=__doc__.splitlines()[0]),
                             lambda value: value)
     parser.add_argument("--version", action="version", version=f"walletsvc {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve_parser = commands.add_parser("serve", parents=[common], help="serve the API on waitress")
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve_parser.add_argument("--port", type=int, default=8080, help="port (default 8080; 0 picks one)")
-    serve_parser.add_argument("--workers", type=int, default=1,
+    serve_parser.add_argument("--port", type=_whole_number(0, 65535), default=8080,
+                              help="port (default 8080; 0 picks one)")
+    serve_parser.add_argument("--workers", type=_whole_number(1, 64), default=1,
                               help="processes serving one socket and one database: one sandbox (default 1)")
-    serve_parser.add_argument("--threads", type=int, default=4,
+    serve_parser.add_argument("--threads", type=_whole_number(1, 256), default=4,
                               help="waitress worker threads (1: the most requests per second, one at a time)")
     serve_parser.add_argument("--ready-file", metavar="PATH",
                               help="once serving, write the URL, port, admin token and the demo's keys and"
