@@ -2158,7 +2158,7 @@ def test_the_document_states_the_rules_beyond_its_schemas() -> None:
     twice = {"workspaces": [{"name": "w", "wallets": [{"id": "wal_x", "name": "a", "currency": "USD"},
                                                       {"id": "wal_x", "name": "b", "currency": "USD"}]}]}
     refused = app.post_json("/_admin/scenarios", twice, headers=admin, expect_errors=True).json
-    assert refused["code"] == "S012" and "'id'" in refused["detail"]
+    assert refused["code"] == "S012" and ".id'" in refused["detail"]
 
 
 def positive_data_accepted_or_a_stated_rule(ctx: Any, response: Any, case: Any) -> None:
@@ -3480,6 +3480,60 @@ def test_a_body_over_the_limit_says_the_apps_limit_not_waitresss(tmp_path) -> No
                 assert "65536" in answer.json()["detail"] and "1048576" not in answer.json()["detail"]
 
 
+DEEP = '{"workspaces": [{"name": ' + "[" * 100000 + "]" * 100000 + "}]}"
+SCENARIO_MISTAKES = [  # (file, text, the line it names, the field it names)
+    ("clock.toml", '[clock]\nat = "1969-12-31T00:00:00Z"\n[[workspaces]]\nname = "w"\n', 2, "'clock.at'"),
+    ("twice.toml", ('[[workspaces]]\nname = "w"\n[[workspaces.wallets]]\nid = "wal_a"\nname = "a"\n'
+                   'currency = "USD"\n[[workspaces.wallets]]\nid = "wal_a"\nname = "b"\ncurrency = "USD"\n'),
+     8, "'workspaces[0].wallets[1].id'"),
+    ("member.toml", '[[workspaces]]\nname = "w"\n[[workspaces.keys]]\nmember = "carol"\n', 4,
+     "'workspaces[0].keys[0].member'"),
+    ("settlement.toml", '[settings]\nsettlement = "weekly"\n[[workspaces]]\nname = "w"\n', 2,
+     "'settings.settlement'"),
+    ("unknown.toml", '[settings]\nnope = 1\n[[workspaces]]\nname = "w"\n', 2, "'settings.nope'"),
+    ("tolerance.toml", '[settings]\ntimestamp_tolerance = 100000000000000000\n[[workspaces]]\nname = "w"\n',
+     2, "'settings.timestamp_tolerance': must be from 1 to 86,400"),
+    ("nan.json", '{"clock": {"at": NaN}, "workspaces": [{"name": "w"}]}', 1, "'clock.at'"),
+    ("deep.json", DEEP, 1, "nested deeper than a scenario can be"),
+]
+
+
+@pytest.mark.parametrize("name, text, line, field", SCENARIO_MISTAKES, ids=[m[0] for m in SCENARIO_MISTAKES])
+def test_every_mistake_in_a_scenario_file_names_the_file_line_and_field(tmp_path, name: str, text: str,
+                                                                        line: int, field: str) -> None:
+    """DESIGN.md §9 and the attack: mistakes caught after parsing named neither line nor field (a key's
+    member: exit 1 and a database left behind; deep nesting: "maximum recursion depth exceeded")."""
+    (tmp_path / name).write_text(text)
+    done = subprocess.run([sys.executable, "-m", "walletsvc", "serve", "--scenario", str(tmp_path / name),
+                           "--db", str(tmp_path / "left.db"), "--port", "0"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2 and len(done.stderr.strip().splitlines()) == 1, done.stderr
+    assert f"scenario {tmp_path / name}: line {line}: " in done.stderr and field in done.stderr
+    assert "Traceback" not in done.stderr and not list(tmp_path.glob("left.db*"))
+
+
+@pytest.mark.parametrize("setting, value, range_", [
+    ("timestamp_tolerance", "100000000000000000", "from 1 to 86,400"), ("busy_timeout", "0", "0.001 to 600"),
+    ("busy_timeout", "nan", "0.001 to 600"), ("max_body_bytes", "-1", "0 to 67,108,864"),
+    ("journal_size", "10000000", "0 to 100,000"), ("nonce_records", "10", "1,000 to 100,000,000"),
+    ("settlement_delay", "inf", "0 to 31,622,400"), ("id_seed", "-1", "0 to 9,223,372,036,854,775,807")])
+def test_every_setting_has_a_range_refused_where_given(tmp_path, setting: str, value: str,
+                                                       range_: str) -> None:
+    """The attack (DESIGN.md §10): timestamp_tolerance=10^17 was stored and made every signed request a
+    500 (an OverflowError). Every setting has a range; out of it is refused at start, naming it."""
+    done = subprocess.run([sys.executable, "-m", "walletsvc", "serve", "--set", f"{setting}={value}", "--db",
+                           str(tmp_path / "range.db"), "--port", "0"], capture_output=True, text=True,
+                          timeout=60, check=False)
+    assert done.returncode == 2 and setting in done.stderr and range_ in done.stderr, done.stderr
+    assert not list(tmp_path.glob("range.db*"))
+    layer = walletsvc.Settings.layer_of(setting)
+    with pytest.raises(ValueError, match=range_.replace(".", "\\.")):
+        if layer == "service":
+            walletsvc.WalletService(**{setting: value})
+        else:
+            walletsvc.create_app(walletsvc.WalletService(), **{setting: value})
+
+
 def test_audit_sums_are_exact_however_large(tmp_path, capsys) -> None:
     """The attack (DESIGN.md §10): ten KWD wallets of 999999999999999.999 each (within the cap) made
     `walletsvc audit` print "integer overflow" (exit 2) and GET /_admin/audit answer 500."""
@@ -4518,7 +4572,7 @@ def test_parallel_worlds_over_http_are_isolated_and_reset_alone(walletsvc_sandbo
     assert clients[0].list_transfers()["page"]["totalElements"] == 0  # its rule went with the reset
     assert clients[1].list_transfers()["page"]["totalElements"] == 1  # the other world kept its order
     assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
-    error(app.post("/_admin/workspaces/ws_nowhere/reset", headers=ADMIN, expect_errors=True), "S404", 404)
+    error(app.post("/_admin/workspaces/ws_nowhere/reset", headers=ADMIN, expect_errors=True), "GA2032", 404)
     error(app.post_json("/_admin/scenarios", {"scenario": "other"}, headers=ADMIN, expect_errors=True),
           "S012", 400)
     bad = app.post_json("/_admin/scenarios", {"workspaces": [{"name": "x", "wallets": [{"name": "w"}]}]},

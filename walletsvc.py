@@ -612,6 +612,8 @@ _REASONS = {
            "'{value}' 不是 IP 地址或 CIDR 网段"),
     "host_bits": ("'{value}' has host bits set: write {network} (a block is never widened)",
                   "'{value}' 含有主机位：请写作 {network}（网段不会被自动放宽）"),
+    "setting": ("{problem}",
+                "{problem}"),
     "empty_whitelist": ("must not be empty: leave it out (or null) for no whitelist",
                         "不能为空：不设白名单时请省略（或设为 null）"),
     "scope": ("'{value}' is not a scope; scopes: {choices}",
@@ -668,32 +670,24 @@ def negotiate_locale(x_locale: str | None, accept_language: str | None, default:
 # Settings #####################################################################
 ###############################################################################
 
-def _non_negative_int(value: Any) -> int:
-    number = int(value)
-    if number < 0:
-        raise ValueError("must be >= 0")
-    return number
-
-
-def _positive_int(value: Any) -> int:
-    number = int(value)
-    if number < 1:
-        raise ValueError("must be >= 1")
-    return number
-
-
-def _positive_float(value: Any) -> float:
-    number = float(value)
-    if not number > 0:
-        raise ValueError("must be > 0")
-    return number
-
-
-def _non_negative_float(value: Any) -> float:
-    number = float(value)
-    if not number >= 0:
-        raise ValueError("must be >= 0")
-    return number
+def _between(kind: type, minimum: float, maximum: float, *, optional: bool = False) -> Callable[[Any], Any]:
+    """A setting's converter: a ``kind`` (int or float) from ``minimum`` to ``maximum``, or (when
+    ``optional``) None; a ValueError naming the range otherwise, so that a value out of it is refused
+    where it is given and never stored."""
+    def convert(value: Any) -> Any:
+        if optional and value in (None, ""):
+            return None
+        if isinstance(value, bool) or (kind is int and isinstance(value, float) and not value.is_integer()):
+            raise ValueError(f"must be a {kind.__name__} from {minimum:,} to {maximum:,}")
+        try:
+            number = kind(value)
+        except (TypeError, ValueError, OverflowError):
+            raise ValueError(f"must be a {kind.__name__} from {minimum:,} to {maximum:,}") from None
+        if not minimum <= number <= maximum:  # (NaN is no number in any range)
+            raise ValueError(f"must be from {minimum:,} to {maximum:,}")
+        return number
+    convert.range = (minimum, maximum)
+    return convert
 
 
 def _boolean(value: Any) -> bool:
@@ -706,27 +700,18 @@ def _boolean(value: Any) -> bool:
     return bool(value)
 
 
-def _optional_int(value: Any) -> int | None:
-    return None if value in (None, "") else int(value)
-
-
 def _optional_str(value: Any) -> str | None:
-    return None if value in (None, "") else str(value)
+    if value in (None, ""):
+        return None
+    if len(str(value)) > 256:
+        raise ValueError("must be at most 256 characters")
+    return str(value)
 
 
 def _networks(value: Any) -> tuple:
     if isinstance(value, str):
         value = [part for part in value.split(",") if part.strip()]
     return tuple(parse_network(str(part).strip()) for part in value)
-
-
-def _at_least(minimum: int) -> Callable[[Any], int]:
-    def convert(value: Any) -> int:
-        number = int(value)
-        if number < minimum:
-            raise ValueError(f"must be >= {minimum}")
-        return number
-    return convert
 
 
 def _one_of(*choices: str) -> Callable[[Any], str]:
@@ -760,13 +745,13 @@ class Settings:
     """
 
     timestamp_tolerance: int = _setting(
-        "http", 60, _positive_int, "seconds X-Timestamp may differ from server time (SPEC.md Limits)")
+        "http", 60, _between(int, 1, 86400), "seconds X-Timestamp may differ from server time")
     nonce_records: int = _setting(
-        "http", 100_000, _at_least(1000),
+        "http", 100_000, _between(int, 1000, 100_000_000),
         "nonce records kept, newest first, however the clock moves; past it the oldest are forgotten"
         " (README, Replay protection)")
     max_body_bytes: int = _setting(
-        "http", 65536, _non_negative_int, "largest request body accepted; larger answers S413")
+        "http", 65536, _between(int, 0, 64 << 20), "largest request body accepted; larger answers S413")
     debug_signatures: bool = _setting(
         "http", False, _boolean,
         "GA2012 details show the canonical message the server computed and name a common signing mistake")
@@ -777,7 +762,7 @@ class Settings:
     default_locale: str = _setting(
         "http", "en-US", _one_of(*LOCALES), "language of error details when the request names none")
     busy_timeout: float = _setting(
-        "service", 5.0, _positive_float, "seconds to wait for a locked database before S503")
+        "service", 5.0, _between(float, 0.001, 600), "seconds to wait for a locked database before S503")
     synchronous: str = _setting(
         "service", "FULL", _one_of("FULL", "NORMAL"), "SQLite synchronous pragma for file databases")
     settlement: str = _setting(
@@ -785,12 +770,12 @@ class Settings:
         "immediate: orders are COMPLETED at once; manual: PENDING until completed or failed;"
         " delayed: PENDING for settlement_delay seconds of the service clock")
     settlement_delay: float = _setting(
-        "service", 5.0, _non_negative_float, "seconds a delayed-settlement order stays PENDING")
+        "service", 5.0, _between(float, 0, 366 * 86400), "seconds a delayed-settlement order stays PENDING")
     id_seed: int | None = _setting(
-        "service", None, _optional_int,
+        "service", None, _between(int, 0, 2**63 - 1, optional=True),
         "seed for deterministic ids and secrets (tests only; never in production)")
     journal_size: int = _setting(
-        "service", 0, _non_negative_int,
+        "service", 0, _between(int, 0, 100_000),
         f"requests kept in the request journal (0: off; walletsvc serve and the pytest sandbox keep"
         f" {SANDBOX_JOURNAL_SIZE})")
     magic_values: bool = _setting(
@@ -1085,7 +1070,7 @@ class Database:
         self._writer_state()
         _DATABASES.add(self)
         if not self.memory:  # it holds API secrets: private from the start, and never made through a symlink
-            with contextlib.suppress(FileExistsError):
+            with contextlib.suppress(OSError):  # (there already, or not makeable: SQLite says what is wrong)
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o600))
         deadline = time.monotonic() + busy_timeout
         while True:  # two servers starting on one new file: the loser waits its turn (DESIGN.md §10)
@@ -3164,16 +3149,36 @@ def check_scenario(scenario: Any, kind: str = "scenario", where: str = "") -> di
         parse_amount(scenario["balance"], scenario["currency"], f"{where}.balance")
     if kind == "members" and scenario["name"] == "owner":
         raise invalid(f"{where}.name", "taken", value="owner")
+    if kind == "workspaces":
+        members = ["owner", *(name for member in scenario.get("members", ())
+                              for name in (member["name"], member.get("id")) if name)]
+        for index, key in enumerate(scenario.get("keys", ())):
+            if key.get("member", "owner") not in members:
+                raise invalid(f"{where}.keys[{index}].member", "one_of", choices=", ".join(members))
     if kind == "scenario":
-        ids = [item["id"] for workspace in scenario["workspaces"]
-               for item in [workspace, *(item for part in ("members", "keys", "wallets")
-                                         for item in workspace.get(part, ()))] if item.get("id")]
-        twice = next((item for item in ids if ids.count(item) > 1), None)
-        if twice:
-            raise invalid("id", "taken", value=twice)
-        if scenario.get("settings"):
-            Settings().replace(**scenario["settings"])  # a wrong one is a ValueError naming it
+        _check_fixed_ids(scenario["workspaces"])
+        for name, value in (scenario.get("settings") or {}).items():
+            if name not in Settings.names():
+                raise invalid(f"settings.{name}", "unknown_field")
+            try:
+                Settings().replace(**{name: value})
+            except ValueError as exc:  # (its range, or its choices)
+                raise invalid(f"settings.{name}", "setting", problem=str(exc).split(": ", 1)[-1]) from None
     return dict(scenario)
+
+
+def _check_fixed_ids(workspaces: list) -> None:
+    """A fixed id is used once in a scenario: S012 naming the second use (linear, however many)."""
+    seen: set[str] = set()
+    for index, workspace in enumerate(workspaces):
+        items = [(f"workspaces[{index}]", workspace)] + [
+            (f"workspaces[{index}].{part}[{number}]", item)
+            for part in ("members", "keys", "wallets") for number, item in enumerate(workspace.get(part, ()))]
+        for where, item in items:
+            if item.get("id"):
+                if item["id"] in seen:
+                    raise invalid(f"{where}.id", "taken", value=item["id"])
+                seen.add(item["id"])
 
 
 def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
@@ -3211,7 +3216,10 @@ def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
         if value not in WALLET_STATUSES:
             raise invalid(field, "one_of", choices=", ".join(WALLET_STATUSES))
     elif kind == "time":
-        admin_time(value, field)
+        try:
+            _clock_time(admin_time(value, field))
+        except ValueError:
+            raise invalid(field, "clock_range") from None
 
 
 DEMO_WORKSPACE = "walletsvc demo"
@@ -3472,6 +3480,10 @@ def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
         raise ValueError(f"scenario {path}: {getattr(exc, 'strerror', None) or exc}") from None
     try:
         scenario = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+    except RecursionError:
+        raise ValueError(f"scenario {path}: line {_too_deep(text, not path.endswith('.json'))}: nested deeper"
+                         " than a scenario can be"
+                         f" (at most {SCENARIO_DEPTH} levels)") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"scenario {path}: line {exc.lineno}: {exc.msg}") from None
     except tomllib.TOMLDecodeError as exc:
@@ -3484,6 +3496,23 @@ def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
         except (LookupError, TypeError, ValueError):  # a path it cannot follow: no line, still the field
             line = None
         raise ValueError(f"scenario {path}: {f'line {line}: ' if line else ''}{exc.detail()}") from None
+
+
+SCENARIO_DEPTH = 8  # levels of [ and { a scenario's values need at most (an ipWhitelist in a key)
+
+
+def _too_deep(text: str, toml: bool) -> int:
+    """The line where brackets first nest deeper than SCENARIO_DEPTH (strings and TOML's table
+    headers left out)."""
+    depth = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if toml and line.lstrip().startswith("["):
+            continue
+        for char in re.sub(r'"(\\.|[^"\\])*"', "", line):
+            depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(char, 0)
+            if depth > SCENARIO_DEPTH:
+                return number
+    return 1
 
 
 def _line_of(text: str, scenario: Any, field: str) -> int | None:
@@ -3518,8 +3547,8 @@ def _line_of(text: str, scenario: Any, field: str) -> int | None:
             for item in node:
                 walk(item)
     walk(scenario)
-    lines = [number for number, line in enumerate(text.splitlines(), 1)
-             if re.match(rf"\s*\"?{re.escape(str(key))}\"?\s*[=:]", line)]
+    lines = [number for number, line in enumerate(text.splitlines(), 1)  # each place that sets the key
+             for _ in re.finditer(rf"(^|[{{,])\s*\"?{re.escape(str(key))}\"?\s*[=:]", line)]
     return lines[count] if found and count < len(lines) else None
 
 
@@ -5692,7 +5721,7 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
         **WAITRESS_LIMITS), app.http.settings.max_body_bytes)
 
 
-def answering_in_envelopes(server: Any, limit: int) -> Any:
+def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
     """A waitress ``server`` whose own answers to what it cannot parse (a malformed header, a body or
     headers over its limits), which never reach the app, are the error envelope too (DESIGN.md §4),
     not waitress's text: S413 for a body over its limit (saying the app's ``limit``, not the size
@@ -5704,7 +5733,8 @@ def answering_in_envelopes(server: Any, limit: int) -> Any:
         def execute(self) -> None:
             refusal = self.request.error
             if refusal.code == 413:
-                error: WalletError = PayloadTooLarge(limit=limit)
+                error: WalletError = PayloadTooLarge(
+                    limit=limit or self.channel.server.adj.max_request_body_size)
             else:
                 error = invalid("request", "http", problem=str(refusal.body)[:200])
             body = to_json(error_envelope(error, LOCALES[0], int(time.time() * 1000)))
@@ -6075,7 +6105,14 @@ def _serve_command(args: argparse.Namespace) -> int:
                            "writable)") from exc
     if args.admin_token:
         settings["admin_token"] = args.admin_token
-    world = start_world(svc, scenario) if scenario else None
+    try:
+        world = start_world(svc, scenario) if scenario else None
+    except BaseException:
+        svc.close()
+        for path in made:  # a refused start leaves nothing behind
+            with contextlib.suppress(OSError):
+                os.remove(path)
+        raise
     demo = _first_key(world) if world is not None else None
     if demo:
         settings.setdefault("debug_signatures", True)
@@ -6232,15 +6269,19 @@ class _OneLineParser(argparse.ArgumentParser):
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
 
 
-def _whole_number(minimum: int, maximum: int) -> Callable[[str], int]:
+def _whole_number(minimum: int, maximum: int, name: str = "") -> Callable[[str], int]:
     """An argparse type: a whole number in [minimum, maximum], or a one-line error naming the range."""
     def convert(text: str) -> int:
         try:
             number = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if not minimum <= number <= maximum:
-            raise argparse.ArgumentTypeError(f"{number} is not from {minimum} to {maximum}")
+        if name and not minimum <= number <= maximum:
+            raise argparse.ArgumentTypeError(f"{number} is not {name} ({minimum} to {maximum})")
+        if not minimum <= number:
+            raise argparse.ArgumentTypeError(f"{number}: must be at least {minimum}")
+        if not number <= maximum:
+            raise argparse.ArgumentTypeError(f"{number}: must be at most {maximum}")
         return number
     return convert
 
@@ -6263,7 +6304,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve_parser = commands.add_parser("serve", parents=[common], help="serve the API on waitress")
     serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve_parser.add_argument("--port", type=_whole_number(0, 65535), default=8080,
+    serve_parser.add_argument("--port", type=_whole_number(0, 65535, "a TCP port"), default=8080,
                               help="port (default 8080; 0 picks one)")
     serve_parser.add_argument("--workers", type=_whole_number(1, 64), default=1,
                               help="processes serving one socket and one database: one sandbox (default 1)")
