@@ -3534,6 +3534,36 @@ def test_every_setting_has_a_range_refused_where_given(tmp_path, setting: str, v
             walletsvc.create_app(walletsvc.WalletService(), **{setting: value})
 
 
+def test_a_latency_rule_slows_only_what_it_matches_under_serve(tmp_path) -> None:
+    """The attack (DESIGN.md §9): with a 5 s latency rule and 20 clients, requests no rule matched
+    waited up to 23 s, the sleepers holding every thread. Now a thread is started beside each sleeper."""
+    with demo_process(tmp_path, "latency") as (server, (key, secret, admin, wallets)):
+        slow_path = f"/api/v1/wallets/{wallets[0]}"
+        rule = requests.post(server.url + "/_admin/faults", headers=admin, timeout=10, json={
+            "action": "latency", "method": "GET", "path": slow_path, "latency": 3})
+        assert rule.status_code == 200, rule.text
+        waits: dict[str, list[float]] = {"slow": [], "other": []}
+
+        def get(kind: str, path: str) -> None:
+            started = time.monotonic()
+            answer = requests.get(server.url + path, headers=_signed("GET", path, key, secret), timeout=30)
+            assert answer.status_code == 200
+            waits[kind].append(time.monotonic() - started)
+
+        threads = [threading.Thread(target=get, args=("slow", slow_path)) for _ in range(10)]
+        threads += [threading.Thread(target=get, args=("other", f"/api/v1/wallets/{wallets[1]}"))
+                    for _ in range(10)]
+        for thread in threads[:10]:
+            thread.start()
+        time.sleep(0.5)  # the ten sleepers hold the default four threads and more
+        for thread in threads[10:]:
+            thread.start()
+        for thread in threads:
+            thread.join(30)
+    assert len(waits["slow"]) == 10 and min(waits["slow"]) >= 3
+    assert len(waits["other"]) == 10 and max(waits["other"]) < 1.5, waits["other"]
+
+
 def test_audit_sums_are_exact_however_large(tmp_path, capsys) -> None:
     """The attack (DESIGN.md §10): ten KWD wallets of 999999999999999.999 each (within the cap) made
     `walletsvc audit` print "integer overflow" (exit 2) and GET /_admin/audit answer 500."""

@@ -4481,6 +4481,7 @@ class HttpApi:
         self.console = Console(settings.admin_token or "")
         self.endpoints: list[Endpoint] = []  # every declared endpoint the app serves
         self.access_log: logging.Logger | None = None  # one line per request when set (walletsvc serve)
+        self.sleep: Callable[[float], None] = time.sleep  # a latency rule's wait (serve's frees a thread)
 
     def apply(self, callback: Callable, route: bottle.Route) -> Callable:
         """bottle's plugin API: declared routes answer through ``serve``; others are left alone."""
@@ -4682,13 +4683,12 @@ class HttpApi:
                 "query": environ.get("QUERY_STRING", ""), "body": request.body.decode("utf-8", "replace"),
                 "headers": dict(received_headers(environ))})
 
-    @staticmethod
-    def with_fault(call: Call, fault: dict, deferred: Deferred) -> Deferred:
-        """What a fault rule makes of the request: its latency now (outside any transaction:
-        other requests go on), then a forced error instead of the handler, or after it (the
-        handler's writes kept)."""
+    def with_fault(self, call: Call, fault: dict, deferred: Deferred) -> Deferred:
+        """What a fault rule makes of the request: its latency now (outside any transaction, and
+        with a thread started beside it by ``walletsvc serve``: other requests go on), then a forced
+        error instead of the handler, or after it (the handler's writes kept)."""
         if fault["latency"]:
-            time.sleep(fault["latency"])
+            self.sleep(fault["latency"])
         if fault["action"] == FaultAction.ERROR:
             raise forced_error(fault)
 
@@ -5607,6 +5607,9 @@ CONTROL_THREADS = 2  # waitress threads of their own for /_admin/** and the cons
 _CONTROL_PATH = re.compile(r"(/(?!api/)[^/]+)*/(_admin/.*|healthz)")  # below any mount prefix but /api/
 
 
+MAX_SLEEPERS = 256  # threads a process starts beside requests that a latency rule keeps waiting
+
+
 def _control_dispatcher(threads: int) -> Any:
     """waitress's task dispatcher, with CONTROL_THREADS threads kept for /healthz and /_admin/**
     (DESIGN.md §10): requests that a latency fault rule or a held lock keep waiting occupy the
@@ -5617,6 +5620,7 @@ def _control_dispatcher(threads: int) -> Any:
         def __init__(self) -> None:
             super().__init__()
             self.control, self.health = ThreadedTaskDispatcher(), ThreadedTaskDispatcher()
+            self.sleepers, self.sleepers_lock = 0, threading.Lock()
 
         def add_task(self, task: Any) -> None:
             requests = getattr(task, "requests", None)
@@ -5628,6 +5632,20 @@ def _control_dispatcher(threads: int) -> Any:
                 self.health.add_task(task)
             else:
                 self.control.add_task(task)
+
+        def sleep(self, seconds: float) -> None:
+            """A request's latency rule: while it sleeps, one more worker thread (up to
+            MAX_SLEEPERS more) serves the others, so that a request no rule matches never
+            waits behind the sleepers."""
+            with self.sleepers_lock:
+                self.sleepers += 1
+                self.set_thread_count(threads + min(self.sleepers, MAX_SLEEPERS))
+            try:
+                time.sleep(seconds)
+            finally:
+                with self.sleepers_lock:
+                    self.sleepers -= 1
+                    self.set_thread_count(threads + min(self.sleepers, MAX_SLEEPERS))
 
         def shutdown(self, cancel_pending: bool = True, timeout: float = 5) -> bool:
             self.health.shutdown(cancel_pending, timeout)
@@ -5714,8 +5732,10 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
     import waitress
 
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
+    dispatcher = _control_dispatcher(threads)
+    app.http.sleep = dispatcher.sleep
     return answering_in_envelopes(waitress.create_server(
-        app, sockets=[listener], _dispatcher=_control_dispatcher(threads), ident="walletsvc",
+        app, sockets=[listener], _dispatcher=dispatcher, ident="walletsvc",
         clear_untrusted_proxy_headers=False,
         max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1),
         **WAITRESS_LIMITS), app.http.settings.max_body_bytes)
