@@ -9,7 +9,7 @@ CREATE TABLE IF NOT EXISTS schema_version (
 INSERT INTO schema_version (version)
     SELECT 4 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
 
--- The ledger's clock (DESIGN.md §7): the time of the last write transaction,
+-- The ledger's clock (docs/contract.md): the time of the last write transaction,
 -- so that times never go backwards within a database (a write waiting for the
 -- lock, a clock set back, another process), and the last id issued in one, so
 -- that ids increase in commit order. One row. (Added in schema version 2.)
@@ -21,7 +21,7 @@ INSERT INTO ledger_clock (last_ms, last_id)
     SELECT 0, '' WHERE NOT EXISTS (SELECT 1 FROM ledger_clock);
 
 -- A deleted workspace keeps its row (deleted_at set) so that its keys answer
--- GA2032 instead of GA2011 (SPEC.md pipeline step 3).
+-- GA2032 instead of GA2011 (docs/contract.md, the validation pipeline, step 3).
 CREATE TABLE IF NOT EXISTS workspaces (
     id          TEXT PRIMARY KEY,
     name        TEXT NOT NULL CHECK (length(name) BETWEEN 1 AND 200),
@@ -74,7 +74,7 @@ CREATE TABLE IF NOT EXISTS nonces_forgotten (
     PRIMARY KEY (api_key, ts)
 ) WITHOUT ROWID;
 
--- What controls the sandbox (DESIGN.md §9), shared by every process on this
+-- What controls the sandbox (docs/sandbox.md), shared by every process on this
 -- file: the clock (frozen at an epoch second, or real time plus an offset),
 -- the id sequence (a seed and how many ids and secrets were drawn from it) and
 -- the fault rules' count and version (bumped on every change, so that a
@@ -236,7 +236,7 @@ CREATE TRIGGER IF NOT EXISTS flows_counted AFTER INSERT ON flows BEGIN
         ON CONFLICT DO UPDATE SET n = n + 1;
 END;
 
--- The starting state that reset returns to (DESIGN.md §9): a copy of every row
+-- The starting state that reset returns to (docs/sandbox.md): a copy of every row
 -- of the sandbox's world, taken by WalletService.save_start(). (Version 3.)
 CREATE TABLE IF NOT EXISTS start_workspaces AS SELECT * FROM workspaces WHERE 0;
 CREATE TABLE IF NOT EXISTS start_members AS SELECT * FROM members WHERE 0;

@@ -1,25 +1,17 @@
 """Tests of walletsvc through its public surfaces: HTTP (webtest) and the Python API.
 
-Grouped under banners that mirror SPEC.md's sections. Time-dependent rules
+Grouped under banners that mirror the contract's sections. Time-dependent rules
 run on a frozen clock.
 """
 
-# Layout. The preamble (imports, the literal error catalog, the SPEC.md signers, fixtures and the
-# helpers several sections share), then one banner per feature: a test sits under the banner of the
-# feature it tests. SPEC.md's sections first, in its order, then DESIGN.md's:
-#
-#   SPEC.md    Response envelope; Page object; Transfer order; Wallet, balance and flow; Endpoints;
-#              Create transfer order; Query endpoints; Pagination rules; Authentication (request
-#              headers, signature computation, the validation pipeline, scopes, workspace isolation);
-#              Errors.
-#   DESIGN.md  §2 Python API (settings, storage, Client); §3 HTTP surfaces (/healthz and the admin
-#              surface, /openapi.json, one request path whatever hosts the app); §4 Envelope and
-#              errors; §5 Authentication details (path, client IP, nonces, time; what a refusal says);
-#              §6 Resources; §7 Transfers (idempotency, settlement, money under concurrency, the ledger
-#              and its auditor); §8 Lists; §9 Sandbox (serve, the command line, any language over HTTP,
-#              one sandbox for many processes, reset, scenarios, the pytest plugin, clock, ids, fault
-#              rules, journal, magic values, console); §10 Serving (durability, hostile networks,
-#              storage that fails, --workers, replay protection, nothing lost under load).
+# Layout. The preamble (imports, the literal error catalog, the signers written from the contract,
+# fixtures and the helpers several sections share), then one banner per feature: a test sits under the
+# banner of the feature it tests. The contract's rules first (docs/contract.md: envelope, page object,
+# resources, endpoints, pagination, authentication, scopes, errors), then what walletsvc adds: the
+# Python API (docs/embedding.md), the HTTP surfaces and resources (docs/reference.md), envelope and
+# errors, authentication details (docs/signing.md), transfers, lists, the sandbox (docs/sandbox.md),
+# serving, durability, storage that fails, --workers, replay protection and nothing lost under load
+# (docs/operations.md).
 
 from __future__ import annotations
 
@@ -57,7 +49,7 @@ import walletsvc
 
 NOW = 1_800_000_000  # a frozen epoch second
 T0 = "2027-01-15T08:00:00.000Z"  # NOW as ISO-8601
-SCOPES = ["wallet:read", "transfer:read", "transfer:create"]  # SPEC.md "Scopes"
+SCOPES = ["wallet:read", "transfer:read", "transfer:create"]  # docs/contract.md "Scopes"
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # SHA-256 of b"", hex
 TRANSFER_PATH = "/api/v1/transfer/command/create"
 ADMIN = {"Authorization": "Bearer walletsvc-test-admin"}  # the Sandbox's admin token (README)
@@ -82,8 +74,9 @@ def _manual_signature(key: dict, message: bytes) -> str:
 
 
 def spec_signature(secret: str, method: str, path: str, timestamp: str, nonce: str, body: bytes) -> str:
-    """SPEC.md "Signature computation", written from the spec: Base64(HMAC-SHA256(the five components
-    joined by LF, the secret)), the body hashed as lowercase hex SHA-256 of its exact bytes."""
+    """The contract's signature computation (docs/contract.md, Signing), written from it:
+    Base64(HMAC-SHA256(the five components joined by LF, the secret)), the body hashed as lowercase hex
+    SHA-256 of its exact bytes."""
     message = "\n".join((method, path, timestamp, nonce, hashlib.sha256(body).hexdigest()))
     # (a path on the wire is ASCII: a test that puts other characters in one cannot sign it)
     return base64.b64encode(hmac.new(secret.encode(), message.encode("ascii"),
@@ -92,7 +85,7 @@ def spec_signature(secret: str, method: str, path: str, timestamp: str, nonce: s
 
 def _signed(method: str, path: str, key: str, secret: str, body: bytes = b"", timestamp: int | None = None,
             nonce: str | None = None) -> dict:
-    """The four headers of SPEC.md, computed here from its rules (no walletsvc import): a captured
+    """The four headers of docs/contract.md, computed here from its rules (no walletsvc import): a captured
     request is these headers sent again."""
     ts, nonce = str(int(time.time()) if timestamp is None else timestamp), nonce or str(uuid.uuid4())
     message = "\n".join((method, path, ts, nonce, hashlib.sha256(body).hexdigest())).encode()
@@ -136,7 +129,7 @@ class Api:
         return self.request("POST", TRANSFER_PATH, raw, headers=headers)
 
 
-# DESIGN.md §4's error catalog, copied literally (code: name, HTTP status), plus the
+# docs/contract.md's error catalog, copied literally (code: name, HTTP status), plus the
 # codes of the admin surface that README documents. Tests take expected names and
 # statuses from here, never from walletsvc: a typo in the module must fail them.
 CATALOG = {
@@ -170,7 +163,7 @@ ENVELOPE_HEADERS = {"Content-Type": "application/json; charset=utf-8", "Cache-Co
 
 
 def usd(cents: int) -> str:
-    """An amount of USD (2 decimals, DESIGN.md §6) from its cents."""
+    """An amount of USD (2 decimals, docs/reference.md) from its cents."""
     return f"{cents // 100}.{cents % 100:02d}"
 
 
@@ -267,7 +260,7 @@ def order_in_another_workspace(svc: walletsvc.WalletService, biz_id: str) -> dic
 
 def ledger_invariants(path: str) -> dict:
     """Check conservation, non-negativity, sum(flows) == balance and the ledger's commit
-    order (DESIGN.md §7) from the file, then walletsvc's own audit."""
+    order (docs/contract.md) from the file, then walletsvc's own audit."""
     conn = sqlite3.connect(path)
     try:
         rows = conn.execute(
@@ -1034,7 +1027,7 @@ def test_ip_whitelist(svc, api: Api, world: dict, whitelist, remote, allowed) ->
 
 
 # Pipeline order: each row fails at its step and would fail at every later one
-# too; the first failure must win (SPEC.md: "the first failure ends processing").
+# too; the first failure must win (docs/contract.md: "the first failure ends processing").
 PIPELINE_ORDER = [
     ("key missing beats everything", "no_key", "GA2001", 401),
     ("unknown key beats a disabled state and a stale timestamp", "unknown_key", "GA2011", 401),
@@ -1176,7 +1169,7 @@ def test_order_of_another_workspace_is_t1001(svc, api: Api, path: str) -> None:
 
 
 ###############################################################################
-# Errors: the catalog, row by row (SPEC.md, DESIGN.md §4) ######################
+# Errors: the catalog, row by row (docs/contract.md, docs/contract.md) #########
 ###############################################################################
 
 
@@ -1248,7 +1241,7 @@ def test_every_catalog_row_is_what_a_real_response_carries(code, clock, monkeypa
 
 
 ###############################################################################
-# Python API (DESIGN.md §2) ####################################################
+# Python API (docs/embedding.md) ###############################################
 ###############################################################################
 
 
@@ -1403,9 +1396,14 @@ def _slug(heading: str) -> str:
 
 
 def test_links_between_readme_and_docs_resolve_and_no_page_cites_a_file_the_repository_lacks() -> None:
+    root = README.parent
+    for source in [*DOC_PAGES, *(root / name for name in ("walletsvc.py", "test_walletsvc.py",
+                                                          "bench_walletsvc.py", "schema.sql"))]:
+        cited = set(re.findall(r"\b([\w/-]+\.md)\b", source.read_text(encoding="utf-8")))
+        missing = [name for name in cited if not ((root / name).exists() or (root / "docs" / name).exists())]
+        assert missing == [], (source.name, missing)  # every file cited is in the repository
     for page in DOC_PAGES:
         text = page.read_text(encoding="utf-8")
-        assert "SPEC.md" not in text and "DESIGN.md" not in text, page
         for target in re.findall(r"\]\(([^)\s]+)\)", text):
             if target.startswith(("http://", "https://")):
                 continue
@@ -1539,7 +1537,7 @@ def test_the_command_line_reference_names_every_verb() -> None:
 
 
 ###############################################################################
-# Python API: settings (DESIGN.md §2) ##########################################
+# Python API: settings (docs/embedding.md) #####################################
 ###############################################################################
 
 
@@ -1590,7 +1588,7 @@ def test_the_settings_table_of_the_reference_lists_every_setting() -> None:
 
 
 ###############################################################################
-# Python API: storage (DESIGN.md §2) ###########################################
+# Python API: storage (docs/embedding.md) ######################################
 ###############################################################################
 
 
@@ -1636,7 +1634,7 @@ def test_schema_checks_are_the_last_line_of_defence(svc, world, statement: str) 
 
 
 ###############################################################################
-# Python API: Client, HmacAuth, sign_request (DESIGN.md §2) ####################
+# Python API: Client, HmacAuth, sign_request (docs/embedding.md) ###############
 ###############################################################################
 
 
@@ -1749,7 +1747,7 @@ def test_signing_python_blocks_run_as_printed_against_the_demo(demo_server, sect
 
 
 ###############################################################################
-# HTTP surfaces: /healthz and the admin surface (DESIGN.md §3) #################
+# HTTP surfaces: /healthz and the admin surface (docs/reference.md) ############
 ###############################################################################
 
 
@@ -1783,7 +1781,7 @@ def test_admin_surface_refuses_a_wrong_token(svc, authorization) -> None:
     app = admin_app(svc)
     headers = {"Authorization": authorization} if authorization is not None else {}
     for method, path in admin_routes(svc):
-        if path == "/_admin/console":  # the console's login form (DESIGN.md §9), tested below
+        if path == "/_admin/console":  # the console's login form (docs/sandbox.md), tested below
             continue
         response = app.request(path, method=method, headers=headers, expect_errors=True)
         error(response, "S401", 401)
@@ -1945,7 +1943,7 @@ def test_a_405_says_which_methods_are_allowed(walletsvc_sandbox) -> None:
 
 
 ###############################################################################
-# HTTP surfaces: /openapi.json (DESIGN.md §3) ##################################
+# HTTP surfaces: /openapi.json (docs/reference.md) #############################
 ###############################################################################
 
 
@@ -1953,7 +1951,7 @@ def test_openapi_document_is_valid_and_covers_every_route(svc) -> None:
     from openapi_spec_validator import validate
 
     app = walletsvc.create_app(svc, admin_token="s3cret")
-    document = webtest.TestApp(app).get("/openapi.json").json  # the bare document (DESIGN.md §3)
+    document = webtest.TestApp(app).get("/openapi.json").json  # the bare document (docs/reference.md)
     validate(document)
     documented = {(method.upper(), path) for path, operations in document["paths"].items()
                   for method in operations}
@@ -1974,7 +1972,7 @@ def test_openapi_document_is_valid_and_covers_every_route(svc) -> None:
 
 
 def test_each_operation_states_every_error_it_answers(svc) -> None:
-    """DESIGN.md §3: every status an operation can answer, with its error codes (Schemathesis then checks
+    """docs/reference.md: every status an operation can answer, with its error codes (Schemathesis then checks
     each answer against them)."""
     document = webtest.TestApp(walletsvc.create_app(svc, admin_token="s3cret")).get("/openapi.json").json
 
@@ -2011,7 +2009,7 @@ def test_openapi_command_prints_the_raw_document(capsys) -> None:
 
 
 def test_the_document_states_what_the_server_enforces(walletsvc_sandbox) -> None:
-    """DESIGN.md §3, §7, §8: patterns, lengths, enums, ranges and required bodies, as the server \
+    """docs/reference.md: patterns, lengths, enums, ranges and required bodies, as the server \
 checks them."""
     document = webtest.TestApp(walletsvc_sandbox.app).get("/openapi.json").json
     schemas, paths = document["components"]["schemas"], document["paths"]
@@ -2027,7 +2025,7 @@ checks them."""
                                                        "/api/v1/wallets/{wallet_id}/flows",
                                                        "/api/v1/wallets"))
     assert orders["status"]["enum"] == ["PENDING", "COMPLETED", "FAILED"]
-    direction = "(,([aA][sS][cC]|[dD][eE][sS][cC]))?$"  # asc or desc, in any case (DESIGN.md §8)
+    direction = "(,([aA][sS][cC]|[dD][eE][sS][cC]))?$"  # asc or desc, in any case (docs/contract.md)
     assert orders["sort"]["items"]["pattern"] == "^(createdAt|updatedAt|amount|status)" + direction
     assert wallets["sort"]["items"]["pattern"] == (
         "^(createdAt|updatedAt|name|currency|status|balance)" + direction)
@@ -2055,7 +2053,7 @@ def _transfer_schema(document: dict) -> dict:
                                    st.from_regex(r"[0-9]{1,16}(\.[0-9]{1,5})?", fullmatch=True)))
 def test_the_document_states_each_currencys_amounts(app: webtest.TestApp, api: Api, currency: str,
                                                     amount: str) -> None:
-    """DESIGN.md §3: an amount the document's pattern for its currency allows is taken (the transfer then
+    """docs/reference.md: an amount the document's pattern for its currency allows is taken (the transfer then
     fails on its unknown wallets, W1001), and one it does not is S012 naming the amount."""
     document = app.get("/openapi.json").json
     pattern = next(branch["properties"]["amount"]["pattern"] for branch in _transfer_schema(document)["anyOf"]
@@ -2065,7 +2063,7 @@ def test_the_document_states_each_currencys_amounts(app: webtest.TestApp, api: A
     allowed = re.fullmatch(pattern.strip("^$"), amount) is not None
     assert (answer["code"], "'amount'" in answer.get("detail", "")) == (
         ("W1001", False) if allowed else ("S012", True))
-    if allowed:  # and the pattern is what DESIGN.md §6 says: positive, at most the currency's decimals
+    if allowed:  # and the pattern is what docs/reference.md says: positive, at most the currency's decimals
         whole, _, fraction = amount.partition(".")
         assert 0 < float(amount) < 10**18 / 10**{"JPY": 0, "USD": 2, "BHD": 3, "CLF": 4}[currency]
         assert len(fraction) <= {"JPY": 0, "USD": 2, "BHD": 3, "CLF": 4}[currency]
@@ -2073,7 +2071,7 @@ def test_the_document_states_each_currencys_amounts(app: webtest.TestApp, api: A
 
 
 def test_the_document_links_answers_to_later_requests_and_states_the_console_login(walletsvc_sandbox) -> None:
-    """DESIGN.md §3: a created transfer's bizId to the order queries, a wallet's id to its balance and
+    """docs/reference.md: a created transfer's bizId to the order queries, a wallet's id to its balance and
     flows; the console's form login, its 303 and its HTML."""
     document = webtest.TestApp(walletsvc_sandbox.app).get("/openapi.json").json
     operations = {operation["operationId"]: operation for methods in document["paths"].values()
@@ -2125,7 +2123,7 @@ class SchemathesisSigner:
 
 
 # What a request the document allows may still answer, and why no JSON Schema can say so in advance.
-# Everything else Schemathesis generates as valid must be accepted (DESIGN.md §3).
+# Everything else Schemathesis generates as valid must be accepted (docs/reference.md).
 BUSINESS_RULES = {  # 422, whatever the operation
     "T2001": "the source's available balance is below the amount: the ledger decides, not the request",
     "T2002": "the wallet holds another currency: the wallet decides, not the request",
@@ -2187,7 +2185,7 @@ SCHEMATHESIS_EXAMPLES, SCHEMATHESIS_SEED = {"api": 25, "admin": 6}, 1
 
 @pytest.mark.parametrize("surface", ["api", "admin"])
 def test_schemathesis_finds_no_gap_between_the_document_and_the_server(tmp_path, surface: str) -> None:
-    """DESIGN.md §3, judged by Schemathesis (all its phases and checks): every response matches the
+    """docs/reference.md, judged by Schemathesis (all its phases and checks): every response matches the
     document (statuses, error codes, headers, bodies), and the server refuses nothing the document
     allows but BUSINESS_RULES and the rules the document states. The admin surface runs on a sandbox
     of its own: its fault rules and clock would otherwise reach the API's requests."""
@@ -2257,7 +2255,7 @@ values = ["0.01", "1.00", "10", "250.50", "999999999999999.99"]
 
 
 ###############################################################################
-# HTTP surfaces: one request path, whatever hosts the app (DESIGN.md §3) #######
+# HTTP surfaces: one request path, whatever hosts the app (docs/reference.md) ###
 ###############################################################################
 
 
@@ -2645,7 +2643,7 @@ def test_the_fast_path_answers_as_bottles_own_dispatch(tmp_path) -> None:
 
 
 ###############################################################################
-# Envelope and errors: language, failures, body size (DESIGN.md §4) ############
+# Envelope and errors: language, failures, body size (docs/contract.md) ########
 ###############################################################################
 
 
@@ -2693,7 +2691,7 @@ def test_body_limit_is_a_setting(svc, api: Api, world: dict) -> None:
 @pytest.mark.parametrize("method, path",
                          [("POST", "/nowhere"), ("PUT", "/healthz"), ("POST", "/api/nowhere")])
 def test_an_oversized_body_is_s413_whatever_the_path(app: webtest.TestApp, method: str, path: str) -> None:
-    """DESIGN.md §4: the size limit is checked before anything else, a 404 or a 405 too."""
+    """docs/contract.md: the size limit is checked before anything else, a 404 or a 405 too."""
     answer = app.request(path, method=method, body=b"x" * 70_000,
                          headers={"Content-Type": "application/json"}, expect_errors=True)
     error(answer, "S413", 413)
@@ -2715,7 +2713,7 @@ def test_a_content_length_that_is_no_number_is_s012_as_the_document_says(wallets
 
 
 ###############################################################################
-# Authentication details: path, client IP, nonces, time (DESIGN.md §5) #########
+# Authentication details: path, client IP, nonces, time (docs/signing.md) ######
 ###############################################################################
 
 
@@ -2766,7 +2764,8 @@ def test_bad_signature_does_not_burn_the_nonce(api: Api) -> None:
 
 
 def test_a_recorded_nonce_is_refused_whatever_the_clock_does(svc, api: Api, clock: Clock) -> None:
-    """DESIGN.md §5, §10: records are kept exactly, not by the clock: a nonce used once is refused for
+    """docs/contract.md, Replay protection: records are kept exactly, not by the clock: a nonce used once
+    is refused for
     its key a day later, after the clock went back, and signed at another time."""
     data(api.get("/api/v1/wallets", **{"X-Nonce": "once"}))
     for move in (86400, -2 * 86400, 121):
@@ -2779,7 +2778,7 @@ def test_a_recorded_nonce_is_refused_whatever_the_clock_does(svc, api: Api, cloc
 
 
 def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_path, clock) -> None:
-    """DESIGN.md §10: the records stay bounded by a count (here the least, 1000); past it the oldest are
+    """docs/operations.md: the records stay bounded by a count (here the least, 1000); past it the oldest are
     forgotten, and a forgotten second refuses only requests signed in that second for that key."""
     svc = walletsvc.WalletService(str(tmp_path / "bounded.db"), clock=clock)
     world_ = make_world(svc)
@@ -2826,7 +2825,7 @@ def test_no_replay_at_any_edge_of_the_window(svc, api: Api, clock: Clock, later:
 
 
 ###############################################################################
-# Authentication details: what a refusal says (DESIGN.md §5) ###################
+# Authentication details: what a refusal says (docs/signing.md) ################
 ###############################################################################
 
 
@@ -2903,7 +2902,7 @@ def test_a_timestamp_in_milliseconds_is_named(api: Api) -> None:
 
 
 def test_a_signature_over_a_millisecond_timestamp_is_diagnosed(api: Api, world: dict) -> None:
-    """DESIGN.md §5: the header in seconds, the signed message in milliseconds."""
+    """docs/signing.md: the header in seconds, the signed message in milliseconds."""
     nonce = str(uuid.uuid4())
     message = "\n".join(("GET", "/api/v1/wallets", f"{NOW}123", nonce,
                          hashlib.sha256(b"").hexdigest())).encode()
@@ -2924,7 +2923,7 @@ def test_a_stale_timestamp_says_the_servers_time(api: Api) -> None:
 
 
 ###############################################################################
-# Resources: amounts and wallet states (DESIGN.md §6) ##########################
+# Resources: amounts and wallet states (docs/reference.md) #####################
 ###############################################################################
 
 
@@ -2974,7 +2973,7 @@ def test_frozen_wallet_moves_no_money(svc, world) -> None:
 
 
 def test_a_closed_wallet_stays_closed(tmp_path, walletsvc_sandbox) -> None:
-    """DESIGN.md §6: ACTIVE and FROZEN go back and forth; CLOSED is final."""
+    """docs/reference.md: ACTIVE and FROZEN go back and forth; CLOSED is final."""
     app = webtest.TestApp(walletsvc_sandbox.app)
     wallet = walletsvc_sandbox.wallets["yen"]["id"]
     app.post_json(f"/_admin/wallets/{wallet}/status", {"status": "CLOSED"}, headers=ADMIN)
@@ -2996,7 +2995,7 @@ def test_a_closed_wallet_stays_closed(tmp_path, walletsvc_sandbox) -> None:
 
 
 ###############################################################################
-# Transfers: idempotency (DESIGN.md §7) ########################################
+# Transfers: idempotency (docs/contract.md) ####################################
 ###############################################################################
 
 
@@ -3029,7 +3028,7 @@ def test_biz_id_reused_with_different_parameters_is_t2004(svc, api, world, chang
 
 def test_idempotency_key_header_is_accepted_only_equal_to_the_signed_biz_id(svc, api: Api,
                                                                             world: dict) -> None:
-    """DESIGN.md §7: the header is outside the signature, so it can never change what a request does."""
+    """docs/contract.md: the header is outside the signature, so it can never change what a request does."""
     original = data(api.transfer(transfer_body(world, bizId="rent-2026-10")))
     data(api.transfer(transfer_body(world, bizId="hdr-1"), **{"Idempotency-Key": "hdr-1"}))
     for body, key in [(transfer_body(world), "rent-2026-10"),  # would have replayed the older order
@@ -3049,7 +3048,7 @@ def test_biz_ids_are_unique_per_workspace_not_globally(svc, api: Api, world: dic
 
 
 ###############################################################################
-# Transfers: settlement modes (DESIGN.md §7) ###################################
+# Transfers: settlement modes (docs/contract.md) ###############################
 ###############################################################################
 
 
@@ -3132,7 +3131,7 @@ def test_delayed_settlement_counts_from_the_clock_reading_after_the_clock_moved(
 
 
 ###############################################################################
-# Transfers: money under concurrency (DESIGN.md §7) ############################
+# Transfers: money under concurrency (docs/contract.md) ########################
 ###############################################################################
 
 
@@ -3213,13 +3212,13 @@ def test_a_forked_child_opens_its_own_connection(tmp_path) -> None:
 
 
 ###############################################################################
-# Transfers: the ledger in commit order, and its auditor (DESIGN.md §7) ########
+# Transfers: the ledger in commit order, and its auditor (docs/contract.md) ####
 ###############################################################################
 
 
 def test_ledger_reads_in_commit_order_under_concurrent_transfers(tmp_path) -> None:
     """4 threads move 1.00 between 3 wallets: each wallet's flows, oldest first, are an
-    unbroken running balance ending at the balance (DESIGN.md §7)."""
+    unbroken running balance ending at the balance (docs/contract.md)."""
     path = str(tmp_path / "order.db")
     svc = walletsvc.WalletService(path, synchronous="NORMAL")
     ws = svc.create_workspace("order")["id"]
@@ -3372,7 +3371,7 @@ def test_audit_over_the_cli_and_the_admin_surface(tmp_path, capsys) -> None:
 @pytest.mark.parametrize("whitelist, code", [(["10.0.0.1/8"], "host_bits"), (["127.0.0.2/8"], "host_bits"),
                                              (["2001:db8::1/32"], "host_bits"), ([], "empty")])
 def test_an_ip_whitelist_entry_is_refused_not_widened(tmp_path, capsys, whitelist: list, code: str) -> None:
-    """The attack (DESIGN.md §5): "10.0.0.1/8" was stored as 10.0.0.0/8, so "127.0.0.2/8" admitted
+    """The attack (docs/signing.md): "10.0.0.1/8" was stored as 10.0.0.0/8, so "127.0.0.2/8" admitted
     127.0.0.1; and [] was taken. Both are S012 by the admin API, in a scenario and by the CLI."""
     svc = walletsvc.WalletService(str(tmp_path / "ip.db"))
     ws = svc.create_workspace("ip")["id"]
@@ -3406,7 +3405,7 @@ def test_a_scenario_key_is_stored_as_the_admin_api_stores_it(tmp_path) -> None:
 
 
 def test_what_holds_secrets_is_private_and_never_written_through_a_symlink(tmp_path) -> None:
-    """The attack (DESIGN.md §10): the database and the ready file were 0644; the ready file's temporary
+    """The attack (docs/operations.md): the database and the ready file were 0644; the ready file's temporary
     was opened through a planted symlink (a victim file got the secrets); a refused start left it."""
     import stat
 
@@ -3448,7 +3447,7 @@ def test_what_holds_secrets_is_private_and_never_written_through_a_symlink(tmp_p
 
 def test_errors_say_what_to_do(tmp_path, capsys, walletsvc_sandbox) -> None:
     """Issue 29, errors that say what to do: an unknown world's reset is GA2032 as for any unknown
-    workspace in the admin API; an undeclared path (a trailing slash) is denied by default (DESIGN.md §4)
+    workspace in the admin API; an undeclared path (a trailing slash) is denied by default (docs/contract.md)
     saying there is no such endpoint; --threads, --workers and --port say a bad value in one line."""
     sandbox = walletsvc_sandbox
     app = webtest.TestApp(sandbox.app)
@@ -3501,7 +3500,7 @@ SCENARIO_MISTAKES = [  # (file, text, the line it names, the field it names)
 @pytest.mark.parametrize("name, text, line, field", SCENARIO_MISTAKES, ids=[m[0] for m in SCENARIO_MISTAKES])
 def test_every_mistake_in_a_scenario_file_names_the_file_line_and_field(tmp_path, name: str, text: str,
                                                                         line: int, field: str) -> None:
-    """DESIGN.md §9 and the attack: mistakes caught after parsing named neither line nor field (a key's
+    """docs/sandbox.md and the attack: mistakes caught after parsing named neither line nor field (a key's
     member: exit 1 and a database left behind; deep nesting: "maximum recursion depth exceeded")."""
     (tmp_path / name).write_text(text)
     done = subprocess.run([sys.executable, "-m", "walletsvc", "serve", "--scenario", str(tmp_path / name),
@@ -3519,7 +3518,7 @@ def test_every_mistake_in_a_scenario_file_names_the_file_line_and_field(tmp_path
     ("settlement_delay", "inf", "0 to 31,622,400"), ("id_seed", "-1", "0 to 9,223,372,036,854,775,807")])
 def test_every_setting_has_a_range_refused_where_given(tmp_path, setting: str, value: str,
                                                        range_: str) -> None:
-    """The attack (DESIGN.md §10): timestamp_tolerance=10^17 was stored and made every signed request a
+    """The attack (docs/operations.md): timestamp_tolerance=10^17 was stored and made every signed request a
     500 (an OverflowError). Every setting has a range; out of it is refused at start, naming it."""
     done = subprocess.run([sys.executable, "-m", "walletsvc", "serve", "--set", f"{setting}={value}", "--db",
                            str(tmp_path / "range.db"), "--port", "0"], capture_output=True, text=True,
@@ -3535,7 +3534,7 @@ def test_every_setting_has_a_range_refused_where_given(tmp_path, setting: str, v
 
 
 def test_a_latency_rule_slows_only_what_it_matches_under_serve(tmp_path) -> None:
-    """The attack (DESIGN.md §9): with a 5 s latency rule and 20 clients, requests no rule matched
+    """The attack (docs/sandbox.md): with a 5 s latency rule and 20 clients, requests no rule matched
     waited up to 23 s, the sleepers holding every thread. Now a thread is started beside each sleeper."""
     with demo_process(tmp_path, "latency") as (server, (key, secret, admin, wallets)):
         slow_path = f"/api/v1/wallets/{wallets[0]}"
@@ -3565,7 +3564,7 @@ def test_a_latency_rule_slows_only_what_it_matches_under_serve(tmp_path) -> None
 
 
 def test_audit_sums_are_exact_however_large(tmp_path, capsys) -> None:
-    """The attack (DESIGN.md §10): ten KWD wallets of 999999999999999.999 each (within the cap) made
+    """The attack (docs/operations.md): ten KWD wallets of 999999999999999.999 each (within the cap) made
     `walletsvc audit` print "integer overflow" (exit 2) and GET /_admin/audit answer 500."""
     path = str(tmp_path / "rich.db")
     svc = walletsvc.WalletService(path)
@@ -3594,7 +3593,7 @@ def test_the_plugin_audit_says_a_violation_is_a_walletsvc_bug() -> None:
 
 
 ###############################################################################
-# Lists: default order, sortable fields, filters (DESIGN.md §8) ################
+# Lists: default order, sortable fields, filters (docs/contract.md) ############
 ###############################################################################
 
 
@@ -3646,7 +3645,7 @@ def test_wallet_filters(svc, api: Api, world: dict, query: str, names: list) -> 
     ("/api/v1/transfer/query/orders", "status=DONE"),
     ("/api/v1/transfer/query/orders", "createdFrom=yesterday"),
     ("/api/v1/transfer/query/orders", "createdTo=2027-13-01"),
-    # DESIGN.md §6: a time filter is epoch ms or RFC 3339 (a date, or a date-time with Z or an offset)
+    # docs/reference.md: a time filter is epoch ms or RFC 3339 (a date, or a date-time with Z or an offset)
     ("/api/v1/transfer/query/orders", "createdFrom=2027-01-15T08:00:05"),  # no offset
     ("/api/v1/transfer/query/orders", "createdFrom=2027-01-15 08:00:05Z"),
     ("/api/v1/transfer/query/orders", "createdFrom=2027-01-15T08:00:05%2B0100"),
@@ -3704,7 +3703,7 @@ def test_flow_sorts(api: Api, many: dict, sort: str, first_type: str) -> None:
     ("2027-01-15T08:00:00.123456789Z", 1800000000123),
 ])
 def test_a_time_filter_takes_what_rfc_3339_allows(api: Api, world: dict, moment: str, epoch_ms: int) -> None:
-    """DESIGN.md §6: a time filter is RFC 3339 or epoch ms; each of these is the instant given."""
+    """docs/reference.md: a time filter is RFC 3339 or epoch ms; each of these is the instant given."""
     at = urllib.parse.quote(moment)
     assert data(api.get("/api/v1/transfer/query/orders", query=f"createdFrom={at}&createdTo={epoch_ms}")) \
         == data(api.get("/api/v1/transfer/query/orders",
@@ -3735,7 +3734,7 @@ def test_a_time_filter_refuses_what_rfc_3339_does_not(api: Api, moment: str) -> 
 
 
 ###############################################################################
-# Lists: built for a big workspace (DESIGN.md §8) ##############################
+# Lists: built for a big workspace (docs/contract.md) ##########################
 ###############################################################################
 
 
@@ -3796,7 +3795,7 @@ def test_totals_come_from_counters_not_scans(svc, api: Api, many: dict) -> None:
 
 
 ###############################################################################
-# Sandbox: walletsvc serve (DESIGN.md §9) ######################################
+# Sandbox: walletsvc serve (docs/sandbox.md) ###################################
 ###############################################################################
 
 
@@ -3956,7 +3955,7 @@ def test_the_ready_file_says_everything_a_suite_needs(tmp_path) -> None:
 
 
 ###############################################################################
-# Sandbox: the command line (DESIGN.md §9) #####################################
+# Sandbox: the command line (docs/sandbox.md) ##################################
 ###############################################################################
 
 
@@ -4121,7 +4120,7 @@ def test_cli_request_with_an_empty_key_is_a_usage_error(capsys, monkeypatch) -> 
 
 
 def test_request_and_client_need_nothing_against_the_demo(tmp_path, monkeypatch) -> None:
-    """DESIGN.md §9, the first five minutes: after `walletsvc serve --demo` (on 8080), a signed request
+    """docs/sandbox.md, the first five minutes: after `walletsvc serve --demo` (on 8080), a signed request
     needs no flag, variable or placeholder; the demo's key is fixed (ak_demo / sk_demo)."""
     for name in ("WALLETSVC_URL", "WALLETSVC_KEY", "WALLETSVC_SECRET"):
         monkeypatch.delenv(name, raising=False)
@@ -4136,7 +4135,7 @@ def test_request_and_client_need_nothing_against_the_demo(tmp_path, monkeypatch)
 
 
 def test_walletsvcs_clients_sign_at_a_frozen_or_moved_sandbox_clock(tmp_path, monkeypatch) -> None:
-    """DESIGN.md §9: Client and `walletsvc request` sign at the sandbox's clock; a GA2013 for the
+    """docs/sandbox.md: Client and `walletsvc request` sign at the sandbox's clock; a GA2013 for the
     timestamp says that the clock is frozen (or moved) and how to sign at it."""
     clock = walletsvc.Clock(frozen_at=1893456000)  # 2030-01-01, as a scenario's clock
     svc = walletsvc.WalletService(str(tmp_path / "frozen.db"), clock=clock)
@@ -4248,7 +4247,7 @@ def test_version_is_printed() -> None:
 
 
 ###############################################################################
-# Sandbox: a suite in any language, over HTTP (DESIGN.md §9) ###################
+# Sandbox: a suite in any language, over HTTP (docs/sandbox.md) ################
 ###############################################################################
 
 
@@ -4317,7 +4316,7 @@ def test_the_sandbox_curl_walk_through_runs_as_printed(demo_server) -> None:
 
 
 ###############################################################################
-# Sandbox: one sandbox, however many processes (DESIGN.md §9) ##################
+# Sandbox: one sandbox, however many processes (docs/sandbox.md) ###############
 ###############################################################################
 
 
@@ -4328,7 +4327,7 @@ def test_both_servers_print_the_same_demo(tmp_path, two_servers) -> None:
 
 @pytest.mark.parametrize("layout", ["two serve", "--workers 2"])
 def test_every_process_on_one_file_is_one_sandbox(tmp_path, layout: str) -> None:
-    """The clock, a times=1 fault rule, the journal and reset behave as one sandbox (DESIGN.md §9)."""
+    """The clock, a times=1 fault rule, the journal and reset behave as one sandbox (docs/sandbox.md)."""
     path = str(tmp_path / "one.db")
     if layout == "two serve":
         servers = [ServerProcess(path, tmp_path / f"s{n}.log", "--demo") for n in range(2)]
@@ -4405,7 +4404,7 @@ def test_readme_gunicorn_recipe_with_two_workers_is_one_sandbox(tmp_path) -> Non
 
 
 ###############################################################################
-# Sandbox: reset (DESIGN.md §9) ################################################
+# Sandbox: reset (docs/sandbox.md) #############################################
 ###############################################################################
 
 
@@ -4482,7 +4481,7 @@ credentials."""
 
 
 ###############################################################################
-# Sandbox: scenarios and parallel worlds (DESIGN.md §9) ########################
+# Sandbox: scenarios and parallel worlds (docs/sandbox.md) #####################
 ###############################################################################
 
 
@@ -4744,7 +4743,7 @@ def test_javascript_and_java_blocks_run_as_printed(tmp_path) -> None:
 
 
 ###############################################################################
-# Sandbox: the pytest plugin (DESIGN.md §9) ####################################
+# Sandbox: the pytest plugin (docs/sandbox.md) #################################
 ###############################################################################
 
 
@@ -4855,7 +4854,7 @@ def test_a_live_server_stops_with_keep_alive_clients_connected() -> None:
 
 
 ###############################################################################
-# Sandbox: the clock (DESIGN.md §9) ############################################
+# Sandbox: the clock (docs/sandbox.md) #########################################
 ###############################################################################
 
 
@@ -4915,7 +4914,7 @@ def test_admin_clock_controls_the_sandbox(walletsvc_sandbox) -> None:
     ("1893456000", "string of digits"), ("1893456000000", "string of digits"), ("soon", "RFC 3339"),
     ("2030-01-01T00:00:00", "RFC 3339"), (None, "must be JSON number or string")])
 def test_clock_times_are_one_unit_everywhere(walletsvc_sandbox, at: Any, reason: str) -> None:
-    """DESIGN.md §9: a JSON number is epoch seconds, a string ISO-8601 (RFC 3339, the profile the document
+    """docs/sandbox.md: a JSON number is epoch seconds, a string ISO-8601 (RFC 3339, the profile the document
     states); milliseconds are refused, saying so; null is not a time."""
     app = webtest.TestApp(walletsvc_sandbox.app)
     detail = error(app.post_json("/_admin/clock", {"at": at}, headers=ADMIN, expect_errors=True), "S012", 400)
@@ -4938,7 +4937,7 @@ def test_a_clock_belongs_to_one_service() -> None:
 
 
 ###############################################################################
-# Sandbox: ids (DESIGN.md §9) ##################################################
+# Sandbox: ids (docs/sandbox.md) ###############################################
 ###############################################################################
 
 
@@ -5072,7 +5071,7 @@ def test_a_seeded_demo_restarts_without_collisions(tmp_path) -> None:
 
 
 ###############################################################################
-# Sandbox: fault rules (DESIGN.md §9) ##########################################
+# Sandbox: fault rules (docs/sandbox.md) #######################################
 ###############################################################################
 
 
@@ -5258,7 +5257,7 @@ def test_admin_removes_one_fault_rule_and_reads_the_newest_journal_entries(walle
 
 
 ###############################################################################
-# Sandbox: the journal (DESIGN.md §9) ##########################################
+# Sandbox: the journal (docs/sandbox.md) #######################################
 ###############################################################################
 
 
@@ -5424,7 +5423,7 @@ def test_a_deeply_nested_body_never_breaks_the_journal_or_a_fault_rule(walletsvc
 
 
 ###############################################################################
-# Sandbox: magic values (DESIGN.md §9) #########################################
+# Sandbox: magic values (docs/sandbox.md) ######################################
 ###############################################################################
 
 
@@ -5454,7 +5453,7 @@ def test_magic_values_when_enabled() -> None:
 
 
 ###############################################################################
-# Sandbox console (DESIGN.md §9) ###############################################
+# Sandbox console (docs/sandbox.md) ############################################
 ###############################################################################
 
 
@@ -5587,7 +5586,7 @@ def test_console_under_a_mount_prefix_scopes_its_cookie_to_it(svc) -> None:
 
 
 ###############################################################################
-# The sandbox console in a real browser (DESIGN.md §9) #########################
+# The sandbox console in a real browser (docs/sandbox.md) ######################
 ###############################################################################
 
 
@@ -5870,7 +5869,7 @@ def test_the_sandbox_page_shows_the_console_screenshots() -> None:
 
 
 ###############################################################################
-# Durability where money moves (DESIGN.md §10) #################################
+# Durability where money moves (docs/operations.md) ############################
 ###############################################################################
 
 
@@ -5896,7 +5895,7 @@ def traced(tmp_path, clock):
 
 
 def test_a_read_records_its_nonce_without_waiting_for_a_disk_sync(traced) -> None:
-    """DESIGN.md §10: a read's one write is its nonce record, on the connection that does not sync."""
+    """docs/operations.md: a read's one write is its nonce record, on the connection that does not sync."""
     _svc, api, world_, statements = traced
     data(api.get(f"/api/v1/wallets/{world_['a']}"))
     assert statements[True] == []
@@ -5905,7 +5904,7 @@ def test_a_read_records_its_nonce_without_waiting_for_a_disk_sync(traced) -> Non
 
 
 def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) -> None:
-    """DESIGN.md §7, §10: a transfer's nonce and ledger rows are one unit, committed once, durably."""
+    """docs/contract.md: a transfer's nonce and ledger rows are one unit, committed once, durably."""
     _svc, api, world_, statements = traced
     data(api.transfer(transfer_body(world_)))
     writes = statements[True]
@@ -5915,7 +5914,7 @@ def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) 
 
 
 def test_with_a_journal_a_request_writes_once_nonce_entry_and_ledger_together(tmp_path, clock) -> None:
-    """DESIGN.md §10: a request writes at most once, at its end: a read its nonce and journal entry
+    """docs/operations.md: a request writes at most once, at its end: a read its nonce and journal entry
     (without a disk sync), a transfer those and its ledger rows (with one)."""
     svc = walletsvc.WalletService(str(tmp_path / "journaled.db"), clock=clock, journal_size=10)
     world_ = make_world(svc)
@@ -5953,7 +5952,7 @@ def test_a_replayed_transfer_moves_money_once(traced) -> None:
 
 
 ###############################################################################
-# walletsvc serve on a hostile network (DESIGN.md §10) #########################
+# walletsvc serve on a hostile network (docs/operations.md) ####################
 ###############################################################################
 
 
@@ -6026,7 +6025,7 @@ def test_an_oversized_body_is_refused_without_being_read(tmp_path) -> None:
 
 @pytest.mark.parametrize("header", [b"Content-Length;", b"Content-Length: abc", b"X-\x01: y"])
 def test_what_the_http_server_cannot_parse_is_answered_with_the_envelope(tmp_path, header: bytes) -> None:
-    """DESIGN.md §4: every answer is the envelope, even waitress's own to a request it cannot parse
+    """docs/contract.md: every answer is the envelope, even waitress's own to a request it cannot parse
     (which never reaches the app)."""
     import socket
 
@@ -6048,7 +6047,7 @@ def test_what_the_http_server_cannot_parse_is_answered_with_the_envelope(tmp_pat
 
 
 ###############################################################################
-# Storage that fails: locked, read-only, full, gone (DESIGN.md §10) ############
+# Storage that fails: locked, read-only, full, gone (docs/operations.md) #######
 ###############################################################################
 
 
@@ -6282,7 +6281,7 @@ def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tm
 
 @pytest.mark.parametrize("swap", SWAPS, ids=SWAP_NAMES)
 def test_under_load_with_two_workers_nothing_is_acknowledged_into_a_swapped_file(tmp_path, swap) -> None:
-    """The attack's reproduction (DESIGN.md §10): under `--workers 2` and six transfer clients, the file
+    """The attack's reproduction (docs/operations.md): under `--workers 2` and six transfer clients, the file
     or its -wal deleted or replaced: 2-5 transfers were answered 200 into the unlinked file, and a
     deleted -wal gave S500 "malformed". Now every transfer sent after the change answers S503 (never
     200, never 500), and after a kill -9 the file at its path passes integrity_check."""
@@ -6324,7 +6323,7 @@ def test_under_load_with_two_workers_nothing_is_acknowledged_into_a_swapped_file
 
 
 def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path) -> None:
-    """DESIGN.md §7: writes waiting together run in one transaction, each in its own savepoint, and
+    """docs/contract.md: writes waiting together run in one transaction, each in its own savepoint, and
     commit once; the one that raises gets its own exception and leaves nothing; the others commit."""
     svc = walletsvc.WalletService(str(tmp_path / "batch.db"))
     db = svc.db
@@ -6371,7 +6370,7 @@ def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path) -> None:
 
 @pytest.mark.parametrize("what", ["database", "wal"])
 def test_a_file_gone_during_a_batch_answers_s503_for_every_unit_and_acknowledges_none(tmp_path, what) -> None:
-    """DESIGN.md §10: the file's identity is checked inside the batch's lock, before its COMMIT."""
+    """docs/operations.md: the file's identity is checked inside the batch's lock, before its COMMIT."""
     path = tmp_path / "gone.db"
     svc = walletsvc.WalletService(str(path))
     world_ = make_world(svc)
@@ -6409,7 +6408,7 @@ def test_a_file_gone_during_a_batch_answers_s503_for_every_unit_and_acknowledges
 
 
 def test_a_replay_sent_at_once_from_eight_threads_and_two_processes_wins_once(tmp_path, two_servers) -> None:
-    """DESIGN.md §5: a nonce is recorded atomically; of 16 copies of one signed transfer sent at once to
+    """docs/signing.md: a nonce is recorded atomically; of 16 copies of one signed transfer sent at once to
     two processes, exactly one is applied and the others answer GA2013."""
     servers, (key, secret, _admin, wallets) = two_servers
     body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
@@ -6435,7 +6434,7 @@ def test_a_replay_sent_at_once_from_eight_threads_and_two_processes_wins_once(tm
 
 
 ###############################################################################
-# walletsvc serve --workers N (DESIGN.md §10) ##################################
+# walletsvc serve --workers N (docs/operations.md) #############################
 ###############################################################################
 
 
@@ -6522,7 +6521,7 @@ def test_the_control_surface_answers_while_latency_holds_every_worker(tmp_path) 
 
 
 ###############################################################################
-# Replay protection, whatever the clock does (DESIGN.md §10) ###################
+# Replay protection, whatever the clock does (docs/operations.md) ##############
 ###############################################################################
 
 
@@ -6562,7 +6561,7 @@ def test_a_captured_transfer_is_refused_after_the_clock_moves_forward_and_back(w
 
 
 def test_no_fresh_request_is_refused_after_the_clock_moves_and_returns(walletsvc_sandbox) -> None:
-    """The attack's reproduction (DESIGN.md §10): sign at real time T; freeze at T+59 and sign; advance
+    """The attack's reproduction (docs/operations.md): sign at real time T; freeze at T+59 and sign; advance
     an hour and sign; return to real time. Every fresh request was then refused GA2013 for 60 s."""
     sandbox = walletsvc_sandbox
     app = webtest.TestApp(sandbox.app)
@@ -6597,7 +6596,7 @@ def _clock_offset(app: webtest.TestApp, admin: dict = ADMIN) -> float:
 
 
 def test_random_clock_moves_across_two_services_refuse_no_fresh_request_and_every_replay(tmp_path) -> None:
-    """DESIGN.md §10, 200 random freeze / advance / set / return moves through two services on one file
+    """docs/operations.md, 200 random freeze / advance / set / return moves through two services on one file
     (every process's state is the file's): each fresh request signed at the sandbox's time passes, and
     every request captured before is refused after every move."""
     import random
@@ -6671,7 +6670,7 @@ def test_processes_with_different_windows_never_accept_a_replay(tmp_path) -> Non
 
 
 ###############################################################################
-# Nothing lost under load, crashes and bad input (DESIGN.md §10) ###############
+# Nothing lost under load, crashes and bad input (docs/operations.md) ##########
 ###############################################################################
 #
 # Bounded here; a soak runs the same tests longer (README, "Soak"):
@@ -7093,7 +7092,7 @@ def test_fuzzed_requests_over_a_socket_always_get_the_envelope() -> None:
 
 
 ###############################################################################
-# The module as a newcomer reads it (STYLE.md) #################################
+# The module as a newcomer reads it (docs/contributing.md) #####################
 ###############################################################################
 
 

@@ -25,11 +25,11 @@ the console's page, kept last as bottle keeps its template, which handlers read 
     16. HTTP schemas - the JSON shapes, and the request body check
     17. Declared endpoints and the envelope - ``@endpoint``, the envelope
     18. The per-request record - as received, as authenticated, as answered
-    19. The authentication pipeline - SPEC.md's steps 1-7
+    19. The authentication pipeline - the contract's steps 1-7
     20. The console's session - how the console logs in
     21. The one request path - HttpApi: body, pipeline, faults; render, settle, log
     22. OpenAPI document - /openapi.json, from the declarations
-    23. API handlers - the endpoints of SPEC.md
+    23. API handlers - the endpoints of the contract
     24. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal, console
     25. App factory - create_app, the WSGI app
   Tools
@@ -156,7 +156,7 @@ LOCALES = ("en-US", "zh-CN")
 class Surface(enum.StrEnum):
     """The surfaces an endpoint can belong to (``Endpoint.surface``), each authenticated its own way."""
 
-    API = "api"  # /api/: SPEC.md's signed pipeline
+    API = "api"  # /api/: the contract's signed pipeline
     ADMIN = "admin"  # /_admin/: the admin token, or the console's session
     CONSOLE = "console"  # the console's login page and form
     PUBLIC = "public"  # /healthz and /openapi.json
@@ -294,7 +294,7 @@ def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
 
 
 class IdSequence:
-    """The ids and secrets one write transaction issues (DESIGN.md §9).
+    """The ids and secrets one write transaction issues (docs/sandbox.md).
 
     An id is 48 bits of time (or sequence) and 80 bits of randomness, and sorts
     after the last id committed in the database (``last_id``): random ids take
@@ -1073,7 +1073,7 @@ class Database:
             with contextlib.suppress(OSError):  # (there already, or not makeable: SQLite says what is wrong)
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o600))
         deadline = time.monotonic() + busy_timeout
-        while True:  # two servers starting on one new file: the loser waits its turn (DESIGN.md §10)
+        while True:  # two servers starting on one new file: the loser waits its turn (docs/operations.md)
             try:
                 with self.connection() as conn:
                     self._apply_schema(conn)
@@ -1105,7 +1105,7 @@ class Database:
 
     def check_file(self) -> None:
         """FileGone unless the file this database opened, and its -wal, are still at their
-        paths (DESIGN.md §10): a write into a deleted or replaced file would be acknowledged
+        paths (docs/operations.md): a write into a deleted or replaced file would be acknowledged
         and then lost. Checked inside every batch's lock, before its COMMIT."""
         if self._file is None:
             return
@@ -1188,7 +1188,7 @@ class Database:
         own; its result once the batch committed, or the exception it raised (then rolled back
         alone), or the batch's failure (a busy or missing database: nothing of it is kept).
         ``durable=False``: the commit need not wait for a disk sync (records whose loss in a
-        power cut costs no money, DESIGN.md §10), unless another unit of its batch needs one."""
+        power cut costs no money, docs/operations.md), unless another unit of its batch needs one."""
         if getattr(self._local, "writing", None) is not None:  # inside a write already: join it
             with self.connection() as conn:
                 return self._run_one(conn, unit)
@@ -1474,7 +1474,7 @@ def body_hash(body: bytes) -> str:
 
 def canonical_message(method: str, path: str | bytes, timestamp: str, nonce: str,
                       body_sha256: str) -> bytes:
-    """The five components of SPEC.md joined by LF, no trailing LF.
+    """The five components of docs/contract.md joined by LF, no trailing LF.
 
     ``path`` is the path exactly as sent (percent-encoding kept, no query
     string); the one function both the server check and the clients use.
@@ -1611,8 +1611,8 @@ class PendingNonce(NamedTuple):
 
 
 class Nonces:
-    """Replay protection, in one place: the nonce check (SPEC.md step 5), the record made
-    once the signature passed, and forgetting by count (DESIGN.md §5, §10).
+    """Replay protection, in one place: the nonce check (docs/contract.md, step 5), the record made
+    once the signature passed, and forgetting by count (docs/contract.md, Replay protection).
 
     Records are kept exactly, however the clock moves: a nonce recorded for a key is
     refused for that key while its record is kept, at any time. Only past ``bound``
@@ -1719,7 +1719,7 @@ def _page_integer(query: Query, name: str, default: int, minimum: int) -> int:
     text = first(query, name)
     if text is None:
         return default
-    if not re.fullmatch(r"-?[0-9]+", text):  # no upper bound (SPEC.md): any number of digits
+    if not re.fullmatch(r"-?[0-9]+", text):  # no upper bound (docs/contract.md): any number of digits
         raise invalid(name, "integer")
     try:
         value = int(text)
@@ -1732,7 +1732,7 @@ def _page_integer(query: Query, name: str, default: int, minimum: int) -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PageRequest:
-    """A validated page, size and sort (SPEC.md Pagination rules, DESIGN.md §8)."""
+    """A validated page, size and sort (docs/contract.md, Paging)."""
 
     number: int
     size: int
@@ -1817,7 +1817,7 @@ class ListQuery:
 
 
 def page_response(items: list, request: PageRequest, total: int) -> dict:
-    """The page object of SPEC.md: content plus accurate page metadata."""
+    """The page object of docs/contract.md: content plus accurate page metadata."""
     return {
         "content": items,
         "page": {
@@ -2068,7 +2068,7 @@ class Ledger:
 
     def new_id(self, prefix: str, now_ms: int) -> str:
         """A fresh id, made inside ``writing()``: it sorts after every id committed before
-        (DESIGN.md §9), so that the id tie-break orders rows by commit."""
+        (docs/sandbox.md), so that the id tie-break orders rows by commit."""
         return self._tx.ids.next(prefix, now_ms)
 
     def new_secret(self) -> str:
@@ -2077,7 +2077,7 @@ class Ledger:
 
     @contextlib.contextmanager
     def writing(self) -> Iterator[tuple[sqlite3.Connection, int]]:
-        """One write transaction (``db.atomic()``) and its time (DESIGN.md §7).
+        """One write transaction (``db.atomic()``) and its time (docs/contract.md).
 
         The time is the service clock read inside the transaction, never before
         the last write's in this database (whatever the clock or the number of
@@ -2304,7 +2304,7 @@ class Ledger:
                         amount: str | decimal.Decimal, currency: str, *, biz_id: str | None = None,
                         description: str | None = None) -> dict:
         """Move ``amount`` (a decimal string or Decimal, never rounded) between two
-        wallets of a workspace; the order. Idempotent on ``biz_id`` (DESIGN.md §7)."""
+        wallets of a workspace; the order. Idempotent on ``biz_id`` (docs/contract.md)."""
         return self.transfer(workspace_id, source_wallet_id, target_wallet_id, amount, currency,
                              biz_id=biz_id, description=description)[0]
 
@@ -2343,7 +2343,7 @@ class Ledger:
                 raise invalid("amount", "too_large")
             transfer_id = self.new_id("tr_", now)
             mode = self.settings.settlement
-            # Due on the service clock, from its own reading now (DESIGN.md §7): not from the ledger's
+            # Due on the service clock, from its own reading now (docs/contract.md): not from the ledger's
             # time, which a clock moved back and forth before may have left ahead.
             settle_at = self.now_ms() + int(self.settings.settlement_delay * 1000) if mode == "delayed" \
                 else None
@@ -2629,7 +2629,7 @@ MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is ta
 
 
 def admin_time(value: Any, field: str) -> float | None:
-    """A time given to the admin surface (DESIGN.md §9), as epoch seconds: a JSON number is epoch
+    """A time given to the admin surface (docs/sandbox.md), as epoch seconds: a JSON number is epoch
     seconds, a string RFC 3339 (ISO-8601 with an offset, or a date); a value that looks like
     milliseconds is refused, saying so."""
     if value is None:
@@ -2666,7 +2666,7 @@ class Clock:
 
     Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
     nonce expiry and delayed settlement all read it, and its state moves into
-    the service's database (DESIGN.md §9), so that every process serving that
+    the service's database (docs/sandbox.md), so that every process serving that
     file reads and moves the same clock. A database that already has a clock
     state keeps it (a restarted server keeps a frozen clock frozen). Unbound,
     the clock keeps its state in memory. It only ever shows times in
@@ -2782,7 +2782,7 @@ class JournalEntry(NamedTuple):
 
 
 class Journal:
-    """The last ``size`` requests the API surface received, in the database (DESIGN.md §9),
+    """The last ``size`` requests the API surface received, in the database (docs/sandbox.md),
     with assertion helpers: every process serving the file writes and reads the same journal.
 
     Each entry as read: seq (increasing), at, method, path (raw, as sent),
@@ -2976,7 +2976,7 @@ def _capped(value: Any, limit: int) -> Any:
 
 class Faults:
     """Fault rules applied to authenticated /api/ requests that match them, kept in the
-    database (DESIGN.md §9): every process serving the file applies the same rules, and a
+    database (docs/sandbox.md): every process serving the file applies the same rules, and a
     rule with ``times`` fires that many times across all of them.
 
     A rule's ``action`` is a FaultAction; any rule may add ``latency`` seconds. ``times`` fires a
@@ -3115,7 +3115,7 @@ _STARTING_STATE = ("workspaces", "members", "api_keys", "wallets", "transfers", 
                    "counters")
 
 
-# Scenarios (DESIGN.md §9): a declared world, as a dict (from TOML, JSON or Python). Each
+# Scenarios (docs/sandbox.md): a declared world, as a dict (from TOML, JSON or Python). Each
 # object's fields and what each holds; a field not listed is refused.
 _SCENARIO_OBJECTS: Mapping[str, Mapping[str, str]] = {
     "scenario": {"workspaces": "list", "clock": "object", "settings": "object"},
@@ -3237,7 +3237,7 @@ DEMO_SCENARIO: Mapping[str, Any] = {"workspaces": [{
 
 class WalletService(Ledger):
     """The service: admin API, wallets, ledger and transfers over one SQLite database,
-    with the sandbox's state in that database too (DESIGN.md §9): the clock when it is
+    with the sandbox's state in that database too (docs/sandbox.md): the clock when it is
     a Clock, the id seed, the journal, the fault rules and the starting state.
 
     Thread-safe, and safe for several processes sharing one database file.
@@ -3248,7 +3248,7 @@ class WalletService(Ledger):
     def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
                  clock: Callable[[], float] | None = None, **setting_values: Any) -> None:
         super().__init__(database, settings=settings, clock=clock, **setting_values)
-        if isinstance(self.clock, Clock):  # the sandbox's clock lives in the database (DESIGN.md §9)
+        if isinstance(self.clock, Clock):  # the sandbox's clock lives in the database (docs/sandbox.md)
             self.clock.bind(self.db)
         self.journal = Journal(self.db, self.settings.journal_size)
         self.faults = Faults(self.db)
@@ -3279,7 +3279,7 @@ class WalletService(Ledger):
 
     def save_start(self) -> None:
         """Make the state as it is now the starting state that ``reset`` returns to
-        (DESIGN.md §9): every workspace, member, key, wallet, order and flow, the
+        (docs/sandbox.md): every workspace, member, key, wallet, order and flow, the
         clock and the id sequence. ``walletsvc serve --demo`` and the pytest
         sandbox call it once their world is seeded."""
         with self.db.atomic() as conn:
@@ -3320,7 +3320,7 @@ class WalletService(Ledger):
                          tuple(start))
             conn.execute("DELETE FROM world_starts WHERE workspace_id NOT IN (SELECT id FROM workspaces)")
 
-    # Worlds: scenarios, instantiated side by side (DESIGN.md §9) ##############
+    # Worlds: scenarios, instantiated side by side (docs/sandbox.md) ##############
 
     def load_scenario(self, scenario: Mapping[str, Any], *, fresh_ids: bool = False) -> dict:
         """Make a scenario's workspaces, members, keys and wallets (with their balances and
@@ -3873,7 +3873,7 @@ CONSOLE_PATH = "/_admin/console"  # the sandbox console's page (Console)
 CONSOLE_COOKIE = "walletsvc_console"
 _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in HTTPStatus}
 # The errors any request can meet (a Content-Length that is no number, an oversized body, a failure,
-# a busy or missing database), and those of each surface (SPEC.md's pipeline; the admin token or
+# a busy or missing database), and those of each surface (the contract's pipeline; the admin token or
 # console session); see Endpoint.
 ANY_REQUEST_ERRORS = (InvalidParameter, PayloadTooLarge, InternalError, ServiceBusy)
 SURFACE_ERRORS = {
@@ -3894,7 +3894,7 @@ class Endpoint:
     path: str  # a bottle rule: /api/v1/wallets/<wallet_id>
     summary: str
     response: str | dict | None  # the schema of the envelope's data: a name in SCHEMAS, inline, or None
-    scope: str | None = None  # /api/ only: the scope a key needs (SPEC.md Scopes)
+    scope: str | None = None  # /api/ only: the scope a key needs (docs/contract.md, Scopes)
     request: str | None = None  # the JSON body's schema, a name in SCHEMAS
     query: tuple = ()  # query parameters, as OpenAPI parameter objects
     media: str | None = None  # answered as is in this media type, no envelope (/openapi.json, the console)
@@ -3973,7 +3973,7 @@ def check_declaration(declaration: Endpoint, handler: Callable) -> None:
 
 
 def envelope(data: Any, now_ms: int) -> dict:
-    """The success envelope of SPEC.md."""
+    """The success envelope of docs/contract.md."""
     return {"version": API_VERSION, "timestamp": now_ms, "success": True,
             "code": SUCCESS_CODE, "message": "SUCCESS", "data": data}
 
@@ -4010,7 +4010,7 @@ def json_object(body: bytes) -> dict:
 
 
 def raw_request_path(environ: Mapping[str, Any]) -> bytes:
-    """The path as the client sent it, including any mount prefix (DESIGN.md §5)."""
+    """The path as the client sent it, including any mount prefix (docs/signing.md)."""
     raw = environ.get("REQUEST_URI") or environ.get("RAW_URI")
     if raw:
         if not raw.startswith("/"):  # absolute-form request target
@@ -4024,7 +4024,7 @@ def raw_request_path(environ: Mapping[str, Any]) -> bytes:
 
 # What RFC 3986 lets a path segment carry unencoded besides the unreserved characters (pchar:
 # sub-delims, ":" and "@"): Client leaves them as they are, so that every server hands the app
-# the path that was signed (DESIGN.md §5).
+# the path that was signed (docs/signing.md).
 PCHAR_DELIMS = "!$&'()*+,;=:@"
 
 
@@ -4104,7 +4104,7 @@ class Received:
 
 @dataclasses.dataclass(eq=False)
 class Authenticated:
-    """What SPEC.md's pipeline found of a request, step by step."""
+    """What the contract's pipeline found of a request, step by step."""
 
     principal: Principal | None = None
     canonical: bytes | None = None  # the canonical message the server computed
@@ -4180,7 +4180,7 @@ def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
 
 
 class SignedHeaders(NamedTuple):
-    """SPEC.md's four request headers as received ("" when absent), read once per request."""
+    """the contract's four request headers as received ("" when absent), read once per request."""
 
     api_key: str
     timestamp: str
@@ -4199,7 +4199,7 @@ _SIGNED_KEYS = tuple(environ_key(name) for name in ("X-Api-Key", "X-Timestamp", 
 
 
 class Authenticator:
-    """Steps 1-7 of SPEC.md's validation pipeline, in that order.
+    """Steps 1-7 of the contract's validation pipeline, in that order.
 
     Step 8 (the scope) needs the route and is checked by the HTTP layer. The
     first failure raises and ends processing. Nothing here writes: a nonce that
@@ -4253,7 +4253,7 @@ class Authenticator:
             raise NotWorkspaceMember()
 
     def timestamp(self, found: Authenticated, key: sqlite3.Row, signed: SignedHeaders) -> None:
-        """Step 4: X-Timestamp within the window of the service clock, in whole seconds (DESIGN.md §5)."""
+        """Step 4: X-Timestamp within the window of the service clock, in whole seconds (docs/signing.md)."""
         timestamp, tolerance = signed.timestamp, self.settings.timestamp_tolerance
         if signed.stamp < 0:
             if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
@@ -4344,7 +4344,7 @@ class ConsoleSession(NamedTuple):
 
 
 class Console:
-    """The sandbox console at /_admin/console (DESIGN.md §9): one HTML page and its session.
+    """The sandbox console at /_admin/console (docs/sandbox.md): one HTML page and its session.
 
     Logging in with the admin token sets an HttpOnly, SameSite=Strict cookie:
     a random nonce, its expiry and their HMAC under the admin token (a new
@@ -4463,7 +4463,7 @@ ADMIN_PATIENCE = 0.5  # seconds an admin write waits for the lock before S503 (t
 class HttpApi:
     """The one request path: every request any host hands the app comes through ``serve``.
 
-    It reads the body (once, ``max_body_bytes`` first), runs SPEC.md's
+    It reads the body (once, ``max_body_bytes`` first), runs the contract's
     pipeline for /api/ or the admin token check for /_admin/, applies fault
     rules, calls the endpoint's handler and renders the result or the error
     as the envelope, with the same headers whichever code path made it.
@@ -4516,7 +4516,7 @@ class HttpApi:
 
     def fail(self, environ: Mapping[str, Any], exc: BaseException) -> tuple[int, list, Iterable[bytes]]:
         """Answer a request that reached no endpoint: bottle's 404, 405 or 500."""
-        call, too_large = self.begin(environ, None)  # the size limit comes first (DESIGN.md §4), a 404's too
+        call, too_large = self.begin(environ, None)  # the size limit comes first, a 404's too (contract)
         error = too_large or exc
         if too_large is None and isinstance(exc, bottle.HTTPError):
             error = {404: not_found("path"), 405: MethodNotAllowed()}.get(
@@ -4545,7 +4545,7 @@ class HttpApi:
         return answer.status, answer.headers, _dropped(answer.body) if call.reply.drop else [answer.body]
 
     def settle(self, call: Call, answer: Answer | None, deferred: Deferred | None) -> Answer:
-        """The request's one write, at its end (DESIGN.md §10), as one unit of the write queue:
+        """The request's one write, at its end (docs/operations.md), as one unit of the write queue:
         its nonce record, a transfer's ledger rows (``deferred``, durable: answered only once
         its batch committed) and its journal entry. The answer is rendered again only when the
         nonce is refused (a replay that lost the race) or the write failed."""
@@ -4623,7 +4623,7 @@ class HttpApi:
 
     def read_body(self, environ: Mapping[str, Any]) -> bytes:
         """The request body, read once, exactly, within the size limit, which is
-        checked before anything else (DESIGN.md §4)."""
+        checked before anything else (docs/contract.md)."""
         length_text = environ.get("CONTENT_LENGTH") or ""
         chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
         if not chunked and length_text in ("", "0"):
@@ -4643,7 +4643,7 @@ class HttpApi:
         return body
 
     def call_api(self, call: Call, url_args: dict, handler: Callable) -> Any:
-        """SPEC.md's pipeline (steps 1-8), the fault rules, then the endpoint: a read's data, or
+        """the contract's pipeline (steps 1-8), the fault rules, then the endpoint: a read's data, or
         a write's Deferred, which runs inside the request's one write (``settle``)."""
         call.found.principal = self.auth.authenticate(call)
         self.check_scope(call)
@@ -4658,7 +4658,7 @@ class HttpApi:
     @staticmethod
     def check_scope(call: Call) -> None:
         """Step 8: the endpoint's scope. A path or method no endpoint declares is denied by
-        default (SPEC.md Scopes)."""
+        default (docs/contract.md, Scopes)."""
         scope = call.request.endpoint.scope
         method = call.request.environ["REQUEST_METHOD"]
         if scope is None or method != call.request.endpoint.method:  # deny by default, saying what is there
@@ -4866,7 +4866,7 @@ _SCENARIO_RULES = (("id", "the fixed ids of one scenario differ from each other"
 ###############################################################################
 
 class WalletApi:
-    """Handlers of the nine endpoints of SPEC.md, and of the public ``/healthz`` and ``/openapi.json``.
+    """Handlers of the contract's nine endpoints, and of the public ``/healthz`` and ``/openapi.json``.
 
     Each is declared with ``@endpoint`` and is one call of the service.
     """
@@ -4965,7 +4965,7 @@ class WalletApi:
         return openapi_document(self.http.endpoints, f"{environ.get('wsgi.url_scheme', 'http')}://{host}{prefix}")
 
 
-# Deny by default (SPEC.md Scopes): anything else under /api/ answers 50090201
+# Deny by default (docs/contract.md, Scopes): anything else under /api/ answers 50090201
 # once the request has authenticated.
 _UNDECLARED = Endpoint("ANY", "/api<rest:re:(/.*)?>", "", None, name="undeclared")
 
@@ -5576,7 +5576,7 @@ print(walletsvc.Client().list_wallets())
 """
 
 
-# waitress's settings for `walletsvc serve` (DESIGN.md §10), each against one attack.
+# waitress's settings for `walletsvc serve` (docs/operations.md), each against one attack.
 WAITRESS_LIMITS = {
     # Idle and slow-sending (slowloris) connections are read by waitress's event loop, not by
     # worker threads: with room for a thousand of them, none keeps a fresh client out.
@@ -5612,7 +5612,7 @@ MAX_SLEEPERS = 256  # threads a process starts beside requests that a latency ru
 
 def _control_dispatcher(threads: int) -> Any:
     """waitress's task dispatcher, with CONTROL_THREADS threads kept for /healthz and /_admin/**
-    (DESIGN.md §10): requests that a latency fault rule or a held lock keep waiting occupy the
+    (docs/operations.md): requests that a latency fault rule or a held lock keep waiting occupy the
     ``threads`` workers, never these. waitress hands its dispatcher a channel per request."""
     from waitress.task import ThreadedTaskDispatcher
 
@@ -5664,7 +5664,7 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
     """Serve ``svc`` on waitress until interrupted (Ctrl-C or SIGTERM), with WAITRESS_LIMITS.
 
     ``workers`` > 1 forks that many processes serving one listening socket and one database
-    (DESIGN.md §10): one sandbox, since everything it is lives in the database."""
+    (docs/operations.md): one sandbox, since everything it is lives in the database."""
     import socket
 
     if threads < 1 or workers < 1:
@@ -5743,7 +5743,7 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
 
 def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
     """A waitress ``server`` whose own answers to what it cannot parse (a malformed header, a body or
-    headers over its limits), which never reach the app, are the error envelope too (DESIGN.md §4),
+    headers over its limits), which never reach the app, are the error envelope too (docs/contract.md),
     not waitress's text: S413 for a body over its limit (saying the app's ``limit``, not the size
     waitress buffers), S012 otherwise, with waitress's status."""
     from waitress.channel import HTTPChannel
@@ -6081,7 +6081,7 @@ def _table(value: Any) -> str:
 
 
 def _existing(path: str) -> str:
-    """``path``, when a database is there: a command that only reads never makes one (DESIGN.md §9)."""
+    """``path``, when a database is there: a command that only reads never makes one (docs/sandbox.md)."""
     if path != ":memory:" and not os.path.exists(path):
         raise RuntimeError(f"no database at {path} (this command only reads, so it makes none): check --db or"
                            " $WALLETSVC_DB")
@@ -6410,7 +6410,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="check every ledger invariant; exit status 1 on a violation")
     audit.set_defaults(run=_audit_command)
 
-    reset = _leaf(commands, "reset", common, "erase every row of the database",
+    reset = _leaf(commands, "reset", common,
+                  "return the sandbox to its starting state (empty when none was saved), in one transaction",
                   lambda svc, a: svc.reset() or {"reset": a.db})
     reset.add_argument("--yes", action="store_true", required=True, help="confirm")
 
@@ -6707,8 +6708,8 @@ document.getElementById("clock-set").addEventListener("submit", event => {
   act("POST", "clock", {at}, `Clock set to ${at}.`);
 });
 document.getElementById("reset").addEventListener("click", () => {
-  if (!confirm("Reset erases every workspace, wallet, transfer, the journal and the fault rules, "
-               + "and returns the sandbox to its starting state. Reset?")) return;
+  if (!confirm("Reset returns the sandbox to its starting state: what was made since, the journal and "
+               + "the fault rules go. Reset?")) return;
   selectedWallet = openEntry = null;
   journal = [];
   journalPolls = 0;
