@@ -1585,6 +1585,11 @@ def test_the_settings_table_of_the_reference_lists_every_setting() -> None:
     assert sorted(name for name, _ in rows) == sorted(walletsvc.Settings.names())
     for name, layer in rows:
         assert walletsvc.Settings.names("http" if layer == "HTTP" else "service").count(name) == 1, name
+    for name, low, high in re.findall(r"^\| `(\w+)` \| \w+ \| [^|]* \| ([\d.,]+) to ([\d.,]+) \|", section,
+                                      flags=re.MULTILINE):  # each range the table states is the one refused
+        value = float(high.replace(",", "")) * 10 + 1
+        with pytest.raises(ValueError, match=f"from {re.escape(low)} to {re.escape(high)}"):
+            walletsvc.Settings().replace(**{name: value})
 
 
 ###############################################################################
