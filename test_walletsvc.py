@@ -5879,12 +5879,17 @@ def test_the_sandbox_page_shows_the_console_screenshots() -> None:
 
 
 def _trace_writers(svc: walletsvc.WalletService) -> dict[bool, list[str]]:
-    """The statements each write connection runs from now on, by durability (the one that syncs,
-    True, and the one that does not, False), each cut at its first parenthesis."""
+    """The writes each connection a batch of this thread writes through runs from now on, by
+    durability (the one that syncs, True, and the one that does not, False: the thread's own), each cut
+    at its first parenthesis; reads left out."""
     statements: dict[bool, list[str]] = {True: [], False: []}
+
+    def trace(durable: bool) -> Callable[[str], None]:
+        return lambda sql: None if sql.lstrip().startswith("SELECT") else statements[durable].append(
+            sql.split(" (")[0])
+
     for durable in (True, False):
-        svc.db.run(lambda conn, durable=durable: conn.set_trace_callback(
-            lambda sql: statements[durable].append(sql.split(" (")[0])), durable=durable)
+        svc.db.run(lambda conn, durable=durable: conn.set_trace_callback(trace(durable)), durable=durable)
         statements[durable].clear()
     return statements
 
