@@ -6332,6 +6332,35 @@ def test_under_load_with_two_workers_nothing_is_acknowledged_into_a_swapped_file
         conn.close()
 
 
+def test_a_database_is_never_made_through_a_dangling_symlink(tmp_path) -> None:
+    """Review: O_EXCL failed on a planted dangling symlink and SQLite then made the target, 0644."""
+    (tmp_path / "link.db").symlink_to(tmp_path / "target.db")
+    with pytest.raises(RuntimeError, match="symbolic link"):
+        walletsvc.WalletService(str(tmp_path / "link.db"))
+    assert not (tmp_path / "target.db").exists()
+
+
+def test_after_a_swap_no_new_connection_opens_the_file_put_there(tmp_path) -> None:
+    """Review: a connection opened after the file was replaced read the new file with this one's -wal.
+    Now no connection is opened on it: every use after the swap is S503."""
+    path = tmp_path / "swap.db"
+    svc = walletsvc.WalletService(str(path))
+    world_ = make_world(svc)
+    app = walletsvc.create_app(svc)
+    _replace(path)
+    answers = []
+
+    def read() -> None:  # a new thread: a new connection
+        client = walletsvc.Client(app, world_["key"]["apiKey"], world_["key"]["secret"])
+        answers.append(client.send("GET", "/api/v1/wallets")[2]["code"])
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    thread.join(10)
+    assert answers == ["S503"]
+    assert webtest.TestApp(app).get("/healthz", expect_errors=True).json["code"] == "S503"
+
+
 def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path) -> None:
     """docs/contract.md: writes waiting together run in one transaction, each in its own savepoint, and
     commit once; the one that raises gets its own exception and leaves nothing; the others commit."""

@@ -68,6 +68,7 @@ import base64
 import binascii
 import collections
 import contextlib
+import copy
 import dataclasses
 import datetime
 import decimal
@@ -1024,13 +1025,14 @@ class _Write:
     connection) that runs inside the batch's transaction, or ``solo`` (an ``atomic()`` block,
     run by its own thread alone); then its result or its own exception."""
 
-    __slots__ = ("done", "durable", "error", "result", "solo", "taken", "unit")
+    __slots__ = ("done", "durable", "error", "own_error", "result", "solo", "taken", "unit")
 
     def __init__(self, unit: Callable[[sqlite3.Connection], Any] | None, durable: bool) -> None:
         self.unit, self.durable, self.solo = unit, durable, unit is None
         self.taken = self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
+        self.own_error = False  # raised by its own unit (else: the batch's failure, shared)
 
 
 # Units one leader takes into one transaction: enough to share a commit among every request
@@ -1067,6 +1069,8 @@ class Database:
         self._writer_state()
         _DATABASES.add(self)
         if not self.memory:  # it holds API secrets: private from the start, and never made through a symlink
+            if os.path.islink(path) and not os.path.exists(path):
+                raise RuntimeError(f"{path} is a symbolic link to nothing: no database is made through it")
             with contextlib.suppress(OSError):  # (there already, or not makeable: SQLite says what is wrong)
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o600))
         deadline = time.monotonic() + busy_timeout
@@ -1077,7 +1081,8 @@ class Database:
                 break
             except sqlite3.OperationalError as exc:
                 self.close()
-                if not _is_busy(exc) or time.monotonic() > deadline:
+                # (busy, or another process upgraded the schema between our look and our lock: again)
+                if not (_is_busy(exc) or "no such table" in str(exc)) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
         if not self.memory:
@@ -1104,19 +1109,20 @@ class Database:
         and then lost. Checked inside every batch's lock, before its COMMIT."""
         if self._file is None:
             return
-        wal = self._identity(self.path + "-wal")
-        if self._wal is None and wal is not None:
-            self._wal = wal
-        if self._gone is None and (self._identity(self.path) != self._file or wal != self._wal):
+        wal, known = self._identity(self.path + "-wal"), self._wal
+        if known is None and wal is not None:
+            self._wal = known = wal
+        if self._gone is None and (self._identity(self.path) != self._file or wal != known):
             what = "file" if self._identity(self.path) != self._file else "file's -wal"
             self._gone = FileGone(f"The database {what} {self.path} was deleted or replaced while the server"
                                   " ran; nothing more is read from or written to it. Restart the server.")
         if self._gone is not None:
-            raise self._gone
+            raise copy.copy(self._gone)  # (one object raised again and again would pile up tracebacks)
 
     def _connect(self, uri_mode: str = "rw") -> sqlite3.Connection:
         target, uri = self.path, False
         if self._file is not None:  # made: a thread opening it later must not make a new empty file there
+            self.check_file()  # nor open another file put there (its -wal would be this one's)
             target, uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode={uri_mode}", True
         conn = sqlite3.connect(target, timeout=self.busy_timeout, isolation_level=None,
                                check_same_thread=False, uri=uri)
@@ -1171,7 +1177,7 @@ class Database:
                         self._shared = _Held(self._connect(), self._lock)
             return self._shared
         if self._gone is not None:  # (a new connection would open whatever file is at the path now)
-            raise self._gone
+            raise copy.copy(self._gone)
         local, pid = self._local, os.getpid()
         writing = getattr(local, "writing", None)
         if writing is not None:
@@ -1200,8 +1206,8 @@ class Database:
                     waiting.taken = True
                     batch.append(waiting)
             self._lead(batch)
-        if write.error is not None:
-            raise write.error
+        if write.error is not None:  # a batch's failure is each unit's: each raises a copy of its own
+            raise write.error if write.own_error else copy.copy(write.error)
         return write.result
 
     @contextlib.contextmanager
@@ -1235,13 +1241,20 @@ class Database:
             if os.getpid() != self._writer_pid:
                 raise RuntimeError("a database's writer is its process's: open the database anew after fork")
             self._queue.append(write)
-            while not write.done and self._queue[0] is not write:
-                left = deadline - time.monotonic()
-                if left <= 0 and not write.taken:
+            try:
+                while not write.done and self._queue[0] is not write:
+                    left = deadline - time.monotonic()
+                    if left <= 0 and not write.taken:
+                        raise LockTimeout("database is locked: the write waited its whole patience")
+                    self._turn.wait(left if left > 0 else 0.05)
+            except BaseException:  # (a timeout, or an interrupt of this thread): out of the queue if untaken
+                if not write.taken and write in self._queue:
                     self._queue.remove(write)
                     self._turn.notify_all()
-                    raise LockTimeout("database is locked: the write waited its whole patience")
-                self._turn.wait(left if left > 0 else 0.05)
+                    raise
+                while not write.done:  # taken into a batch: it is run and answered, whatever this thread does
+                    self._turn.wait(0.05)
+                raise
 
     def _lead(self, batch: list[_Write]) -> None:
         """Run a batch in one transaction and commit it once; every unit gets its outcome."""
@@ -1252,17 +1265,24 @@ class Database:
                         try:
                             write.result = self._run_one(conn, write.unit)
                         except Exception as exc:
-                            write.error = exc
+                            write.error, write.own_error = exc, True
                             if not conn.in_transaction:  # SQLite rolled the whole batch back (a full disk)
                                 raise
+                        if not conn.in_transaction:  # a unit that swallowed a failure of the transaction
+                            raise sqlite3.OperationalError("the batch's transaction was lost")
                     self._commit(conn)
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     raise
-        except BaseException as exc:  # noqa: BLE001 - nothing of the batch is kept: its failure is each unit's
+        except BaseException as exc:
+            interrupted = sqlite3.OperationalError("the batch was interrupted")
+            shared = exc if isinstance(exc, Exception) else interrupted
             for write in batch:
-                write.result, write.error = None, exc
+                write.result, write.error, write.own_error = None, shared, False
+            if not isinstance(exc, Exception):  # (an interrupt is the leader's own, raised after the turn)
+                self._pass_turn(batch)
+                raise
         self._pass_turn(batch)
 
     @staticmethod
@@ -1272,8 +1292,11 @@ class Database:
             result = unit(conn)
         except BaseException:
             if conn.in_transaction:
-                conn.execute("ROLLBACK TO unit")
-                conn.execute("RELEASE unit")
+                try:
+                    conn.execute("ROLLBACK TO unit")
+                    conn.execute("RELEASE unit")
+                except sqlite3.Error:  # the unit cannot be undone alone: nothing of the batch is kept
+                    conn.execute("ROLLBACK")
             raise
         conn.execute("RELEASE unit")
         return result
@@ -1300,8 +1323,9 @@ class Database:
 
     def _begin(self, durable: bool) -> sqlite3.Connection:
         """BEGIN IMMEDIATE on the write connection for this durability. Another process's
-        batch is waited for here, in steps of at most 2 ms rather than SQLite's busy handler's
-        steps of up to 100 ms, at most this thread's patience."""
+        batch is waited for here, in steps of 50 to 250 us rather than SQLite's busy handler's
+        steps of up to 100 ms (a few thousand tries a second, each a few us), at most this
+        thread's patience."""
         conn = self._writer(durable)
         deadline, pause = time.monotonic() + self._patience(), 0.00005
         while True:
