@@ -691,6 +691,23 @@ def _between(kind: type, minimum: float, maximum: float, *, optional: bool = Fal
     return convert
 
 
+def _whole_number(minimum: int, maximum: int, name: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number in [minimum, maximum], or a one-line error naming the range."""
+    def convert(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if name and not minimum <= number <= maximum:
+            raise argparse.ArgumentTypeError(f"{number} is not {name} ({minimum} to {maximum})")
+        if not minimum <= number:
+            raise argparse.ArgumentTypeError(f"{number}: must be at least {minimum}")
+        if not number <= maximum:
+            raise argparse.ArgumentTypeError(f"{number}: must be at most {maximum}")
+        return number
+    return convert
+
+
 def _boolean(value: Any) -> bool:
     if isinstance(value, str):
         if value.lower() in ("1", "true", "yes", "on"):
@@ -6295,23 +6312,6 @@ class _OneLineParser(argparse.ArgumentParser):
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: {message} (see {self.prog} --help)\n")
-
-
-def _whole_number(minimum: int, maximum: int, name: str = "") -> Callable[[str], int]:
-    """An argparse type: a whole number in [minimum, maximum], or a one-line error naming the range."""
-    def convert(text: str) -> int:
-        try:
-            number = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if name and not minimum <= number <= maximum:
-            raise argparse.ArgumentTypeError(f"{number} is not {name} ({minimum} to {maximum})")
-        if not minimum <= number:
-            raise argparse.ArgumentTypeError(f"{number}: must be at least {minimum}")
-        if not number <= maximum:
-            raise argparse.ArgumentTypeError(f"{number}: must be at most {maximum}")
-        return number
-    return convert
 
 
 def build_parser() -> argparse.ArgumentParser:
