@@ -59,8 +59,9 @@ CREATE INDEX IF NOT EXISTS api_keys_by_workspace ON api_keys (workspace_id, crea
 -- second it was signed in (its X-Timestamp), in the order recorded (seq). Records are kept
 -- exactly, whatever the clock does, up to a count (the newest 100,000 by default); past it
 -- the oldest are forgotten, and each forgotten record's key and second go to
--- nonces_forgotten: a request of that key signed in that second may be a replay and is
--- refused. api_key '*' stands for every key (spans kept by schema version 3). (Version 4.)
+-- nonces_forgotten, as runs of consecutive seconds: a request of that key signed in such a
+-- second may be a replay and is refused. api_key '*' stands for every key (spans kept by schema
+-- version 3). (Version 4.)
 CREATE TABLE IF NOT EXISTS nonce_records (
     seq      INTEGER PRIMARY KEY,
     api_key  TEXT NOT NULL,
@@ -70,9 +71,11 @@ CREATE TABLE IF NOT EXISTS nonce_records (
 );
 CREATE TABLE IF NOT EXISTS nonces_forgotten (
     api_key  TEXT NOT NULL,
-    ts       INTEGER NOT NULL,
-    PRIMARY KEY (api_key, ts)
-) WITHOUT ROWID;
+    lo       INTEGER NOT NULL,  -- a run of consecutive forgotten seconds, lo to hi; runs of a key
+    hi       INTEGER NOT NULL,  -- never overlap nor touch
+    CHECK (lo <= hi)
+);
+CREATE INDEX IF NOT EXISTS nonces_forgotten_by_key ON nonces_forgotten (api_key, lo);
 
 -- What controls the sandbox (docs/sandbox.md), shared by every process on this
 -- file: the clock (frozen at an epoch second, or real time plus an offset),

@@ -2798,7 +2798,10 @@ def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_p
                                                        timestamp=int(clock()))).json["success"]
     with svc.db.connection() as conn:
         kept = conn.execute("SELECT count(*) FROM nonce_records").fetchone()[0]
+        runs = conn.execute("SELECT lo, hi FROM nonces_forgotten WHERE api_key = ?",
+                            (key["apiKey"],)).fetchall()
     assert 1000 <= kept < 1000 + 256
+    assert [tuple(run) for run in runs] == [(first, first)]  # one row for the 700 of that second, exactly
     clock.now = first
     refused = app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"], timestamp=first),
                       expect_errors=True)
@@ -6597,6 +6600,31 @@ def test_a_captured_transfer_is_refused_after_the_clock_moves_forward_and_back(w
     fresh = app.get("/api/v1/wallets",
                     headers=_signed("GET", "/api/v1/wallets", key, secret, timestamp=NOW + 5))
     assert fresh.json["success"] is True  # a timestamp the purge did not cover passes
+
+
+def test_a_keys_forgotten_seconds_are_kept_as_runs_never_wider_than_what_was_forgotten(tmp_path,
+                                                                                       clock) -> None:
+    """Review: the forgotten seconds grew by a row per key per second. They are runs now: a key under
+    steady load leaves one, and a run never covers a second that held no forgotten record."""
+    svc = walletsvc.WalletService(str(tmp_path / "runs.db"), clock=clock)
+    world_ = make_world(svc)
+    app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
+    key = world_["key"]
+    first = int(clock())
+    for n in range(3000):
+        if n % 100 == 0 and n:
+            clock.advance(1 if n != 1000 else 2)  # one second skipped: no request was signed in it
+        app.get("/api/v1/wallets", headers=walletsvc.sign_request(
+            "GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"], timestamp=int(clock())))
+    with svc.db.connection() as conn:
+        runs = [tuple(run) for run in conn.execute(
+            "SELECT lo, hi FROM nonces_forgotten WHERE api_key = ? ORDER BY lo", (key["apiKey"],))]
+    assert runs[0] == (first, first + 9) and runs[1][0] == first + 11  # the gap of first + 10 is kept
+    for second, refused in ((first + 5, True), (first + 10, False), (first + 11, True)):
+        clock.now = second
+        answer = app.get("/api/v1/wallets", expect_errors=True, headers=walletsvc.sign_request(
+            "GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"], timestamp=second))
+        assert (answer.json["code"] == "GA2013") is refused, second
 
 
 def test_no_fresh_request_is_refused_after_the_clock_moves_and_returns(walletsvc_sandbox) -> None:

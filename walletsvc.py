@@ -985,8 +985,8 @@ UPDATE ledger_clock SET
 """
 
 # Run when a database of schema version 2 or 3 is upgraded: its nonce records move to
-# nonce_records (oldest first), and its forgotten spans (version 3) become forgotten seconds
-# of every key, each span's last 100,000 seconds at most.
+# nonce_records (oldest first), and its forgotten spans (version 3) become forgotten runs of
+# every key ('*').
 _NONCES_FROM_VERSION_3 = """
 INSERT OR IGNORE INTO nonce_records (api_key, nonce, ts)
     SELECT api_key, nonce, ts FROM nonces ORDER BY expires_at;
@@ -994,9 +994,7 @@ DROP TRIGGER IF EXISTS nonce_taken_over;
 DROP TABLE nonces;
 """
 _SPANS_FROM_VERSION_3 = """
-WITH RECURSIVE second (ts, hi) AS (SELECT max(lo, hi - 99999), hi FROM nonce_spans
-                                   UNION ALL SELECT ts + 1, hi FROM second WHERE ts < hi)
-INSERT OR IGNORE INTO nonces_forgotten (api_key, ts) SELECT '*', ts FROM second;
+INSERT INTO nonces_forgotten (api_key, lo, hi) SELECT '*', lo, hi FROM nonce_spans;
 DROP TABLE nonce_spans;
 """
 
@@ -1643,18 +1641,22 @@ class Nonces:
     refused for that key while its record is kept, at any time. Only past ``bound``
     records are the oldest forgotten, a few hundred at a time; each forgotten record
     leaves its key and second behind, and a request of that key signed in that very
-    second is refused (it may be a replay of the forgotten one). Nothing else names the
-    nonce tables.
+    second is refused (it may be a replay of the forgotten one). The forgotten seconds
+    of a key are kept as runs of consecutive seconds (lo, hi), so that a key under steady
+    load leaves one row, not one a second; a run never covers a second that held no
+    forgotten record. Nothing else names the nonce tables.
     """
 
     # What step 1's key lookup reads for step 5 (``k`` the key's row; :nonce, :stamp the request's).
-    LOOKUP = ("EXISTS (SELECT 1 FROM nonce_records WHERE api_key = k.id AND nonce = :nonce) AS nonce_used,"
-              " EXISTS (SELECT 1 FROM nonces_forgotten WHERE api_key IN (k.id, '*') AND ts = :stamp)"
-              " AS nonce_forgotten")
+    # A key's runs never overlap: the one that could hold :stamp is the last to start at or before it.
+    _FORGOTTEN = ("EXISTS (SELECT 1 FROM nonces_forgotten f WHERE f.api_key IN ({key}, '*') AND f.lo = ("
+                  "SELECT max(lo) FROM nonces_forgotten WHERE api_key = f.api_key AND lo <= :stamp)"
+                  " AND f.hi >= :stamp)")
+    LOOKUP = ("EXISTS (SELECT 1 FROM nonce_records WHERE api_key = k.id AND nonce = :nonce) AS nonce_used, "
+              + _FORGOTTEN.format(key="k.id") + " AS nonce_forgotten")
     # One statement, so that of two racing requests one wins; refused in a forgotten second.
     _RECORD = ("INSERT INTO nonce_records (api_key, nonce, ts) SELECT :api_key, :nonce, :stamp"
-               " WHERE NOT EXISTS (SELECT 1 FROM nonces_forgotten WHERE api_key IN (:api_key, '*')"
-               " AND ts = :stamp) ON CONFLICT (api_key, nonce) DO NOTHING")
+               f" WHERE NOT {_FORGOTTEN.format(key=':api_key')} ON CONFLICT (api_key, nonce) DO NOTHING")
     FORGET_EVERY = 256  # records between two forgettings (one DELETE of this many rows, ~0.3 ms)
 
     def __init__(self, bound: int) -> None:
@@ -1679,9 +1681,23 @@ class Nonces:
             raise _nonce_used()
         seq = cursor.lastrowid
         if seq > self.bound and seq % self.FORGET_EVERY == 0:
-            conn.execute("INSERT OR IGNORE INTO nonces_forgotten (api_key, ts)"
-                         " SELECT api_key, ts FROM nonce_records WHERE seq <= ?", (seq - self.bound,))
-            conn.execute("DELETE FROM nonce_records WHERE seq <= ?", (seq - self.bound,))
+            self._forget(conn, seq - self.bound)
+
+    @staticmethod
+    def _forget(conn: sqlite3.Connection, through: int) -> None:
+        """Forget the records up to seq ``through``, each key's seconds joined to its runs: a run
+        grows only by a second next to it, and two runs that come to touch become one."""
+        seconds = conn.execute("SELECT DISTINCT api_key, ts FROM nonce_records WHERE seq <= ?"
+                               " ORDER BY api_key, ts", (through,)).fetchall()
+        conn.execute("DELETE FROM nonce_records WHERE seq <= ?", (through,))
+        for api_key, ts in seconds:
+            touching = conn.execute("SELECT rowid, lo, hi FROM nonces_forgotten WHERE api_key = ?"
+                                    " AND lo <= ? AND hi >= ?", (api_key, ts + 1, ts - 1)).fetchall()
+            for rowid, _, _ in touching:
+                conn.execute("DELETE FROM nonces_forgotten WHERE rowid = ?", (rowid,))
+            lo = min([ts, *(row[1] for row in touching)])
+            hi = max([ts, *(row[2] for row in touching)])
+            conn.execute("INSERT INTO nonces_forgotten (api_key, lo, hi) VALUES (?, ?, ?)", (api_key, lo, hi))
 
     @staticmethod
     def clear(conn: sqlite3.Connection) -> None:
