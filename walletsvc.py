@@ -147,11 +147,63 @@ log = logging.getLogger("walletsvc")
 API_VERSION = "v1"
 SUCCESS_CODE = "2000"
 SCOPES = ("wallet:read", "transfer:read", "transfer:create")
-WALLET_STATUSES = ("ACTIVE", "FROZEN", "CLOSED")
-TRANSFER_STATUSES = ("PENDING", "COMPLETED", "FAILED")
-FLOW_TYPES = ("DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN")
-FLOW_DIRECTIONS = ("DEBIT", "CREDIT")
 LOCALES = ("en-US", "zh-CN")
+
+
+class WalletStatus(enum.StrEnum):
+    """A wallet's state: only an ACTIVE wallet moves money; CLOSED is final."""
+
+    ACTIVE = "ACTIVE"
+    FROZEN = "FROZEN"
+    CLOSED = "CLOSED"
+
+
+class TransferStatus(enum.StrEnum):
+    """A transfer order's state: PENDING until settled, then COMPLETED or FAILED."""
+
+    PENDING = "PENDING"
+    COMPLETED = "COMPLETED"
+    FAILED = "FAILED"
+
+
+class Direction(enum.StrEnum):
+    """Which way a flow moves its wallet's balance."""
+
+    DEBIT = "DEBIT"
+    CREDIT = "CREDIT"
+
+
+class FlowType(enum.StrEnum):
+    """A ledger entry's kind; each has one direction (``FlowType.direction``)."""
+
+    DEPOSIT = "DEPOSIT"
+    WITHDRAWAL = "WITHDRAWAL"
+    TRANSFER_OUT = "TRANSFER_OUT"
+    TRANSFER_IN = "TRANSFER_IN"
+
+    @property
+    def direction(self) -> Direction:
+        return Direction.CREDIT if self in (FlowType.DEPOSIT, FlowType.TRANSFER_IN) else Direction.DEBIT
+
+
+class Role(enum.StrEnum):
+    """A member's role: each workspace has one OWNER, made with it (named OWNER_NAME)."""
+
+    OWNER = "OWNER"
+    MEMBER = "MEMBER"
+
+
+class Settlement(enum.StrEnum):
+    """When a transfer's money moves (the ``settlement`` setting)."""
+
+    IMMEDIATE = "immediate"  # in the request: the order is COMPLETED
+    MANUAL = "manual"  # PENDING until complete_transfer or fail_transfer
+    DELAYED = "delayed"  # PENDING until settlement_delay has passed on the service clock
+
+
+WALLET_STATUSES, TRANSFER_STATUSES = tuple(WalletStatus), tuple(TransferStatus)
+FLOW_TYPES, FLOW_DIRECTIONS = tuple(FlowType), tuple(Direction)
+OWNER_NAME = "owner"  # the name of the member every workspace is made with
 
 
 class Surface(enum.StrEnum):
@@ -332,6 +384,18 @@ class IdSequence:
     @property
     def last(self) -> str:
         return new_id("", self.high, self.low) if self.high else ""
+
+
+class IdSource:
+    """Where a Ledger's write transactions get their ids: random ones, here. The sandbox's
+    ``SeededIds`` draws them from a seed kept in the database instead (docs/sandbox.md)."""
+
+    def start(self, conn: sqlite3.Connection, last_id: str, now_ms: int) -> IdSequence:
+        """The ids of one write transaction, sorting after ``last_id``, at ``now_ms``."""
+        return IdSequence(last_id, None, 0, now_ms)
+
+    def keep(self, conn: sqlite3.Connection, ids: IdSequence) -> None:
+        """Called before the transaction commits: note how far ``ids`` went (nothing to note here)."""
 
 
 # A JSON value's type, as a schema names it (bool is not a number in JSON).
@@ -784,7 +848,7 @@ class Settings:
     synchronous: str = _setting(
         "service", "FULL", _one_of("FULL", "NORMAL"), "SQLite synchronous pragma for file databases")
     settlement: str = _setting(
-        "service", "immediate", _one_of("immediate", "manual", "delayed"),
+        "service", Settlement.IMMEDIATE, _one_of(*Settlement),
         "immediate: orders are COMPLETED at once; manual: PENDING until completed or failed;"
         " delayed: PENDING for settlement_delay seconds of the service clock")
     settlement_delay: float = _setting(
@@ -1544,46 +1608,6 @@ def diagnose_signature(secret: str, environ: Mapping[str, Any], path: bytes, bod
     def message(path_: bytes = path, digest: str | None = None, tail: bytes = b"") -> bytes:
         return canonical_message(method, path_, timestamp, nonce, digest or body_hash(body)) + tail
 
-    candidates: list[tuple[bytes, str, str, str]] = []  # (message, secret, mistake, mistake in Chinese)
-    query = environ.get("QUERY_STRING", "")
-    if query:
-        candidates.append((message(path_=path + b"?" + query.encode("latin-1", "replace")), secret,
-                           "the query string was signed (sign the path only)",
-                           "签名包含了查询字符串（只签名路径）"))
-    cuts = [match.start() for _, match in zip(range(8), re.finditer(rb"(?<!^)/", path))]  # prefixes are short
-    for cut in cuts:
-        candidates.append((message(path_=path[cut:]), secret,
-                           (f"the mount prefix {path[:cut].decode('latin-1')!r}"
-                            " was left out of the signed path"),
-                           f"签名路径缺少挂载前缀 {path[:cut].decode('latin-1')!r}"))
-    if body:
-        candidates.append((message(digest=EMPTY_BODY_HASH), secret,
-                           "the empty-body hash was signed on a request with a body",
-                           "有请求体的请求签名了空请求体的哈希"))
-        with contextlib.suppress(ValueError, UnicodeDecodeError, RecursionError):
-            document = json.loads(body)
-            for dumped in {json.dumps(document), json.dumps(document, separators=(",", ":")),
-                           json.dumps(document, sort_keys=True), json.dumps(document, ensure_ascii=False)}:
-                if dumped.encode("utf-8") != body:
-                    candidates.append((message(digest=body_hash(dumped.encode("utf-8"))), secret,
-                                       "the body was re-serialised after hashing (sign the exact bytes sent)",
-                                       "哈希之后请求体被重新序列化（请对发送的原始字节签名）"))
-    candidates.append((message(tail=b"\n"), secret, "the canonical message ended with a line feed",
-                       "规范消息末尾多了换行符"))
-    candidates.append((method.lower().encode("latin-1") + message()[len(method):], secret,
-                       "the method was signed in lower case",
-                       "方法名以小写签名"))
-    if not (environ.get("REQUEST_URI") or environ.get("RAW_URI")):  # a server that gives no raw path
-        over = urllib.parse.quote(urllib.parse.unquote_to_bytes(path), safe="/").encode("ascii")
-        if over != path:
-            candidates.append((message(path_=over), secret,
-                               ("the path was percent-encoded where this server cannot see the encoding;"
-                                " send it as RFC 3986 requires"),
-                               "路径中做了百分号编码，而此服务器看不到该编码；请按 RFC 3986 的要求发送路径"))
-    for padded in (secret + "\n", secret + " ", " " + secret, secret.strip()):
-        if padded != secret:
-            candidates.append((message(), padded, "the secret was used with surrounding whitespace",
-                               "使用的密钥带有首尾空白"))
     given = provided.strip()
     correct = hmac.digest(secret.encode("utf-8"), message(), "sha256")
     if hmac.compare_digest(given.lower().encode("latin-1", "replace"), correct.hex().encode()):
@@ -1592,19 +1616,74 @@ def diagnose_signature(secret: str, environ: Mapping[str, Any], path: bytes, bod
         decoded = binascii.a2b_base64(given.encode("ascii"))
     except (UnicodeEncodeError, binascii.Error, ValueError):
         return None
-    for candidate, key, english, chinese in candidates:
+    for candidate, key, english, chinese in _signing_mistakes(message, secret, environ, path, body):
         if hmac.compare_digest(hmac.digest(key.encode("utf-8"), candidate, "sha256"), decoded):
             return english, chinese
-    # The header in seconds, the signed message in milliseconds: any of the second's thousand, from
-    # the key's pads absorbed once (measured: 1.2 ms for the thousand, 4.5 ms with hmac.digest).
+    if _signed_in_milliseconds(secret, method, path, body, timestamp, nonce, decoded):
+        return ("the timestamp was signed in milliseconds (sign X-Timestamp as sent: epoch seconds)",
+                "签名使用了毫秒时间戳（请按发送的 X-Timestamp 签名：秒级时间戳）")
+    return None
+
+
+def _signing_mistakes(message: Callable[..., bytes], secret: str, environ: Mapping[str, Any], path: bytes,
+                      body: bytes) -> Iterator[tuple[bytes, str, str, str]]:
+    """Each mistake's (message, secret, mistake, mistake in Chinese), as a client who made it signs."""
+    method = environ["REQUEST_METHOD"]
+    query = environ.get("QUERY_STRING", "")
+    if query:
+        yield (message(path_=path + b"?" + query.encode("latin-1", "replace")), secret,
+               "the query string was signed (sign the path only)", "签名包含了查询字符串（只签名路径）")
+    cuts = [match.start() for _, match in zip(range(8), re.finditer(rb"(?<!^)/", path))]  # prefixes are short
+    for cut in cuts:
+        yield (message(path_=path[cut:]), secret,
+               f"the mount prefix {path[:cut].decode('latin-1')!r} was left out of the signed path",
+               f"签名路径缺少挂载前缀 {path[:cut].decode('latin-1')!r}")
+    if body:
+        yield from _body_mistakes(message, secret, body)
+    yield (message(tail=b"\n"), secret, "the canonical message ended with a line feed",
+           "规范消息末尾多了换行符")
+    yield (method.lower().encode("latin-1") + message()[len(method):], secret,
+           "the method was signed in lower case", "方法名以小写签名")
+    if not (environ.get("REQUEST_URI") or environ.get("RAW_URI")):  # a server that gives no raw path
+        over = urllib.parse.quote(urllib.parse.unquote_to_bytes(path), safe="/").encode("ascii")
+        if over != path:
+            yield (message(path_=over), secret,
+                   ("the path was percent-encoded where this server cannot see the encoding;"
+                    " send it as RFC 3986 requires"),
+                   "路径中做了百分号编码，而此服务器看不到该编码；请按 RFC 3986 的要求发送路径")
+    for padded in (secret + "\n", secret + " ", " " + secret, secret.strip()):
+        if padded != secret:
+            yield (message(), padded, "the secret was used with surrounding whitespace",
+                   "使用的密钥带有首尾空白")
+
+
+def _body_mistakes(message: Callable[..., bytes], secret: str,
+                   body: bytes) -> Iterator[tuple[bytes, str, str, str]]:
+    """The mistakes of a request with a body: the empty body's hash, or the body re-serialised."""
+    yield (message(digest=EMPTY_BODY_HASH), secret, "the empty-body hash was signed on a request with a body",
+           "有请求体的请求签名了空请求体的哈希")
+    try:
+        document = json.loads(body)
+    except (ValueError, UnicodeDecodeError, RecursionError):
+        return
+    for dumped in {json.dumps(document), json.dumps(document, separators=(",", ":")),
+                   json.dumps(document, sort_keys=True), json.dumps(document, ensure_ascii=False)}:
+        if dumped.encode("utf-8") != body:
+            yield (message(digest=body_hash(dumped.encode("utf-8"))), secret,
+                   "the body was re-serialised after hashing (sign the exact bytes sent)",
+                   "哈希之后请求体被重新序列化（请对发送的原始字节签名）")
+
+
+def _signed_in_milliseconds(secret: str, method: str, path: bytes, body: bytes, timestamp: str, nonce: str,
+                            decoded: bytes) -> bool:
+    """Whether the header says seconds and the signed message one of that second's thousand
+    milliseconds: from the key's pads absorbed once (measured: 1.2 ms for the thousand, 4.5 ms with
+    hmac.digest)."""
     inner, outer = _hmac_pads(secret.encode("utf-8"))
     inner.update(f"{method}\n".encode("latin-1") + path + b"\n")  # once, however long the path
     tail = f"\n{nonce}\n{body_hash(body)}".encode("ascii")
-    for millis in range(int(timestamp) * 1000, int(timestamp) * 1000 + 1000):
-        if hmac.compare_digest(_hmac_finish(inner, outer, str(millis).encode("ascii") + tail), decoded):
-            return ("the timestamp was signed in milliseconds (sign X-Timestamp as sent: epoch seconds)",
-                    "签名使用了毫秒时间戳（请按发送的 X-Timestamp 签名：秒级时间戳）")
-    return None
+    return any(hmac.compare_digest(_hmac_finish(inner, outer, str(millis).encode("ascii") + tail), decoded)
+               for millis in range(int(timestamp) * 1000, int(timestamp) * 1000 + 1000))
 
 
 def _hmac_pads(key: bytes) -> tuple[Any, Any]:
@@ -1944,7 +2023,7 @@ def transfer_resource(row: sqlite3.Row) -> dict:
 
 def completion_resource(row: sqlite3.Row) -> dict:
     return {"bizId": row["biz_id"], "transferId": row["id"], "status": row["status"],
-            "completed": row["status"] == "COMPLETED"}
+            "completed": row["status"] == TransferStatus.COMPLETED}
 
 
 ###############################################################################
@@ -2027,7 +2106,7 @@ FLOW_SORTS = {"createdAt": "created_at", "amount": "amount", "type": "type"}
 MAGIC_DECLINED_AMOUNT = "666.66"  # with magic_values: always T2001
 MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
 _WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
-                     " AND m.role = 'OWNER' ORDER BY created_at LIMIT 1) AS owner_member_id"
+                     f" AND m.role = '{Role.OWNER}' ORDER BY created_at LIMIT 1) AS owner_member_id"
                      " FROM workspaces w")
 _THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径", "fault rule": "故障规则",
               "world": "世界（场景实例）"}
@@ -2081,6 +2160,20 @@ def ip_whitelist_entries(value: Any, field: str = "ipWhitelist") -> list[str]:
     return list(dict.fromkeys(kept))
 
 
+def api_key_scopes(value: Any, field: str = "scopes") -> list[str]:
+    """A key's scopes as stored: each one of SCOPES, at least one, each once; S012 naming the
+    first that is not."""
+    scopes = [value] if isinstance(value, str) else value
+    if not isinstance(scopes, list | tuple):
+        raise invalid(field, "array")
+    for scope in scopes:
+        if scope not in SCOPES:
+            raise invalid(field, "scope", value=str(scope)[:40], choices=", ".join(SCOPES))
+    if not scopes:
+        raise invalid(field, "required")
+    return list(dict.fromkeys(scopes))
+
+
 class Ledger:
     """The service without the sandbox: workspaces, members, keys, wallets, the ledger
     and transfers over one SQLite database (WalletService adds the sandbox's state).
@@ -2091,21 +2184,18 @@ class Ledger:
     """
 
     def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
-                 clock: Callable[[], float] | None = None, **setting_values: Any) -> None:
+                 clock: Callable[[], float] | None = None, ids: IdSource | None = None,
+                 **setting_values: Any) -> None:
         settings = settings or Settings()
         self.settings = settings.replace("service", **setting_values) if setting_values else settings
         self.clock = clock or time.time
+        self.ids = ids or IdSource()
         self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
         self._tx = threading.local()  # the id sequence of this thread's write transaction
 
     def now_ms(self) -> int:
         """The service clock, in epoch milliseconds."""
         return int(self.clock() * 1000)
-
-    def clock_at(self, frozen_at: float | None, offset: float) -> float:
-        """The service clock, given the sandbox's clock state as read from the database
-        (in a query that needed reading anyway); WalletService reads a bound Clock from it."""
-        return self.clock()
 
     def new_id(self, prefix: str, now_ms: int) -> str:
         """A fresh id, made inside ``writing()``: it sorts after every id committed before
@@ -2123,26 +2213,22 @@ class Ledger:
         The time is the service clock read inside the transaction, never before
         the last write's in this database (whatever the clock or the number of
         processes says), so the ledger reads in commit order. The last write's
-        time and id live in the database's ``ledger_clock`` row, the id seed and
-        how far it was drawn in ``sandbox``. Nested use joins the outer one.
+        time and id live in the database's ``ledger_clock`` row; the ids come
+        from ``self.ids``. Nested use joins the outer one.
         """
         with self.db.atomic() as conn:
             ids = getattr(self._tx, "ids", None)
             if ids is not None:
                 yield conn, ids.now
                 return
-            last_ms, last_id, frozen_at, offset, seed, drawn = conn.execute(
-                "SELECT l.last_ms, l.last_id, s.clock_frozen_at, s.clock_offset, s.id_seed, s.id_drawn"
-                "  FROM ledger_clock l, sandbox s").fetchone()
-            self._tx.ids = ids = IdSequence(last_id, seed, drawn,
-                                            max(int(self.clock_at(frozen_at, offset) * 1000), last_ms))
+            last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
+            self._tx.ids = ids = self.ids.start(conn, last_id, max(self.now_ms(), last_ms))
             try:
                 yield conn, ids.now
             finally:
                 self._tx.ids = None
             conn.execute("UPDATE ledger_clock SET last_ms = ?, last_id = ?", (ids.now, ids.last))
-            if ids.drawn != drawn:
-                conn.execute("UPDATE sandbox SET id_drawn = ?", (ids.drawn,))
+            self.ids.keep(conn, ids)
 
     def close(self) -> None:
         """Close this thread's database connection."""
@@ -2152,14 +2238,18 @@ class Ledger:
 
     def create_workspace(self, name: str) -> dict:
         """A workspace with its default owner member (``ownerMemberId``)."""
-        name = _text(name, "name", 200)
+        name = _text(name, "name", NAME_MAX)
         with self.writing() as (conn, now):
-            workspace_id, owner_id = self.new_id("ws_", now), self.new_id("mem_", now)
-            conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
-                         (workspace_id, name, now))
-            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
-                         " VALUES (?, ?, 'owner', 'OWNER', ?)", (owner_id, workspace_id, now))
+            workspace_id, _ = self._insert_workspace(conn, now, name)
         return self.get_workspace(workspace_id)
+
+    def _insert_workspace(self, conn: sqlite3.Connection, now: int, name: str,
+                          workspace_id: str | None = None) -> tuple[str, str]:
+        """The one INSERT of a workspace (``name`` checked), with its owner member: their ids."""
+        workspace_id = workspace_id or self.new_id("ws_", now)
+        conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
+                     (workspace_id, name, now))
+        return workspace_id, self._insert_member(conn, now, workspace_id, OWNER_NAME, Role.OWNER)
 
     def get_workspace(self, workspace_id: str) -> dict:
         """The workspace; GA2032 once deleted."""
@@ -2181,13 +2271,19 @@ class Ledger:
 
     def add_member(self, workspace_id: str, name: str) -> dict:
         """A MEMBER of the workspace; keys can be issued to it (``create_api_key(member_id=...)``)."""
-        name = _text(name, "name", 200)
+        name = _text(name, "name", NAME_MAX)
         with self.writing() as (conn, now):
-            member_id = self.new_id("mem_", now)
             self._workspace(conn, workspace_id)
-            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
-                         " VALUES (?, ?, ?, 'MEMBER', ?)", (member_id, workspace_id, name, now))
+            member_id = self._insert_member(conn, now, workspace_id, name, Role.MEMBER)
             return member_resource(self._member(conn, workspace_id, member_id))
+
+    def _insert_member(self, conn: sqlite3.Connection, now: int, workspace_id: str, name: str, role: Role,
+                       member_id: str | None = None) -> str:
+        """The one INSERT of a member (``name`` checked); its id."""
+        member_id = member_id or self.new_id("mem_", now)
+        conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, ?, ?, ?)",
+                     (member_id, workspace_id, name, role, now))
+        return member_id
 
     def list_members(self, workspace_id: str) -> list[dict]:
         """The workspace's members, oldest first (removed ones left out)."""
@@ -2207,26 +2303,26 @@ class Ledger:
                        member_id: str | None = None,
                        ip_whitelist: Iterable[str] | None = None) -> dict:
         """A key with its ``secret``: the only time the secret is returned."""
-        scopes = [scopes] if isinstance(scopes, str) else list(scopes)
-        for scope in scopes:
-            if scope not in SCOPES:
-                raise invalid("scopes", "scope", value=str(scope)[:40], choices=", ".join(SCOPES))
-        if not scopes:
-            raise invalid("scopes", "required")
+        scopes = api_key_scopes(scopes)
         whitelist = None if ip_whitelist is None else ip_whitelist_entries(ip_whitelist)
         with self.writing() as (conn, now):
-            key_id, secret = self.new_id("ak_", now), self.new_secret()
-            self._workspace(conn, workspace_id)
-            if member_id is None:
-                member_id = self._workspace(conn, workspace_id)["owner_member_id"]
-            self._member(conn, workspace_id, member_id)
-            conn.execute(
-                "INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
-                " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                (key_id, secret, workspace_id, member_id, " ".join(dict.fromkeys(scopes)),
-                 json.dumps(whitelist) if whitelist is not None else None, now))
+            workspace = self._workspace(conn, workspace_id)
+            self._member(conn, workspace_id, member_id or workspace["owner_member_id"])
+            key_id = self._insert_api_key(conn, now, workspace_id, member_id or workspace["owner_member_id"],
+                                          scopes, whitelist)
             row = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
-        return {**api_key_resource(row), "secret": secret}
+        return {**api_key_resource(row), "secret": row["secret"]}
+
+    def _insert_api_key(self, conn: sqlite3.Connection, now: int, workspace_id: str, member_id: str,
+                        scopes: list[str], whitelist: list[str] | None, key_id: str | None = None,
+                        secret: str | None = None) -> str:
+        """The one INSERT of a key (``api_key_scopes`` and ``ip_whitelist_entries`` applied); its id."""
+        key_id = key_id or self.new_id("ak_", now)
+        conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
+                     " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                     (key_id, secret or self.new_secret(), workspace_id, member_id, " ".join(scopes),
+                      None if whitelist is None else json.dumps(whitelist), now))
+        return key_id
 
     def list_api_keys(self, workspace_id: str) -> list[dict]:
         """The workspace's keys, oldest first, without their secrets."""
@@ -2246,21 +2342,27 @@ class Ledger:
     def create_wallet(self, workspace_id: str, currency: str, *, name: str | None = None) -> dict:
         """An ACTIVE wallet in an ISO 4217 ``currency``, balance zero."""
         currency_exponent(currency)
-        name = _text(f"{currency} wallet" if name is None else name, "name", 200, minimum=0)
+        name = _text(f"{currency} wallet" if name is None else name, "name", NAME_MAX, minimum=0)
         with self.writing() as (conn, now):
-            wallet_id = self.new_id("wal_", now)
             self._workspace(conn, workspace_id)
-            conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
-                         " updated_at) VALUES (?, ?, ?, ?, 'ACTIVE', ?, ?)",
-                         (wallet_id, workspace_id, name, currency, now, now))
+            wallet_id = self._insert_wallet(conn, now, workspace_id, currency, name)
             return wallet_resource(self._wallet(conn, wallet_id))
+
+    def _insert_wallet(self, conn: sqlite3.Connection, now: int, workspace_id: str, currency: str, name: str,
+                       wallet_id: str | None = None) -> str:
+        """The one INSERT of a wallet (``currency`` and ``name`` checked), ACTIVE; its id."""
+        wallet_id = wallet_id or self.new_id("wal_", now)
+        conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at, updated_at)"
+                     " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                     (wallet_id, workspace_id, name, currency, WalletStatus.ACTIVE, now, now))
+        return wallet_id
 
     def set_wallet_status(self, wallet_id: str, status: str) -> dict:
         """ACTIVE, FROZEN or CLOSED; only ACTIVE wallets move money (else W1002)."""
         if status not in WALLET_STATUSES:
             raise invalid("status", "one_of", choices=", ".join(WALLET_STATUSES))
         with self.writing() as (conn, now):
-            if self._wallet(conn, wallet_id)["status"] == "CLOSED" and status != "CLOSED":
+            if WalletStatus.CLOSED == self._wallet(conn, wallet_id)["status"] != status:
                 raise invalid("status", "closed")
             conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
                          (status, now, wallet_id))
@@ -2298,19 +2400,19 @@ class Ledger:
 
     def deposit(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
         """Money enters from outside; returns the DEPOSIT flow."""
-        return self._external_move(wallet_id, amount, "DEPOSIT", workspace_id)
+        return self._external_move(wallet_id, amount, FlowType.DEPOSIT, workspace_id)
 
     def withdraw(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
         """Money leaves; never below the available balance (T2001); returns the flow."""
-        return self._external_move(wallet_id, amount, "WITHDRAWAL", workspace_id)
+        return self._external_move(wallet_id, amount, FlowType.WITHDRAWAL, workspace_id)
 
-    def _external_move(self, wallet_id: str, amount: str, flow_type: str,
+    def _external_move(self, wallet_id: str, amount: str, flow_type: FlowType,
                        workspace_id: str | None) -> dict:
         self.settle_due()
         with self.writing() as (conn, now):
             wallet = self._active_wallet(conn, wallet_id, workspace_id)
             minor = parse_amount(amount, wallet["currency"])
-            if flow_type == "DEPOSIT":
+            if flow_type == FlowType.DEPOSIT:
                 if wallet["balance"] + minor > MAX_MINOR_UNITS:
                     raise invalid("amount", "too_large")
                 balance = self._add_to_balance(conn, wallet_id, wallet["balance"], minor, now)
@@ -2386,17 +2488,18 @@ class Ledger:
             mode = self.settings.settlement
             # Due on the service clock, from its own reading now (docs/contract.md): not from the ledger's
             # time, which a clock moved back and forth before may have left ahead.
-            settle_at = self.now_ms() + int(self.settings.settlement_delay * 1000) if mode == "delayed" \
-                else None
+            settle_at = self.now_ms() + int(self.settings.settlement_delay * 1000) \
+                if mode == Settlement.DELAYED else None
             row = {"id": transfer_id, "workspace_id": workspace_id,
                    "biz_id": request["biz_id"] or transfer_id,
                    "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
                    "currency": request["currency"],
-                   "status": "COMPLETED" if mode == "immediate" else "PENDING",
+                   "status": TransferStatus.COMPLETED if mode == Settlement.IMMEDIATE
+                   else TransferStatus.PENDING,
                    "description": request["description"], "created_at": now, "updated_at": now,
-                   "completed_at": now if mode == "immediate" else None, "settle_at": settle_at}
+                   "completed_at": now if mode == Settlement.IMMEDIATE else None, "settle_at": settle_at}
             conn.execute(_INSERT_TRANSFER, row)
-            if mode == "immediate":
+            if mode == Settlement.IMMEDIATE:
                 self._move(conn, row, now, source["balance"], target["balance"])
             else:
                 self._hold(conn, source["id"], amount, now)
@@ -2437,13 +2540,14 @@ class Ledger:
         flow per wallet; FAILED releases the hold. Nothing else changes state."""
         order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
         self._hold(conn, order["source_wallet_id"], -order["amount"], now)
-        if status == "COMPLETED":
+        if status == TransferStatus.COMPLETED:
             source, target = (conn.execute("SELECT balance FROM wallets WHERE id = ?",
                                            (wallet_id,)).fetchone()[0]
                               for wallet_id in (order["source_wallet_id"], order["target_wallet_id"]))
             self._move(conn, order, now, source, target)
         conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?, settle_at = NULL"
-                     " WHERE id = ?", (status, now, now if status == "COMPLETED" else None, transfer_id))
+                     " WHERE id = ?",
+                     (status, now, now if status == TransferStatus.COMPLETED else None, transfer_id))
         return conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
 
     def _move(self, conn: sqlite3.Connection, order: Mapping[str, Any], now: int, source_balance: int,
@@ -2453,18 +2557,18 @@ class Ledger:
         amount, source_id, target_id = order["amount"], order["source_wallet_id"], order["target_wallet_id"]
         source_balance = self._add_to_balance(conn, source_id, source_balance, -amount, now)
         target_balance = self._add_to_balance(conn, target_id, target_balance, amount, now)
-        self._write_flow(conn, source_id, "TRANSFER_OUT", amount, source_balance, now,
+        self._write_flow(conn, source_id, FlowType.TRANSFER_OUT, amount, source_balance, now,
                          order["id"], order["biz_id"], target_id)
-        self._write_flow(conn, target_id, "TRANSFER_IN", amount, target_balance, now,
+        self._write_flow(conn, target_id, FlowType.TRANSFER_IN, amount, target_balance, now,
                          order["id"], order["biz_id"], source_id)
 
     def complete_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
         """Complete a PENDING order (manual or delayed settlement): the money moves."""
-        return self._decide(biz_id, workspace_id, "COMPLETED")
+        return self._decide(biz_id, workspace_id, TransferStatus.COMPLETED)
 
     def fail_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
         """Fail a PENDING order: the held amount is released, no money moves."""
-        return self._decide(biz_id, workspace_id, "FAILED")
+        return self._decide(biz_id, workspace_id, TransferStatus.FAILED)
 
     def _decide(self, biz_id: str, workspace_id: str | None, status: str) -> dict:
         with self.writing() as (conn, now):
@@ -2478,7 +2582,7 @@ class Ledger:
                 if not rows:
                     raise TransferNotFound(biz_id=str(biz_id)[:64])
                 order = rows[0]
-            if order["status"] != "PENDING":
+            if order["status"] != TransferStatus.PENDING:
                 raise invalid("bizId", "state", state=order["status"])
             return transfer_resource(self._finish(conn, order["id"], status, now))
 
@@ -2487,7 +2591,7 @@ class Ledger:
 
         Called before every read and write, so the clock alone drives them.
         """
-        if self.settings.settlement != "delayed":
+        if self.settings.settlement != Settlement.DELAYED:
             return 0
         now = self.now_ms()
         with self.db.connection() as conn:
@@ -2495,10 +2599,10 @@ class Ledger:
                             (now,)).fetchone() is None:
                 return 0
         with self.writing() as (conn, ledger_now):
-            due = conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = 'PENDING'",
-                               (now,)).fetchall()
+            due = conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = ?",
+                               (now, TransferStatus.PENDING)).fetchall()
             for row in due:
-                self._finish(conn, row["id"], "COMPLETED", ledger_now)
+                self._finish(conn, row["id"], TransferStatus.COMPLETED, ledger_now)
         return len(due)
 
     def get_transfer(self, workspace_id: str, biz_id: str) -> dict:
@@ -2619,7 +2723,7 @@ class Ledger:
     def _active_wallet(self, conn: sqlite3.Connection, wallet_id: str,
                        workspace_id: str | None) -> sqlite3.Row:
         row = self._wallet(conn, wallet_id, workspace_id)
-        if row["status"] != "ACTIVE":
+        if row["status"] != WalletStatus.ACTIVE:
             raise WalletNotActive(wallet_id=wallet_id, state=row["status"])
         return row
 
@@ -2645,16 +2749,15 @@ class Ledger:
                      (delta, now, wallet_id))
         return balance + delta
 
-    def _write_flow(self, conn: sqlite3.Connection, wallet_id: str, flow_type: str, amount: int,
+    def _write_flow(self, conn: sqlite3.Connection, wallet_id: str, flow_type: FlowType, amount: int,
                     balance_after: int, now: int, transfer_id: str | None = None,
                     biz_id: str | None = None, counterparty: str | None = None) -> str:
         """One flow; its id."""
         flow_id = self.new_id("fl_", now)
-        direction = "CREDIT" if flow_type in ("DEPOSIT", "TRANSFER_IN") else "DEBIT"
         conn.execute(
             "INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after, transfer_id,"
             " biz_id, counterparty_wallet_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (flow_id, wallet_id, flow_type, direction, amount, balance_after, transfer_id, biz_id,
+            (flow_id, wallet_id, flow_type, flow_type.direction, amount, balance_after, transfer_id, biz_id,
              counterparty, now))
         return flow_id
 
@@ -2973,27 +3076,26 @@ def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> l
     if path is not None and not fnmatch.fnmatchcase(request["path"], path):
         misses.append(f"path is {request['path']}")
     if criteria.get("query"):
-        received = parse_query_string(request.get("query") or "")
-        for name, value in criteria["query"].items():
-            got = (received.get(name) or [None])[0]
-            if got != str(value):
-                misses.append(f"query {name} is {got!r}")
+        query = {name: values[0] for name, values in parse_query_string(request.get("query") or "").items()}
+        misses += [f"query {name} is {query.get(name)!r}" for name, value in criteria["query"].items()
+                   if query.get(name) != str(value)]
     if criteria.get("headers"):
-        received = {name.lower(): value for name, value in (request.get("headers") or {}).items()}
-        for name, value in criteria["headers"].items():
-            if received.get(name.lower()) != str(value):
-                misses.append(f"header {name} is {received.get(name.lower())!r}")
-    if criteria.get("body") is not None:
-        try:
-            document = json.loads(request.get("body") or "null")
-            matched = _json_subset(criteria["body"], document)
-        except (ValueError, RecursionError):  # however deep, a body that cannot be read does not match
-            matched = False
-        if not matched:
-            misses.append(f"body is {(request.get('body') or '')[:120]!r}")
+        headers = {name.lower(): value for name, value in (request.get("headers") or {}).items()}
+        misses += [f"header {name} is {headers.get(name.lower())!r}"
+                   for name, value in criteria["headers"].items() if headers.get(name.lower()) != str(value)]
+    if criteria.get("body") is not None and not _body_matches(criteria["body"], request.get("body")):
+        misses.append(f"body is {(request.get('body') or '')[:120]!r}")
     if criteria.get("code") is not None and request.get("code") != str(criteria["code"]):
         misses.append(f"code is {request.get('code')}")
     return misses
+
+
+def _body_matches(expected: Any, body: str | None) -> bool:
+    """Whether the JSON ``body`` holds ``expected`` (``_json_subset``)."""
+    try:
+        return _json_subset(expected, json.loads(body or "null"))
+    except (ValueError, RecursionError):  # however deep, a body that cannot be read does not match
+        return False
 
 
 def _json_subset(expected: Any, actual: Any) -> bool:
@@ -3044,25 +3146,11 @@ class Faults:
         if action not in tuple(FaultAction):
             raise invalid("action", "one_of", choices=", ".join(FaultAction))
         if action == FaultAction.ERROR:
-            if isinstance(code, str) and not 1 <= len(code) <= 64:
-                raise invalid("code", "length", maximum=64)
-            code = code or "S500"
-            known = ERRORS_BY_CODE.get(code)
-            if known is None and status is None:
-                raise invalid("status", "required")
-            status = status or known.status
+            code, status = self._error(code, status)
         for name, value in (("method", method), ("path", path), ("code", code)):
             if value is not None and not isinstance(value, str):
                 raise invalid(name, "string")
-        if status is not None and not (isinstance(status, int)
-                                       and self.STATUSES[0] <= status <= self.STATUSES[1]):
-            raise invalid("status", "one_of", choices=f"{self.STATUSES[0]}-{self.STATUSES[1]}")
-        if not isinstance(latency, (int, float)) or not 0 <= latency <= self.MAX_LATENCY:
-            raise invalid("latency", "one_of", choices=f"0-{self.MAX_LATENCY} seconds")
-        if times is not None and not (isinstance(times, int) and not isinstance(times, bool) and times >= 1):
-            raise invalid("times", "minimum", minimum=1)
-        if times is not None and times > self.MAX_TIMES:
-            raise invalid("times", "maximum", maximum=self.MAX_TIMES)
+        self._check_numbers(status, latency, times)
         for name, value in (("query", query), ("headers", headers), ("body", body)):
             if value is not None and not isinstance(value, dict):
                 raise invalid(name, "type", kinds="object")
@@ -3078,6 +3166,29 @@ class Faults:
             conn.execute("UPDATE sandbox SET fault_rules = fault_rules + 1, fault_next = ?,"
                          " fault_version = fault_version + 1", (number,))
         return {"id": f"fault_{number}", **rule, "fired": 0}
+
+    @staticmethod
+    def _error(code: Any, status: Any) -> tuple[Any, Any]:
+        """An error rule's code (S500 if none) and status (the catalog's for a code it has)."""
+        if isinstance(code, str) and not 1 <= len(code) <= 64:
+            raise invalid("code", "length", maximum=64)
+        code = code or "S500"
+        known = ERRORS_BY_CODE.get(code)
+        if known is None and status is None:
+            raise invalid("status", "required")
+        return code, status or known.status
+
+    @classmethod
+    def _check_numbers(cls, status: Any, latency: Any, times: Any) -> None:
+        low, high = cls.STATUSES
+        if status is not None and not (isinstance(status, int) and low <= status <= high):
+            raise invalid("status", "one_of", choices=f"{low}-{high}")
+        if not isinstance(latency, (int, float)) or not 0 <= latency <= cls.MAX_LATENCY:
+            raise invalid("latency", "one_of", choices=f"0-{cls.MAX_LATENCY} seconds")
+        if times is not None and not (isinstance(times, int) and not isinstance(times, bool) and times >= 1):
+            raise invalid("times", "minimum", minimum=1)
+        if times is not None and times > cls.MAX_TIMES:
+            raise invalid("times", "maximum", maximum=cls.MAX_TIMES)
 
     def rules(self) -> list[dict]:
         """The rules in force, in the order they are tried, each with how often it ``fired``."""
@@ -3151,15 +3262,33 @@ def forced_error(rule: dict) -> WalletError:
 # Scenarios and the starting state #############################################
 ###############################################################################
 
-# The tables of the sandbox's world, parents first: what save_start copies and reset restores.
-_STARTING_STATE = ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "ledger_clock",
-                   "counters")
+# The tables of one workspace's world, parents first: what reset_workspace restores. Each with the
+# column that ties a row to the world, and what that column holds: the workspace's id, one of its
+# wallets' ids, or either.
+_WORLD_TABLES = {"workspaces": ("id", "workspace"), "members": ("workspace_id", "workspace"),
+                 "api_keys": ("workspace_id", "workspace"), "wallets": ("workspace_id", "workspace"),
+                 "transfers": ("workspace_id", "workspace"), "flows": ("wallet_id", "wallets"),
+                 "counters": ("owner_id", "either")}
+# The tables whose ids a scenario may fix.
+_ID_TABLES = ("workspaces", "members", "api_keys", "wallets")
+# The tables of the sandbox's world: what save_start copies and reset restores.
+_STARTING_STATE = (*_WORLD_TABLES, "ledger_clock")
+
+
+def _world_where(table: str, workspace_id: str, wallets: list[str]) -> tuple[str, list[str]]:
+    """The condition that picks ``table``'s rows of one workspace's world (its wallets
+    ``wallets``), and its parameters."""
+    column, holds = _WORLD_TABLES[table]
+    ids = {"workspace": [workspace_id], "wallets": wallets, "either": [workspace_id, *wallets]}[holds]
+    return f"{column} IN ({', '.join('?' * len(ids))})", ids
 
 
 # Scenarios (docs/sandbox.md): a declared world, as a dict (from TOML, JSON or Python). Each
-# object's fields and what each holds; a field not listed is refused.
+# object's fields and the kind of value each holds; a field not listed is refused. A kind is a
+# nested object or list of them (named as the field), an id with its type prefix, or a key of
+# _SCENARIO_KINDS: the checks the admin API makes of the same values.
 _SCENARIO_OBJECTS: Mapping[str, Mapping[str, str]] = {
-    "scenario": {"workspaces": "list", "clock": "object", "settings": "object"},
+    "scenario": {"workspaces": "list", "clock": "object", "settings": "settings"},
     "clock": {"at": "time", "frozen": "boolean"},
     "workspaces": {"id": "ws_", "name": "name", "members": "list", "keys": "list", "wallets": "list"},
     "members": {"id": "mem_", "name": "name"},
@@ -3172,95 +3301,124 @@ _SCENARIO_REQUIRED = {"scenario": ("workspaces",), "workspaces": ("name",), "mem
                       "wallets": ("name", "currency")}
 
 
+def _typed(check: Callable[[Any], bool], problem: str, **params: str) -> Callable[[Any, str], None]:
+    """A kind's check that ``check(value)`` holds, else S012 ``problem`` naming the field."""
+    def checked(value: Any, field: str) -> None:
+        if not check(value):
+            raise invalid(field, problem, **params)
+    return checked
+
+
+_scenario_object = _typed(lambda value: isinstance(value, Mapping), "type", kinds="object")
+
+
+def _scenario_clock_time(value: Any, field: str) -> None:
+    try:
+        _clock_time(admin_time(value, field))
+    except ValueError:
+        raise invalid(field, "clock_range") from None
+
+
+def _scenario_settings(value: Any, field: str) -> None:
+    _scenario_object(value, field)
+    for name, setting in value.items():
+        if name not in Settings.names():
+            raise invalid(f"{field}.{name}", "unknown_field")
+        try:
+            Settings().replace(**{name: setting})
+        except ValueError as exc:  # (its range, or its choices)
+            raise invalid(f"{field}.{name}", "setting", problem=str(exc).split(": ", 1)[-1]) from None
+
+
+def _scenario_scopes(value: Any, field: str) -> None:
+    _typed(_JSON_TYPES["array"], "array")(value, field)
+    api_key_scopes(value, field)
+
+
+_SCENARIO_KINDS: Mapping[str, Callable[[Any, str], Any]] = {
+    "boolean": _typed(_JSON_TYPES["boolean"], "boolean"),
+    "string": _typed(_JSON_TYPES["string"], "string"),
+    "name": lambda value, field: _text(value, field, NAME_MAX),
+    "wallet_name": lambda value, field: _text(value, field, NAME_MAX, minimum=0),
+    "secret": _typed(lambda value: isinstance(value, str) and bool(_NONCE.fullmatch(value)), "secret"),
+    "scopes": _scenario_scopes,
+    "networks": ip_whitelist_entries,
+    "currency": currency_exponent,
+    "amount": _typed(_JSON_TYPES["string"], "scenario_amount"),
+    "status": _typed(lambda value: value in WALLET_STATUSES, "one_of", choices=", ".join(WalletStatus)),
+    "time": _scenario_clock_time,
+    "settings": _scenario_settings,
+}
+
+
+def _scenario_id(value: Any, field: str, prefix: str) -> None:
+    if not isinstance(value, str) or not value.startswith(prefix) or not _ID.fullmatch(value):
+        raise invalid(field, "scenario_id", prefix=prefix)
+
+
 def check_scenario(scenario: Any, kind: str = "scenario", where: str = "") -> dict:
     """The scenario, checked: S012 naming the first wrong field by its path
     (``workspaces[0].wallets[2].currency``); a fixed id used twice is refused too."""
-    if not isinstance(scenario, Mapping):
-        raise invalid(where or "scenario", "type", kinds="object")
+    _scenario_object(scenario, where or "scenario")
     fields = _SCENARIO_OBJECTS[kind]
+    path = f"{where}." if where else ""
     for name in scenario:
         if name not in fields:
-            raise invalid(f"{where}{'.' if where else ''}{name}", "unknown_field")
+            raise invalid(path + name, "unknown_field")
     for name in _SCENARIO_REQUIRED.get(kind, ()):
         if scenario.get(name) is None:
-            raise invalid(f"{where}{'.' if where else ''}{name}", "required")
+            raise invalid(path + name, "required")
     for name, value in scenario.items():
-        _check_scenario_value(value, fields[name], f"{where}{'.' if where else ''}{name}", name)
-    if kind == "wallets" and scenario.get("balance") is not None:
-        parse_amount(scenario["balance"], scenario["currency"], f"{where}.balance")
-    if kind == "members" and scenario["name"] == "owner":
-        raise invalid(f"{where}.name", "taken", value="owner")
-    if kind == "workspaces":
-        members = ["owner", *(name for member in scenario.get("members", ())
-                              for name in (member["name"], member.get("id")) if name)]
-        for index, key in enumerate(scenario.get("keys", ())):
-            if key.get("member", "owner") not in members:
-                raise invalid(f"{where}.keys[{index}].member", "one_of", choices=", ".join(members))
-    if kind == "scenario":
-        _check_fixed_ids(scenario["workspaces"])
-        for name, value in (scenario.get("settings") or {}).items():
-            if name not in Settings.names():
-                raise invalid(f"settings.{name}", "unknown_field")
-            try:
-                Settings().replace(**{name: value})
-            except ValueError as exc:  # (its range, or its choices)
-                raise invalid(f"settings.{name}", "setting", problem=str(exc).split(": ", 1)[-1]) from None
+        if fields[name] == "list":
+            _typed(_JSON_TYPES["array"], "array")(value, path + name)
+            for index, item in enumerate(value):
+                check_scenario(item, name, f"{path}{name}[{index}]")
+        elif name in _SCENARIO_OBJECTS:
+            check_scenario(value, name, path + name)
+        elif fields[name].endswith("_"):  # an id with its type prefix
+            _scenario_id(value, path + name, fields[name])
+        else:
+            _SCENARIO_KINDS[fields[name]](value, path + name)
+    _SCENARIO_WHOLE.get(kind, lambda scenario, where: None)(scenario, where)
     return dict(scenario)
 
 
-def _check_fixed_ids(workspaces: list) -> None:
+def _check_scenario_wallet(wallet: Mapping[str, Any], where: str) -> None:
+    if wallet.get("balance") is not None:
+        parse_amount(wallet["balance"], wallet["currency"], f"{where}.balance")
+
+
+def _check_scenario_member(member: Mapping[str, Any], where: str) -> None:
+    if member["name"] == OWNER_NAME:
+        raise invalid(f"{where}.name", "taken", value=OWNER_NAME)
+
+
+def _check_scenario_workspace(workspace: Mapping[str, Any], where: str) -> None:
+    members = [OWNER_NAME, *(name for member in workspace.get("members", ())
+                             for name in (member["name"], member.get("id")) if name)]
+    for index, key in enumerate(workspace.get("keys", ())):
+        if key.get("member", OWNER_NAME) not in members:
+            raise invalid(f"{where}.keys[{index}].member", "one_of", choices=", ".join(members))
+
+
+def _check_fixed_ids(scenario: Mapping[str, Any], where: str) -> None:
     """A fixed id is used once in a scenario: S012 naming the second use (linear, however many)."""
     seen: set[str] = set()
-    for index, workspace in enumerate(workspaces):
+    for index, workspace in enumerate(scenario["workspaces"]):
         items = [(f"workspaces[{index}]", workspace)] + [
             (f"workspaces[{index}].{part}[{number}]", item)
             for part in ("members", "keys", "wallets") for number, item in enumerate(workspace.get(part, ()))]
-        for where, item in items:
+        for place, item in items:
             if item.get("id"):
                 if item["id"] in seen:
-                    raise invalid(f"{where}.id", "taken", value=item["id"])
+                    raise invalid(f"{place}.id", "taken", value=item["id"])
                 seen.add(item["id"])
 
 
-def _check_scenario_value(value: Any, kind: str, field: str, name: str) -> None:
-    if kind == "list":
-        if not isinstance(value, list):
-            raise invalid(field, "array")
-        for index, item in enumerate(value):
-            check_scenario(item, name, f"{field}[{index}]")
-    elif kind in ("object", "boolean", "string"):
-        if not _JSON_TYPES[kind](value):
-            raise invalid(field, kind if kind != "object" else "type", kinds="object")
-        if kind == "object" and name == "clock":
-            check_scenario(value, "clock", field)
-    elif kind.endswith("_"):  # an id with its type prefix
-        if not isinstance(value, str) or not value.startswith(kind) or not _ID.fullmatch(value):
-            raise invalid(field, "scenario_id", prefix=kind)
-    elif kind == "name":
-        _text(value, field, NAME_MAX)
-    elif kind == "wallet_name":
-        _text(value, field, NAME_MAX, minimum=0)
-    elif kind == "secret":
-        if not isinstance(value, str) or not _NONCE.fullmatch(value):  # printable ASCII, no whitespace
-            raise invalid(field, "secret")
-    elif kind == "scopes":
-        if not isinstance(value, list) or not value or any(scope not in SCOPES for scope in value):
-            raise invalid(field, "one_of", choices=", ".join(SCOPES))
-    elif kind == "networks":
-        ip_whitelist_entries(value, field)
-    elif kind == "currency":
-        currency_exponent(value, field)
-    elif kind == "amount":
-        if not isinstance(value, str):
-            raise invalid(field, "scenario_amount")
-    elif kind == "status":
-        if value not in WALLET_STATUSES:
-            raise invalid(field, "one_of", choices=", ".join(WALLET_STATUSES))
-    elif kind == "time":
-        try:
-            _clock_time(admin_time(value, field))
-        except ValueError:
-            raise invalid(field, "clock_range") from None
+# What a scenario's object must hold beyond its fields, checked once its fields are.
+_SCENARIO_WHOLE: Mapping[str, Callable[[Mapping[str, Any], str], None]] = {
+    "wallets": _check_scenario_wallet, "members": _check_scenario_member,
+    "workspaces": _check_scenario_workspace, "scenario": _check_fixed_ids}
 
 
 DEMO_WORKSPACE = "walletsvc demo"
@@ -3276,6 +3434,19 @@ DEMO_SCENARIO: Mapping[str, Any] = {"workspaces": [{
                 {"name": "yen", "currency": "JPY", "balance": "100000"}]}]}
 
 
+class SeededIds(IdSource):
+    """The sandbox's ids: random, or drawn from the seed in the database's sandbox row when
+    one is set (the ``id_seed`` setting, ``seed_ids``), counted on there by every process."""
+
+    def start(self, conn: sqlite3.Connection, last_id: str, now_ms: int) -> IdSequence:
+        seed, drawn = conn.execute("SELECT id_seed, id_drawn FROM sandbox").fetchone()
+        return IdSequence(last_id, seed, drawn, now_ms)
+
+    def keep(self, conn: sqlite3.Connection, ids: IdSequence) -> None:
+        if ids.seed is not None:
+            conn.execute("UPDATE sandbox SET id_drawn = ?", (ids.drawn,))
+
+
 class WalletService(Ledger):
     """The service: admin API, wallets, ledger and transfers over one SQLite database,
     with the sandbox's state in that database too (docs/sandbox.md): the clock when it is
@@ -3288,7 +3459,7 @@ class WalletService(Ledger):
 
     def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
                  clock: Callable[[], float] | None = None, **setting_values: Any) -> None:
-        super().__init__(database, settings=settings, clock=clock, **setting_values)
+        super().__init__(database, settings=settings, clock=clock, ids=SeededIds(), **setting_values)
         if isinstance(self.clock, Clock):  # the sandbox's clock lives in the database (docs/sandbox.md)
             self.clock.bind(self.db)
         self.journal = Journal(self.db, self.settings.journal_size)
@@ -3301,8 +3472,9 @@ class WalletService(Ledger):
                              (self.settings.id_seed, self.settings.id_seed))
 
     def clock_at(self, frozen_at: float | None, offset: float) -> float:
-        """The service clock, given the sandbox's clock state as read from the database
-        (in a query that needed reading anyway): a bound Clock's reading, else the clock's."""
+        """The service clock, given the sandbox's clock state as read from the database (in a
+        query that needed reading anyway, as the key's lookup): a bound Clock's reading, else
+        the clock's."""
         return Clock.reading(frozen_at, offset) if isinstance(self.clock, Clock) else self.clock()
 
     def seed_ids(self, seed: int | None) -> None:
@@ -3380,49 +3552,37 @@ class WalletService(Ledger):
 
     def _load_workspace(self, conn: sqlite3.Connection, now: int, spec: Mapping[str, Any], where: str,
                         fresh_ids: bool) -> str:
-        def fixed(item: Mapping[str, Any], prefix: str, field: str) -> str:
+        """One scenario workspace (checked by ``check_scenario``), made by the admin API's inserts
+        with its normalisation; its id."""
+        def fixed(item: Mapping[str, Any], field: str) -> str | None:
             wanted = None if fresh_ids else item.get("id")
-            if wanted is None:
-                return self.new_id(prefix, now)
-            for table in ("workspaces", "members", "api_keys", "wallets"):
+            for table in _ID_TABLES if wanted else ():
                 if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone():
                     raise invalid(f"{field}.id", "taken", value=wanted)
             return wanted
 
-        workspace_id = fixed(spec, "ws_", where)
-        conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
-                     (workspace_id, spec["name"], now))
-        members = {"owner": self.new_id("mem_", now)}
-        conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
-                     " VALUES (?, ?, 'owner', 'OWNER', ?)", (members["owner"], workspace_id, now))
+        workspace_id, owner_id = self._insert_workspace(conn, now, spec["name"], fixed(spec, where))
+        members = {OWNER_NAME: owner_id}
         for index, member in enumerate(spec.get("members", ())):
-            member_id = members[member["name"]] = fixed(member, "mem_", f"{where}.members[{index}]")
-            members.setdefault(member_id, member_id)
-            if member.get("id"):  # a key may name its member by the id the scenario gave it
-                members[member["id"]] = member_id
-            conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
-                         " VALUES (?, ?, ?, 'MEMBER', ?)", (member_id, workspace_id, member["name"], now))
+            member_id = self._insert_member(conn, now, workspace_id, member["name"], Role.MEMBER,
+                                            fixed(member, f"{where}.members[{index}]"))
+            members[member["name"]] = members[member_id] = member_id
+            members[member.get("id") or member_id] = member_id  # a key may name it by its fixed id
         for index, key in enumerate(spec.get("keys", ())):
             field = f"{where}.keys[{index}]"
-            member_id = members.get(key.get("member", "owner"))
-            if member_id is None:
-                raise invalid(f"{field}.member", "one_of", choices=", ".join(members))
-            secret = None if fresh_ids else key.get("secret")
-            conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
-                         " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                         (fixed(key, "ak_", field), secret or self.new_secret(), workspace_id, member_id,
-                          " ".join(dict.fromkeys(key.get("scopes", SCOPES))),
-                          json.dumps(ip_whitelist_entries(key["ipWhitelist"], f"{field}.ipWhitelist"))
-                          if key.get("ipWhitelist") is not None else None, now))
+            whitelist = key.get("ipWhitelist")
+            self._insert_api_key(conn, now, workspace_id, members[key.get("member", OWNER_NAME)],
+                                 api_key_scopes(key.get("scopes", SCOPES), f"{field}.scopes"),
+                                 None if whitelist is None else ip_whitelist_entries(whitelist,
+                                                                                     f"{field}.ipWhitelist"),
+                                 fixed(key, field), None if fresh_ids else key.get("secret"))
         for index, wallet in enumerate(spec.get("wallets", ())):
-            wallet_id = fixed(wallet, "wal_", f"{where}.wallets[{index}]")
-            conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
-                         " updated_at) VALUES (?, ?, ?, ?, 'ACTIVE', ?, ?)",
-                         (wallet_id, workspace_id, wallet["name"], wallet["currency"], now, now))
+            wallet_id = self._insert_wallet(conn, now, workspace_id, wallet["currency"], wallet["name"],
+                                            fixed(wallet, f"{where}.wallets[{index}]"))
             if wallet.get("balance") is not None:
                 self.deposit(wallet_id, wallet["balance"])
-            if wallet.get("status", "ACTIVE") != "ACTIVE":
-                conn.execute("UPDATE wallets SET status = ? WHERE id = ?", (wallet["status"], wallet_id))
+            if wallet.get("status", WalletStatus.ACTIVE) != WalletStatus.ACTIVE:
+                self.set_wallet_status(wallet_id, wallet["status"])
         return workspace_id
 
     def start_scenario(self) -> dict:
@@ -3459,27 +3619,21 @@ class WalletService(Ledger):
             keys = sorted({row[0] for rows in (saved, current) for row in rows["api_keys"]})
             gone = sorted({row[0] for row in current["api_keys"]} - {row[0] for row in saved["api_keys"]})
             wallets = sorted({row[0] for rows in (saved, current) for row in rows["wallets"]})
-            key_marks, wallet_marks = ", ".join("?" * len(keys)), ", ".join("?" * len(wallets))
             conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
                          " coalesce((SELECT max(seq) FROM journal), 0))")  # seq never goes back
             # The nonce records of the keys that stay stay (the clock was not reset): a request
             # captured before the reset is refused after it.
             Nonces.drop_keys(conn, gone)
-            for sql, params in ((f"DELETE FROM flows WHERE wallet_id IN ({wallet_marks})", wallets),
-                                ("DELETE FROM transfers WHERE workspace_id = ?", [workspace_id]),
-                                ("DELETE FROM wallets WHERE workspace_id = ?", [workspace_id]),
-                                (f"DELETE FROM journal WHERE api_key IN ({key_marks})", keys),
-                                ("DELETE FROM api_keys WHERE workspace_id = ?", [workspace_id]),
-                                ("DELETE FROM members WHERE workspace_id = ?", [workspace_id]),
-                                ("DELETE FROM workspaces WHERE id = ?", [workspace_id]),
-                                ("DELETE FROM fault_rules WHERE json_extract(rule, '$.workspaceId') = ?",
-                                 [workspace_id])):
-                conn.execute(sql, params)
-            for table in ("workspaces", "members", "api_keys", "wallets", "transfers", "flows", "counters"):
+            conn.execute(f"DELETE FROM journal WHERE api_key IN ({', '.join('?' * len(keys))})", keys)
+            conn.execute("DELETE FROM fault_rules WHERE json_extract(rule, '$.workspaceId') = ?",
+                         (workspace_id,))
+            for table in reversed(_WORLD_TABLES):
+                where, params = _world_where(table, workspace_id, wallets)
+                conn.execute(f"DELETE FROM {table} WHERE {where}", params)
+            for table in _WORLD_TABLES:
                 if table == "counters":  # the triggers counted the rows in again: the saved counts instead
-                    owners = [workspace_id, *wallets]
-                    conn.execute(f"DELETE FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})",
-                                 owners)
+                    where, params = _world_where(table, workspace_id, wallets)
+                    conn.execute(f"DELETE FROM counters WHERE {where}", params)
                 for row in saved[table]:
                     conn.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
             conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
@@ -3491,16 +3645,11 @@ class WalletService(Ledger):
         """Every row of one workspace's world, table by table, as lists of column values."""
         wallets = [row[0] for row in conn.execute("SELECT id FROM wallets WHERE workspace_id = ?",
                                                   (workspace_id,))]
-        marks = ", ".join("?" * len(wallets))
-        queries = {table: (f"SELECT * FROM {table} WHERE {column} = ?", [workspace_id]) for table, column in (
-            ("workspaces", "id"), ("members", "workspace_id"), ("api_keys", "workspace_id"),
-            ("wallets", "workspace_id"), ("transfers", "workspace_id"))}
-        queries["flows"] = (f"SELECT * FROM flows WHERE wallet_id IN ({marks})", wallets)
-        owners = [workspace_id, *wallets]
-        queries["counters"] = (f"SELECT * FROM counters WHERE owner_id IN ({', '.join('?' * len(owners))})",
-                               owners)
-        return {table: [list(row) for row in conn.execute(sql, params)]
-                for table, (sql, params) in queries.items()}
+        rows = {}
+        for table in _WORLD_TABLES:
+            where, params = _world_where(table, workspace_id, wallets)
+            rows[table] = [list(row) for row in conn.execute(f"SELECT * FROM {table} WHERE {where}", params)]
+        return rows
 
     def _save_world(self, conn: sqlite3.Connection, workspace_id: str) -> None:
         conn.execute("INSERT OR REPLACE INTO world_starts (workspace_id, rows) VALUES (?, ?)",
@@ -3621,11 +3770,6 @@ def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
     return [svc.describe_world(workspace_id) for workspace_id in started]
 
 
-def seed_demo(svc: WalletService) -> dict:
-    """The demo (DEMO_SCENARIO, ``start_world``): its key, secret and wallet ids."""
-    return _first_key(start_world(svc, DEMO_SCENARIO))
-
-
 def _first_key(world: list[dict]) -> dict:
     """What the banner shows of a world: the first key with its secret, and the first workspace's wallets."""
     workspace = world[0] if world else {"keys": [], "wallets": []}
@@ -3700,7 +3844,7 @@ def _scenario_schema(kind: str) -> dict:
              "networks": {"type": "array", "items": _NETWORK_SCHEMA, "minItems": 1},
              "currency": _CURRENCY_SCHEMA,
              "amount": _STRING, "status": _enum(WALLET_STATUSES),
-             "time": SCHEMAS_CLOCK_AT}
+             "time": SCHEMAS_CLOCK_AT, "settings": {"type": "object"}}
     fields = {}
     for name, field_kind in _SCENARIO_OBJECTS[kind].items():
         if field_kind == "list":
@@ -3713,7 +3857,7 @@ def _scenario_schema(kind: str) -> dict:
         else:
             fields[name] = kinds[field_kind]
     if kind == "members":
-        fields["name"] = {**_NAME_SCHEMA, "not": {"const": "owner"}}  # the owner is made with the workspace
+        fields["name"] = {**_NAME_SCHEMA, "not": {"const": OWNER_NAME}}  # made with the workspace
     schema = _object(fields, _SCENARIO_REQUIRED.get(kind, ()))
     if kind == "wallets":
         schema.update(_currency_amount(sorted(CURRENCY_EXPONENTS), "balance"))
@@ -3748,7 +3892,7 @@ SCHEMAS: Mapping[str, dict] = {
                          "totalElements": {"type": "integer"}, "totalPages": {"type": "integer"}}),
     "Workspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}),
     "Member": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING,
-                       "role": _enum(("OWNER", "MEMBER")), "createdAt": _TIME}),
+                       "role": _enum(Role), "createdAt": _TIME}),
     "ApiKey": _object({"apiKey": _STRING, "secret": {"type": "string", "description": "at creation only"},
                        "workspaceId": _STRING, "memberId": _STRING,
                        "scopes": {"type": "array", "items": _enum(SCOPES)}, "enabled": {"type": "boolean"},
@@ -5980,7 +6124,107 @@ class LiveServer:
             self._thread.join(timeout=5)
 
 
-def _build_pytest_plugin() -> Any:
+# The plugin's fixtures are plain functions, each declared with its scope by @_fixture; the plugin
+# (``pytest_plugin``) makes them pytest fixtures when pytest loads it, so that importing walletsvc
+# never imports pytest.
+_FIXTURES: dict[str, tuple[str, Callable[..., Any]]] = {}
+
+
+def _fixture(scope: str = "function") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def declare(function: Callable[..., Any]) -> Callable[..., Any]:
+        _FIXTURES[function.__name__] = (scope, function)
+        return function
+    return declare
+
+
+def _marked_settings(request: Any) -> dict:
+    """The settings of the test's ``@pytest.mark.walletsvc(...)``, if any."""
+    marker = request.node.get_closest_marker("walletsvc")
+    return dict(marker.kwargs) if marker else {}
+
+
+def _made_for(cache: dict, settings: dict, make: Callable[[dict], Sandbox]) -> Sandbox:
+    """The Sandbox ``cache`` holds for these settings, made by ``make`` the first time."""
+    key = repr(sorted(settings.items()))
+    if key not in cache:
+        cache[key] = make(settings)
+    return cache[key]
+
+
+def _live_sandbox(settings: dict) -> Sandbox:
+    sandbox = Sandbox.create(**settings)
+    sandbox.server = LiveServer(sandbox.app)
+    sandbox.url = sandbox.server.url
+    return sandbox
+
+
+@_fixture("session")
+def walletsvc_session_sandbox() -> Sandbox:
+    """The session's in-process Sandbox at default settings (one per xdist worker);
+    ``walletsvc_sandbox`` resets it before each test. Override it to change every test's."""
+    return Sandbox.create()
+
+
+@_fixture("session")
+def walletsvc_session_sandboxes() -> dict:
+    """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct
+    settings."""
+    return {}
+
+
+@_fixture()
+def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
+                      walletsvc_session_sandboxes: dict) -> Iterator[Sandbox]:
+    """A walletsvc.Sandbox in process (no socket): ``.service``, ``.app``, ``.client``, ``.key``,
+    ``.wallets`` (alice, bob: USD 1000.00; yen: JPY 100000), ``.clock``, ``.journal``, ``.faults``,
+    ``.admin_token``. Reset before the test, audited after it; settings from
+    ``@pytest.mark.walletsvc(...)``."""
+    settings = _marked_settings(request)
+    sandbox = _made_for(walletsvc_session_sandboxes, settings, lambda s: Sandbox.create(**s)) if settings \
+        else walletsvc_session_sandbox
+    yield sandbox.reset()
+    sandbox.audit()
+
+
+@_fixture("session")
+def walletsvc_session_live() -> Iterator[Sandbox]:
+    """The session's live Sandbox at default settings, on waitress on a random port of 127.0.0.1."""
+    sandbox = Sandbox.create()
+    server = LiveServer(sandbox.app)
+    sandbox.url = server.url
+    yield sandbox
+    server.stop()
+
+
+@_fixture("session")
+def walletsvc_session_lives() -> Iterator[dict]:
+    """Live Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with
+    the session."""
+    cache: dict = {}
+    yield cache
+    for sandbox in cache.values():
+        sandbox.server.stop()
+
+
+@_fixture()
+def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
+                   walletsvc_session_lives: dict) -> Iterator[Sandbox]:
+    """``walletsvc_sandbox`` served over HTTP (``.url``; ``.client`` talks HTTP), for code under test
+    that makes real requests. Reset before the test, audited after it; settings from the marker."""
+    settings = _marked_settings(request)
+    sandbox = _made_for(walletsvc_session_lives, settings, _live_sandbox) if settings \
+        else walletsvc_session_live
+    yield sandbox.reset()
+    sandbox.audit()
+
+
+def _pytest_configure(config: Any) -> None:
+    config.addinivalue_line("markers", "walletsvc(**settings): the walletsvc sandbox of this test gets"
+                                       " these settings (e.g. settlement='manual', magic_values=True)")
+
+
+@functools.cache
+def _pytest_plugin() -> Any:
     """walletsvc's pytest plugin (entry point ``pytest11``): fake wallet backends for tests.
 
     ``walletsvc_sandbox`` (in process) and ``walletsvc_live`` (on a socket)
@@ -5993,91 +6237,17 @@ def _build_pytest_plugin() -> Any:
 
     import pytest
 
-    def pytest_configure(config: Any) -> None:
-        config.addinivalue_line("markers", "walletsvc(**settings): the walletsvc sandbox of this test gets"
-                                           " these settings (e.g. settlement='manual', magic_values=True)")
-
-    def marked(request: Any) -> dict:
-        marker = request.node.get_closest_marker("walletsvc")
-        return dict(marker.kwargs) if marker else {}
-
-    def made_for(cache: dict, settings: dict, make: Callable[[dict], Sandbox]) -> Sandbox:
-        key = repr(sorted(settings.items()))
-        if key not in cache:
-            cache[key] = make(settings)
-        return cache[key]
-
-    @pytest.fixture(scope="session")
-    def walletsvc_session_sandbox() -> Sandbox:
-        """The session's in-process Sandbox at default settings (one per xdist worker);
-        ``walletsvc_sandbox`` resets it before each test. Override it to change every test's."""
-        return Sandbox.create()
-
-    @pytest.fixture(scope="session")
-    def walletsvc_session_sandboxes() -> dict:
-        """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct
-        settings."""
-        return {}
-
-    @pytest.fixture
-    def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
-                          walletsvc_session_sandboxes: dict) -> Iterator[Sandbox]:
-        """A walletsvc.Sandbox in process (no socket): ``.service``, ``.app``, ``.client``, ``.key``,
-        ``.wallets`` (alice, bob: USD 1000.00; yen: JPY 100000), ``.clock``, ``.journal``, ``.faults``,
-        ``.admin_token``. Reset before the test, audited after it; settings from
-        ``@pytest.mark.walletsvc(...)``."""
-        settings = marked(request)
-        sandbox = made_for(walletsvc_session_sandboxes, settings, lambda s: Sandbox.create(**s)) if settings \
-            else walletsvc_session_sandbox
-        yield sandbox.reset()
-        sandbox.audit()
-
-    @pytest.fixture(scope="session")
-    def walletsvc_session_live() -> Iterator[Sandbox]:
-        """The session's live Sandbox at default settings, on waitress on a random port of 127.0.0.1."""
-        sandbox = Sandbox.create()
-        server = LiveServer(sandbox.app)
-        sandbox.url = server.url
-        yield sandbox
-        server.stop()
-
-    @pytest.fixture(scope="session")
-    def walletsvc_session_lives() -> Iterator[dict]:
-        """Live Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with
-        the session."""
-        cache: dict = {}
-        yield cache
-        for sandbox in cache.values():
-            sandbox.server.stop()
-
-    def live(settings: dict) -> Sandbox:
-        sandbox = Sandbox.create(**settings)
-        sandbox.server = LiveServer(sandbox.app)
-        sandbox.url = sandbox.server.url
-        return sandbox
-
-    @pytest.fixture
-    def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
-                       walletsvc_session_lives: dict) -> Iterator[Sandbox]:
-        """``walletsvc_sandbox`` served over HTTP (``.url``; ``.client`` talks HTTP), for code under test
-        that makes real requests. Reset before the test, audited after it; settings from the marker."""
-        settings = marked(request)
-        sandbox = made_for(walletsvc_session_lives, settings, live) if settings else walletsvc_session_live
-        yield sandbox.reset()
-        sandbox.audit()
-
-    plugin = types.ModuleType("walletsvc.pytest_plugin", _build_pytest_plugin.__doc__)
-    plugin.pytest_configure = pytest_configure
-    for fixture in (walletsvc_session_sandbox, walletsvc_session_sandboxes, walletsvc_sandbox,
-                    walletsvc_session_live, walletsvc_session_lives, walletsvc_live):
-        setattr(plugin, fixture.__name__, fixture)
+    plugin = types.ModuleType("walletsvc.pytest_plugin", _pytest_plugin.__doc__)
+    plugin.pytest_configure = _pytest_configure
+    for name, (scope, function) in _FIXTURES.items():
+        setattr(plugin, name, pytest.fixture(function, scope=scope))
     return plugin
 
 
 def __getattr__(name: str) -> Any:
     """``walletsvc.pytest_plugin`` is built on demand, so that importing walletsvc never imports pytest."""
     if name == "pytest_plugin":
-        return _build_pytest_plugin()
+        return _pytest_plugin()
     raise AttributeError(f"module 'walletsvc' has no attribute {name!r}")
 
 
@@ -6156,53 +6326,58 @@ def _serve_command(args: argparse.Namespace) -> int:
     try:  # every request records its nonce: refuse to start on storage that cannot be written
         svc = WalletService(args.db, clock=Clock(), **service_settings)  # controllable over /_admin/clock
         svc.db.check_writable()
+        world = start_world(svc, scenario) if scenario else None
     except sqlite3.OperationalError as exc:
-        if svc is not None:
-            svc.close()
-        for path in made:  # what this start made (SQLite's, with the file's mode) would block the next
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be "
-                           "writable)") from exc
+        _undo_start(svc, made)
+        raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be"
+                           " writable)") from exc
+    except BaseException:
+        _undo_start(svc, made)
+        raise
     if args.admin_token:
         settings["admin_token"] = args.admin_token
-    try:
-        world = start_world(svc, scenario) if scenario else None
-    except BaseException:
-        svc.close()
-        for path in made:  # a refused start leaves nothing behind
-            with contextlib.suppress(OSError):
-                os.remove(path)
-        raise
     demo = _first_key(world) if world is not None else None
     if demo:
         settings.setdefault("debug_signatures", True)
         if demo["secret"]:
             settings.setdefault("admin_token", demo_admin_token(demo["secret"]))
-
-    keys, workspaces = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
-                                  " WHERE deleted_at IS NULL)")
-
-    def banner(base_url: str) -> None:
-        if args.ready_file:
-            _write_ready_file(args.ready_file, base_url, settings.get("admin_token"), world or [])
-        if demo and demo["apiKey"]:
-            print(demo_instructions(base_url, demo, settings.get("admin_token"), args.db, svc.clock.state()),
-                  flush=True)
-        elif keys:
-            print(f"walletsvc serving {args.db} at {base_url}\nIt holds {keys} API key(s) in {workspaces}"
-                  f" workspace(s): walletsvc workspace list --db {args.db}, walletsvc key list WORKSPACE_ID"
-                  f" --db {args.db} (a secret is printed once, when its key is made; a new one: walletsvc key"
-                  " create WORKSPACE_ID).", flush=True)
-        else:
-            print(f"walletsvc serving {args.db} at {base_url}\nTo sign requests you need a key: "
-                  f"walletsvc workspace create NAME --db {args.db}, then walletsvc key create WORKSPACE_ID"
-                  f" --db {args.db} (it prints the secret once); or start with --demo.", flush=True)
-            if settings.get("admin_token"):
-                print(f"Sandbox console: {base_url}{CONSOLE_PATH} (log in with the admin token)", flush=True)
-
+    counts = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
+                        " WHERE deleted_at IS NULL)")
+    banner = functools.partial(_serve_banner, args, svc, settings, world, demo, counts)
     serve(svc, args.host, args.port, args.threads, workers=args.workers, on_ready=banner, **settings)
     return 0
+
+
+def _undo_start(svc: WalletService | None, made: list[str]) -> None:
+    """A refused start leaves nothing behind: what it made (SQLite's files, with the file's mode)
+    would block the next."""
+    if svc is not None:
+        svc.close()
+    for path in made:
+        with contextlib.suppress(OSError):
+            os.remove(path)
+
+
+def _serve_banner(args: argparse.Namespace, svc: WalletService, settings: dict, world: list[dict] | None,
+                  demo: dict | None, counts: tuple[int, int], base_url: str) -> None:
+    """What ``walletsvc serve`` prints (and writes to ``--ready-file``) once its socket listens."""
+    keys, workspaces = counts
+    if args.ready_file:
+        _write_ready_file(args.ready_file, base_url, settings.get("admin_token"), world or [])
+    if demo and demo["apiKey"]:
+        print(demo_instructions(base_url, demo, settings.get("admin_token"), args.db, svc.clock.state()),
+              flush=True)
+    elif keys:
+        print(f"walletsvc serving {args.db} at {base_url}\nIt holds {keys} API key(s) in {workspaces}"
+              f" workspace(s): walletsvc workspace list --db {args.db}, walletsvc key list WORKSPACE_ID"
+              f" --db {args.db} (a secret is printed once, when its key is made; a new one: walletsvc key"
+              " create WORKSPACE_ID).", flush=True)
+    else:
+        print(f"walletsvc serving {args.db} at {base_url}\nTo sign requests you need a key: "
+              f"walletsvc workspace create NAME --db {args.db}, then walletsvc key create WORKSPACE_ID"
+              f" --db {args.db} (it prints the secret once); or start with --demo.", flush=True)
+        if settings.get("admin_token"):
+            print(f"Sandbox console: {base_url}{CONSOLE_PATH} (log in with the admin token)", flush=True)
 
 
 def _write_ready_file(path: str, base_url: str, admin_token: str | None, world: list[dict]) -> None:
@@ -6413,7 +6588,8 @@ def build_parser() -> argparse.ArgumentParser:
                           and svc.list_wallets(a.workspace_id, {"size": 100})),
           "workspace_id")
     _leaf(verbs, "get", common, "show a wallet", lambda svc, a: svc.get_wallet(a.wallet_id), "wallet_id")
-    for verb, status in (("freeze", "FROZEN"), ("unfreeze", "ACTIVE"), ("close", "CLOSED")):
+    for verb, status in (("freeze", WalletStatus.FROZEN), ("unfreeze", WalletStatus.ACTIVE),
+                         ("close", WalletStatus.CLOSED)):
         _leaf(verbs, verb, common, f"set a wallet {status}",
               lambda svc, a, status=status: svc.set_wallet_status(a.wallet_id, status), "wallet_id")
 
