@@ -3800,7 +3800,7 @@ _TIME_FILTER = {"anyOf": [
     {"type": "string", "pattern": f"^{EPOCH_MS_PATTERN}$", "description": "epoch milliseconds"},
     {"type": "string", "format": "date-time"}, {"type": "string", "format": "date"}]}
 # A time the admin surface takes (admin_time) inside CLOCK_RANGE: a JSON number of epoch seconds, or RFC 3339.
-SCHEMAS_CLOCK_AT = {"anyOf": [
+_CLOCK_AT_SCHEMA = {"anyOf": [
     {"type": "number", "minimum": 0, "exclusiveMaximum": MILLISECONDS_FROM, "description": "epoch seconds"},
     *({"type": "string", "format": form, "pattern": "^(19[7-9][0-9]|[2-9][0-9]{3})-"}  # CLOCK_RANGE's years
       for form in ("date-time", "date"))]}
@@ -3844,7 +3844,7 @@ def _scenario_schema(kind: str) -> dict:
              "networks": {"type": "array", "items": _NETWORK_SCHEMA, "minItems": 1},
              "currency": _CURRENCY_SCHEMA,
              "amount": _STRING, "status": _enum(WALLET_STATUSES),
-             "time": SCHEMAS_CLOCK_AT, "settings": {"type": "object"}}
+             "time": _CLOCK_AT_SCHEMA, "settings": {"type": "object"}}
     fields = {}
     for name, field_kind in _SCENARIO_OBJECTS[kind].items():
         if field_kind == "list":
@@ -3862,6 +3862,51 @@ def _scenario_schema(kind: str) -> dict:
     if kind == "wallets":
         schema.update(_currency_amount(sorted(CURRENCY_EXPONENTS), "balance"))
     return schema
+
+
+def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
+    """S012 unless ``body`` has only the schema's fields, every required one
+    (null only where its type allows), and each of its declared JSON type; as
+    JSON Schema has it, an integer may be written 465.0 (it is then the int).
+    Values are the service's to check."""
+    properties = schema["properties"]
+    for name in body:
+        if name not in properties:
+            raise invalid(str(name)[:64], "unknown_field")
+    for name in schema["required"]:
+        if body.get(name) is None and not (name in body and _JSON_TYPES["null"] in _types(properties[name])):
+            raise invalid(name, "required")
+    checked = {}
+    for name, value in body.items():
+        integer = _JSON_TYPES["integer"] in _types(properties[name])
+        if integer and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        _check_type(name, value, properties[name])
+        checked[name] = value
+    return checked
+
+
+def _type_names(schema: Mapping[str, Any]) -> list[str]:
+    """The JSON types a schema allows (of each branch, for an anyOf)."""
+    kinds = schema.get("type", ())
+    if not kinds and "anyOf" in schema:
+        return [kind for branch in schema["anyOf"] for kind in _type_names(branch)]
+    return [kinds] if isinstance(kinds, str) else list(kinds)
+
+
+def _types(schema: Mapping[str, Any]) -> list[Callable[[Any], bool]]:
+    return [_JSON_TYPES[kind] for kind in _type_names(schema)]
+
+
+def _check_type(name: str, value: Any, schema: Mapping[str, Any]) -> None:
+    types = list(dict.fromkeys(_type_names(schema)))
+    if types and not any(_JSON_TYPES[kind](value) for kind in types):
+        if len(types) == 1 and types[0] in _REASONS:
+            raise invalid(name, types[0])
+        raise invalid(name, "type", kinds=" or ".join(types))
+    if isinstance(value, list) and "items" in schema:
+        for item in value:
+            _check_type(name, item, schema["items"])
 
 
 SCHEMAS: Mapping[str, dict] = {
@@ -3950,7 +3995,7 @@ SCHEMAS: Mapping[str, dict] = {
     "World": _object({"workspaces": _array("WorldWorkspace")}),
     "ClockBody": _object({
         "freeze": {"type": "boolean"},
-        "at": SCHEMAS_CLOCK_AT,
+        "at": _CLOCK_AT_SCHEMA,
         "advance": {"type": "number", "minimum": -CLOCK_RANGE[1], "maximum": CLOCK_RANGE[1],
                     "description": "seconds; the clock stays between 1970-01-01 and 9999-12-31"}}, []),
     "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {"type": "object"}}),
@@ -4002,50 +4047,6 @@ _TRANSFER_FILTERS = _filters(TRANSFER_SORTS, "status", "createdFrom", "createdTo
                              statuses=TRANSFER_STATUSES)
 _FLOW_FILTERS = _filters(FLOW_SORTS, "type", "direction", "createdFrom", "createdTo")
 _WALLET_FILTERS = _filters(WALLET_SORTS, "currency", "status", statuses=WALLET_STATUSES)
-
-def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
-    """S012 unless ``body`` has only the schema's fields, every required one
-    (null only where its type allows), and each of its declared JSON type; as
-    JSON Schema has it, an integer may be written 465.0 (it is then the int).
-    Values are the service's to check."""
-    properties = schema["properties"]
-    for name in body:
-        if name not in properties:
-            raise invalid(str(name)[:64], "unknown_field")
-    for name in schema["required"]:
-        if body.get(name) is None and not (name in body and _JSON_TYPES["null"] in _types(properties[name])):
-            raise invalid(name, "required")
-    checked = {}
-    for name, value in body.items():
-        integer = _JSON_TYPES["integer"] in _types(properties[name])
-        if integer and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        _check_type(name, value, properties[name])
-        checked[name] = value
-    return checked
-
-
-def _type_names(schema: Mapping[str, Any]) -> list[str]:
-    """The JSON types a schema allows (of each branch, for an anyOf)."""
-    kinds = schema.get("type", ())
-    if not kinds and "anyOf" in schema:
-        return [kind for branch in schema["anyOf"] for kind in _type_names(branch)]
-    return [kinds] if isinstance(kinds, str) else list(kinds)
-
-
-def _types(schema: Mapping[str, Any]) -> list[Callable[[Any], bool]]:
-    return [_JSON_TYPES[kind] for kind in _type_names(schema)]
-
-
-def _check_type(name: str, value: Any, schema: Mapping[str, Any]) -> None:
-    types = list(dict.fromkeys(_type_names(schema)))
-    if types and not any(_JSON_TYPES[kind](value) for kind in types):
-        if len(types) == 1 and types[0] in _REASONS:
-            raise invalid(name, types[0])
-        raise invalid(name, "type", kinds=" or ".join(types))
-    if isinstance(value, list) and "items" in schema:
-        for item in value:
-            _check_type(name, item, schema["items"])
 
 
 ###############################################################################
