@@ -5577,14 +5577,18 @@ class HmacAuth:
         yield self(request)
 
 
+def _segment(value: str) -> str:
+    """A path segment as RFC 3986 requires it, and no more (``inv:1`` stays ``inv:1``)."""
+    return urllib.parse.quote(str(value), safe=PCHAR_DELIMS)
+
+
 class Client:
     """A signed client of the nine endpoints, standard library only.
 
     ``target`` is a base URL, which may carry a path prefix
     (``"http://127.0.0.1:8080/payments"``), or a WSGI app for in-process use
     (``prefix="/payments"`` when the app is mounted below one). The full path
-    sent is the path signed. One method per endpoint, made from its
-    declaration; each returns the envelope's ``data`` and raises the
+    sent is the path signed. One method per endpoint; each returns the envelope's ``data`` and raises the
     WalletError subclass of the answer's code.
 
     Left out, the target, key and secret are WALLETSVC_URL, WALLETSVC_KEY and
@@ -5606,6 +5610,53 @@ class Client:
         self.timeout, self.clock = timeout, clock
         self.offset = 0  # seconds the sandbox's clock is from ``clock``, as its last GA2013 said
         self.last_headers: dict[str, str] = {}
+
+    # The nine endpoints, a method each (a test holds them to the endpoint declarations): path
+    # parameters first, then the body's required fields, its optional ones by keyword, and the
+    # query's (page, size, sort, filters) as keywords.
+
+    def list_wallets(self, **query: Any) -> dict:
+        """List wallets: GET /api/v1/wallets."""
+        return self.request("GET", "/api/v1/wallets", query=query)
+
+    def get_wallet(self, wallet_id: str) -> dict:
+        """Get a wallet: GET /api/v1/wallets/<wallet_id>."""
+        return self.request("GET", f"/api/v1/wallets/{_segment(wallet_id)}")
+
+    def get_balance(self, wallet_id: str) -> dict:
+        """Get a wallet balance: GET /api/v1/wallets/<wallet_id>/balance."""
+        return self.request("GET", f"/api/v1/wallets/{_segment(wallet_id)}/balance")
+
+    def list_flows(self, wallet_id: str, **query: Any) -> dict:
+        """List a wallet's flows: GET /api/v1/wallets/<wallet_id>/flows."""
+        return self.request("GET", f"/api/v1/wallets/{_segment(wallet_id)}/flows", query=query)
+
+    def list_transfers(self, **query: Any) -> dict:
+        """List transfer orders: GET /api/v1/transfer/query/orders."""
+        return self.request("GET", "/api/v1/transfer/query/orders", query=query)
+
+    def list_wallet_transfers(self, wallet_id: str, **query: Any) -> dict:
+        """List a wallet's transfer orders: GET /api/v1/transfer/query/orders/wallet/<wallet_id>."""
+        return self.request("GET", f"/api/v1/transfer/query/orders/wallet/{_segment(wallet_id)}", query=query)
+
+    def get_transfer(self, biz_id: str) -> dict:
+        """Get a transfer order: GET /api/v1/transfer/query/orders/<biz_id>."""
+        return self.request("GET", f"/api/v1/transfer/query/orders/{_segment(biz_id)}")
+
+    def transfer_completed(self, biz_id: str) -> dict:
+        """Check whether a transfer order is completed:
+        GET /api/v1/transfer/query/orders/<biz_id>/completed."""
+        return self.request("GET", f"/api/v1/transfer/query/orders/{_segment(biz_id)}/completed")
+
+    def create_transfer(self, source_wallet_id: str, target_wallet_id: str, amount: str | decimal.Decimal,
+                        currency: str, *, biz_id: str | None = None, description: str | None = None) -> dict:
+        """Create a transfer order: POST /api/v1/transfer/command/create."""
+        body = {"sourceWalletId": source_wallet_id, "targetWalletId": target_wallet_id, "amount": amount,
+                "currency": currency, "bizId": biz_id, "description": description}
+        return self.request("POST", "/api/v1/transfer/command/create",
+                            body={name: value for name, value in body.items() if value is not None})
+
+    # Signing and sending ####################################################
 
     def request(self, method: str, path: str, *, query: Mapping[str, Any] | None = None,
                 body: Any = None) -> Any:
@@ -5677,50 +5728,6 @@ class Client:
         finally:
             getattr(chunks, "close", lambda: None)()
         return int(started[0].split()[0]), dict(started[1]), payload
-
-
-def _segment(value: str) -> str:
-    """A path segment as RFC 3986 requires it, and no more (``inv:1`` stays ``inv:1``)."""
-    return urllib.parse.quote(str(value), safe=PCHAR_DELIMS)
-
-
-def _snake(name: str) -> str:
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
-
-
-def _client_method(declaration: Endpoint) -> Callable:
-    """A Client method for one declared /api/ endpoint: path parameters first, then
-    the body's required fields, its optional ones by keyword, and query parameters."""
-    P = inspect.Parameter
-    schema = SCHEMAS[declaration.request] if declaration.request else {"properties": {}, "required": []}
-    fields = {_snake(name): name for name in schema["properties"]}
-    parameters = [P("self", P.POSITIONAL_OR_KEYWORD)]
-    parameters += [P(name, P.POSITIONAL_OR_KEYWORD) for name in declaration.path_names]
-    parameters += [P(_snake(name), P.POSITIONAL_OR_KEYWORD) for name in schema["required"]]
-    parameters += [P(snake, P.KEYWORD_ONLY, default=None) for snake, name in fields.items()
-                   if name not in schema["required"]]
-    if any(parameter["in"] == "query" for parameter in declaration.query):
-        parameters.append(P("query", P.VAR_KEYWORD))
-    signature = inspect.Signature(parameters)
-
-    def method(self: Client, *args: Any, **kwargs: Any) -> Any:
-        arguments = signature.bind(self, *args, **kwargs).arguments
-        path = re.sub(r"<(\w+)>", lambda match: _segment(arguments[match.group(1)]), declaration.path)
-        body = None
-        if declaration.request:
-            body = {name: arguments[snake] for snake, name in fields.items()
-                    if arguments.get(snake) is not None}
-        return self.request(declaration.method, path, query=arguments.get("query"), body=body)
-
-    method.__name__ = method.__qualname__ = declaration.name
-    method.__signature__ = signature
-    method.__doc__ = f"{declaration.summary}: {declaration.method} {declaration.path}."
-    return method
-
-
-for _declaration, _handler in declared(WalletApi):
-    if _declaration.surface is Surface.API:
-        setattr(Client, _declaration.name, _client_method(_declaration))
 
 
 ###############################################################################
