@@ -2028,9 +2028,14 @@ def test_openapi_without_admin_token_documents_only_what_is_served(svc) -> None:
     assert not [path for path in document["paths"] if path.startswith("/_admin")]
 
 
-def test_openapi_command_prints_the_raw_document(capsys) -> None:
-    code, out, _ = run_cli(capsys, "openapi")
-    assert code == 0 and json.loads(out)["openapi"] == "3.1.0"
+def test_openapi_command_prints_the_document_a_server_with_the_admin_surface_serves(capsys) -> None:
+    code, out, _ = run_cli(capsys, "openapi", "--url", "http://127.0.0.1:9999")
+    printed = json.loads(out)
+    served = webtest.TestApp(walletsvc.create_app(walletsvc.WalletService(), admin_token="t")).get(
+        "/openapi.json").json
+    assert code == 0 and printed["openapi"] == "3.1.0"
+    assert printed["servers"] == [{"url": "http://127.0.0.1:9999"}]
+    assert {**printed, "servers": None} == {**served, "servers": None}
 
 
 def test_the_document_states_what_the_server_enforces(walletsvc_sandbox) -> None:

@@ -6646,9 +6646,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI 3.1 document (API and admin)")
     openapi.add_argument("--url", default="http://127.0.0.1:8080", help="the server URL the document names")
-    openapi.set_defaults(run=lambda args: print(json.dumps(
-        openapi_document(create_app(WalletService(), admin_token="x").http.endpoints, args.url.rstrip("/")),
-        indent=2)) or 0)
+    openapi.set_defaults(run=lambda args: print(json.dumps(openapi_document(
+        [declaration for handlers in (WalletApi, AdminApi) for declaration, _ in declared(handlers)],
+        args.url.rstrip("/")), indent=2)) or 0)
     return parser
 
 
