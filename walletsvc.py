@@ -1062,9 +1062,15 @@ INSERT INTO nonces_forgotten (api_key, lo, hi) SELECT '*', lo, hi FROM nonce_spa
 DROP TABLE nonce_spans;
 """
 
-# SQLite results that mean "the storage cannot take this now" (S503), extended codes included.
-_UNAVAILABLE = ("SQLITE_BUSY", "SQLITE_LOCKED", "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR",
-                "SQLITE_FULL")
+# SQLite results that mean another connection holds the lock, and those that mean "the storage
+# cannot take this now" (S503); extended codes included (a prefix match).
+_LOCKED = ("SQLITE_BUSY", "SQLITE_LOCKED")
+_UNAVAILABLE = (*_LOCKED, "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR", "SQLITE_FULL")
+
+
+def _is_locked(exc: sqlite3.Error) -> bool:
+    """Whether SQLite refused because another connection holds the lock (try again later)."""
+    return (getattr(exc, "sqlite_errorname", None) or "").startswith(_LOCKED)
 
 
 class LockTimeout(sqlite3.OperationalError):
@@ -1412,9 +1418,7 @@ class Database:
                 conn.execute("BEGIN IMMEDIATE")
                 return conn
             except sqlite3.OperationalError as exc:
-                locked = (getattr(exc, "sqlite_errorname", None) or "").startswith(("SQLITE_BUSY",
-                                                                                    "SQLITE_LOCKED"))
-                if not locked or time.monotonic() + pause > deadline:
+                if not _is_locked(exc) or time.monotonic() + pause > deadline:
                     raise
             time.sleep(pause)
             pause = min(pause * 2, 0.00025)
@@ -1483,8 +1487,7 @@ class Database:
                 conn.execute("BEGIN IMMEDIATE")
                 conn.execute("UPDATE schema_version SET version = version")
             except sqlite3.OperationalError as exc:
-                if not (getattr(exc, "sqlite_errorname", None) or "").startswith(
-                        ("SQLITE_BUSY", "SQLITE_LOCKED")):
+                if not _is_locked(exc):
                     raise
             finally:
                 if conn.in_transaction:
@@ -1868,13 +1871,18 @@ class PageRequest:
         return ", ".join(terms + [f"id {self.order[-1][1]}"])
 
 
+def _page_and_size(query: Query) -> tuple[int, int]:
+    """page (default 0, >= 0) and size (default DEFAULT_PAGE_SIZE, >= 1, capped at MAX_PAGE_SIZE)."""
+    return _page_integer(query, "page", 0, 0), min(_page_integer(query, "size", DEFAULT_PAGE_SIZE, 1),
+                                                   MAX_PAGE_SIZE)
+
+
 def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest:
     """page (default 0, >= 0), size (default 20, >= 1, capped at 100), sort.
 
     ``sortable`` maps the API's field names to columns; anything else is S012.
     """
-    number = _page_integer(query, "page", 0, 0)
-    size = min(_page_integer(query, "size", DEFAULT_PAGE_SIZE, 1), MAX_PAGE_SIZE)
+    number, size = _page_and_size(query)
     order = []
     for text in query.get("sort", ()):
         field, comma, direction = text.partition(",")
@@ -1947,6 +1955,13 @@ def page_response(items: list, request: PageRequest, total: int) -> dict:
             "totalPages": -(-total // request.size),
         },
     }
+
+
+def page_of(items: list, query: Query) -> dict:
+    """The page ``query`` asks for (page and size, as the lists take them) of a list in memory."""
+    number, size = _page_and_size(query)
+    request = PageRequest(number, size, ())
+    return page_response(items[request.offset:request.offset + size], request, len(items))
 
 
 def filter_choice(query: Query, name: str, choices: Sequence[str]) -> str | None:
@@ -4015,8 +4030,8 @@ SCHEMAS: Mapping[str, dict] = {
 
 _PAGE_PARAMETERS = (
     {"name": "page", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0}},
-    {"name": "size", "in": "query", "schema": {"type": "integer", "minimum": 1, "default": 20},
-     "description": "values above 100 are capped at 100"},
+    {"name": "size", "in": "query", "schema": {"type": "integer", "minimum": 1, "default": DEFAULT_PAGE_SIZE},
+     "description": f"values above {MAX_PAGE_SIZE} are capped at {MAX_PAGE_SIZE}"},
 )
 
 
@@ -5026,7 +5041,9 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
             "schemas": dict(SCHEMAS),
             "securitySchemes": {
                 "ApiKey": {**header, "name": "X-Api-Key"},
-                "Timestamp": {**header, "name": "X-Timestamp", "description": "Unix seconds, within 60 s"},
+                "Timestamp": {**header, "name": "X-Timestamp",
+                              "description": "Unix seconds, within the server's timestamp_tolerance of its"
+                                             f" clock ({Settings().timestamp_tolerance} s by default)"},
                 "Nonce": {**header, "name": "X-Nonce", "description": "unique per key; UUID v4 recommended"},
                 "Signature": {**header, "name": "X-Signature",
                               "description": "Base64 HMAC-SHA256 of the canonical message"},
@@ -5368,22 +5385,20 @@ class AdminApi:
         """Query parameters ``method``, ``path``, ``code``, ``query.NAME``, ``header.NAME``, ``body``
         (JSON); ``after``: only entries whose seq is greater (what is new since a poll);
         ``last``: only the newest so many of the matching entries; ``page`` and ``size`` as
-        the API's lists (size 20 by default, at most 100)."""
-        after, last = (_page_integer(call.request.query, name, -1, 0) for name in ("after", "last"))
-        number = _page_integer(call.request.query, "page", 0, 0)
-        size = min(_page_integer(call.request.query, "size", DEFAULT_PAGE_SIZE, 1), MAX_PAGE_SIZE)
+        the API's lists take them."""
         query = call.request.query
+        after, last = (_page_integer(query, name, -1, 0) for name in ("after", "last"))
+        _page_and_size(query)  # refused before the journal is read
         criteria: dict[str, Any] = {name: first(query, name) for name in ("method", "path", "code")}
         for kind, field in (("query.", "query"), ("header.", "headers")):
-            criteria[field] = {name[len(kind):]: values[0] for name, values in call.request.query.items()
+            criteria[field] = {name[len(kind):]: values[0] for name, values in query.items()
                                if name.startswith(kind)}
-        if first(call.request.query, "body") is not None:
-            criteria["body"] = json_object(first(call.request.query, "body").encode("utf-8"))
+        if first(query, "body") is not None:
+            criteria["body"] = json_object(first(query, "body").encode("utf-8"))
         entries = self.svc.journal.entries(after=max(after, 0), **criteria)
         if last >= 0:
             entries = entries[len(entries) - min(last, len(entries)):]
-        request = PageRequest(number, size, ())
-        return page_response(entries[request.offset:request.offset + size], request, len(entries))
+        return page_of(entries, query)
 
     @endpoint("POST", "/_admin/journal/assert", "Assert on the journal: passed, the count, the near misses",
               request="JournalAssertBody", response="JournalVerdict")
