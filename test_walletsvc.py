@@ -68,11 +68,6 @@ class Clock:
         self.now += seconds
 
 
-def _manual_signature(key: dict, message: bytes) -> str:
-    digest = hmac.new(key["secret"].encode(), message, hashlib.sha256).digest()
-    return base64.b64encode(digest).decode()
-
-
 def spec_signature(secret: str, method: str, path: str, timestamp: str, nonce: str, body: bytes) -> str:
     """The contract's signature computation (docs/contract.md, Signing), written from it:
     Base64(HMAC-SHA256(the five components joined by LF, the secret)), the body hashed as lowercase hex
@@ -85,12 +80,11 @@ def spec_signature(secret: str, method: str, path: str, timestamp: str, nonce: s
 
 def _signed(method: str, path: str, key: str, secret: str, body: bytes = b"", timestamp: int | None = None,
             nonce: str | None = None) -> dict:
-    """The four headers of docs/contract.md, computed here from its rules (no walletsvc import): a captured
+    """The four headers of docs/contract.md, signed by spec_signature (no walletsvc import): a captured
     request is these headers sent again."""
     ts, nonce = str(int(time.time()) if timestamp is None else timestamp), nonce or str(uuid.uuid4())
-    message = "\n".join((method, path, ts, nonce, hashlib.sha256(body).hexdigest())).encode()
-    signature = base64.b64encode(hmac.new(secret.encode(), message, hashlib.sha256).digest()).decode()
-    headers = {"X-Api-Key": key, "X-Timestamp": ts, "X-Nonce": nonce, "X-Signature": signature}
+    headers = {"X-Api-Key": key, "X-Timestamp": ts, "X-Nonce": nonce,
+               "X-Signature": spec_signature(secret, method, path, ts, nonce, body)}
     return {**headers, "Content-Type": "application/json"} if body else headers
 
 
@@ -911,9 +905,8 @@ def test_signature_with_another_secret_is_ga2012(svc, api: Api, world: dict) -> 
 
 def test_signature_matches_spec_recipe_computed_by_hand(api: Api, world: dict) -> None:
     path, nonce = "/api/v1/wallets", str(uuid.uuid4())
-    message = f"GET\n{path}\n{NOW}\n{nonce}\n{hashlib.sha256(b'').hexdigest()}".encode()
     headers = {"X-Api-Key": world["key"]["apiKey"], "X-Timestamp": str(NOW), "X-Nonce": nonce,
-               "X-Signature": _manual_signature(world["key"], message)}
+               "X-Signature": spec_signature(world["key"]["secret"], "GET", path, str(NOW), nonce, b"")}
     data(api.request("GET", path, headers=headers))
 
 
@@ -932,8 +925,11 @@ def test_sign_request_is_standard_hmac_sha256_for_any_secret(secret: str) -> Non
 def test_get_must_sign_the_empty_body_hash(api: Api, world: dict, body_hash: str) -> None:
     path, nonce = "/api/v1/wallets", "n-empty"
     parts = ["GET", path, str(NOW), nonce] + ([body_hash] if body_hash else [])
+    # A variant on purpose: another body hash, or none, in the message, which spec_signature (it hashes
+    # the body itself) cannot sign; so its HMAC is computed here.
+    mac = hmac.new(world["key"]["secret"].encode(), "\n".join(parts).encode(), hashlib.sha256).digest()
     headers = {"X-Api-Key": world["key"]["apiKey"], "X-Timestamp": str(NOW), "X-Nonce": nonce,
-               "X-Signature": _manual_signature(world["key"], "\n".join(parts).encode())}
+               "X-Signature": base64.b64encode(mac).decode()}
     body = error(api.request("GET", path, headers=headers), "GA2012", 401)
     assert "Canonical message: GET\\n/api/v1/wallets\\n" in body["detail"]
     assert world["key"]["secret"] not in body["detail"]
@@ -941,8 +937,11 @@ def test_get_must_sign_the_empty_body_hash(api: Api, world: dict, body_hash: str
 
 def test_trailing_line_feed_in_the_message_is_ga2012(api: Api, world: dict) -> None:
     message = f"GET\n/api/v1/wallets\n{NOW}\nn-lf\n{EMPTY_SHA256}\n".encode()
+    # A variant on purpose: a line feed after the contract's message, which spec_signature cannot sign; so
+    # its HMAC is computed here.
+    mac = hmac.new(world["key"]["secret"].encode(), message, hashlib.sha256).digest()
     headers = {"X-Api-Key": world["key"]["apiKey"], "X-Timestamp": str(NOW), "X-Nonce": "n-lf",
-               "X-Signature": _manual_signature(world["key"], message)}
+               "X-Signature": base64.b64encode(mac).decode()}
     error(api.request("GET", "/api/v1/wallets", headers=headers), "GA2012", 401)
 
 
@@ -960,9 +959,8 @@ def test_query_string_is_not_signed(api: Api) -> None:
     path = "/api/v1/wallets"
     headers = api.headers("GET", path + "?size=5")  # sign_request drops the query too
     data(api.request("GET", path, query="size=5", headers=headers))
-    message_with_query = f"GET\n/api/v1/wallets?size=5\n{NOW}\nq-1\n{EMPTY_SHA256}".encode()
-    headers = {**api.headers("GET", path, **{"X-Nonce": "q-1"}),
-               "X-Signature": _manual_signature(api.key, message_with_query)}
+    with_query = spec_signature(api.key["secret"], "GET", path + "?size=5", str(NOW), "q-1", b"")
+    headers = {**api.headers("GET", path, **{"X-Nonce": "q-1"}), "X-Signature": with_query}
     error(api.request("GET", path, query="size=5", headers=headers), "GA2012", 401)
 
 
@@ -2839,26 +2837,29 @@ def test_no_replay_at_any_edge_of_the_window(svc, api: Api, clock: Clock, later:
 
 def _mistaken_signature(key: dict, mistake: str, method: str, path: str, timestamp: str, nonce: str,
                         body: bytes, query: str, prefix: str) -> str:
-    """X-Signature as a client making ``mistake`` computes it (the test's own HMAC, not walletsvc's)."""
-    digest = hashlib.sha256(body).hexdigest()
-    signed_path, secret, tail = prefix + path, key["secret"], ""
+    """X-Signature as a client making ``mistake`` computes it (the test's own HMAC, not walletsvc's):
+    spec_signature over the inputs the mistake changes, or its output re-encoded; a mistake in the recipe
+    itself is the one variant below."""
+    signed_path, secret = prefix + path, key["secret"]
     if mistake == "query string signed":
         signed_path += "?" + query
     elif mistake == "mount prefix left out":
         signed_path = path
     elif mistake == "body re-serialised":
-        digest = hashlib.sha256(json.dumps(json.loads(body)).encode()).hexdigest()
+        body = json.dumps(json.loads(body)).encode()
     elif mistake == "empty-body hash on a POST":
-        digest = hashlib.sha256(b"").hexdigest()
+        body = b""
     elif mistake == "trailing line feed":
-        tail = "\n"
+        # A variant on purpose: a line feed after the contract's message, which spec_signature cannot
+        # sign; so its HMAC is computed here.
+        message = f"{method}\n{signed_path}\n{timestamp}\n{nonce}\n{hashlib.sha256(body).hexdigest()}\n"
+        return base64.b64encode(hmac.new(secret.encode(), message.encode(), hashlib.sha256).digest()).decode()
     elif mistake == "lowercase method":
         method = method.lower()
     elif mistake == "secret with surrounding whitespace":
         secret = secret + "\n"
-    message = f"{method}\n{signed_path}\n{timestamp}\n{nonce}\n{digest}{tail}"
-    mac = hmac.new(secret.encode(), message.encode(), hashlib.sha256).digest()
-    return mac.hex() if mistake == "hex instead of Base64" else base64.b64encode(mac).decode()
+    signature = spec_signature(secret, method, signed_path, timestamp, nonce, body)
+    return base64.b64decode(signature).hex() if mistake == "hex instead of Base64" else signature
 
 
 @pytest.mark.parametrize("mistake, named, named_zh", [
@@ -2912,10 +2913,10 @@ def test_a_timestamp_in_milliseconds_is_named(api: Api) -> None:
 def test_a_signature_over_a_millisecond_timestamp_is_diagnosed(api: Api, world: dict) -> None:
     """docs/signing.md: the header in seconds, the signed message in milliseconds."""
     nonce = str(uuid.uuid4())
-    message = "\n".join(("GET", "/api/v1/wallets", f"{NOW}123", nonce,
-                         hashlib.sha256(b"").hexdigest())).encode()
-    detail = error(api.get("/api/v1/wallets", **{"X-Nonce": nonce, "X-Signature": _manual_signature(
-        world["key"], message)}), "GA2012", 401)["detail"]
+    in_milliseconds = spec_signature(world["key"]["secret"], "GET", "/api/v1/wallets", f"{NOW}123", nonce,
+                                     b"")
+    detail = error(api.get("/api/v1/wallets", **{"X-Nonce": nonce, "X-Signature": in_milliseconds}),
+                   "GA2012", 401)["detail"]
     assert "timestamp was signed in milliseconds" in detail
 
 
@@ -4262,12 +4263,7 @@ def test_version_is_printed() -> None:
 def _plain_signed(method: str, url: str, path: str, key: str, secret: str, body: bytes = b"",
                   timestamp: int | None = None) -> requests.Response:
     """A signed request written the way a suite in another language would: no walletsvc import."""
-    ts, nonce = str(timestamp if timestamp is not None else int(time.time())), str(uuid.uuid4())
-    message = "\n".join((method, path, ts, nonce, hashlib.sha256(body).hexdigest())).encode()
-    signature = base64.b64encode(hmac.new(secret.encode(), message, hashlib.sha256).digest()).decode()
-    headers = {"X-Api-Key": key, "X-Timestamp": ts, "X-Nonce": nonce, "X-Signature": signature}
-    if body:
-        headers["Content-Type"] = "application/json"
+    headers = _signed(method, path, key, secret, body, timestamp)
     return requests.request(method, url + path, data=body or None, headers=headers, timeout=10)
 
 
@@ -5738,9 +5734,8 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
 
     # A bad signature (the query string signed): the journal row opens on the server's diagnosis.
     timestamp, nonce = str(int(time.time())), str(uuid.uuid4())
-    wrong = f"GET\n/api/v1/wallets?size=5\n{timestamp}\n{nonce}\n{hashlib.sha256(b'').hexdigest()}"
-    signature = base64.b64encode(hmac.new(env["WALLETSVC_SECRET"].encode(), wrong.encode(),
-                                          hashlib.sha256).digest()).decode()
+    signature = spec_signature(env["WALLETSVC_SECRET"], "GET", "/api/v1/wallets?size=5", timestamp, nonce,
+                               b"")
     refused = requests.get(server.url + "/api/v1/wallets?size=5", timeout=10, headers={
         "X-Api-Key": env["WALLETSVC_KEY"], "X-Timestamp": timestamp, "X-Nonce": nonce,
         "X-Signature": signature})
