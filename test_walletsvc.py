@@ -49,13 +49,13 @@ import walletsvc
 
 NOW = 1_800_000_000  # a frozen epoch second
 T0 = "2027-01-15T08:00:00.000Z"  # NOW as ISO-8601
-SCOPES = ["wallet:read", "transfer:read", "transfer:create"]  # docs/contract.md "Scopes"
+CONTRACT_SCOPES = ["wallet:read", "transfer:read", "transfer:create"]  # docs/contract.md "Scopes"
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # SHA-256 of b"", hex
 TRANSFER_PATH = "/api/v1/transfer/command/create"
 ADMIN = {"Authorization": "Bearer walletsvc-test-admin"}  # the Sandbox's admin token (README)
 
 
-class Clock:
+class FrozenClock:
     """A frozen clock the service reads instead of time.time()."""
 
     def __init__(self, now: float = NOW) -> None:
@@ -91,7 +91,7 @@ def _signed(method: str, path: str, key: str, secret: str, body: bytes = b"", ti
 class Api:
     """Signs and sends requests to a webtest app the way a client would."""
 
-    def __init__(self, app: webtest.TestApp, key: dict, clock: Clock, prefix: str = "") -> None:
+    def __init__(self, app: webtest.TestApp, key: dict, clock: FrozenClock, prefix: str = "") -> None:
         self.app, self.key, self.clock, self.prefix = app, key, clock, prefix
 
     def headers(self, method: str, path: str, body: bytes = b"", **overrides: str | None) -> dict:
@@ -179,12 +179,12 @@ def error(response: webtest.TestResponse, code: str, status: int) -> dict:
 
 
 @pytest.fixture
-def clock() -> Clock:
-    return Clock()
+def clock() -> FrozenClock:
+    return FrozenClock()
 
 
 @pytest.fixture
-def svc(clock: Clock):
+def svc(clock: FrozenClock):
     service = walletsvc.WalletService(":memory:", clock=clock)
     yield service
     service.close()
@@ -198,7 +198,7 @@ def world(svc: walletsvc.WalletService):
 
 def make_world(svc: walletsvc.WalletService) -> dict:
     ws = svc.create_workspace("Acme")
-    key = svc.create_api_key(ws["id"], SCOPES)
+    key = svc.create_api_key(ws["id"], CONTRACT_SCOPES)
     usd_a = svc.create_wallet(ws["id"], "USD", name="a")
     usd_b = svc.create_wallet(ws["id"], "USD", name="b")
     jpy = svc.create_wallet(ws["id"], "JPY", name="yen")
@@ -213,7 +213,7 @@ def app(svc: walletsvc.WalletService) -> webtest.TestApp:
 
 
 @pytest.fixture
-def api(app: webtest.TestApp, world: dict, clock: Clock) -> Api:
+def api(app: webtest.TestApp, world: dict, clock: FrozenClock) -> Api:
     return Api(app, world["key"], clock)
 
 
@@ -504,7 +504,7 @@ def _transfer_of(sandbox, amount: str, biz_id: str, **headers: str) -> None:
 ###############################################################################
 
 
-def test_success_envelope_has_every_field(api: Api, world: dict, clock: Clock) -> None:
+def test_success_envelope_has_every_field(api: Api, world: dict, clock: FrozenClock) -> None:
     response = api.get(f"/api/v1/wallets/{world['a']}")
     assert response.headers["Content-Type"] == "application/json; charset=utf-8"
     body = response.json
@@ -627,7 +627,7 @@ def test_list_wallets_shape(api: Api, world: dict) -> None:
     ("/api/v1/transfer/query/orders/completed", "T1001"),
     ("/api/v1/wallets/balance", "W1001"),  # the wallet whose id is "balance"
 ])
-def test_ambiguous_paths_go_to_the_first_route_declared(svc, world: dict, clock: Clock, path: str,
+def test_ambiguous_paths_go_to_the_first_route_declared(svc, world: dict, clock: FrozenClock, path: str,
                                                         code: str) -> None:
     """The direct path's route table answers as bottle's router does (bottle as the control)."""
     plugged = walletsvc.create_app(svc)
@@ -1091,7 +1091,7 @@ ENDPOINTS = [  # (method, path template, required scope)
 ]
 
 
-@pytest.mark.parametrize("scope", SCOPES)
+@pytest.mark.parametrize("scope", CONTRACT_SCOPES)
 @pytest.mark.parametrize("method, template, required", ENDPOINTS)
 def test_each_scope_grants_exactly_its_endpoints(svc, api, world, scope, method, template,
                                                  required) -> None:
@@ -1184,14 +1184,14 @@ def _catalog_trigger(code: str, svc, api: Api, world: dict, monkeypatch) -> webt
         svc.delete_workspace(ws)
     if code == "GA2034":
         member = svc.add_member(ws, "bea")
-        api.key = svc.create_api_key(ws, SCOPES, member_id=member["id"])
+        api.key = svc.create_api_key(ws, CONTRACT_SCOPES, member_id=member["id"])
         svc.remove_member(ws, member["id"])
     if code == "GA2013":
         return api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 61)})
     if code == "GA2012":
         return api.get("/api/v1/wallets", **{"X-Signature": base64.b64encode(b"\0" * 32).decode()})
     if code == "GA2022":
-        api.key = svc.create_api_key(ws, SCOPES, ip_whitelist=["203.0.113.7"])
+        api.key = svc.create_api_key(ws, CONTRACT_SCOPES, ip_whitelist=["203.0.113.7"])
     if code == "GA2024":
         api.key = svc.create_api_key(ws, ["transfer:read"])
     if code == "50090201":
@@ -1322,7 +1322,7 @@ def test_python_api_transfer_matches_http(svc, world: dict) -> None:
     assert svc.list_transfers(world["ws"]["id"], {"size": 1})["content"] == [order]
 
 
-def test_two_services_in_one_process_share_nothing(clock: Clock) -> None:
+def test_two_services_in_one_process_share_nothing(clock: FrozenClock) -> None:
     first_svc = walletsvc.WalletService(":memory:", clock=clock)
     second_svc = walletsvc.WalletService(":memory:", clock=clock)
     key = first_svc.create_api_key(first_svc.create_workspace("one")["id"], ["wallet:read"])
@@ -2262,7 +2262,7 @@ values = ["0.01", "1.00", "10", "250.50", "999999999999999.99"]
 ###############################################################################
 
 
-def test_hooks_and_plugins_added_to_the_app_see_api_requests(svc, world: dict, clock: Clock) -> None:
+def test_hooks_and_plugins_added_to_the_app_see_api_requests(svc, world: dict, clock: FrozenClock) -> None:
     """/api/ GET and POST skip bottle's request objects unless someone else needs them."""
     seen: list = []
 
@@ -2292,7 +2292,7 @@ def test_hooks_and_plugins_added_to_the_app_see_api_requests(svc, world: dict, c
 
 
 def test_a_route_added_after_create_app_takes_its_place_among_the_api_routes(svc, world: dict,
-                                                                             clock: Clock) -> None:
+                                                                             clock: FrozenClock) -> None:
     """A plain bottle route someone adds is bottle's to serve, as bottle serves it."""
     app = walletsvc.create_app(svc)
     app.route("/api/v1/wallets/special", "GET", lambda: {"special": True})  # static: before <wallet_id>
@@ -2581,7 +2581,7 @@ def _twin_app(tmp_path: pathlib.Path, name: str) -> tuple[walletsvc.WalletApp, d
     """A service made the same way each time (seeded ids, frozen clock): its answers match byte for byte."""
     svc = walletsvc.WalletService(str(tmp_path / f"{name}.db"), clock=walletsvc.Clock(NOW), id_seed=7)
     workspace = svc.create_workspace("twins")
-    key = svc.create_api_key(workspace["id"], scopes=SCOPES)
+    key = svc.create_api_key(workspace["id"], scopes=CONTRACT_SCOPES)
     wallets = {name: svc.create_wallet(workspace["id"], "USD", name=name)["id"] for name in ("a", "b")}
     svc.deposit(wallets["a"], "100.00")
     return walletsvc.create_app(svc, admin_token="t" * 32), key, wallets
@@ -2729,7 +2729,7 @@ def test_signed_path_is_the_raw_path_the_client_sent(api: Api, world: dict) -> N
                       REQUEST_URI=raw + "?x=1"), "GA2012", 401)
 
 
-def test_app_mounted_under_a_prefix_signs_the_full_path(svc, world: dict, clock: Clock) -> None:
+def test_app_mounted_under_a_prefix_signs_the_full_path(svc, world: dict, clock: FrozenClock) -> None:
     parent = bottle.Bottle()
     parent.mount("/payments/", walletsvc.create_app(svc))
     client = webtest.TestApp(parent)
@@ -2766,7 +2766,7 @@ def test_bad_signature_does_not_burn_the_nonce(api: Api) -> None:
     data(api.get("/api/v1/wallets", **{"X-Nonce": "n-1"}))
 
 
-def test_a_recorded_nonce_is_refused_whatever_the_clock_does(svc, api: Api, clock: Clock) -> None:
+def test_a_recorded_nonce_is_refused_whatever_the_clock_does(svc, api: Api, clock: FrozenClock) -> None:
     """docs/contract.md, Replay protection: records are kept exactly, not by the clock: a nonce used once
     is refused for
     its key a day later, after the clock went back, and signed at another time."""
@@ -2812,7 +2812,7 @@ def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_p
                                                        timestamp=second)).json["success"]
 
 
-def test_time_is_compared_in_whole_seconds(svc, api: Api, clock: Clock) -> None:
+def test_time_is_compared_in_whole_seconds(svc, api: Api, clock: FrozenClock) -> None:
     clock.now = NOW + 0.3
     data(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW - 60)}))
     data(api.get("/api/v1/wallets", **{"X-Timestamp": str(NOW + 60)}))
@@ -2822,7 +2822,7 @@ def test_time_is_compared_in_whole_seconds(svc, api: Api, clock: Clock) -> None:
 
 
 @pytest.mark.parametrize("later", [0.0, 60.0, 119.999, 120.0, 120.5, 120.999])
-def test_no_replay_at_any_edge_of_the_window(svc, api: Api, clock: Clock, later: float) -> None:
+def test_no_replay_at_any_edge_of_the_window(svc, api: Api, clock: FrozenClock, later: float) -> None:
     """Signed with ts = T+60 and first used at T: refused at every later moment it would pass step 4."""
     headers = api.headers("GET", "/api/v1/wallets", **{"X-Timestamp": str(NOW + 60)})
     data(api.request("GET", "/api/v1/wallets", headers=headers))
@@ -4755,7 +4755,7 @@ def test_sandbox_fixture_is_ready_to_use(walletsvc_sandbox) -> None:
     sandbox = walletsvc_sandbox
     assert {name: (w["currency"], w["balance"]) for name, w in sandbox.wallets.items()} == {
         "alice": ("USD", "1000.00"), "bob": ("USD", "1000.00"), "yen": ("JPY", "100000")}
-    assert sorted(sandbox.key["scopes"]) == sorted(SCOPES)
+    assert sorted(sandbox.key["scopes"]) == sorted(CONTRACT_SCOPES)
     assert sandbox.client.list_wallets()["page"]["totalElements"] == 3
     response = webtest.TestApp(sandbox.app).get("/api/v1/wallets",
                                                 headers=sandbox.headers("GET", "/api/v1/wallets"))
