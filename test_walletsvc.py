@@ -184,10 +184,24 @@ def clock() -> FrozenClock:
 
 
 @pytest.fixture
-def svc(clock: FrozenClock):
-    service = walletsvc.WalletService(":memory:", clock=clock)
-    yield service
-    service.close()
+def make_service():
+    """``make_service(database=":memory:", **settings)`` builds a WalletService as walletsvc.WalletService
+    does (on walletsvc's own clock unless ``clock=`` is given, e.g. the frozen ``clock``); each one built is
+    closed at teardown."""
+    built: list[walletsvc.WalletService] = []
+
+    def make(database: str = ":memory:", **settings: Any) -> walletsvc.WalletService:
+        built.append(walletsvc.WalletService(database, **settings))
+        return built[-1]
+
+    yield make
+    for service in built:
+        service.close()
+
+
+@pytest.fixture
+def svc(make_service, clock: FrozenClock) -> walletsvc.WalletService:
+    return make_service(clock=clock)
 
 
 @pytest.fixture
@@ -1229,8 +1243,8 @@ def _catalog_trigger(code: str, svc, api: Api, world: dict, monkeypatch) -> webt
 
 
 @pytest.mark.parametrize("code", list(CATALOG))
-def test_every_catalog_row_is_what_a_real_response_carries(code, clock, monkeypatch) -> None:
-    svc = walletsvc.WalletService(":memory:", clock=clock, magic_values=True)
+def test_every_catalog_row_is_what_a_real_response_carries(code, clock, make_service, monkeypatch) -> None:
+    svc = make_service(clock=clock, magic_values=True)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
     response = _catalog_trigger(code, svc, api, world_, monkeypatch)
@@ -1322,9 +1336,9 @@ def test_python_api_transfer_matches_http(svc, world: dict) -> None:
     assert svc.list_transfers(world["ws"]["id"], {"size": 1})["content"] == [order]
 
 
-def test_two_services_in_one_process_share_nothing(clock: FrozenClock) -> None:
-    first_svc = walletsvc.WalletService(":memory:", clock=clock)
-    second_svc = walletsvc.WalletService(":memory:", clock=clock)
+def test_two_services_in_one_process_share_nothing(clock: FrozenClock, make_service) -> None:
+    first_svc = make_service(clock=clock)
+    second_svc = make_service(clock=clock)
     key = first_svc.create_api_key(first_svc.create_workspace("one")["id"], ["wallet:read"])
     second = Api(webtest.TestApp(walletsvc.create_app(second_svc)), key, clock)
     error(second.get("/api/v1/wallets"), "GA2011", 401)
@@ -1561,8 +1575,8 @@ def test_settings_convert_strings() -> None:
     assert [str(net) for net in settings.trusted_proxies] == ["10.0.0.0/8", "::1/128"]
 
 
-def test_create_app_takes_only_http_settings_and_the_service_only_its_own() -> None:
-    svc = walletsvc.WalletService(":memory:")
+def test_create_app_takes_only_http_settings_and_the_service_only_its_own(make_service) -> None:
+    svc = make_service()
     for name, value in [("settlement", "manual"), ("magic_values", True), ("journal_size", 5)]:
         with pytest.raises(ValueError, match=r"WalletService\(path"):
             walletsvc.create_app(svc, **{name: value})
@@ -1671,10 +1685,10 @@ def test_client_covers_the_nine_endpoints(svc, world, live, clock, target) -> No
     assert raised.value.code == "T1001"
 
 
-def test_client_methods_come_from_the_declarations() -> None:
+def test_client_methods_come_from_the_declarations(make_service) -> None:
     import inspect
 
-    document = webtest.TestApp(walletsvc.create_app(walletsvc.WalletService())).get("/openapi.json").json
+    document = webtest.TestApp(walletsvc.create_app(make_service())).get("/openapi.json").json
     api_operations = {operation["operationId"] for path, operations in document["paths"].items()
                       if path.startswith("/api/") for operation in operations.values()}
     assert len(api_operations) == 9
@@ -1790,7 +1804,7 @@ def test_admin_surface_refuses_a_wrong_token(svc, authorization) -> None:
         error(response, "S401", 401)
 
 
-def test_admin_surface_mirrors_the_python_api(svc, clock) -> None:
+def test_admin_surface_mirrors_the_python_api(svc, clock, make_service) -> None:
     app = admin_app(svc)
     auth = {"Authorization": "Bearer s3cret"}
 
@@ -1817,7 +1831,7 @@ def test_admin_surface_mirrors_the_python_api(svc, clock) -> None:
     assert call("GET", f"/_admin/wallets/{a['id']}")["balance"] == "8.00"
     assert call("GET", f"/_admin/workspaces/{ws['id']}/wallets")["page"]["totalElements"] == 2
     call("POST", f"/_admin/wallets/{b['id']}/status", {"status": "ACTIVE"})
-    manual = walletsvc.WalletService(":memory:", settlement="manual")
+    manual = make_service(settlement="manual")
     svc.settings = manual.settings  # the same service, now settling manually
     svc.create_transfer(ws["id"], source_wallet_id=a["id"], target_wallet_id=b["id"], amount="1.00",
                         currency="USD", biz_id="t-1")
@@ -2145,10 +2159,10 @@ def stated_rules(document: dict) -> dict[str, set[str]]:
             for path, operations in document["paths"].items() for method, operation in operations.items()}
 
 
-def test_the_document_states_the_rules_beyond_its_schemas() -> None:
+def test_the_document_states_the_rules_beyond_its_schemas(make_service) -> None:
     """Issue: Schemathesis found valid-looking bodies refused by rules the document never stated. Each
     is now in its operation's description, with its code and field, and each refusal is one of them."""
-    app = webtest.TestApp(walletsvc.create_app(walletsvc.WalletService(), admin_token="t"))
+    app = webtest.TestApp(walletsvc.create_app(make_service(), admin_token="t"))
     stated = stated_rules(app.get("/openapi.json").json)
     assert {"faults"} <= stated["POST /_admin/faults"]  # the 101st rule
     assert {"status"} <= stated["POST /_admin/wallets/{wallet_id}/status"]  # CLOSED is final
@@ -2443,7 +2457,7 @@ def _wait_for(url: str, process: subprocess.Popen | None = None) -> None:
     raise AssertionError(f"{url} never answered")
 
 
-def test_wsgiref_which_gives_no_raw_path_serves_the_same(tmp_path) -> None:
+def test_wsgiref_which_gives_no_raw_path_serves_the_same(tmp_path, make_service) -> None:
     """bottle's own run() is wsgiref: the app sees only the decoded path."""
     from wsgiref.simple_server import WSGIRequestHandler, make_server
 
@@ -2453,7 +2467,7 @@ def test_wsgiref_which_gives_no_raw_path_serves_the_same(tmp_path) -> None:
 
     path = str(tmp_path / "wsgiref.db")
     key = _funded_database(path)
-    server = make_server("127.0.0.1", 0, walletsvc.create_app(walletsvc.WalletService(path)),
+    server = make_server("127.0.0.1", 0, walletsvc.create_app(make_service(path)),
                          handler_class=Quiet)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
@@ -2464,7 +2478,7 @@ def test_wsgiref_which_gives_no_raw_path_serves_the_same(tmp_path) -> None:
                                       key["secret"])  # signed as a client that encodes ':' sends it
         refused = requests.get(base_url + "/api/v1/transfer/query/orders/inv%3A1.a", headers=over, timeout=10)
         assert refused.json()["code"] == "GA2012"  # (debug_signatures is off: no diagnosis)
-        debug = walletsvc.create_app(walletsvc.WalletService(path), debug_signatures=True)
+        debug = walletsvc.create_app(make_service(path), debug_signatures=True)
         answer = webtest.TestApp(debug).get("/api/v1/transfer/query/orders/inv%3A1.a", headers=over,
                                             expect_errors=True)
         assert ("the path was percent-encoded where this server cannot see the encoding"
@@ -2521,10 +2535,10 @@ def test_an_embedding_recipe_goes_from_an_empty_folder_to_a_signed_200(tmp_path,
             assert requests.get(f"http://127.0.0.1:{port}/elsewhere", timeout=10).status_code == 404
 
 
-def test_waitress_serves_the_same_path(tmp_path) -> None:
+def test_waitress_serves_the_same_path(tmp_path, make_service) -> None:
     path = str(tmp_path / "waitress.db")
     key = _funded_database(path)
-    server = walletsvc.LiveServer(walletsvc.create_app(walletsvc.WalletService(path)))
+    server = walletsvc.LiveServer(walletsvc.create_app(make_service(path)))
     try:
         _signed_checks(server.url, key)
     finally:
@@ -2780,10 +2794,11 @@ def test_a_recorded_nonce_is_refused_whatever_the_clock_does(svc, api: Api, cloc
     data(api.request("GET", "/api/v1/wallets", headers=headers))  # unique per key: another key may use it
 
 
-def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_path, clock) -> None:
+def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_path, clock,
+                                                                            make_service) -> None:
     """docs/operations.md: the records stay bounded by a count (here the least, 1000); past it the oldest are
     forgotten, and a forgotten second refuses only requests signed in that second for that key."""
-    svc = walletsvc.WalletService(str(tmp_path / "bounded.db"), clock=clock)
+    svc = make_service(str(tmp_path / "bounded.db"), clock=clock)
     world_ = make_world(svc)
     app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
     key, other = world_["key"], svc.create_api_key(world_["ws"]["id"])
@@ -2981,7 +2996,7 @@ def test_frozen_wallet_moves_no_money(svc, world) -> None:
         assert (raised.value.code, raised.value.status) == ("W1002", 422)
 
 
-def test_a_closed_wallet_stays_closed(tmp_path, walletsvc_sandbox) -> None:
+def test_a_closed_wallet_stays_closed(tmp_path, walletsvc_sandbox, make_service) -> None:
     """docs/reference.md: ACTIVE and FROZEN go back and forth; CLOSED is final."""
     app = webtest.TestApp(walletsvc_sandbox.app)
     wallet = walletsvc_sandbox.wallets["yen"]["id"]
@@ -2993,14 +3008,14 @@ def test_a_closed_wallet_stays_closed(tmp_path, walletsvc_sandbox) -> None:
     assert app.post_json(f"/_admin/wallets/{wallet}/status", {"status": "CLOSED"},
                          headers=ADMIN).json["success"]
     path = str(tmp_path / "cli.db")
-    svc = walletsvc.WalletService(path)
+    svc = make_service(path)
     closed = svc.create_wallet(svc.create_workspace("w")["id"], "USD")["id"]
     svc.set_wallet_status(closed, "CLOSED")
     svc.close()
     done = subprocess.run([sys.executable, "-m", "walletsvc", "wallet", "unfreeze", closed, "--db", path],
                           capture_output=True, text=True, timeout=60, check=False)
     assert done.returncode == 1 and "CLOSED" in done.stderr and "Traceback" not in done.stderr
-    assert walletsvc.WalletService(path).get_wallet(closed)["status"] == "CLOSED"
+    assert make_service(path).get_wallet(closed)["status"] == "CLOSED"
 
 
 ###############################################################################
@@ -3062,8 +3077,8 @@ def test_biz_ids_are_unique_per_workspace_not_globally(svc, api: Api, world: dic
 
 
 @pytest.fixture
-def manual(clock):
-    svc = walletsvc.WalletService(":memory:", clock=clock, settlement="manual")
+def manual(clock, make_service):
+    svc = make_service(clock=clock, settlement="manual")
     ws = svc.create_workspace("Acme")
     key = svc.create_api_key(ws["id"])
     a, b = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
@@ -3106,8 +3121,8 @@ def test_manual_settlement_failure_releases_the_hold(manual) -> None:
     assert data(api.get(f"/api/v1/wallets/{w['b']}/flows"))["page"]["totalElements"] == 0
 
 
-def test_delayed_settlement_completes_on_the_service_clock(clock) -> None:
-    svc = walletsvc.WalletService(":memory:", clock=clock, settlement="delayed", settlement_delay=10)
+def test_delayed_settlement_completes_on_the_service_clock(clock, make_service) -> None:
+    svc = make_service(clock=clock, settlement="delayed", settlement_delay=10)
     ws = svc.create_workspace("Acme")
     a, b = (svc.create_wallet(ws["id"], "USD")["id"] for _ in range(2))
     svc.deposit(a, "5.00")
@@ -3225,11 +3240,11 @@ def test_a_forked_child_opens_its_own_connection(tmp_path) -> None:
 ###############################################################################
 
 
-def test_ledger_reads_in_commit_order_under_concurrent_transfers(tmp_path) -> None:
+def test_ledger_reads_in_commit_order_under_concurrent_transfers(tmp_path, make_service) -> None:
     """4 threads move 1.00 between 3 wallets: each wallet's flows, oldest first, are an
     unbroken running balance ending at the balance (docs/contract.md)."""
     path = str(tmp_path / "order.db")
-    svc = walletsvc.WalletService(path, synchronous="NORMAL")
+    svc = make_service(path, synchronous="NORMAL")
     ws = svc.create_workspace("order")["id"]
     wallets = [svc.create_wallet(ws, "USD")["id"] for _ in range(3)]
     for wallet_id in wallets:
@@ -3324,8 +3339,8 @@ def test_an_upgrade_orders_new_rows_after_every_old_one(tmp_path, version: int) 
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_audit_is_clean_after_every_kind_of_movement(svc, world, clock) -> None:
-    manual = walletsvc.WalletService(":memory:", clock=clock, settlement="manual")
+def test_audit_is_clean_after_every_kind_of_movement(svc, world, clock, make_service) -> None:
+    manual = make_service(clock=clock, settlement="manual")
     for service in (svc, manual):
         ws = service.create_workspace("audited")["id"]
         a, b = (service.create_wallet(ws, "USD")["id"] for _ in range(2))
@@ -3360,9 +3375,9 @@ def test_audit_names_each_broken_invariant_and_its_rows(svc, world, tamper: str,
         svc.assert_audit_clean()
 
 
-def test_audit_over_the_cli_and_the_admin_surface(tmp_path, capsys) -> None:
+def test_audit_over_the_cli_and_the_admin_surface(tmp_path, capsys, make_service) -> None:
     path = str(tmp_path / "audit.db")
-    svc = walletsvc.WalletService(path)
+    svc = make_service(path)
     ws = svc.create_workspace("audit")["id"]
     wallet = svc.create_wallet(ws, "USD")["id"]
     svc.deposit(wallet, "3.00")
@@ -3379,10 +3394,11 @@ def test_audit_over_the_cli_and_the_admin_surface(tmp_path, capsys) -> None:
 
 @pytest.mark.parametrize("whitelist, code", [(["10.0.0.1/8"], "host_bits"), (["127.0.0.2/8"], "host_bits"),
                                              (["2001:db8::1/32"], "host_bits"), ([], "empty")])
-def test_an_ip_whitelist_entry_is_refused_not_widened(tmp_path, capsys, whitelist: list, code: str) -> None:
+def test_an_ip_whitelist_entry_is_refused_not_widened(tmp_path, capsys, make_service, whitelist: list,
+                                                      code: str) -> None:
     """The attack (docs/signing.md): "10.0.0.1/8" was stored as 10.0.0.0/8, so "127.0.0.2/8" admitted
     127.0.0.1; and [] was taken. Both are S012 by the admin API, in a scenario and by the CLI."""
-    svc = walletsvc.WalletService(str(tmp_path / "ip.db"))
+    svc = make_service(str(tmp_path / "ip.db"))
     ws = svc.create_workspace("ip")["id"]
     admin = webtest.TestApp(walletsvc.create_app(svc, admin_token="t"))
     refused = admin.post_json(f"/_admin/workspaces/{ws}/keys", {"ipWhitelist": whitelist},
@@ -3404,9 +3420,9 @@ def test_an_ip_whitelist_entry_is_refused_not_widened(tmp_path, capsys, whitelis
     assert kept["ipWhitelist"] == ["10.0.0.0/8", "127.0.0.1/32"]
 
 
-def test_a_scenario_key_is_stored_as_the_admin_api_stores_it(tmp_path) -> None:
+def test_a_scenario_key_is_stored_as_the_admin_api_stores_it(tmp_path, make_service) -> None:
     """Issue: a scenario key kept scopes ["wallet:read", "wallet:read"] where create_api_key stores one."""
-    svc = walletsvc.WalletService(str(tmp_path / "scenario.db"))
+    svc = make_service(str(tmp_path / "scenario.db"))
     world = svc.load_scenario({"workspaces": [{"name": "w", "keys": [
         {"scopes": ["wallet:read", "wallet:read"], "ipWhitelist": ["10.0.0.0/8", "10.0.0.0/8"]}]}]})
     (key,) = svc.list_api_keys(world["workspaces"][0]["id"])
@@ -3525,7 +3541,7 @@ def test_every_mistake_in_a_scenario_file_names_the_file_line_and_field(tmp_path
     ("busy_timeout", "nan", "0.001 to 600"), ("max_body_bytes", "-1", "0 to 67,108,864"),
     ("journal_size", "10000000", "0 to 100,000"), ("nonce_records", "10", "1,000 to 100,000,000"),
     ("settlement_delay", "inf", "0 to 31,622,400"), ("id_seed", "-1", "0 to 9,223,372,036,854,775,807")])
-def test_every_setting_has_a_range_refused_where_given(tmp_path, setting: str, value: str,
+def test_every_setting_has_a_range_refused_where_given(tmp_path, make_service, setting: str, value: str,
                                                        range_: str) -> None:
     """The attack (docs/operations.md): timestamp_tolerance=10^17 was stored and made every signed request a
     500 (an OverflowError). Every setting has a range; out of it is refused at start, naming it."""
@@ -3539,7 +3555,7 @@ def test_every_setting_has_a_range_refused_where_given(tmp_path, setting: str, v
         if layer == "service":
             walletsvc.WalletService(**{setting: value})
         else:
-            walletsvc.create_app(walletsvc.WalletService(), **{setting: value})
+            walletsvc.create_app(make_service(), **{setting: value})
 
 
 def test_a_latency_rule_slows_only_what_it_matches_under_serve(tmp_path) -> None:
@@ -3572,11 +3588,11 @@ def test_a_latency_rule_slows_only_what_it_matches_under_serve(tmp_path) -> None
     assert len(waits["other"]) == 10 and max(waits["other"]) < 1.5, waits["other"]
 
 
-def test_audit_sums_are_exact_however_large(tmp_path, capsys) -> None:
+def test_audit_sums_are_exact_however_large(tmp_path, capsys, make_service) -> None:
     """The attack (docs/operations.md): ten KWD wallets of 999999999999999.999 each (within the cap) made
     `walletsvc audit` print "integer overflow" (exit 2) and GET /_admin/audit answer 500."""
     path = str(tmp_path / "rich.db")
-    svc = walletsvc.WalletService(path)
+    svc = make_service(path)
     ws = svc.create_workspace("rich")["id"]
     for _ in range(10):
         svc.deposit(svc.create_wallet(ws, "KWD")["id"], "999999999999999.999")
@@ -3968,7 +3984,7 @@ def test_the_ready_file_says_everything_a_suite_needs(tmp_path) -> None:
 ###############################################################################
 
 
-def test_every_cli_verb(tmp_path, capsys) -> None:
+def test_every_cli_verb(tmp_path, capsys, make_service) -> None:
     db = ["--db", str(tmp_path / "cli.db")]
 
     def ok(*argv: str):
@@ -3995,7 +4011,7 @@ def test_every_cli_verb(tmp_path, capsys) -> None:
     assert ok("wallet", "unfreeze", wallet["id"])["status"] == "ACTIVE"
     assert ok("wallet", "get", wallet["id"])["balance"] == "7.50"
     assert ok("wallet", "list", ws["id"])["page"]["totalElements"] == 2
-    manual = walletsvc.WalletService(str(tmp_path / "cli.db"), settlement="manual")
+    manual = make_service(str(tmp_path / "cli.db"), settlement="manual")
     for biz_id in ("p-1", "p-2"):
         manual.create_transfer(ws["id"], source_wallet_id=wallet["id"], target_wallet_id=other["id"],
                                amount="1.00", currency="USD", biz_id=biz_id)
@@ -4128,14 +4144,14 @@ def test_cli_request_with_an_empty_key_is_a_usage_error(capsys, monkeypatch) -> 
     assert exited.value.code == 2
 
 
-def test_request_and_client_need_nothing_against_the_demo(tmp_path, monkeypatch) -> None:
+def test_request_and_client_need_nothing_against_the_demo(tmp_path, monkeypatch, make_service) -> None:
     """docs/sandbox.md, the first five minutes: after `walletsvc serve --demo` (on 8080), a signed request
     needs no flag, variable or placeholder; the demo's key is fixed (ak_demo / sk_demo)."""
     for name in ("WALLETSVC_URL", "WALLETSVC_KEY", "WALLETSVC_SECRET"):
         monkeypatch.delenv(name, raising=False)
     client = walletsvc.Client()
     assert (client.target, client.api_key, client.secret) == ("http://127.0.0.1:8080", "ak_demo", "sk_demo")
-    svc = walletsvc.WalletService(str(tmp_path / "demo.db"))
+    svc = make_service(str(tmp_path / "demo.db"))
     walletsvc.start_world(svc, walletsvc.DEMO_SCENARIO)
     app = walletsvc.create_app(svc)
     assert len(walletsvc.Client(app).list_wallets()["content"]) == 3
@@ -4143,11 +4159,12 @@ def test_request_and_client_need_nothing_against_the_demo(tmp_path, monkeypatch)
     assert walletsvc.Client(app).api_key == "ak_other"
 
 
-def test_walletsvcs_clients_sign_at_a_frozen_or_moved_sandbox_clock(tmp_path, monkeypatch) -> None:
+def test_walletsvcs_clients_sign_at_a_frozen_or_moved_sandbox_clock(tmp_path, monkeypatch,
+                                                                     make_service) -> None:
     """docs/sandbox.md: Client and `walletsvc request` sign at the sandbox's clock; a GA2013 for the
     timestamp says that the clock is frozen (or moved) and how to sign at it."""
     clock = walletsvc.Clock(frozen_at=1893456000)  # 2030-01-01, as a scenario's clock
-    svc = walletsvc.WalletService(str(tmp_path / "frozen.db"), clock=clock)
+    svc = make_service(str(tmp_path / "frozen.db"), clock=clock)
     key = walletsvc.start_world(svc, walletsvc.DEMO_SCENARIO)[0]["keys"][0]
     app = walletsvc.create_app(svc)
     headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"])
@@ -4458,7 +4475,7 @@ def _post_quietly(url: str, headers: dict) -> None:
 
 
 @pytest.mark.slow
-def test_kill_9_during_reset_leaves_the_sandbox_whole(tmp_path) -> None:
+def test_kill_9_during_reset_leaves_the_sandbox_whole(tmp_path, make_service) -> None:
     """Defect: kill -9 during reset left an empty database 9 times in 40; the restart printed new \
 credentials."""
     path = str(tmp_path / "killed.db")
@@ -4479,7 +4496,7 @@ credentials."""
             server.start()
             assert _demo_of(tmp_path / "killed.log") == first  # the restart prints the same demo
             assert sorted(_balances_over_http(server.url, key, secret)) == ["alice", "bob", "yen"]
-        assert walletsvc.WalletService(path).audit() == []
+        assert make_service(path).audit() == []
     finally:
         server.stop()
 
@@ -4545,7 +4562,8 @@ def test_readme_scenario_file_serves_as_printed_and_survives_reset(tmp_path) -> 
      "line {}: Invalid parameter 'workspaces[0].keys[0].id'"),
     (('frozen = true', 'frozen = tru'), "Invalid value (at line {}"),
 ])
-def test_a_bad_scenario_is_refused_at_start_naming_the_line_and_the_field(tmp_path, replace, says) -> None:
+def test_a_bad_scenario_is_refused_at_start_naming_the_line_and_the_field(tmp_path, make_service, replace,
+                                                                           says) -> None:
     scenario = _readme_scenario(tmp_path, replace)
     line = next(number for number, text in enumerate(scenario.read_text().splitlines(), 1)
                 if replace[1] in text)
@@ -4553,7 +4571,7 @@ def test_a_bad_scenario_is_refused_at_start_naming_the_line_and_the_field(tmp_pa
     assert done.returncode == 2 and "Traceback" not in done.stderr
     assert done.stderr.startswith(f"walletsvc: scenario {scenario}: ") and says.format(line) in done.stderr
     assert (not (tmp_path / "bad.db").exists()
-            or walletsvc.WalletService(str(tmp_path / "bad.db")).list_workspaces() == [])
+            or make_service(str(tmp_path / "bad.db")).list_workspaces() == [])
 
 
 def test_readme_shows_the_refusal_of_a_bad_scenario_as_printed(tmp_path) -> None:
@@ -4945,7 +4963,7 @@ def test_a_clock_belongs_to_one_service() -> None:
 ###############################################################################
 
 
-def test_seeded_ids_are_the_same_on_every_run() -> None:
+def test_seeded_ids_are_the_same_on_every_run(make_service) -> None:
     def run() -> list:
         sandbox = walletsvc.Sandbox.create()
         order = sandbox.client.create_transfer(sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"],
@@ -4953,14 +4971,14 @@ def test_seeded_ids_are_the_same_on_every_run() -> None:
         return [sandbox.workspace["id"], sandbox.key["apiKey"], sandbox.key["secret"],
                 *[w["id"] for w in sandbox.wallets.values()], order["transferId"]]
     assert run() == run()
-    unseeded = [walletsvc.WalletService(":memory:").create_workspace("x")["id"] for _ in range(2)]
+    unseeded = [make_service().create_workspace("x")["id"] for _ in range(2)]
     assert unseeded[0] != unseeded[1]
 
 
-def test_ids_can_be_seeded_over_http() -> None:
+def test_ids_can_be_seeded_over_http(make_service) -> None:
     made = []
     for _ in range(2):
-        svc = walletsvc.WalletService(":memory:")
+        svc = make_service()
         admin = webtest.TestApp(walletsvc.create_app(svc, admin_token="t"))
         auth = {"Authorization": "Bearer t"}
         admin.post_json("/_admin/ids", {"seed": 42}, headers=auth)
@@ -4970,7 +4988,7 @@ def test_ids_can_be_seeded_over_http() -> None:
         refused = admin.post_json("/_admin/ids", {"seed": "x"}, headers=auth, expect_errors=True)
         assert refused.json["code"] == "S012"
     assert made[0] == made[1]  # the same sequence in two services
-    fresh = walletsvc.WalletService(":memory:").create_workspace("random")["id"]
+    fresh = make_service().create_workspace("random")["id"]
     assert fresh != made[0][0]
 
 
@@ -5055,7 +5073,7 @@ def test_two_servers_seeded_alike_issue_unique_ids(tmp_path) -> None:
             server.stop()
 
 
-def test_a_seeded_demo_restarts_without_collisions(tmp_path) -> None:
+def test_a_seeded_demo_restarts_without_collisions(tmp_path, make_service) -> None:
     """Defect: `serve --demo --set id_seed=0`, stop, start again: the second transfer was S500."""
     server = ServerProcess(str(tmp_path / "d.db"), tmp_path / "d.log", "--demo", "--set", "id_seed=0")
     try:
@@ -5071,7 +5089,7 @@ def test_a_seeded_demo_restarts_without_collisions(tmp_path) -> None:
             server.stop()
     finally:
         server.stop()
-    assert walletsvc.WalletService(str(tmp_path / "d.db")).audit() == []
+    assert make_service(str(tmp_path / "d.db")).audit() == []
 
 
 ###############################################################################
@@ -5893,13 +5911,12 @@ def _trace_writers(svc: walletsvc.WalletService) -> dict[bool, list[str]]:
 
 
 @pytest.fixture
-def traced(tmp_path, clock):
+def traced(tmp_path, clock, make_service):
     """A file-backed service at default durability, its app, and the SQL its write connections run."""
-    svc = walletsvc.WalletService(str(tmp_path / "durable.db"), clock=clock)
+    svc = make_service(str(tmp_path / "durable.db"), clock=clock)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
-    yield svc, api, world_, _trace_writers(svc)
-    svc.close()
+    return svc, api, world_, _trace_writers(svc)
 
 
 def test_a_read_records_its_nonce_without_waiting_for_a_disk_sync(traced) -> None:
@@ -5921,10 +5938,11 @@ def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) 
     assert statements[False] == [] and not [s for s in writes if s.startswith("PRAGMA")]
 
 
-def test_with_a_journal_a_request_writes_once_nonce_entry_and_ledger_together(tmp_path, clock) -> None:
+def test_with_a_journal_a_request_writes_once_nonce_entry_and_ledger_together(tmp_path, clock,
+                                                                               make_service) -> None:
     """docs/operations.md: a request writes at most once, at its end: a read its nonce and journal entry
     (without a disk sync), a transfer those and its ledger rows (with one)."""
-    svc = walletsvc.WalletService(str(tmp_path / "journaled.db"), clock=clock, journal_size=10)
+    svc = make_service(str(tmp_path / "journaled.db"), clock=clock, journal_size=10)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
     statements = _trace_writers(svc)
@@ -6338,11 +6356,11 @@ def test_a_database_is_never_made_through_a_dangling_symlink(tmp_path) -> None:
     assert not (tmp_path / "target.db").exists()
 
 
-def test_after_a_swap_no_new_connection_opens_the_file_put_there(tmp_path) -> None:
+def test_after_a_swap_no_new_connection_opens_the_file_put_there(tmp_path, make_service) -> None:
     """Review: a connection opened after the file was replaced read the new file with this one's -wal.
     Now no connection is opened on it: every use after the swap is S503."""
     path = tmp_path / "swap.db"
-    svc = walletsvc.WalletService(str(path))
+    svc = make_service(str(path))
     world_ = make_world(svc)
     app = walletsvc.create_app(svc)
     _replace(path)
@@ -6359,10 +6377,10 @@ def test_after_a_swap_no_new_connection_opens_the_file_put_there(tmp_path) -> No
     assert webtest.TestApp(app).get("/healthz", expect_errors=True).json["code"] == "S503"
 
 
-def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path) -> None:
+def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_service) -> None:
     """docs/contract.md: writes waiting together run in one transaction, each in its own savepoint, and
     commit once; the one that raises gets its own exception and leaves nothing; the others commit."""
-    svc = walletsvc.WalletService(str(tmp_path / "batch.db"))
+    svc = make_service(str(tmp_path / "batch.db"))
     db = svc.db
     db.run(lambda conn: conn.execute("CREATE TABLE probe (n INTEGER PRIMARY KEY)"))
     statements = _trace_writers(svc)
@@ -6402,14 +6420,14 @@ def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path) -> None:
     assert kept == {str(n) for n in range(8) if n != 3}
     assert statements[True].count("COMMIT") == 2  # the holder's, then one for all eight units
     assert statements[True].count("ROLLBACK TO unit") == 1
-    svc.close()
 
 
 @pytest.mark.parametrize("what", ["database", "wal"])
-def test_a_file_gone_during_a_batch_answers_s503_for_every_unit_and_acknowledges_none(tmp_path, what) -> None:
+def test_a_file_gone_during_a_batch_answers_s503_for_every_unit_and_acknowledges_none(tmp_path, make_service,
+                                                                                       what) -> None:
     """docs/operations.md: the file's identity is checked inside the batch's lock, before its COMMIT."""
     path = tmp_path / "gone.db"
-    svc = walletsvc.WalletService(str(path))
+    svc = make_service(str(path))
     world_ = make_world(svc)
     app = walletsvc.create_app(svc)
     holding, release = threading.Event(), threading.Event()
@@ -6597,11 +6615,11 @@ def test_a_captured_transfer_is_refused_after_the_clock_moves_forward_and_back(w
     assert fresh.json["success"] is True  # a timestamp the purge did not cover passes
 
 
-def test_a_keys_forgotten_seconds_are_kept_as_runs_never_wider_than_what_was_forgotten(tmp_path,
-                                                                                       clock) -> None:
+def test_a_keys_forgotten_seconds_are_kept_as_runs_never_wider_than_what_was_forgotten(tmp_path, clock,
+                                                                                       make_service) -> None:
     """Review: the forgotten seconds grew by a row per key per second. They are runs now: a key under
     steady load leaves one, and a run never covers a second that held no forgotten record."""
-    svc = walletsvc.WalletService(str(tmp_path / "runs.db"), clock=clock)
+    svc = make_service(str(tmp_path / "runs.db"), clock=clock)
     world_ = make_world(svc)
     app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
     key = world_["key"]
