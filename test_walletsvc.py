@@ -3848,15 +3848,12 @@ def _block(banner: str, title: str) -> str:
     return banner.split(title, 1)[1].split("\n", 1)[1].split("\n\n", 1)[0]
 
 
-def _banner_shell(banner: str, title: str) -> subprocess.CompletedProcess:
+def _banner_shell(banner: str, title: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
     """A banner example run as pasted into a shell after the banner's export line, without an
-    activated virtualenv (``walletsvc`` is this interpreter's)."""
-    bin_dir = pathlib.Path(sys.executable).parent
+    activated virtualenv (``walletsvc`` is ``sys.executable -m walletsvc``: printed_shell_env)."""
     script = f"{_block(banner, 'examples below read:')}\n{_block(banner, title)}"
-    env = {**os.environ, "PATH": f"{bin_dir}{os.pathsep}{os.environ.get('PATH', '')}"}
-    env = {name: value for name, value in env.items() if not name.startswith("WALLETSVC_")}
     return subprocess.run(["bash", "-c", script], capture_output=True, check=False, text=True, timeout=30,
-                          env=env)
+                          env=printed_shell_env(tmp_path))
 
 
 def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
@@ -3870,14 +3867,14 @@ def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
         exports = _block(banner, "examples below read:")
         assert re.fullmatch(r"export WALLETSVC_URL=\S+ WALLETSVC_KEY=ak_demo WALLETSVC_SECRET=sk_demo"
                             r" WALLETSVC_ADMIN_TOKEN=\S+", exports)
-        curl = _banner_shell(banner, "(openssl + curl), at the sandbox's clock:")
+        curl = _banner_shell(banner, "(openssl + curl), at the sandbox's clock:", tmp_path)
         answer = json.loads(curl.stdout)
         assert answer["success"] is True and answer["data"]["page"]["totalElements"] == 3
         exported = dict(word.split("=", 1) for word in shlex.split(exports)[1:])
         python = subprocess.run([sys.executable, "-c", _block(banner, "From Python:")], capture_output=True,
                                 check=False, text=True, timeout=30, env={**os.environ, **exported})
         assert "'totalElements': 3" in python.stdout, python.stderr
-        request = _banner_shell(banner, "from another shell:")
+        request = _banner_shell(banner, "from another shell:", tmp_path)
         assert json.loads(request.stdout)["data"]["page"]["totalElements"] == 3, request.stderr
         token = re.search(r"WALLETSVC_ADMIN_TOKEN=(\S+)", banner).group(1)
         import urllib.request
@@ -4322,12 +4319,14 @@ throughout."""
         server.stop()
 
 
-def test_the_sandbox_curl_walk_through_runs_as_printed(demo_server) -> None:
+def test_the_sandbox_curl_walk_through_runs_as_printed(demo_server, tmp_path) -> None:
     import shutil
 
     if not all(shutil.which(tool) for tool in ("bash", "curl", "openssl", "sha256sum")):
         pytest.skip("the walk-through needs bash, curl, openssl and sha256sum")
-    _server, env = demo_server  # the four variables the banner exports
+    _server, env = demo_server  # the four variables the banner exports, in the printed blocks' environment
+    env = printed_shell_env(tmp_path, **{name: value for name, value in env.items()
+                                         if name.startswith("WALLETSVC_")})
     (script,) = doc_blocks("Driving the sandbox from any language", "sh")
     done = subprocess.run(["bash", "-euo", "pipefail", "-c", script], env=env, capture_output=True, text=True,
                           timeout=60, check=False)
