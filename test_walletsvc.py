@@ -4,9 +4,10 @@ Grouped under banners that mirror the contract's sections. Time-dependent rules
 run on a frozen clock.
 """
 
-# Layout. The preamble (imports, the literal error catalog, the signers written from the contract,
-# fixtures and the helpers several sections share), then one banner per feature: a test sits under the
-# banner of the feature it tests. The contract's rules first (docs/contract.md: envelope, page object,
+# Layout. The preamble (imports, the literal error catalog, the one signer written from the contract,
+# spec_signature, fixtures and the helpers several sections share), then one banner per feature: a test
+# sits under the banner of the feature it tests, and a helper only one section uses under that section's
+# banner. The contract's rules first (docs/contract.md: envelope, page object,
 # resources, endpoints, pagination, authentication, scopes, errors), then what walletsvc adds: the
 # Python API (docs/embedding.md), the HTTP surfaces and resources (docs/reference.md), envelope and
 # errors, authentication details (docs/signing.md), transfers, lists, the sandbox (docs/sandbox.md),
@@ -322,6 +323,22 @@ def _shared_ledger(tmp_path) -> tuple[str, str, list]:
         svc.deposit(wallet_id, "1000.00")
     svc.close()
     return path, ws["id"], wallets
+
+
+def _trace_writers(svc: walletsvc.WalletService) -> dict[bool, list[str]]:
+    """The writes each connection a batch of this thread writes through runs from now on, by
+    durability (the one that syncs, True, and the one that does not, False: the thread's own), each cut
+    at its first parenthesis; reads left out."""
+    statements: dict[bool, list[str]] = {True: [], False: []}
+
+    def trace(durable: bool) -> Callable[[str], None]:
+        return lambda sql: None if sql.lstrip().startswith("SELECT") else statements[durable].append(
+            sql.split(" (")[0])
+
+    for durable in (True, False):
+        svc.db.run(lambda conn, durable=durable: conn.set_trace_callback(trace(durable)), durable=durable)
+        statements[durable].clear()
+    return statements
 
 
 def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
@@ -5891,22 +5908,6 @@ def test_the_sandbox_page_shows_the_console_screenshots() -> None:
 ###############################################################################
 # Durability where money moves (docs/operations.md) ############################
 ###############################################################################
-
-
-def _trace_writers(svc: walletsvc.WalletService) -> dict[bool, list[str]]:
-    """The writes each connection a batch of this thread writes through runs from now on, by
-    durability (the one that syncs, True, and the one that does not, False: the thread's own), each cut
-    at its first parenthesis; reads left out."""
-    statements: dict[bool, list[str]] = {True: [], False: []}
-
-    def trace(durable: bool) -> Callable[[str], None]:
-        return lambda sql: None if sql.lstrip().startswith("SELECT") else statements[durable].append(
-            sql.split(" (")[0])
-
-    for durable in (True, False):
-        svc.db.run(lambda conn, durable=durable: conn.set_trace_callback(trace(durable)), durable=durable)
-        statements[durable].clear()
-    return statements
 
 
 @pytest.fixture
