@@ -2068,7 +2068,7 @@ def test_openapi_without_admin_token_documents_only_what_is_served(svc) -> None:
     assert not [path for path in document["paths"] if path.startswith("/_admin")]
 
 
-def test_openapi_command_prints_the_document_a_server_with_the_admin_surface_serves(capsys, make_service) -> None:
+def test_openapi_command_prints_what_a_server_with_the_admin_surface_serves(capsys, make_service) -> None:
     code, out, _ = run_cli(capsys, "openapi", "--url", "http://127.0.0.1:9999")
     printed = json.loads(out)
     served = webtest.TestApp(walletsvc.create_app(make_service(), admin_token="t")).get(
