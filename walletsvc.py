@@ -1894,6 +1894,45 @@ def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest
     return PageRequest(number, size, tuple(order) or (("created_at", "DESC"),))
 
 
+def filter_choice(query: Query, name: str, choices: Sequence[str]) -> str | None:
+    value = first(query, name)
+    if value is not None and value not in choices:
+        raise invalid(name, "one_of", choices=", ".join(choices))
+    return value
+
+
+def filter_time(query: Query, name: str) -> int | None:
+    value = first(query, name)
+    if value is None:
+        return None
+    parsed = parse_time(value)
+    if parsed is None:
+        raise invalid(name, "time")
+    return parsed
+
+
+@dataclasses.dataclass(frozen=True)
+class ListFilter:
+    """One query parameter a list takes: the rows it keeps (``clauses``, SQL with one ? each) for
+    the values ``read`` gives (one a clause; None: the parameter is not given), and the ``choices``
+    it takes, if it takes only some. A list's filters, by parameter name, serve its Ledger method
+    and its OpenAPI parameters alike."""
+
+    clauses: tuple[str, ...]
+    read: Callable[[Query, str], tuple]
+    choices: tuple[str, ...] = ()
+    counted: bool = False  # the triggers keep a count per value (ListQuery.where)
+
+    @classmethod
+    def one_of(cls, column: str, choices: Sequence[str], *, counted: bool = False) -> ListFilter:
+        return cls((f"{column} = ?",), lambda query, name: (filter_choice(query, name, choices),),
+                   tuple(choices), counted)
+
+
+FROM_FILTER = ListFilter(("created_at >= ?",), lambda query, name: (filter_time(query, name),))
+TO_FILTER = ListFilter(("created_at < ?",), lambda query, name: (filter_time(query, name),))
+
+
 class ListQuery:
     """One list's query, built the one way (as sqlite-utils' ``rows_where`` serves every
     caller): the rows of ``table`` that a workspace or wallet owns (in any of ``columns``),
@@ -1905,6 +1944,12 @@ class ListQuery:
         self.params: list = []
         self.counted: list[str] = []  # values of the filters the counters are kept by
         self.uncounted = False  # a filter no counter is kept by: SQLite counts
+
+    def narrow(self, filters: Mapping[str, ListFilter], query: Query) -> None:
+        """Keep the rows each filter given in ``query`` keeps (a wrong value: S012 naming it)."""
+        for name, list_filter in filters.items():
+            for clause, value in zip(list_filter.clauses, list_filter.read(query, name), strict=True):
+                self.where(clause, value, counted=list_filter.counted)
 
     def where(self, clause: str, value: Any, *, counted: bool = False) -> None:
         """Keep the rows that match ``clause`` (one ?) for ``value``; a value of None filters nothing.
@@ -1962,23 +2007,6 @@ def page_of(items: list, query: Query) -> dict:
     number, size = _page_and_size(query)
     request = PageRequest(number, size, ())
     return page_response(items[request.offset:request.offset + size], request, len(items))
-
-
-def filter_choice(query: Query, name: str, choices: Sequence[str]) -> str | None:
-    value = first(query, name)
-    if value is not None and value not in choices:
-        raise invalid(name, "one_of", choices=", ".join(choices))
-    return value
-
-
-def filter_time(query: Query, name: str) -> int | None:
-    value = first(query, name)
-    if value is None:
-        return None
-    parsed = parse_time(value)
-    if parsed is None:
-        raise invalid(name, "time")
-    return parsed
 
 
 ###############################################################################
@@ -2187,6 +2215,31 @@ def api_key_scopes(value: Any, field: str = "scopes") -> list[str]:
     if not scopes:
         raise invalid(field, "required")
     return list(dict.fromkeys(scopes))
+
+
+def _currency_filter(query: Query, name: str) -> tuple:
+    currency = first(query, name)
+    if currency is not None:
+        currency_exponent(currency)
+    return (currency,)
+
+
+def _prefix_filter(query: Query, name: str) -> tuple:
+    prefix = first(query, name)
+    if prefix is not None:
+        _biz_id(prefix, name)
+    return prefix, prefix and prefix + "\x7f"
+
+
+# Each list's filters (docs/contract.md), by query parameter, in the order they are checked.
+WALLET_FILTERS = {"currency": ListFilter(("currency = ?",), _currency_filter),
+                  "status": ListFilter.one_of("status", WALLET_STATUSES)}
+FLOW_FILTERS = {"type": ListFilter.one_of("type", FLOW_TYPES, counted=True),
+                "direction": ListFilter.one_of("direction", FLOW_DIRECTIONS),
+                "createdFrom": FROM_FILTER, "createdTo": TO_FILTER}
+TRANSFER_FILTERS = {"status": ListFilter.one_of("status", TRANSFER_STATUSES, counted=True),
+                    "createdFrom": FROM_FILTER, "createdTo": TO_FILTER,
+                    "bizIdPrefix": ListFilter(("biz_id >= ?", "biz_id < ?"), _prefix_filter)}
 
 
 class Ledger:
@@ -2402,11 +2455,7 @@ class Ledger:
         query = normalize_query(query)
         page = parse_page_request(query, WALLET_SORTS)
         wallets = ListQuery("wallets", workspace_id, "workspace_id")
-        currency = first(query, "currency")
-        if currency is not None:
-            currency_exponent(currency)
-        wallets.where("currency = ?", currency)
-        wallets.where("status = ?", filter_choice(query, "status", WALLET_STATUSES))
+        wallets.narrow(WALLET_FILTERS, query)
         with self.db.snapshot() as conn:
             total = wallets.total(conn)
             rows = wallets.page(conn, page, total)
@@ -2446,10 +2495,7 @@ class Ledger:
         query = normalize_query(query)
         page = parse_page_request(query, FLOW_SORTS)
         flows = ListQuery("flows", wallet_id, "wallet_id", counter="flows")
-        flows.where("type = ?", filter_choice(query, "type", FLOW_TYPES), counted=True)
-        flows.where("direction = ?", filter_choice(query, "direction", FLOW_DIRECTIONS))
-        flows.where("created_at >= ?", filter_time(query, "createdFrom"))
-        flows.where("created_at < ?", filter_time(query, "createdTo"))
+        flows.narrow(FLOW_FILTERS, query)
         with self.db.snapshot() as conn:
             wallet = self._wallet(conn, wallet_id, workspace_id)
             total = flows.total(conn)
@@ -2647,14 +2693,7 @@ class Ledger:
         else:
             transfers = ListQuery("transfers", wallet_id, "source_wallet_id", "target_wallet_id",
                                   counter="transfers")
-        transfers.where("status = ?", filter_choice(query, "status", TRANSFER_STATUSES), counted=True)
-        transfers.where("created_at >= ?", filter_time(query, "createdFrom"))
-        transfers.where("created_at < ?", filter_time(query, "createdTo"))
-        prefix = first(query, "bizIdPrefix")
-        if prefix is not None:
-            _biz_id(prefix, "bizIdPrefix")
-        transfers.where("biz_id >= ?", prefix)
-        transfers.where("biz_id < ?", prefix and prefix + "\x7f")
+        transfers.narrow(TRANSFER_FILTERS, query)
         with self.db.snapshot() as conn:
             if wallet_id is not None:
                 self._wallet(conn, wallet_id, workspace_id)
@@ -4037,7 +4076,6 @@ _PAGE_PARAMETERS = (
 
 # Each list filter's schema: what the service's filter_choice, filter_time and _biz_id accept.
 _FILTER_SCHEMAS = {
-    "status": None, "type": _enum(FLOW_TYPES), "direction": _enum(FLOW_DIRECTIONS),
     "currency": _CURRENCY_SCHEMA, "bizIdPrefix": _BIZ_ID_SCHEMA,
     "createdFrom": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (inclusive)"},
     "createdTo": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (exclusive)"},
@@ -4047,21 +4085,21 @@ _FILTER_SCHEMAS = {
 _ANY_CASE_DIRECTION = "([aA][sS][cC]|[dD][eE][sS][cC])"
 
 
-def _filters(sortable: Mapping[str, str], *names: str, statuses: Sequence[str] = ()) -> tuple:
+def _filters(sortable: Mapping[str, str], filters: Mapping[str, ListFilter]) -> tuple:
     sort = {"name": "sort", "in": "query", "style": "form", "explode": True,
             "description": "field,asc|desc; repeatable",
             "schema": {"type": "array",
                        "items": {"type": "string",
                                  "pattern": f"^({'|'.join(sortable)})(,{_ANY_CASE_DIRECTION})?$"}}}
     return (*_PAGE_PARAMETERS, sort,
-            *({"name": name, "in": "query", "schema": _FILTER_SCHEMAS[name] or _enum(statuses)}
-              for name in names))
+            *({"name": name, "in": "query",
+               "schema": _enum(list_filter.choices) if list_filter.choices else _FILTER_SCHEMAS[name]}
+              for name, list_filter in filters.items()))
 
 
-_TRANSFER_FILTERS = _filters(TRANSFER_SORTS, "status", "createdFrom", "createdTo", "bizIdPrefix",
-                             statuses=TRANSFER_STATUSES)
-_FLOW_FILTERS = _filters(FLOW_SORTS, "type", "direction", "createdFrom", "createdTo")
-_WALLET_FILTERS = _filters(WALLET_SORTS, "currency", "status", statuses=WALLET_STATUSES)
+_TRANSFER_PARAMETERS = _filters(TRANSFER_SORTS, TRANSFER_FILTERS)
+_FLOW_PARAMETERS = _filters(FLOW_SORTS, FLOW_FILTERS)
+_WALLET_PARAMETERS = _filters(WALLET_SORTS, WALLET_FILTERS)
 
 
 ###############################################################################
@@ -5078,7 +5116,7 @@ class WalletApi:
         self.svc, self.http = svc, http
 
     @endpoint("GET", "/api/v1/wallets", "List wallets", scope="wallet:read", response="WalletPage",
-              query=_WALLET_FILTERS,
+              query=_WALLET_PARAMETERS,
               links=(("Wallet", "get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),))
     def list_wallets(self, call: Call) -> dict:
         return self.svc.list_wallets(call.found.principal.workspace_id, call.request.query)
@@ -5096,19 +5134,19 @@ class WalletApi:
         return self.svc.get_balance(wallet_id, workspace_id=call.found.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/flows", "List a wallet's flows", scope="wallet:read",
-              response="FlowPage", query=_FLOW_FILTERS, errors=(WalletNotFound,))
+              response="FlowPage", query=_FLOW_PARAMETERS, errors=(WalletNotFound,))
     def list_flows(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_flows(wallet_id, call.request.query,
                                    workspace_id=call.found.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders", "List transfer orders", scope="transfer:read",
-              response="TransferOrderPage", query=_TRANSFER_FILTERS,
+              response="TransferOrderPage", query=_TRANSFER_PARAMETERS,
               links=(("Order", "get_transfer", {"biz_id": "$response.body#/data/content/0/bizId"}),))
     def list_transfers(self, call: Call) -> dict:
         return self.svc.list_transfers(call.found.principal.workspace_id, call.request.query)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/wallet/<wallet_id>", "List a wallet's transfer orders",
-              scope="transfer:read", response="TransferOrderPage", query=_TRANSFER_FILTERS,
+              scope="transfer:read", response="TransferOrderPage", query=_TRANSFER_PARAMETERS,
               errors=(WalletNotFound,))
     def list_wallet_transfers(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_transfers(call.found.principal.workspace_id, call.request.query,
@@ -5268,7 +5306,7 @@ class AdminApi:
         return self.svc.set_api_key_enabled(api_key, False)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/wallets", "List a workspace's wallets",
-              response="WalletPage", query=_WALLET_FILTERS, errors=(WorkspaceNotFound,))
+              response="WalletPage", query=_WALLET_PARAMETERS, errors=(WorkspaceNotFound,))
     def list_wallets(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_wallets(workspace_id, call.request.query)
@@ -5292,19 +5330,19 @@ class AdminApi:
         return self.svc.get_balance(wallet_id)
 
     @endpoint("GET", "/_admin/wallets/<wallet_id>/flows", "List a wallet's flows", response="FlowPage",
-              query=_FLOW_FILTERS, errors=(WalletNotFound,))
+              query=_FLOW_PARAMETERS, errors=(WalletNotFound,))
     def list_flows(self, call: Call, wallet_id: str) -> dict:
         return self.svc.list_flows(wallet_id, call.request.query)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/balances",
               "List a workspace's wallets as balances (the same pages, filters and sorts as its wallets)",
-              response="BalancePage", query=_WALLET_FILTERS, errors=(WorkspaceNotFound,))
+              response="BalancePage", query=_WALLET_PARAMETERS, errors=(WorkspaceNotFound,))
     def list_balances(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_wallets(workspace_id, call.request.query, balances=True)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/transfers", "List a workspace's transfer orders",
-              response="TransferOrderPage", query=_TRANSFER_FILTERS, errors=(WorkspaceNotFound,))
+              response="TransferOrderPage", query=_TRANSFER_PARAMETERS, errors=(WorkspaceNotFound,))
     def list_transfers(self, call: Call, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
         return self.svc.list_transfers(workspace_id, call.request.query)
