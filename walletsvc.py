@@ -2979,6 +2979,60 @@ class JournalEntry(NamedTuple):
     diagnosis: str | None  # the signing mistake a GA2012 matched
 
 
+def _capped(value: Any, limit: int) -> Any:
+    """``value`` (bytes or str) cut to ``limit``, marked with how much was cut."""
+    if isinstance(value, (bytes, str)) and len(value) > limit:
+        marker = f"...[{len(value) - limit} more]"
+        return value[:limit] + (marker.encode() if isinstance(value, bytes) else marker)
+    return value
+
+
+def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
+    """The headers as a JSON list of pairs, names and values together cut at ``limit`` characters."""
+    kept, left, dropped = [], limit, 0
+    for name, value in headers:
+        if left <= 0:
+            dropped += 1
+            continue
+        name, value = name[:left], _capped(value, max(left - len(name), 0))
+        kept.append((name, value))
+        left -= len(name) + len(value)
+    if dropped:
+        kept.append(("X-Walletsvc-Cut", f"{dropped} more header(s)"))
+    return _JSON.encode(kept)
+
+
+def _as_is(value: Any, limit: int) -> Any:
+    return value
+
+
+def _same(value: Any) -> Any:
+    return value
+
+
+def _camel(name: str) -> str:
+    head, *rest = name.split("_")
+    return head + "".join(part.title() for part in rest)
+
+
+def _text_of(encoding: str) -> Callable[[Any], str | None]:
+    return lambda value: None if value is None else bytes(value).decode(encoding, "replace")
+
+
+# The journal's columns are JournalEntry's fields. How each is kept, where it is not as it comes
+# (each field a client controls is cut at FIELD_BYTES), and how each is shown, where it is not
+# as kept, under its name (camelCase, or the one here).
+_JOURNAL_KEPT: Mapping[str, Callable[[Any, int], Any]] = {
+    **dict.fromkeys(("method", "path", "query", "api_key", "canonical", "body", "response_body"),
+                    _capped),
+    "replayed": lambda value, limit: int(value), "headers": _capped_headers}
+_JOURNAL_SHOWN: Mapping[str, Callable[[Any], Any]] = {
+    "at": iso_time, "path": _text_of("latin-1"), "canonical": _text_of("latin-1"), "replayed": bool,
+    "headers": lambda value: dict(json.loads(value)), "body": _text_of("utf-8"),
+    "response_body": _text_of("utf-8")}
+_JOURNAL_NAMES = {"canonical": "canonicalMessage"}
+
+
 class Journal:
     """The last ``size`` requests the API surface received, in the database (docs/sandbox.md),
     with assertion helpers: every process serving the file writes and reads the same journal.
@@ -2994,12 +3048,9 @@ class Journal:
 
     FIELD_BYTES = 2048
     ENTRY_BYTES = 9 * FIELD_BYTES  # seven capped fields, the headers, and the short fixed ones
-    FIELDS = ("at", "method", "path", "query", "apiKey", "status", "code", "canonicalMessage", "signature",
-              "replayed", "headers", "body", "responseBody", "elapsedMs", "diagnosis")
-    _INSERT = ("INSERT INTO journal (seq, at, method, path, query, api_key, status, code, canonical,"
-               " signature, replayed, headers, body, response_body, elapsed_ms, diagnosis)"
-               " VALUES (coalesce((SELECT max(seq) FROM journal), (SELECT journal_floor FROM sandbox)) + 1,"
-               " ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)")
+    _INSERT = (f"INSERT INTO journal (seq, {', '.join(JournalEntry._fields)}) VALUES"
+               " (coalesce((SELECT max(seq) FROM journal), (SELECT journal_floor FROM sandbox)) + 1,"
+               f" {', '.join('?' * len(JournalEntry._fields))})")
     TRIM_EVERY = 32  # entries between trims of a large journal (measured: a trim per insert costs 15 us)
 
     def __init__(self, db: Database, size: int) -> None:
@@ -3012,12 +3063,8 @@ class Journal:
         and forget the oldest beyond ``size``."""
         if not self.enabled:
             return
-        cap = self.FIELD_BYTES
-        values = (entry.at, _capped(entry.method, cap), _capped(entry.path, cap), _capped(entry.query, cap),
-                  _capped(entry.api_key, cap), entry.status, entry.code, _capped(entry.canonical, cap),
-                  entry.signature, int(entry.replayed), _capped_headers(entry.headers, cap),
-                  _capped(entry.body, cap), _capped(entry.response_body, cap), entry.elapsed_ms,
-                  entry.diagnosis)
+        values = tuple(_JOURNAL_KEPT.get(name, _as_is)(value, self.FIELD_BYTES)
+                       for name, value in zip(JournalEntry._fields, entry, strict=True))
         if conn is not None:
             self._insert(conn, values)
             return
@@ -3089,31 +3136,9 @@ def _empty_journal(conn: sqlite3.Connection) -> None:
 
 def _journal_entry(row: sqlite3.Row) -> dict:
     """A journal row as the Python API and /_admin/journal show it."""
-    return {"seq": row["seq"], "at": iso_time(row["at"]), "method": row["method"],
-            "path": bytes(row["path"]).decode("latin-1"), "query": row["query"], "apiKey": row["api_key"],
-            "status": row["status"], "code": row["code"],
-            "canonicalMessage": None if row["canonical"] is None
-                                else bytes(row["canonical"]).decode("latin-1"),
-            "signature": row["signature"], "replayed": bool(row["replayed"]),
-            "headers": dict(json.loads(row["headers"])),
-            "body": bytes(row["body"]).decode("utf-8", "replace"),
-            "responseBody": bytes(row["response_body"]).decode("utf-8", "replace"),
-            "elapsedMs": row["elapsed_ms"], "diagnosis": row["diagnosis"]}
-
-
-def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
-    """The headers as a JSON list of pairs, names and values together cut at ``limit`` characters."""
-    kept, left, dropped = [], limit, 0
-    for name, value in headers:
-        if left <= 0:
-            dropped += 1
-            continue
-        name, value = name[:left], _capped(value, max(left - len(name), 0))
-        kept.append((name, value))
-        left -= len(name) + len(value)
-    if dropped:
-        kept.append(("X-Walletsvc-Cut", f"{dropped} more header(s)"))
-    return _JSON.encode(kept)
+    shown = {_JOURNAL_NAMES.get(name) or _camel(name): _JOURNAL_SHOWN.get(name, _same)(row[name])
+             for name in JournalEntry._fields}
+    return {"seq": row["seq"], **shown}
 
 
 def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> list[str]:
@@ -3157,14 +3182,6 @@ def _json_subset(expected: Any, actual: Any) -> bool:
         return isinstance(actual, dict) and all(
             name in actual and _json_subset(value, actual[name]) for name, value in expected.items())
     return expected == actual
-
-
-def _capped(value: Any, limit: int) -> Any:
-    """``value`` (bytes or str) cut to ``limit``, marked with how much was cut."""
-    if isinstance(value, (bytes, str)) and len(value) > limit:
-        marker = f"...[{len(value) - limit} more]"
-        return value[:limit] + (marker.encode() if isinstance(value, bytes) else marker)
-    return value
 
 
 ###############################################################################
@@ -4059,7 +4076,7 @@ SCHEMAS: Mapping[str, dict] = {
                              "query": _STRING, "apiKey": {"type": ["string", "null"]},
                              "status": {"type": "integer"}, "code": {"type": ["string", "null"]},
                              "canonicalMessage": {"type": ["string", "null"]},
-                             "signature": _enum(("valid", "invalid", "unchecked")),
+                             "signature": _enum(Verdict),
                              "replayed": {"type": "boolean"}, "headers": {"type": "object"}, "body": _STRING,
                              "responseBody": _STRING, "elapsedMs": {"type": "number"},
                              "diagnosis": {"type": ["string", "null"]}}),
