@@ -6108,6 +6108,32 @@ def test_what_the_http_server_cannot_parse_is_answered_with_the_envelope(tmp_pat
         server.stop()
 
 
+def test_the_waitress_internals_serving_leans_on_are_there() -> None:
+    """walletsvc serve leans on waitress internals where waitress has no public API for the need
+    (docs/operations.md): a waitress that moves one must fail here, naming it, before anything
+    subtler fails elsewhere."""
+    import inspect
+
+    import waitress
+    from waitress import wasyncore
+    from waitress.channel import HTTPChannel
+    from waitress.task import ErrorTask, ThreadedTaskDispatcher
+
+    assert "_dispatcher" in inspect.signature(waitress.create_server).parameters
+    assert HTTPChannel.error_task_class is ErrorTask and callable(ErrorTask.execute)
+    assert callable(wasyncore.close_all)
+    assert callable(ThreadedTaskDispatcher.add_task) and callable(ThreadedTaskDispatcher.set_thread_count)
+    dispatcher = ThreadedTaskDispatcher()
+    server = waitress.create_server(lambda environ, start_response: [], host="127.0.0.1", port=0,
+                                    _dispatcher=dispatcher)
+    try:
+        assert server.task_dispatcher is dispatcher and server.channel_class is HTTPChannel
+        assert isinstance(server._map, dict) and callable(server.trigger.pull_trigger)
+    finally:
+        server.close()
+        server.trigger.close()
+
+
 ###############################################################################
 # Storage that fails: locked, read-only, full, gone (docs/operations.md) #######
 ###############################################################################

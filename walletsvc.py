@@ -5872,6 +5872,16 @@ _CONTROL_PATH = re.compile(r"(/(?!api/)[^/]+)*/(_admin/.*|healthz)")  # below an
 
 MAX_SLEEPERS = 256  # threads a process starts beside requests that a latency rule keeps waiting
 
+# waitress's internals this section leans on, where waitress has no public API for the need (setup.cfg
+# pins waitress below 4; test_the_waitress_internals_serving_leans_on_are_there names each, so that a
+# waitress that moves one fails there first):
+# - create_server(_dispatcher=...): its own task dispatcher is the only place requests can be sorted
+#   onto threads (control threads, latency rules' extra threads); there is no option for it;
+# - HTTPChannel.error_task_class and ErrorTask.execute: waitress answers what it cannot parse itself,
+#   in text, before any app runs; subclassing them is the only way to answer in the envelope;
+# - server._map, server.trigger and wasyncore.close_all: closing a server's open connections from
+#   outside its loop (LiveServer.stop); server.close() closes only the listener.
+
 
 def _control_dispatcher(threads: int) -> Any:
     """waitress's task dispatcher, with CONTROL_THREADS threads kept for /healthz and /_admin/**
