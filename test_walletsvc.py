@@ -1576,6 +1576,28 @@ def test_the_command_line_reference_names_every_verb() -> None:
     assert [verb for verb in verbs if f"walletsvc {verb}" not in section] == []
 
 
+def test_the_states_are_str_enums_equal_to_the_contracts_strings(make_service) -> None:
+    """docs/embedding.md: statuses, flow types, directions, roles and settlement modes are StrEnums that
+    compare equal to the strings of docs/contract.md, and go into JSON as those strings."""
+    assert list(walletsvc.WalletStatus) == ["ACTIVE", "FROZEN", "CLOSED"]
+    assert list(walletsvc.TransferStatus) == ["PENDING", "COMPLETED", "FAILED"]
+    assert list(walletsvc.FlowType) == ["DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN"]
+    assert list(walletsvc.Direction) == ["DEBIT", "CREDIT"]
+    assert list(walletsvc.Role) == ["OWNER", "MEMBER"]
+    assert list(walletsvc.Settlement) == ["immediate", "manual", "delayed"]
+    directions = {flow_type: walletsvc.FlowType(flow_type).direction
+                  for flow_type in ("DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN")}
+    assert directions == {"DEPOSIT": "CREDIT", "WITHDRAWAL": "DEBIT", "TRANSFER_OUT": "DEBIT",
+                          "TRANSFER_IN": "CREDIT"}
+    svc = make_service()
+    ws = svc.create_workspace("Acme")
+    wallet = svc.create_wallet(ws["id"], "USD")
+    flow = svc.deposit(wallet["id"], "1.00")
+    shown = json.loads(json.dumps([wallet, flow, svc.list_members(ws["id"])]))
+    assert (shown[0]["status"], shown[1]["type"], shown[1]["direction"], shown[2][0]["role"]) == (
+        "ACTIVE", "DEPOSIT", "CREDIT", "OWNER")
+
+
 ###############################################################################
 # Python API: settings (docs/embedding.md) #####################################
 ###############################################################################

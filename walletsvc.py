@@ -119,15 +119,21 @@ __all__ = [
     "Call",
     "Client",
     "Clock",
+    "Direction",
     "Endpoint",
+    "FlowType",
     "HmacAuth",
     "Principal",
+    "Role",
     "Sandbox",
     "Settings",
+    "Settlement",
+    "TransferStatus",
     "WalletApi",
     "WalletApp",
     "WalletError",
     "WalletService",
+    "WalletStatus",
     "body_hash",
     "canonical_message",
     "create_app",
@@ -6414,11 +6420,12 @@ def _serve_command(args: argparse.Namespace) -> int:
     try:  # every request records its nonce: refuse to start on storage that cannot be written
         svc = WalletService(args.db, clock=Clock(), **service_settings)  # controllable over /_admin/clock
         svc.db.check_writable()
-        world = start_world(svc, scenario) if scenario else None
     except sqlite3.OperationalError as exc:
         _undo_start(svc, made)
         raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be"
                            " writable)") from exc
+    try:
+        world = start_world(svc, scenario) if scenario else None
     except BaseException:
         _undo_start(svc, made)
         raise
