@@ -3504,6 +3504,46 @@ def test_a_scenario_key_is_stored_as_the_admin_api_stores_it(tmp_path, make_serv
     assert key["scopes"] == ["wallet:read"] and key["ipWhitelist"] == ["10.0.0.0/8"]
 
 
+def test_a_scenario_keys_scopes_are_checked_as_the_admin_api_checks_them(make_service) -> None:
+    """One check for a key's scopes, wherever the key is made: a scope that is not one of
+    docs/contract.md's is named, and an empty list is refused."""
+    svc = make_service()
+    for scopes, says in ((["nope"], "'nope' is not a scope"), ([], "is required")):
+        with pytest.raises(walletsvc.WalletError) as raised:
+            svc.load_scenario({"workspaces": [{"name": "w", "keys": [{"scopes": scopes}]}]})
+        assert raised.value.code == "S012" and "workspaces[0].keys[0].scopes" in str(raised.value)
+        assert says in str(raised.value)
+        ws = svc.create_workspace("w")
+        with pytest.raises(walletsvc.WalletError) as raised:
+            svc.create_api_key(ws["id"], scopes)
+        assert raised.value.code == "S012" and says in str(raised.value)
+    assert svc.list_workspaces()[0]["name"] == "w" and len(svc.list_workspaces()) == 2  # no scenario's
+
+
+def test_a_key_takes_scopes_from_any_iterable_and_an_empty_member_id_is_no_member(make_service) -> None:
+    svc = make_service()
+    ws = svc.create_workspace("w")
+    assert svc.create_api_key(ws["id"], {"wallet:read"})["scopes"] == ["wallet:read"]
+    made = svc.create_api_key(ws["id"], (scope for scope in ("transfer:read",)))
+    assert made["scopes"] == ["transfer:read"]
+    with pytest.raises(walletsvc.WalletError) as raised:
+        svc.create_api_key(ws["id"], member_id="")
+    assert (raised.value.code, raised.value.status) == ("S404", 404)
+    admin = webtest.TestApp(walletsvc.create_app(svc, admin_token="t"))
+    answer = admin.post_json(f"/_admin/workspaces/{ws['id']}/keys", {"memberId": ""},
+                             headers={"Authorization": "Bearer t"}, expect_errors=True)
+    assert (answer.status_int, answer.json["code"]) == (404, "S404")
+    assert len(svc.list_api_keys(ws["id"])) == 2
+
+
+def test_a_scenarios_fixed_ids_are_checked_before_its_settings(make_service) -> None:
+    scenario = {"workspaces": [{"id": "ws_1", "name": "a"}, {"id": "ws_1", "name": "b"}],
+                "settings": {"settlement": "nope"}}
+    with pytest.raises(walletsvc.WalletError) as raised:
+        make_service().load_scenario(scenario)
+    assert raised.value.code == "S012" and "workspaces[1].id" in str(raised.value)
+
+
 def test_what_holds_secrets_is_private_and_never_written_through_a_symlink(tmp_path) -> None:
     """The attack (docs/operations.md): the database and the ready file were 0644; the ready file's temporary
     was opened through a planted symlink (a victim file got the secrets); a refused start left it."""

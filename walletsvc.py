@@ -362,11 +362,12 @@ class IdSequence:
     sequence, so the same starting state and seed give the same ids.
     """
 
-    __slots__ = ("drawn", "high", "low", "now", "seed")
+    __slots__ = ("drawn", "first", "high", "low", "now", "seed")
 
     def __init__(self, last_id: str, seed: int | None, drawn: int, now: int) -> None:
         self.high, self.low = (int(last_id[-32:-20], 16), int(last_id[-20:], 16)) if last_id else (0, 0)
         self.seed, self.drawn, self.now = seed, drawn, now
+        self.first = drawn  # how far the seed's sequence was drawn when the transaction began
 
     def next(self, prefix: str, now_ms: int) -> str:
         if self.seed is not None:
@@ -854,7 +855,7 @@ class Settings:
     synchronous: str = _setting(
         "service", "FULL", _one_of("FULL", "NORMAL"), "SQLite synchronous pragma for file databases")
     settlement: str = _setting(
-        "service", Settlement.IMMEDIATE, _one_of(*Settlement),
+        "service", Settlement.IMMEDIATE.value, _one_of(*Settlement),
         "immediate: orders are COMPLETED at once; manual: PENDING until completed or failed;"
         " delayed: PENDING for settlement_delay seconds of the service clock")
     settlement_delay: float = _setting(
@@ -2008,9 +2009,8 @@ def page_response(items: list, request: PageRequest, total: int) -> dict:
     }
 
 
-def page_of(items: list, query: Query) -> dict:
-    """The page ``query`` asks for (page and size, as the lists take them) of a list in memory."""
-    number, size = _page_and_size(query)
+def page_of(items: list, number: int, size: int) -> dict:
+    """Page ``number`` of ``size`` items (``_page_and_size``) of a list in memory."""
     request = PageRequest(number, size, ())
     return page_response(items[request.offset:request.offset + size], request, len(items))
 
@@ -2212,8 +2212,11 @@ def ip_whitelist_entries(value: Any, field: str = "ipWhitelist") -> list[str]:
 def api_key_scopes(value: Any, field: str = "scopes") -> list[str]:
     """A key's scopes as stored: each one of SCOPES, at least one, each once; S012 naming the
     first that is not."""
-    scopes = [value] if isinstance(value, str) else value
-    if not isinstance(scopes, list | tuple):
+    if isinstance(value, str):
+        scopes = [value]
+    elif isinstance(value, Iterable):
+        scopes = list(value)
+    else:
         raise invalid(field, "array")
     for scope in scopes:
         if scope not in SCOPES:
@@ -2319,7 +2322,8 @@ class Ledger:
 
     def _insert_workspace(self, conn: sqlite3.Connection, now: int, name: str,
                           workspace_id: str | None = None) -> tuple[str, str]:
-        """The one INSERT of a workspace (``name`` checked), with its owner member: their ids."""
+        """The one INSERT of a workspace (its ``name`` checked by the caller), with its owner member:
+        their ids."""
         workspace_id = workspace_id or self.new_id("ws_", now)
         conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
                      (workspace_id, name, now))
@@ -2353,7 +2357,7 @@ class Ledger:
 
     def _insert_member(self, conn: sqlite3.Connection, now: int, workspace_id: str, name: str, role: Role,
                        member_id: str | None = None) -> str:
-        """The one INSERT of a member (``name`` checked); its id."""
+        """The one INSERT of a member (its ``name`` checked by the caller); its id."""
         member_id = member_id or self.new_id("mem_", now)
         conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, ?, ?, ?)",
                      (member_id, workspace_id, name, role, now))
@@ -2381,16 +2385,18 @@ class Ledger:
         whitelist = None if ip_whitelist is None else ip_whitelist_entries(ip_whitelist)
         with self.writing() as (conn, now):
             workspace = self._workspace(conn, workspace_id)
-            self._member(conn, workspace_id, member_id or workspace["owner_member_id"])
-            key_id = self._insert_api_key(conn, now, workspace_id, member_id or workspace["owner_member_id"],
-                                          scopes, whitelist)
+            if member_id is None:
+                member_id = workspace["owner_member_id"]
+            self._member(conn, workspace_id, member_id)
+            key_id = self._insert_api_key(conn, now, workspace_id, member_id, scopes, whitelist)
             row = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
         return {**api_key_resource(row), "secret": row["secret"]}
 
     def _insert_api_key(self, conn: sqlite3.Connection, now: int, workspace_id: str, member_id: str,
                         scopes: list[str], whitelist: list[str] | None, key_id: str | None = None,
                         secret: str | None = None) -> str:
-        """The one INSERT of a key (``api_key_scopes`` and ``ip_whitelist_entries`` applied); its id."""
+        """The one INSERT of a key, its ``scopes`` and ``whitelist`` as ``api_key_scopes`` and
+        ``ip_whitelist_entries`` return them; its id."""
         key_id = key_id or self.new_id("ak_", now)
         conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
                      " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -2424,7 +2430,8 @@ class Ledger:
 
     def _insert_wallet(self, conn: sqlite3.Connection, now: int, workspace_id: str, currency: str, name: str,
                        wallet_id: str | None = None) -> str:
-        """The one INSERT of a wallet (``currency`` and ``name`` checked), ACTIVE; its id."""
+        """The one INSERT of a wallet (its ``currency`` and ``name`` checked by the caller), ACTIVE;
+        its id."""
         wallet_id = wallet_id or self.new_id("wal_", now)
         conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at, updated_at)"
                      " VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -2436,7 +2443,8 @@ class Ledger:
         if status not in WALLET_STATUSES:
             raise invalid("status", "one_of", choices=", ".join(WALLET_STATUSES))
         with self.writing() as (conn, now):
-            if WalletStatus.CLOSED == self._wallet(conn, wallet_id)["status"] != status:
+            closed = self._wallet(conn, wallet_id)["status"] == WalletStatus.CLOSED
+            if closed and status != WalletStatus.CLOSED:
                 raise invalid("status", "closed")
             conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
                          (status, now, wallet_id))
@@ -3008,11 +3016,7 @@ def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
     return _JSON.encode(kept)
 
 
-def _as_is(value: Any, limit: int) -> Any:
-    return value
-
-
-def _same(value: Any) -> Any:
+def _same(value: Any, *limit: int) -> Any:
     return value
 
 
@@ -3037,6 +3041,9 @@ _JOURNAL_SHOWN: Mapping[str, Callable[[Any], Any]] = {
     "headers": lambda value: dict(json.loads(value)), "body": _text_of("utf-8"),
     "response_body": _text_of("utf-8")}
 _JOURNAL_NAMES = {"canonical": "canonicalMessage"}
+_JOURNAL_KEEP = tuple(_JOURNAL_KEPT.get(name, _same) for name in JournalEntry._fields)
+_JOURNAL_SHOW = tuple((name, _JOURNAL_NAMES.get(name) or _camel(name), _JOURNAL_SHOWN.get(name, _same))
+                      for name in JournalEntry._fields)
 
 
 class Journal:
@@ -3069,8 +3076,8 @@ class Journal:
         and forget the oldest beyond ``size``."""
         if not self.enabled:
             return
-        values = tuple(_JOURNAL_KEPT.get(name, _as_is)(value, self.FIELD_BYTES)
-                       for name, value in zip(JournalEntry._fields, entry, strict=True))
+        cap = self.FIELD_BYTES
+        values = tuple(keep(value, cap) for keep, value in zip(_JOURNAL_KEEP, entry, strict=True))
         if conn is not None:
             self._insert(conn, values)
             return
@@ -3142,9 +3149,7 @@ def _empty_journal(conn: sqlite3.Connection) -> None:
 
 def _journal_entry(row: sqlite3.Row) -> dict:
     """A journal row as the Python API and /_admin/journal show it."""
-    shown = {_JOURNAL_NAMES.get(name) or _camel(name): _JOURNAL_SHOWN.get(name, _same)(row[name])
-             for name in JournalEntry._fields}
-    return {"seq": row["seq"], **shown}
+    return {"seq": row["seq"], **{shown: show(row[name]) for name, shown, show in _JOURNAL_SHOW}}
 
 
 def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> list[str]:
@@ -3396,17 +3401,6 @@ def _scenario_clock_time(value: Any, field: str) -> None:
         raise invalid(field, "clock_range") from None
 
 
-def _scenario_settings(value: Any, field: str) -> None:
-    _scenario_object(value, field)
-    for name, setting in value.items():
-        if name not in Settings.names():
-            raise invalid(f"{field}.{name}", "unknown_field")
-        try:
-            Settings().replace(**{name: setting})
-        except ValueError as exc:  # (its range, or its choices)
-            raise invalid(f"{field}.{name}", "setting", problem=str(exc).split(": ", 1)[-1]) from None
-
-
 def _scenario_scopes(value: Any, field: str) -> None:
     _typed(_JSON_TYPES["array"], "array")(value, field)
     api_key_scopes(value, field)
@@ -3424,7 +3418,7 @@ _SCENARIO_KINDS: Mapping[str, Callable[[Any, str], Any]] = {
     "amount": _typed(_JSON_TYPES["string"], "scenario_amount"),
     "status": _typed(lambda value: value in WALLET_STATUSES, "one_of", choices=", ".join(WalletStatus)),
     "time": _scenario_clock_time,
-    "settings": _scenario_settings,
+    "settings": _scenario_object,  # each setting: once the whole scenario's ids are (_check_whole_scenario)
 }
 
 
@@ -3450,7 +3444,7 @@ def check_scenario(scenario: Any, kind: str = "scenario", where: str = "") -> di
             _typed(_JSON_TYPES["array"], "array")(value, path + name)
             for index, item in enumerate(value):
                 check_scenario(item, name, f"{path}{name}[{index}]")
-        elif name in _SCENARIO_OBJECTS:
+        elif fields[name] == "object":  # (its fields are _SCENARIO_OBJECTS[name])
             check_scenario(value, name, path + name)
         elif fields[name].endswith("_"):  # an id with its type prefix
             _scenario_id(value, path + name, fields[name])
@@ -3478,10 +3472,22 @@ def _check_scenario_workspace(workspace: Mapping[str, Any], where: str) -> None:
             raise invalid(f"{where}.keys[{index}].member", "one_of", choices=", ".join(members))
 
 
-def _check_fixed_ids(scenario: Mapping[str, Any], where: str) -> None:
+def _check_whole_scenario(scenario: Mapping[str, Any], where: str) -> None:
+    """Its fixed ids each used once, then its settings: each a setting, in its range or choices."""
+    _check_fixed_ids(scenario["workspaces"])
+    for name, value in (scenario.get("settings") or {}).items():
+        if name not in Settings.names():
+            raise invalid(f"settings.{name}", "unknown_field")
+        try:
+            Settings().replace(**{name: value})
+        except ValueError as exc:  # (its range, or its choices)
+            raise invalid(f"settings.{name}", "setting", problem=str(exc).split(": ", 1)[-1]) from None
+
+
+def _check_fixed_ids(workspaces: list) -> None:
     """A fixed id is used once in a scenario: S012 naming the second use (linear, however many)."""
     seen: set[str] = set()
-    for index, workspace in enumerate(scenario["workspaces"]):
+    for index, workspace in enumerate(workspaces):
         items = [(f"workspaces[{index}]", workspace)] + [
             (f"workspaces[{index}].{part}[{number}]", item)
             for part in ("members", "keys", "wallets") for number, item in enumerate(workspace.get(part, ()))]
@@ -3495,7 +3501,7 @@ def _check_fixed_ids(scenario: Mapping[str, Any], where: str) -> None:
 # What a scenario's object must hold beyond its fields, checked once its fields are.
 _SCENARIO_WHOLE: Mapping[str, Callable[[Mapping[str, Any], str], None]] = {
     "wallets": _check_scenario_wallet, "members": _check_scenario_member,
-    "workspaces": _check_scenario_workspace, "scenario": _check_fixed_ids}
+    "workspaces": _check_scenario_workspace, "scenario": _check_whole_scenario}
 
 
 DEMO_WORKSPACE = "walletsvc demo"
@@ -3520,7 +3526,7 @@ class SeededIds(IdSource):
         return IdSequence(last_id, seed, drawn, now_ms)
 
     def keep(self, conn: sqlite3.Connection, ids: IdSequence) -> None:
-        if ids.seed is not None:
+        if ids.drawn != ids.first:
             conn.execute("UPDATE sandbox SET id_drawn = ?", (ids.drawn,))
 
 
@@ -3632,10 +3638,12 @@ class WalletService(Ledger):
         """One scenario workspace (checked by ``check_scenario``), made by the admin API's inserts
         with its normalisation; its id."""
         def fixed(item: Mapping[str, Any], field: str) -> str | None:
+            """The id the scenario fixes for ``item`` (None: a fresh one), S012 if it is taken."""
             wanted = None if fresh_ids else item.get("id")
-            for table in _ID_TABLES if wanted else ():
-                if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone():
-                    raise invalid(f"{field}.id", "taken", value=wanted)
+            if wanted:
+                for table in _ID_TABLES:
+                    if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone():
+                        raise invalid(f"{field}.id", "taken", value=wanted)
             return wanted
 
         workspace_id, owner_id = self._insert_workspace(conn, now, spec["name"], fixed(spec, where))
@@ -3643,8 +3651,8 @@ class WalletService(Ledger):
         for index, member in enumerate(spec.get("members", ())):
             member_id = self._insert_member(conn, now, workspace_id, member["name"], Role.MEMBER,
                                             fixed(member, f"{where}.members[{index}]"))
-            members[member["name"]] = members[member_id] = member_id
-            members[member.get("id") or member_id] = member_id  # a key may name it by its fixed id
+            for alias in filter(None, (member["name"], member_id, member.get("id"))):  # a key's member
+                members[alias] = member_id
         for index, key in enumerate(spec.get("keys", ())):
             field = f"{where}.keys[{index}]"
             whitelist = key.get("ipWhitelist")
@@ -4097,7 +4105,8 @@ _PAGE_PARAMETERS = (
 )
 
 
-# Each list filter's schema: what the service's filter_choice, filter_time and _biz_id accept.
+# The schema of each list filter that takes more than a choice (ListFilter.choices): what the
+# service's filter_time, currency_exponent and _biz_id accept.
 _FILTER_SCHEMAS = {
     "currency": _CURRENCY_SCHEMA, "bizIdPrefix": _BIZ_ID_SCHEMA,
     "createdFrom": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (inclusive)"},
@@ -5449,7 +5458,7 @@ class AdminApi:
         the API's lists take them."""
         query = call.request.query
         after, last = (_page_integer(query, name, -1, 0) for name in ("after", "last"))
-        _page_and_size(query)  # refused before the journal is read
+        number, size = _page_and_size(query)
         criteria: dict[str, Any] = {name: first(query, name) for name in ("method", "path", "code")}
         for kind, field in (("query.", "query"), ("header.", "headers")):
             criteria[field] = {name[len(kind):]: values[0] for name, values in query.items()
@@ -5459,7 +5468,7 @@ class AdminApi:
         entries = self.svc.journal.entries(after=max(after, 0), **criteria)
         if last >= 0:
             entries = entries[len(entries) - min(last, len(entries)):]
-        return page_of(entries, query)
+        return page_of(entries, number, size)
 
     @endpoint("POST", "/_admin/journal/assert", "Assert on the journal: passed, the count, the near misses",
               request="JournalAssertBody", response="JournalVerdict")
