@@ -2253,7 +2253,9 @@ TRANSFER_FILTERS = {"status": ListFilter.one_of("status", TRANSFER_STATUSES, cou
 
 class Ledger:
     """The service without the sandbox: workspaces, members, keys, wallets, the ledger
-    and transfers over one SQLite database (WalletService adds the sandbox's state).
+    and transfers over one SQLite database (WalletService adds the sandbox's state). Its
+    time comes from ``clock`` and its ids from ``ids`` (an IdSource): WalletService gives
+    it the sandbox's (a Clock, SeededIds).
 
     Thread-safe, and safe for several processes sharing one database file.
     Every method returns plain dicts shaped like the HTTP API's JSON and raises
