@@ -336,7 +336,7 @@ def _trace_writers(svc: walletsvc.WalletService) -> dict[bool, list[str]]:
             sql.split(" (")[0])
 
     for durable in (True, False):
-        svc.db.run(lambda conn, durable=durable: conn.set_trace_callback(trace(durable)), durable=durable)
+        svc.db.write([lambda conn, durable=durable: conn.set_trace_callback(trace(durable))], durable=durable)
         statements[durable].clear()
     return statements
 
@@ -1695,8 +1695,8 @@ def test_database_of_another_schema_version_is_refused(tmp_path) -> None:
     "UPDATE wallets SET pending = balance + 1",
 ])
 def test_schema_checks_are_the_last_line_of_defence(svc, world, statement: str) -> None:
-    with pytest.raises(sqlite3.IntegrityError), svc.db.atomic() as conn:
-        conn.execute(statement)
+    with pytest.raises(sqlite3.IntegrityError):
+        svc.db.write([lambda conn: conn.execute(statement)])
     assert balances(svc, world["a"]) == ["100.00"]
 
 
@@ -6234,7 +6234,7 @@ def _on_every_writer(svc: walletsvc.WalletService, pragma: str) -> None:
     """A pragma on each connection the service writes through: the one that syncs (money) and
     the one that does not (nonce records and journal entries of reads)."""
     for durable in (True, False):
-        svc.db.run(lambda conn: conn.execute(pragma), durable=durable)
+        svc.db.write([lambda conn: conn.execute(pragma)], durable=durable)
 
 
 def test_read_only_storage_answers_s503_and_applies_nothing(tmp_path, clock) -> None:
@@ -6506,14 +6506,12 @@ def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_servic
     commit once; the one that raises gets its own exception and leaves nothing; the others commit."""
     svc = make_service(str(tmp_path / "batch.db"))
     db = svc.db
-    db.run(lambda conn: conn.execute("CREATE TABLE probe (n INTEGER PRIMARY KEY)"))
+    db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER PRIMARY KEY)")])
     statements = _trace_writers(svc)
     holding, release = threading.Event(), threading.Event()
 
     def hold() -> None:  # a writer of this process holds the turn while eight units queue behind it
-        with db.atomic():
-            holding.set()
-            release.wait(10)
+        db.write([lambda conn: (holding.set(), release.wait(10))])
 
     results: dict[int, Any] = {}
 
@@ -6524,7 +6522,7 @@ def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_servic
                 raise ValueError("unit 3 fails")
             return n * 10
         try:
-            results[n] = db.run(write)
+            results[n] = db.write([write])[0]
         except ValueError as exc:
             results[n] = exc
 
@@ -6557,9 +6555,8 @@ def test_a_file_gone_during_a_batch_answers_s503_for_every_unit_and_acknowledges
     holding, release = threading.Event(), threading.Event()
 
     def hold() -> None:
-        with contextlib.suppress(sqlite3.Error), svc.db.atomic():
-            holding.set()
-            release.wait(10)
+        with contextlib.suppress(sqlite3.Error):
+            svc.db.write([lambda conn: (holding.set(), release.wait(10))])
 
     holder = threading.Thread(target=hold)
     holder.start()

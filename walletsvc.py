@@ -105,7 +105,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http import HTTPStatus
-from typing import Any, NamedTuple, NoReturn
+from typing import Any, NamedTuple, NoReturn, TypeVar
 
 import bottle
 
@@ -116,7 +116,6 @@ __all__ = [
     "SCOPES",
     "WAITRESS_LIMITS",
     "AdminApi",
-    "Call",
     "Client",
     "Clock",
     "Direction",
@@ -124,6 +123,8 @@ __all__ = [
     "FlowType",
     "HmacAuth",
     "Principal",
+    "Received",
+    "Reply",
     "Role",
     "Sandbox",
     "Settings",
@@ -1113,18 +1114,43 @@ def _is_busy(exc: sqlite3.Error) -> bool:
 
 
 class _Write:
-    """One caller's place in a database's write queue: a unit (a function of the write
-    connection) that runs inside the batch's transaction, or ``solo`` (an ``atomic()`` block,
-    run by its own thread alone); then its result or its own exception."""
+    """One caller's place in a database's write queue: its units, then their results or the
+    exception that undid them."""
 
-    __slots__ = ("done", "durable", "error", "own_error", "result", "solo", "taken", "unit")
+    __slots__ = ("done", "durable", "error", "own_error", "results", "taken", "units")
 
-    def __init__(self, unit: Callable[[sqlite3.Connection], Any] | None, durable: bool) -> None:
-        self.unit, self.durable, self.solo = unit, durable, unit is None
+    def __init__(self, units: Sequence[Unit], durable: bool) -> None:
+        self.units, self.durable = units, durable
         self.taken = self.done = False
-        self.result: Any = None
+        self.results: list = []
         self.error: BaseException | None = None
-        self.own_error = False  # raised by its own unit (else: the batch's failure, shared)
+        self.own_error = False  # raised by one of its own units (else: the batch's failure, shared)
+
+
+# A write unit: a plain function of the write connection, run inside a transaction it does not own.
+Unit = Callable[[sqlite3.Connection], Any]
+
+
+def savepoint(conn: sqlite3.Connection, unit: Unit) -> Any:
+    """Run ``unit`` inside another unit's transaction, in a savepoint of its own: if it raises,
+    its writes alone are rolled back (and if they cannot be, nothing of the batch is kept)."""
+    conn.execute("SAVEPOINT unit")
+    try:
+        result = unit(conn)
+    except BaseException:
+        if conn.in_transaction:
+            try:
+                conn.execute("ROLLBACK TO unit")
+                conn.execute("RELEASE unit")
+            except sqlite3.Error:
+                conn.execute("ROLLBACK")
+        raise
+    conn.execute("RELEASE unit")
+    return result
+
+
+class _Probed(Exception):
+    """``Database.check_writable``'s probe, undone."""
 
 
 # Units one leader takes into one transaction: enough to share a commit among every request
@@ -1133,18 +1159,18 @@ MAX_BATCH = 64
 
 
 class Database:
-    """SQLite done one way: WAL, foreign keys, one writer per database per process.
+    """SQLite done one way: WAL, foreign keys, and one door for writes.
 
     Reads use one connection per thread (and per process: a forked child opens its own).
-    Writes go through one queue, the LevelDB way (``DBImpl::Write``): the first waiting
-    thread leads, takes the units queued behind it (up to MAX_BATCH) and runs them in one
-    BEGIN IMMEDIATE transaction on the process's write connection, each in a savepoint of
-    its own (a unit that raises rolls back alone and gets its exception), checks that the
-    file is still the one it opened, commits once (with a disk sync if any unit is
-    durable) and hands every caller its result. No thread of this process ever waits in
-    SQLite's busy handler for a lock its own process holds; other processes are waited
-    for by the leader alone, in short steps. ``":memory:"`` is one connection shared by
-    every thread under a lock.
+    Every write goes through ``write(units)``, the LevelDB way (``DBImpl::Write``): the first
+    waiting thread leads, takes the callers queued behind it (up to MAX_BATCH) and runs their
+    units in one BEGIN IMMEDIATE transaction on the process's write connection, each caller's
+    in a savepoint of its own (units that raise roll back alone and their caller gets the
+    exception), checks that the file is still the one it opened, commits once (with a disk
+    sync if any caller asked for one) and hands every caller its results. No thread of this
+    process ever waits in SQLite's busy handler for a lock its own process holds; other
+    processes are waited for by the leader alone, in short steps. ``":memory:"`` is one
+    connection shared by every thread under a lock.
     """
 
     def __init__(self, path: str, busy_timeout: float = 5.0, synchronous: str = "FULL") -> None:
@@ -1168,13 +1194,11 @@ class Database:
         deadline = time.monotonic() + busy_timeout
         while True:  # two servers starting on one new file: the loser waits its turn (docs/operations.md)
             try:
-                with self.connection() as conn:
-                    self._apply_schema(conn)
+                self._apply_schema()
                 break
             except sqlite3.OperationalError as exc:
                 self.close()
-                # (busy, or another process upgraded the schema between our look and our lock: again)
-                if not (_is_busy(exc) or "no such table" in str(exc)) or time.monotonic() > deadline:
+                if not _is_busy(exc) or time.monotonic() > deadline:
                     raise
                 time.sleep(0.01)
         if not self.memory:
@@ -1233,35 +1257,56 @@ class Database:
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")  # (the durable writer's is set in _writer)
 
-    def _apply_schema(self, conn: sqlite3.Connection) -> None:
-        if self.memory:  # a copy of a ready-made image: 10x faster than running the script
-            conn.deserialize(_schema_image())
+    def _apply_schema(self) -> None:
+        """Make or upgrade the schema (one unit through ``write``), or check the version it has."""
+        with self.connection() as conn:
+            if self.memory:  # a copy of a ready-made image: 10x faster than running the script
+                conn.deserialize(_schema_image())
+            version = self._version(conn)
+        if version is None or version < schema_version():
+            self.write([self._upgrade])
+            with self.connection() as conn:
+                version = self._version(conn)
+        if version != schema_version():
+            raise RuntimeError(f"{self.path} has schema version {version}; "
+                               f"this walletsvc expects {schema_version()}")
+
+    @staticmethod
+    def _version(conn: sqlite3.Connection) -> int | None:
         try:
             row = conn.execute("SELECT version FROM schema_version").fetchone()
-        except sqlite3.OperationalError:
-            row = None
-        version = schema_version()
-        if row is None or row[0] < version:  # new, or older: the script is idempotent
-            tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-            columns = [column[1] for column in conn.execute("PRAGMA table_info(nonces)")]
-            # Version 3 keeps each nonce's timestamp; an older record's is its expiry less the
-            # default window then used (60 s, and the second past it).
-            upgrade = ("ALTER TABLE nonces ADD COLUMN ts INTEGER NOT NULL DEFAULT 0;\n"
-                       "UPDATE nonces SET ts = expires_at / 1000 - 61;\n") \
-                if columns and "ts" not in columns else ""
-            moved = (_NONCES_FROM_VERSION_3 if "nonces" in tables else "") \
-                + (_SPANS_FROM_VERSION_3 if "nonce_spans" in tables else "")
-            conn.executescript(f"BEGIN IMMEDIATE;\n{upgrade}{_schema_sql()}\n{_LEDGER_CLOCK_FROM_DATA}\n"
-                               f"{moved}UPDATE schema_version SET version = {version};\nCOMMIT;")
-            row = conn.execute("SELECT version FROM schema_version").fetchone()
-        if row[0] != version:
-            raise RuntimeError(f"{self.path} has schema version {row[0]}; "
-                               f"this walletsvc expects {version}")
+        except sqlite3.OperationalError:  # (no such table: a new file)
+            return None
+        return row[0] if row else None
+
+    @staticmethod
+    def _upgrade(conn: sqlite3.Connection) -> None:
+        """The unit that makes or upgrades the schema: schema.sql is idempotent, and what older
+        versions kept moves to where this one keeps it (looked at under the write lock, so that of
+        two processes upgrading one file the second finds nothing left to do)."""
+        if (Database._version(conn) or 0) >= schema_version():
+            return
+        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+        columns = [column[1] for column in conn.execute("PRAGMA table_info(nonces)")]
+        # Version 3 keeps each nonce's timestamp; an older record's is its expiry less the
+        # default window then used (60 s, and the second past it).
+        upgrade = ("ALTER TABLE nonces ADD COLUMN ts INTEGER NOT NULL DEFAULT 0;\n"
+                   "UPDATE nonces SET ts = expires_at / 1000 - 61;\n") \
+            if columns and "ts" not in columns else ""
+        moved = (_NONCES_FROM_VERSION_3 if "nonces" in tables else "") \
+            + (_SPANS_FROM_VERSION_3 if "nonce_spans" in tables else "")
+        script = (f"{upgrade}{_schema_sql()}\n{_LEDGER_CLOCK_FROM_DATA}\n{moved}"
+                  f"UPDATE schema_version SET version = {schema_version()};")
+        statement = ""
+        for line in script.splitlines(keepends=True):  # one statement at a time (executescript would commit)
+            statement += line
+            if sqlite3.complete_statement(statement):
+                conn.execute(statement)
+                statement = ""
 
     def connection(self) -> _Held:
-        """``with db.connection() as conn``: this thread's connection (the shared
-        one, under the lock, for ``:memory:``; the write connection while this
-        thread runs a write)."""
+        """``with db.connection() as conn``: this thread's read connection (the shared one,
+        under the lock, for ``:memory:``)."""
         if self.memory:
             if self._shared is None:
                 with self._lock:
@@ -1271,59 +1316,30 @@ class Database:
         if self._gone is not None:  # (a new connection would open whatever file is at the path now)
             raise copy.copy(self._gone)
         local, pid = self._local, os.getpid()
-        writing = getattr(local, "writing", None)
-        if writing is not None:
-            return writing
         if getattr(local, "pid", None) != pid:  # a new thread, or a child of os.fork: its own connection
             local.held, local.pid = _Held(self._connect(), None), pid
         return local.held
 
-    def run(self, unit: Callable[[sqlite3.Connection], Any], *, durable: bool = True) -> Any:
-        """Run ``unit(conn)`` in the next batch's transaction, each unit in a savepoint of its
-        own; its result once the batch committed, or the exception it raised (then rolled back
-        alone), or the batch's failure (a busy or missing database: nothing of it is kept).
-        ``durable=False``: the commit need not wait for a disk sync (records whose loss in a
-        power cut costs no money, docs/operations.md), unless another unit of its batch needs one."""
-        if getattr(self._local, "writing", None) is not None:  # inside a write already: join it
-            with self.connection() as conn:
-                return self._run_one(conn, unit)
-        write = _Write(unit, durable)
+    def write(self, units: Sequence[Unit], *, durable: bool = True) -> list:
+        """The one door for writes: run ``units`` in order, in the next batch's transaction, and
+        return their results once it committed. They are all or nothing: if one raises, the
+        caller's units roll back alone (a savepoint) and the exception is raised here; if the
+        batch fails (a busy or missing database), nothing of it is kept and each caller gets a
+        copy of that error. ``durable=False``: the commit need not wait for a disk sync (records
+        whose loss in a power cut costs no money, docs/operations.md), unless another caller in
+        the batch needs one. A unit never writes through this door itself."""
+        write = _Write(units, durable)
         self._wait_for_turn(write)
-        if not write.done:  # the leader: run the units queued behind it
+        if not write.done:  # the leader: run the callers queued behind it
             with self._turn:
                 batch = [write]
                 for waiting in itertools.islice(self._queue, 1, MAX_BATCH):
-                    if waiting.solo:
-                        break
                     waiting.taken = True
                     batch.append(waiting)
             self._lead(batch)
-        if write.error is not None:  # a batch's failure is each unit's: each raises a copy of its own
+        if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
-        return write.result
-
-    @contextlib.contextmanager
-    def atomic(self, *, durable: bool = True) -> Iterator[sqlite3.Connection]:
-        """One write transaction of its own (BEGIN IMMEDIATE), in this thread: in the write
-        queue's order, alone in its batch; rolls back on any exception. Nested use, and use
-        inside ``run``'s unit, joins the write under way."""
-        if getattr(self._local, "writing", None) is not None:
-            with self.connection() as conn:
-                yield conn
-            return
-        write = _Write(None, durable)
-        self._wait_for_turn(write)
-        try:
-            with self._held(durable) as conn:
-                try:
-                    yield conn
-                    self._commit(conn)
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
-        finally:
-            self._pass_turn([write])
+        return write.results
 
     def _wait_for_turn(self, write: _Write) -> None:
         """Queue ``write``; return when it is at the front (this thread leads) or when a
@@ -1349,13 +1365,16 @@ class Database:
                 raise
 
     def _lead(self, batch: list[_Write]) -> None:
-        """Run a batch in one transaction and commit it once; every unit gets its outcome."""
+        """BEGIN, every caller's units, COMMIT: the only transaction that writes. Every caller
+        gets its outcome."""
         try:
-            with self._held(any(write.durable for write in batch)) as conn:
+            with self._lock:
+                conn = self._begin(any(write.durable for write in batch))
                 try:
                     for write in batch:
                         try:
-                            write.result = self._run_one(conn, write.unit)
+                            write.results = savepoint(conn, lambda conn, units=write.units: [
+                                unit(conn) for unit in units])
                         except Exception as exc:
                             write.error, write.own_error = exc, True
                             if not conn.in_transaction:  # SQLite rolled the whole batch back (a full disk)
@@ -1371,27 +1390,11 @@ class Database:
             interrupted = sqlite3.OperationalError("the batch was interrupted")
             shared = exc if isinstance(exc, Exception) else interrupted
             for write in batch:
-                write.result, write.error, write.own_error = None, shared, False
+                write.results, write.error, write.own_error = [], shared, False
             if not isinstance(exc, Exception):  # (an interrupt is the leader's own, raised after the turn)
                 self._pass_turn(batch)
                 raise
         self._pass_turn(batch)
-
-    @staticmethod
-    def _run_one(conn: sqlite3.Connection, unit: Callable[[sqlite3.Connection], Any]) -> Any:
-        conn.execute("SAVEPOINT unit")
-        try:
-            result = unit(conn)
-        except BaseException:
-            if conn.in_transaction:
-                try:
-                    conn.execute("ROLLBACK TO unit")
-                    conn.execute("RELEASE unit")
-                except sqlite3.Error:  # the unit cannot be undone alone: nothing of the batch is kept
-                    conn.execute("ROLLBACK")
-            raise
-        conn.execute("RELEASE unit")
-        return result
 
     def _pass_turn(self, batch: list[_Write]) -> None:
         """The batch is done: out of the queue, and the next in line leads."""
@@ -1400,18 +1403,6 @@ class Database:
                 write.done = True
                 self._queue.remove(write)
             self._turn.notify_all()
-
-    @contextlib.contextmanager
-    def _held(self, durable: bool) -> Iterator[sqlite3.Connection]:
-        """BEGIN IMMEDIATE on the write connection; while it lasts this thread's reads go to it
-        (and, for ``:memory:``, other threads wait for the commit)."""
-        with self._lock:
-            conn = self._begin(durable)
-            self._local.writing = self._shared if self.memory else _Held(conn, None)
-            try:
-                yield conn
-            finally:
-                self._local.writing = None
 
     def _begin(self, durable: bool) -> sqlite3.Connection:
         """BEGIN IMMEDIATE on the write connection for this durability. Another process's
@@ -1481,24 +1472,20 @@ class Database:
         with self.connection() as conn:
             return conn.execute(sql, params).fetchone()
 
-    def write(self, sql: str, params: Sequence = (), *, durable: bool = True) -> int:
-        """One write statement, as a unit of the next batch; the rows it changed."""
-        return self.run(lambda conn: conn.execute(sql, params).rowcount, durable=durable)
-
     def check_writable(self) -> None:
         """Raise sqlite3.OperationalError if this process cannot write the database
         (a read-only file or directory, a full disk); nothing is changed. A database
         locked by another writer passes: its requests answer S503 until it is free."""
-        with self.connection() as conn:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                conn.execute("UPDATE schema_version SET version = version")
-            except sqlite3.OperationalError as exc:
-                if not _is_locked(exc):
-                    raise
-            finally:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
+        def probe(conn: sqlite3.Connection) -> None:
+            conn.execute("UPDATE schema_version SET version = version")
+            raise _Probed  # (rolled back: a probe changes nothing)
+        try:
+            self.write([probe], durable=False)
+        except _Probed:
+            pass
+        except sqlite3.OperationalError as exc:
+            if not _is_locked(exc):
+                raise
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[sqlite3.Connection]:
@@ -1604,8 +1591,15 @@ def sign_request(method: str, path: str, body: bytes | str | None, api_key: str,
             "X-Signature": compute_signature(secret, message)}
 
 
+class Diagnosis(NamedTuple):
+    """The common signing mistake a refused signature matches (``debug_signatures``)."""
+
+    english: str
+    chinese: str
+
+
 def diagnose_signature(secret: str, environ: Mapping[str, Any], path: bytes, body: bytes, timestamp: str,
-                       nonce: str, provided: str) -> tuple[str, str] | None:
+                       nonce: str, provided: str) -> Diagnosis | None:
     """The common signing mistake the client's signature matches, in English and Chinese, or None.
 
     Each candidate is the canonical message (or the digest's encoding) as a
@@ -1621,17 +1615,17 @@ def diagnose_signature(secret: str, environ: Mapping[str, Any], path: bytes, bod
     given = provided.strip()
     correct = hmac.digest(secret.encode("utf-8"), message(), "sha256")
     if hmac.compare_digest(given.lower().encode("latin-1", "replace"), correct.hex().encode()):
-        return "the signature is hex, not Base64", "签名是十六进制而不是 Base64"
+        return Diagnosis("the signature is hex, not Base64", "签名是十六进制而不是 Base64")
     try:
         decoded = binascii.a2b_base64(given.encode("ascii"))
     except (UnicodeEncodeError, binascii.Error, ValueError):
         return None
     for candidate, key, english, chinese in _signing_mistakes(message, secret, environ, path, body):
         if hmac.compare_digest(hmac.digest(key.encode("utf-8"), candidate, "sha256"), decoded):
-            return english, chinese
+            return Diagnosis(english, chinese)
     if _signed_in_milliseconds(secret, method, path, body, timestamp, nonce, decoded):
-        return ("the timestamp was signed in milliseconds (sign X-Timestamp as sent: epoch seconds)",
-                "签名使用了毫秒时间戳（请按发送的 X-Timestamp 签名：秒级时间戳）")
+        return Diagnosis("the timestamp was signed in milliseconds (sign X-Timestamp as sent: epoch seconds)",
+                         "签名使用了毫秒时间戳（请按发送的 X-Timestamp 签名：秒级时间戳）")
     return None
 
 
@@ -2251,6 +2245,63 @@ TRANSFER_FILTERS = {"status": ListFilter.one_of("status", TRANSFER_STATUSES, cou
                     "bizIdPrefix": ListFilter(("biz_id >= ?", "biz_id < ?"), _prefix_filter)}
 
 
+T = TypeVar("T")
+
+
+class Tx(NamedTuple):
+    """One write unit's view of its transaction: the connection, the ledger's time (epoch ms)
+    and the ids it issues (``Ledger.unit``)."""
+
+    conn: sqlite3.Connection
+    now: int
+    ids: IdSequence
+    clock: int  # the service clock's own reading (``now`` is never before the last write's time)
+
+    def new_id(self, prefix: str) -> str:
+        """A fresh id: it sorts after every id committed before (docs/sandbox.md), so that the
+        id tie-break orders rows by commit."""
+        return self.ids.next(prefix, self.now)
+
+
+class TransferRequest(NamedTuple):
+    """A transfer's values, checked (``checked``): what ``Ledger.transfer_unit`` moves."""
+
+    source: str
+    target: str
+    amount: int  # minor units
+    currency: str
+    biz_id: str | None
+    description: str | None
+
+    @classmethod
+    def checked(cls, source: Any, target: Any, amount: Any, currency: Any, biz_id: Any = None,
+                description: Any = None) -> TransferRequest:
+        """Check a transfer's values; S012 naming the first bad field (as the API names it)."""
+        source = _text(source, "sourceWalletId", ID_MAX)
+        target = _text(target, "targetWalletId", ID_MAX)
+        currency_exponent(currency)
+        if isinstance(amount, (int, float)):  # a JSON number or a float: never a money amount
+            raise invalid("amount", "string")
+        minor = parse_amount(amount, currency)
+        if biz_id is not None:
+            _biz_id(biz_id)
+        if description is not None:
+            if not isinstance(description, str):
+                raise invalid("description", "string")
+            if len(description) > DESCRIPTION_MAX:
+                raise invalid("description", "max_length", maximum=DESCRIPTION_MAX)
+        return cls(source, target, minor, currency, biz_id, description)
+
+    def replayed_by(self, existing: sqlite3.Row) -> sqlite3.Row:
+        """The order already made with this bizId, if it is this request again; else T3002."""
+        same = (existing["source_wallet_id"], existing["target_wallet_id"], existing["amount"],
+                existing["currency"], existing["description"]) == (
+                self.source, self.target, self.amount, self.currency, self.description)
+        if not same:
+            raise IdempotencyConflict(biz_id=existing["biz_id"])
+        return existing
+
+
 class Ledger:
     """The service without the sandbox: workspaces, members, keys, wallets, the ledger
     and transfers over one SQLite database (WalletService adds the sandbox's state). Its
@@ -2270,44 +2321,42 @@ class Ledger:
         self.clock = clock or time.time
         self.ids = ids or IdSource()
         self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
-        self._tx = threading.local()  # the id sequence of this thread's write transaction
 
     def now_ms(self) -> int:
         """The service clock, in epoch milliseconds."""
         return int(self.clock() * 1000)
 
-    def new_id(self, prefix: str, now_ms: int) -> str:
-        """A fresh id, made inside ``writing()``: it sorts after every id committed before
-        (docs/sandbox.md), so that the id tie-break orders rows by commit."""
-        return self._tx.ids.next(prefix, now_ms)
+    def unit(self, work: Callable[[Tx], T], *, settle: bool = True) -> Callable[[sqlite3.Connection], T]:
+        """``work`` as a write unit (``Database.write``), given the transaction's time and ids (a Tx).
 
-    def new_secret(self) -> str:
-        """A fresh API secret, made inside ``writing()`` (from the seeded sequence when seeded)."""
-        return self._tx.ids.secret()
-
-    @contextlib.contextmanager
-    def writing(self) -> Iterator[tuple[sqlite3.Connection, int]]:
-        """One write transaction (``db.atomic()``) and its time (docs/contract.md).
-
-        The time is the service clock read inside the transaction, never before
-        the last write's in this database (whatever the clock or the number of
-        processes says), so the ledger reads in commit order. The last write's
-        time and id live in the database's ``ledger_clock`` row; the ids come
-        from ``self.ids``. Nested use joins the outer one.
+        The time is the service clock read inside the transaction, never before the last
+        write's in this database (whatever the clock or the number of processes says), so
+        the ledger reads in commit order. The last write's time and id live in the
+        database's ``ledger_clock`` row; the ids come from ``self.ids``. Delayed orders
+        whose time has come settle first, in the same transaction.
         """
-        with self.db.atomic() as conn:
-            ids = getattr(self._tx, "ids", None)
-            if ids is not None:
-                yield conn, ids.now
-                return
+        def run(conn: sqlite3.Connection) -> T:
             last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
-            self._tx.ids = ids = self.ids.start(conn, last_id, max(self.now_ms(), last_ms))
-            try:
-                yield conn, ids.now
-            finally:
-                self._tx.ids = None
+            now = self.now_in(conn)
+            ids = self.ids.start(conn, last_id, max(now, last_ms))
+            tx = Tx(conn, ids.now, ids, now)
+            if settle and self.settings.settlement == Settlement.DELAYED:
+                self._settle_due(tx, now)
+            result = work(tx)
             conn.execute("UPDATE ledger_clock SET last_ms = ?, last_id = ?", (ids.now, ids.last))
             self.ids.keep(conn, ids)
+            return result
+        return run
+
+    def now_in(self, conn: sqlite3.Connection) -> int:
+        """The service clock as a write unit in ``conn``'s transaction reads it (WalletService reads
+        the sandbox's clock there, so that a clock moved in the same transaction counts)."""
+        return self.now_ms()
+
+    def commit(self, work: Callable[[Tx], T]) -> T:
+        """Run ``work`` as one write (``unit``) and return what it returned: how every write
+        method of the Python API writes."""
+        return self.db.write([self.unit(work)])[0]
 
     def close(self) -> None:
         """Close this thread's database connection."""
@@ -2318,18 +2367,19 @@ class Ledger:
     def create_workspace(self, name: str) -> dict:
         """A workspace with its default owner member (``ownerMemberId``)."""
         name = _text(name, "name", NAME_MAX)
-        with self.writing() as (conn, now):
-            workspace_id, _ = self._insert_workspace(conn, now, name)
-        return self.get_workspace(workspace_id)
 
-    def _insert_workspace(self, conn: sqlite3.Connection, now: int, name: str,
-                          workspace_id: str | None = None) -> tuple[str, str]:
+        def create(tx: Tx) -> dict:
+            workspace_id, _ = self._insert_workspace(tx, name)
+            return workspace_resource(self._workspace(tx.conn, workspace_id))
+        return self.commit(create)
+
+    def _insert_workspace(self, tx: Tx, name: str, workspace_id: str | None = None) -> tuple[str, str]:
         """The one INSERT of a workspace (its ``name`` checked by the caller), with its owner member:
         their ids."""
-        workspace_id = workspace_id or self.new_id("ws_", now)
-        conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
-                     (workspace_id, name, now))
-        return workspace_id, self._insert_member(conn, now, workspace_id, OWNER_NAME, Role.OWNER)
+        workspace_id = workspace_id or tx.new_id("ws_")
+        tx.conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
+                        (workspace_id, name, tx.now))
+        return workspace_id, self._insert_member(tx, workspace_id, OWNER_NAME, Role.OWNER)
 
     def get_workspace(self, workspace_id: str) -> dict:
         """The workspace; GA2032 once deleted."""
@@ -2345,24 +2395,28 @@ class Ledger:
 
     def delete_workspace(self, workspace_id: str) -> None:
         """From now on the workspace's keys answer GA2032; its ledger is kept."""
-        with self.writing() as (conn, now):
-            self._workspace(conn, workspace_id)
-            conn.execute("UPDATE workspaces SET deleted_at = ? WHERE id = ?", (now, workspace_id))
+        def delete(tx: Tx) -> None:
+            self._workspace(tx.conn, workspace_id)
+            tx.conn.execute("UPDATE workspaces SET deleted_at = ? WHERE id = ?", (tx.now, workspace_id))
+        self.commit(delete)
 
     def add_member(self, workspace_id: str, name: str) -> dict:
         """A MEMBER of the workspace; keys can be issued to it (``create_api_key(member_id=...)``)."""
         name = _text(name, "name", NAME_MAX)
-        with self.writing() as (conn, now):
-            self._workspace(conn, workspace_id)
-            member_id = self._insert_member(conn, now, workspace_id, name, Role.MEMBER)
-            return member_resource(self._member(conn, workspace_id, member_id))
 
-    def _insert_member(self, conn: sqlite3.Connection, now: int, workspace_id: str, name: str, role: Role,
-                       member_id: str | None = None) -> str:
+        def add(tx: Tx) -> dict:
+            self._workspace(tx.conn, workspace_id)
+            member_id = self._insert_member(tx, workspace_id, name, Role.MEMBER)
+            return member_resource(self._member(tx.conn, workspace_id, member_id))
+        return self.commit(add)
+
+    @staticmethod
+    def _insert_member(tx: Tx, workspace_id: str, name: str, role: Role, member_id: str | None = None) -> str:
         """The one INSERT of a member (its ``name`` checked by the caller); its id."""
-        member_id = member_id or self.new_id("mem_", now)
-        conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at) VALUES (?, ?, ?, ?, ?)",
-                     (member_id, workspace_id, name, role, now))
+        member_id = member_id or tx.new_id("mem_")
+        tx.conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
+                        " VALUES (?, ?, ?, ?, ?)",
+                        (member_id, workspace_id, name, role, tx.now))
         return member_id
 
     def list_members(self, workspace_id: str) -> list[dict]:
@@ -2372,10 +2426,11 @@ class Ledger:
 
     def remove_member(self, workspace_id: str, member_id: str) -> None:
         """From now on the member's keys answer GA2034."""
-        with self.writing() as (conn, now):
-            self._workspace(conn, workspace_id)
-            self._member(conn, workspace_id, member_id)
-            conn.execute("UPDATE members SET removed_at = ? WHERE id = ?", (now, member_id))
+        def remove(tx: Tx) -> None:
+            self._workspace(tx.conn, workspace_id)
+            self._member(tx.conn, workspace_id, member_id)
+            tx.conn.execute("UPDATE members SET removed_at = ? WHERE id = ?", (tx.now, member_id))
+        self.commit(remove)
 
     # API keys ################################################################
 
@@ -2385,25 +2440,27 @@ class Ledger:
         """A key with its ``secret``: the only time the secret is returned."""
         scopes = api_key_scopes(scopes)
         whitelist = None if ip_whitelist is None else ip_whitelist_entries(ip_whitelist)
-        with self.writing() as (conn, now):
-            workspace = self._workspace(conn, workspace_id)
-            if member_id is None:
-                member_id = workspace["owner_member_id"]
-            self._member(conn, workspace_id, member_id)
-            key_id = self._insert_api_key(conn, now, workspace_id, member_id, scopes, whitelist)
-            row = conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
-        return {**api_key_resource(row), "secret": row["secret"]}
 
-    def _insert_api_key(self, conn: sqlite3.Connection, now: int, workspace_id: str, member_id: str,
-                        scopes: list[str], whitelist: list[str] | None, key_id: str | None = None,
+        def create(tx: Tx) -> dict:
+            workspace = self._workspace(tx.conn, workspace_id)
+            member = workspace["owner_member_id"] if member_id is None else member_id
+            self._member(tx.conn, workspace_id, member)
+            key_id = self._insert_api_key(tx, workspace_id, member, scopes, whitelist)
+            row = tx.conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+            return {**api_key_resource(row), "secret": row["secret"]}
+        return self.commit(create)
+
+    @staticmethod
+    def _insert_api_key(tx: Tx, workspace_id: str, member_id: str, scopes: list[str],
+                        whitelist: list[str] | None, key_id: str | None = None,
                         secret: str | None = None) -> str:
         """The one INSERT of a key, its ``scopes`` and ``whitelist`` as ``api_key_scopes`` and
         ``ip_whitelist_entries`` return them; its id."""
-        key_id = key_id or self.new_id("ak_", now)
-        conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
-                     " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                     (key_id, secret or self.new_secret(), workspace_id, member_id, " ".join(scopes),
-                      None if whitelist is None else json.dumps(whitelist), now))
+        key_id = key_id or tx.new_id("ak_")
+        tx.conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
+                        " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (key_id, secret or tx.ids.secret(), workspace_id, member_id, " ".join(scopes),
+                         None if whitelist is None else json.dumps(whitelist), tx.now))
         return key_id
 
     def list_api_keys(self, workspace_id: str) -> list[dict]:
@@ -2412,12 +2469,13 @@ class Ledger:
 
     def set_api_key_enabled(self, api_key: str, enabled: bool) -> dict:
         """Disable (GA2021 from then on) or re-enable a key."""
-        with self.db.atomic() as conn:
-            if not conn.execute("UPDATE api_keys SET enabled = ? WHERE id = ?",
-                                (int(bool(enabled)), api_key)).rowcount:
+        def switch(conn: sqlite3.Connection) -> dict:
+            row = conn.execute("UPDATE api_keys SET enabled = ? WHERE id = ? RETURNING *",
+                               (int(bool(enabled)), api_key)).fetchone()
+            if row is None:
                 raise not_found("API key")
-            return api_key_resource(conn.execute("SELECT * FROM api_keys WHERE id = ?",
-                                                 (api_key,)).fetchone())
+            return api_key_resource(row)
+        return self.db.write([switch])[0]
 
     # Wallets and their ledger ################################################
 
@@ -2425,32 +2483,38 @@ class Ledger:
         """An ACTIVE wallet in an ISO 4217 ``currency``, balance zero."""
         currency_exponent(currency)
         name = _text(f"{currency} wallet" if name is None else name, "name", NAME_MAX, minimum=0)
-        with self.writing() as (conn, now):
-            self._workspace(conn, workspace_id)
-            wallet_id = self._insert_wallet(conn, now, workspace_id, currency, name)
-            return wallet_resource(self._wallet(conn, wallet_id))
 
-    def _insert_wallet(self, conn: sqlite3.Connection, now: int, workspace_id: str, currency: str, name: str,
+        def create(tx: Tx) -> dict:
+            self._workspace(tx.conn, workspace_id)
+            wallet_id = self._insert_wallet(tx, workspace_id, currency, name)
+            return wallet_resource(self._wallet(tx.conn, wallet_id))
+        return self.commit(create)
+
+    @staticmethod
+    def _insert_wallet(tx: Tx, workspace_id: str, currency: str, name: str,
                        wallet_id: str | None = None) -> str:
         """The one INSERT of a wallet (its ``currency`` and ``name`` checked by the caller), ACTIVE;
         its id."""
-        wallet_id = wallet_id or self.new_id("wal_", now)
-        conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at, updated_at)"
-                     " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                     (wallet_id, workspace_id, name, currency, WalletStatus.ACTIVE, now, now))
+        wallet_id = wallet_id or tx.new_id("wal_")
+        tx.conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
+                        " updated_at)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (wallet_id, workspace_id, name, currency, WalletStatus.ACTIVE, tx.now, tx.now))
         return wallet_id
 
     def set_wallet_status(self, wallet_id: str, status: str) -> dict:
         """ACTIVE, FROZEN or CLOSED; only ACTIVE wallets move money (else W1002)."""
         if status not in WALLET_STATUSES:
             raise invalid("status", "one_of", choices=", ".join(WALLET_STATUSES))
-        with self.writing() as (conn, now):
-            closed = self._wallet(conn, wallet_id)["status"] == WalletStatus.CLOSED
-            if closed and status != WalletStatus.CLOSED:
-                raise invalid("status", "closed")
-            conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
-                         (status, now, wallet_id))
-            return wallet_resource(self._wallet(conn, wallet_id))
+        return self.commit(lambda tx: self._set_wallet_status(tx, wallet_id, status))
+
+    def _set_wallet_status(self, tx: Tx, wallet_id: str, status: str) -> dict:
+        closed = self._wallet(tx.conn, wallet_id)["status"] == WalletStatus.CLOSED
+        if closed and status != WalletStatus.CLOSED:
+            raise invalid("status", "closed")
+        tx.conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
+                        (status, tx.now, wallet_id))
+        return wallet_resource(self._wallet(tx.conn, wallet_id))
 
     def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
         """The wallet; W1001 if missing or outside ``workspace_id`` (when given)."""
@@ -2480,29 +2544,27 @@ class Ledger:
 
     def deposit(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
         """Money enters from outside; returns the DEPOSIT flow."""
-        return self._external_move(wallet_id, amount, FlowType.DEPOSIT, workspace_id)
+        return self.commit(lambda tx: self._external_move(tx, wallet_id, amount, FlowType.DEPOSIT,
+                                                          workspace_id))
 
     def withdraw(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
         """Money leaves; never below the available balance (T2001); returns the flow."""
-        return self._external_move(wallet_id, amount, FlowType.WITHDRAWAL, workspace_id)
+        return self.commit(lambda tx: self._external_move(tx, wallet_id, amount, FlowType.WITHDRAWAL,
+                                                          workspace_id))
 
-    def _external_move(self, wallet_id: str, amount: str, flow_type: FlowType,
+    def _external_move(self, tx: Tx, wallet_id: str, amount: str, flow_type: FlowType,
                        workspace_id: str | None) -> dict:
-        self.settle_due()
-        with self.writing() as (conn, now):
-            wallet = self._active_wallet(conn, wallet_id, workspace_id)
-            minor = parse_amount(amount, wallet["currency"])
-            if flow_type == FlowType.DEPOSIT:
-                if wallet["balance"] + minor > MAX_MINOR_UNITS:
-                    raise invalid("amount", "too_large")
-                balance = self._add_to_balance(conn, wallet_id, wallet["balance"], minor, now)
-            else:
-                if wallet["balance"] - wallet["pending"] < minor:
-                    raise InsufficientBalance(wallet_id=wallet_id)
-                balance = self._add_to_balance(conn, wallet_id, wallet["balance"], -minor, now)
-            flow_id = self._write_flow(conn, wallet_id, flow_type, minor, balance, now)
-            row = conn.execute("SELECT * FROM flows WHERE id = ?", (flow_id,)).fetchone()
-            return flow_resource(row, wallet["currency"])
+        wallet = self._active_wallet(tx.conn, wallet_id, workspace_id)
+        minor = parse_amount(amount, wallet["currency"])
+        if flow_type == FlowType.DEPOSIT:
+            if wallet["balance"] + minor > MAX_MINOR_UNITS:
+                raise invalid("amount", "too_large")
+            balance = self._add_to_balance(tx, wallet_id, wallet["balance"], minor)
+        else:
+            if wallet["balance"] - wallet["pending"] < minor:
+                raise InsufficientBalance(wallet_id=wallet_id)
+            balance = self._add_to_balance(tx, wallet_id, wallet["balance"], -minor)
+        return flow_resource(self._write_flow(tx, wallet_id, flow_type, minor, balance), wallet["currency"])
 
     def list_flows(self, wallet_id: str, query: Mapping[str, Any] | None = None, *,
                    workspace_id: str | None = None) -> dict:
@@ -2531,142 +2593,114 @@ class Ledger:
     def transfer(self, workspace_id: str, source_wallet_id: str, target_wallet_id: str,
                  amount: str | decimal.Decimal, currency: str, *, biz_id: str | None = None,
                  description: str | None = None) -> tuple[dict, bool]:
-        """``create_transfer``, also telling whether the answer is an idempotent replay.
+        """``create_transfer``, also telling whether the answer is an idempotent replay."""
+        request = TransferRequest.checked(source_wallet_id, target_wallet_id, amount, currency, biz_id,
+                                          description)
+        return self.db.write([self.transfer_unit(workspace_id, request)])[0]
 
-        The whole check-and-move is one BEGIN IMMEDIATE transaction: a rejected
-        request leaves no order and no flow.
-        """
-        request = self._transfer_request(source_wallet_id, target_wallet_id, amount, currency, biz_id,
-                                         description)
-        self.settle_due()
-        with self.writing() as (conn, now):
-            if request["biz_id"] is not None:
-                existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
-                                        (workspace_id, request["biz_id"])).fetchone()
-                if existing is not None:
-                    return transfer_resource(self._replay(existing, request)), True
-            if request["source"] == request["target"]:
-                raise SameWallet()
-            source = self._active_wallet(conn, request["source"], workspace_id)
-            target = self._active_wallet(conn, request["target"], workspace_id)
-            for wallet in (source, target):
-                if wallet["currency"] != request["currency"]:
-                    raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
-                                           currency=request["currency"])
-            amount = request["amount"]
-            if self.settings.magic_values \
-                    and format_amount(amount, request["currency"]) == MAGIC_DECLINED_AMOUNT:
-                raise InsufficientBalance(wallet_id=source["id"])
-            if source["balance"] - source["pending"] < amount:
-                raise InsufficientBalance(wallet_id=source["id"])
-            if target["balance"] + amount > MAX_MINOR_UNITS:
-                raise invalid("amount", "too_large")
-            transfer_id = self.new_id("tr_", now)
-            mode = self.settings.settlement
-            # Due on the service clock, from its own reading now (docs/contract.md): not from the ledger's
-            # time, which a clock moved back and forth before may have left ahead.
-            settle_at = self.now_ms() + int(self.settings.settlement_delay * 1000) \
-                if mode == Settlement.DELAYED else None
-            row = {"id": transfer_id, "workspace_id": workspace_id,
-                   "biz_id": request["biz_id"] or transfer_id,
-                   "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
-                   "currency": request["currency"],
-                   "status": TransferStatus.COMPLETED if mode == Settlement.IMMEDIATE
-                   else TransferStatus.PENDING,
-                   "description": request["description"], "created_at": now, "updated_at": now,
-                   "completed_at": now if mode == Settlement.IMMEDIATE else None, "settle_at": settle_at}
-            conn.execute(_INSERT_TRANSFER, row)
-            if mode == Settlement.IMMEDIATE:
-                self._move(conn, row, now, source["balance"], target["balance"])
-            else:
-                self._hold(conn, source["id"], amount, now)
+    def transfer_unit(self, workspace_id: str, request: TransferRequest) -> Unit:
+        """The write unit of a transfer: (the order, whether it is an idempotent replay). The whole
+        check-and-move is in the unit's transaction: a rejected request leaves no order and no
+        flow. The HTTP API commits this same unit with the request's nonce and journal entry."""
+        return self.unit(lambda tx: self._transfer(tx, workspace_id, request))
+
+    def _transfer(self, tx: Tx, workspace_id: str, request: TransferRequest) -> tuple[dict, bool]:
+        conn = tx.conn
+        if request.biz_id is not None:
+            existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
+                                    (workspace_id, request.biz_id)).fetchone()
+            if existing is not None:
+                return transfer_resource(request.replayed_by(existing)), True
+        if request.source == request.target:
+            raise SameWallet()
+        source = self._active_wallet(conn, request.source, workspace_id)
+        target = self._active_wallet(conn, request.target, workspace_id)
+        for wallet in (source, target):
+            if wallet["currency"] != request.currency:
+                raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
+                                       currency=request.currency)
+        amount = request.amount
+        if self.settings.magic_values and format_amount(amount, request.currency) == MAGIC_DECLINED_AMOUNT:
+            raise InsufficientBalance(wallet_id=source["id"])
+        if source["balance"] - source["pending"] < amount:
+            raise InsufficientBalance(wallet_id=source["id"])
+        if target["balance"] + amount > MAX_MINOR_UNITS:
+            raise invalid("amount", "too_large")
+        transfer_id = tx.new_id("tr_")
+        mode = self.settings.settlement
+        # Due on the service clock, from its own reading now (docs/contract.md): not from the ledger's
+        # time, which a clock moved back and forth before may have left ahead.
+        settle_at = tx.clock + int(self.settings.settlement_delay * 1000) \
+            if mode == Settlement.DELAYED else None
+        now = tx.now
+        row = {"id": transfer_id, "workspace_id": workspace_id, "biz_id": request.biz_id or transfer_id,
+               "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
+               "currency": request.currency,
+               "status": TransferStatus.COMPLETED if mode == Settlement.IMMEDIATE else TransferStatus.PENDING,
+               "description": request.description, "created_at": now, "updated_at": now,
+               "completed_at": now if mode == Settlement.IMMEDIATE else None, "settle_at": settle_at}
+        conn.execute(_INSERT_TRANSFER, row)
+        if mode == Settlement.IMMEDIATE:
+            self._move(tx, row, source["balance"], target["balance"])
+        else:
+            self._hold(tx, source["id"], amount)
         return transfer_resource(row), False
 
-    @staticmethod
-    def _transfer_request(source: Any, target: Any, amount: Any, currency: Any, biz_id: Any,
-                          description: Any) -> dict:
-        """Check a transfer's values; S012 naming the first bad field (as the API names it)."""
-        source = _text(source, "sourceWalletId", ID_MAX)
-        target = _text(target, "targetWalletId", ID_MAX)
-        currency_exponent(currency)
-        if isinstance(amount, (int, float)):  # a JSON number or a float: never a money amount
-            raise invalid("amount", "string")
-        amount = parse_amount(amount, currency)
-        if biz_id is not None:
-            _biz_id(biz_id)
-        if description is not None:
-            if not isinstance(description, str):
-                raise invalid("description", "string")
-            if len(description) > DESCRIPTION_MAX:
-                raise invalid("description", "max_length", maximum=DESCRIPTION_MAX)
-        return {"source": source, "target": target, "amount": amount, "currency": currency,
-                "biz_id": biz_id, "description": description}
-
-    @staticmethod
-    def _replay(existing: sqlite3.Row, request: dict) -> sqlite3.Row:
-        same = (existing["source_wallet_id"], existing["target_wallet_id"], existing["amount"],
-                existing["currency"], existing["description"]) == (
-                request["source"], request["target"], request["amount"], request["currency"],
-                request["description"])
-        if not same:
-            raise IdempotencyConflict(biz_id=existing["biz_id"])
-        return existing
-
-    def _finish(self, conn: sqlite3.Connection, transfer_id: str, status: str, now: int) -> sqlite3.Row:
+    def _finish(self, tx: Tx, transfer_id: str, status: str) -> sqlite3.Row:
         """Settle a PENDING order: COMPLETED moves the held money and writes one
         flow per wallet; FAILED releases the hold. Nothing else changes state."""
+        conn = tx.conn
         order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
-        self._hold(conn, order["source_wallet_id"], -order["amount"], now)
+        self._hold(tx, order["source_wallet_id"], -order["amount"])
         if status == TransferStatus.COMPLETED:
             source, target = (conn.execute("SELECT balance FROM wallets WHERE id = ?",
                                            (wallet_id,)).fetchone()[0]
                               for wallet_id in (order["source_wallet_id"], order["target_wallet_id"]))
-            self._move(conn, order, now, source, target)
-        conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?, settle_at = NULL"
-                     " WHERE id = ?",
-                     (status, now, now if status == TransferStatus.COMPLETED else None, transfer_id))
-        return conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
+            self._move(tx, order, source, target)
+        return conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?,"
+                            " settle_at = NULL WHERE id = ? RETURNING *",
+                            (status, tx.now, tx.now if status == TransferStatus.COMPLETED else None,
+                             transfer_id)).fetchone()
 
-    def _move(self, conn: sqlite3.Connection, order: Mapping[str, Any], now: int, source_balance: int,
-              target_balance: int) -> None:
+    def _move(self, tx: Tx, order: Mapping[str, Any], source_balance: int, target_balance: int) -> None:
         """Move an order's money and write one flow per wallet; the balances are the
         two wallets' as read in this transaction."""
         amount, source_id, target_id = order["amount"], order["source_wallet_id"], order["target_wallet_id"]
-        source_balance = self._add_to_balance(conn, source_id, source_balance, -amount, now)
-        target_balance = self._add_to_balance(conn, target_id, target_balance, amount, now)
-        self._write_flow(conn, source_id, FlowType.TRANSFER_OUT, amount, source_balance, now,
+        source_balance = self._add_to_balance(tx, source_id, source_balance, -amount)
+        target_balance = self._add_to_balance(tx, target_id, target_balance, amount)
+        self._write_flow(tx, source_id, FlowType.TRANSFER_OUT, amount, source_balance,
                          order["id"], order["biz_id"], target_id)
-        self._write_flow(conn, target_id, FlowType.TRANSFER_IN, amount, target_balance, now,
+        self._write_flow(tx, target_id, FlowType.TRANSFER_IN, amount, target_balance,
                          order["id"], order["biz_id"], source_id)
 
     def complete_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
         """Complete a PENDING order (manual or delayed settlement): the money moves."""
-        return self._decide(biz_id, workspace_id, TransferStatus.COMPLETED)
+        return self.commit(lambda tx: self._settle_order(tx, biz_id, workspace_id, TransferStatus.COMPLETED))
 
     def fail_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
         """Fail a PENDING order: the held amount is released, no money moves."""
-        return self._decide(biz_id, workspace_id, TransferStatus.FAILED)
+        return self.commit(lambda tx: self._settle_order(tx, biz_id, workspace_id, TransferStatus.FAILED))
 
-    def _decide(self, biz_id: str, workspace_id: str | None, status: str) -> dict:
-        with self.writing() as (conn, now):
-            if workspace_id is not None:
-                order = self._transfer(conn, workspace_id, biz_id)
-            else:  # bizIds are unique per workspace: accept a transferId, or a bizId used once
-                rows = conn.execute("SELECT * FROM transfers WHERE id = ? OR biz_id = ? LIMIT 2",
-                                    (biz_id, biz_id)).fetchall()
-                if len(rows) > 1:
-                    raise invalid("workspaceId", "required")
-                if not rows:
-                    raise TransferNotFound(biz_id=str(biz_id)[:64])
-                order = rows[0]
-            if order["status"] != TransferStatus.PENDING:
-                raise invalid("bizId", "state", state=order["status"])
-            return transfer_resource(self._finish(conn, order["id"], status, now))
+    def _settle_order(self, tx: Tx, biz_id: str, workspace_id: str | None, status: str) -> dict:
+        if workspace_id is not None:
+            order = self._order(tx.conn, workspace_id, biz_id)
+        else:  # bizIds are unique per workspace: accept a transferId, or a bizId used once
+            rows = tx.conn.execute("SELECT * FROM transfers WHERE id = ? OR biz_id = ? LIMIT 2",
+                                   (biz_id, biz_id)).fetchall()
+            if len(rows) > 1:
+                raise invalid("workspaceId", "required")
+            if not rows:
+                raise TransferNotFound(biz_id=str(biz_id)[:64])
+            order = rows[0]
+        if order["status"] != TransferStatus.PENDING:
+            raise invalid("bizId", "state", state=order["status"])
+        return transfer_resource(self._finish(tx, order["id"], status))
 
     def settle_due(self) -> int:
         """Complete delayed-settlement orders whose time has come; returns how many.
 
-        Called before every read and write, so the clock alone drives them.
+        Every write settles them first (``unit``) and every read calls this, so the clock
+        alone drives them.
         """
         if self.settings.settlement != Settlement.DELAYED:
             return 0
@@ -2675,24 +2709,26 @@ class Ledger:
             if conn.execute("SELECT 1 FROM transfers WHERE settle_at <= ? LIMIT 1",
                             (now,)).fetchone() is None:
                 return 0
-        with self.writing() as (conn, ledger_now):
-            due = conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = ?",
-                               (now, TransferStatus.PENDING)).fetchall()
-            for row in due:
-                self._finish(conn, row["id"], TransferStatus.COMPLETED, ledger_now)
+        return self.db.write([self.unit(lambda tx: self._settle_due(tx, now), settle=False)])[0]
+
+    def _settle_due(self, tx: Tx, now: int) -> int:
+        due = tx.conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = ?",
+                              (now, TransferStatus.PENDING)).fetchall()
+        for row in due:
+            self._finish(tx, row["id"], TransferStatus.COMPLETED)
         return len(due)
 
     def get_transfer(self, workspace_id: str, biz_id: str) -> dict:
         """The order with this bizId in the workspace; T1001 if none (another workspace's too)."""
         self.settle_due()
         with self.db.connection() as conn:
-            return transfer_resource(self._transfer(conn, workspace_id, biz_id))
+            return transfer_resource(self._order(conn, workspace_id, biz_id))
 
     def transfer_completion(self, workspace_id: str, biz_id: str) -> dict:
         """``{bizId, transferId, status, completed}``."""
         self.settle_due()
         with self.db.connection() as conn:
-            return completion_resource(self._transfer(conn, workspace_id, biz_id))
+            return completion_resource(self._order(conn, workspace_id, biz_id))
 
     def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
                        wallet_id: str | None = None) -> dict:
@@ -2798,7 +2834,7 @@ class Ledger:
         return row
 
     @staticmethod
-    def _transfer(conn: sqlite3.Connection, workspace_id: str, biz_id: str) -> sqlite3.Row:
+    def _order(conn: sqlite3.Connection, workspace_id: str, biz_id: str) -> sqlite3.Row:
         """The order; T1001 if missing or of another workspace (never leak existence)."""
         row = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
                            (workspace_id, biz_id)).fetchone()
@@ -2807,29 +2843,28 @@ class Ledger:
         return row
 
     @staticmethod
-    def _hold(conn: sqlite3.Connection, wallet_id: str, amount: int, now: int) -> None:
-        conn.execute("UPDATE wallets SET pending = pending + ?, updated_at = ? WHERE id = ?",
-                     (amount, now, wallet_id))
+    def _hold(tx: Tx, wallet_id: str, amount: int) -> None:
+        tx.conn.execute("UPDATE wallets SET pending = pending + ?, updated_at = ? WHERE id = ?",
+                        (amount, tx.now, wallet_id))
 
     @staticmethod
-    def _add_to_balance(conn: sqlite3.Connection, wallet_id: str, balance: int, delta: int, now: int) -> int:
+    def _add_to_balance(tx: Tx, wallet_id: str, balance: int, delta: int) -> int:
         """Add ``delta`` (negative: take) to a wallet whose ``balance`` was read in this
         write transaction, so that the new balance is known without reading it back."""
-        conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?",
-                     (delta, now, wallet_id))
+        tx.conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?",
+                        (delta, tx.now, wallet_id))
         return balance + delta
 
-    def _write_flow(self, conn: sqlite3.Connection, wallet_id: str, flow_type: FlowType, amount: int,
-                    balance_after: int, now: int, transfer_id: str | None = None,
-                    biz_id: str | None = None, counterparty: str | None = None) -> str:
-        """One flow; its id."""
-        flow_id = self.new_id("fl_", now)
-        conn.execute(
+    @staticmethod
+    def _write_flow(tx: Tx, wallet_id: str, flow_type: FlowType, amount: int, balance_after: int,
+                    transfer_id: str | None = None, biz_id: str | None = None,
+                    counterparty: str | None = None) -> sqlite3.Row:
+        """One flow; its row."""
+        return tx.conn.execute(
             "INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after, transfer_id,"
-            " biz_id, counterparty_wallet_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)",
-            (flow_id, wallet_id, flow_type, flow_type.direction, amount, balance_after, transfer_id, biz_id,
-             counterparty, now))
-        return flow_id
+            " biz_id, counterparty_wallet_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *",
+            (tx.new_id("fl_"), wallet_id, flow_type, flow_type.direction, amount, balance_after, transfer_id,
+             biz_id, counterparty, tx.now)).fetchone()
 
 
 ###############################################################################
@@ -2899,10 +2934,10 @@ class Clock:
             raise ValueError("this Clock is another service's (its state lives in that service's database):"
                              " give each service a Clock of its own")
         if self._state != (None, 0.0):  # (a running clock needs no write: a locked database still starts)
-            with db.atomic(durable=False) as conn:
-                conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?"
-                             " WHERE clock_frozen_at IS NULL AND clock_offset = 0 AND NOT has_start",
-                             self._state)
+            db.write([lambda conn: conn.execute(
+                "UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?"
+                " WHERE clock_frozen_at IS NULL AND clock_offset = 0 AND NOT has_start", self._state)],
+                durable=False)
         self._db = db
 
     @staticmethod
@@ -2929,9 +2964,23 @@ class Clock:
             with self._lock:
                 self._state = move(*self._state)
             return
-        with self._db.atomic(durable=False) as conn:
+        self._db.write([self.moved(move)], durable=False)
+
+    @staticmethod
+    def moved(move: Callable[[float | None, float], tuple[float | None, float]]) -> Unit:
+        """The unit that applies ``move`` to the clock's state in the database."""
+        def unit(conn: sqlite3.Connection) -> None:
             state = conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone()
             conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", move(*state))
+        return unit
+
+    @staticmethod
+    def starting_at(at: float, frozen: bool) -> Callable[[float | None, float], tuple[float | None, float]]:
+        """The move that starts a clock at ``at``: frozen there, or running from there (a scenario's
+        clock; a clock frozen already stays frozen, at ``at``)."""
+        at = _clock_time(at)
+        return lambda frozen_at, offset: (at, offset) if frozen or frozen_at is not None \
+            else (None, at - time.time())
 
     def freeze(self, at: float | None = None) -> None:
         """Stop the clock, at ``at`` (epoch seconds) or now."""
@@ -2965,9 +3014,10 @@ class Clock:
         if self._db is None:
             self._change(lambda frozen_at, offset: self._start)
             return
-        with self._db.atomic(durable=False) as conn:
+        def reset(conn: sqlite3.Connection) -> None:
             start = conn.execute("SELECT clock_frozen_at, clock_offset FROM start_sandbox").fetchone()
             conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", start or self._start)
+        self._db.write([reset], durable=False)
 
 
 ###############################################################################
@@ -3065,7 +3115,7 @@ class Journal:
     ENTRY_BYTES = 9 * FIELD_BYTES  # seven capped fields, the headers, and the short fixed ones
     _INSERT = (f"INSERT INTO journal (seq, {', '.join(JournalEntry._fields)}) VALUES"
                " (coalesce((SELECT max(seq) FROM journal), (SELECT journal_floor FROM sandbox)) + 1,"
-               f" {', '.join('?' * len(JournalEntry._fields))})")
+               f" {', '.join('?' * len(JournalEntry._fields))}) RETURNING seq")
     TRIM_EVERY = 32  # entries between trims of a large journal (measured: a trim per insert costs 15 us)
 
     def __init__(self, db: Database, size: int) -> None:
@@ -3073,28 +3123,18 @@ class Journal:
         self.size = size
         self.enabled = size > 0
 
-    def record(self, entry: JournalEntry, conn: sqlite3.Connection | None = None) -> None:
-        """Keep ``entry`` (in ``conn``'s transaction, or in one of its own without a disk sync)
-        and forget the oldest beyond ``size``."""
-        if not self.enabled:
-            return
+    def record(self, conn: sqlite3.Connection, entry: JournalEntry) -> None:
+        """Keep ``entry`` in ``conn``'s transaction (a request's one write) and forget the oldest
+        beyond ``size``."""
         cap = self.FIELD_BYTES
         values = tuple(keep(value, cap) for keep, value in zip(_JOURNAL_KEEP, entry, strict=True))
-        if conn is not None:
-            self._insert(conn, values)
-            return
-        with self.db.atomic(durable=False) as own:
-            self._insert(own, values)
-
-    def _insert(self, conn: sqlite3.Connection, values: tuple) -> None:
-        seq = conn.execute(self._INSERT, values).lastrowid
+        seq = conn.execute(self._INSERT, values).fetchone()[0]
         if seq > self.size and (self.size < 2 * self.TRIM_EVERY or seq % self.TRIM_EVERY == 0):
             conn.execute("DELETE FROM journal WHERE seq <= ?", (seq - self.size,))
 
     def clear(self) -> None:
         """Forget every entry (seq goes on from where it was)."""
-        with self.db.atomic(durable=False) as conn:
-            _empty_journal(conn)
+        self.db.write([_empty_journal], durable=False)
 
     def entries(self, method: str | None = None, path: str | None = None, *, after: int | None = None,
                 **criteria: Any) -> list[dict]:
@@ -3201,6 +3241,31 @@ def _json_subset(expected: Any, actual: Any) -> bool:
 # Fault rules ##################################################################
 ###############################################################################
 
+class FaultRule(NamedTuple):
+    """A fault rule as the request path reads it (``Faults.take``)."""
+
+    id: str  # fault_N
+    number: int
+    action: FaultAction
+    method: str
+    path: str
+    workspace_id: str | None
+    code: str | None
+    status: int | None
+    latency: float
+    query: Mapping | None
+    headers: Mapping | None
+    body: Mapping | None
+
+    @classmethod
+    def stored(cls, number: int, rule: str) -> FaultRule:
+        """The rule numbered ``number`` as its row keeps it (JSON, as ``Faults.add`` answers it)."""
+        fields = json.loads(rule)
+        return cls(f"fault_{number}", number, FaultAction(fields["action"]), fields["method"], fields["path"],
+                   fields["workspaceId"], fields["code"], fields["status"], fields["latency"],
+                   fields["query"], fields["headers"], fields["body"])
+
+
 class Faults:
     """Fault rules applied to authenticated /api/ requests that match them, kept in the
     database (docs/sandbox.md): every process serving the file applies the same rules, and a
@@ -3219,9 +3284,9 @@ class Faults:
     def __init__(self, db: Database) -> None:
         self.db = db
         # (fault_version, the rules, those seen spent) as this process last read them: spent stays spent
-        self._cache: tuple[int, list[dict], set[int]] = (-1, [], set())
+        self._cache: tuple[int, list[FaultRule], set[int]] = (-1, [], set())
 
-    def add(self, *, action: str = "error", method: str = "*", path: str = "*",
+    def add(self, *, action: FaultAction | str = FaultAction.ERROR, method: str = "*", path: str = "*",
             workspace_id: str | None = None, code: str | None = None, status: int | None = None,
             latency: float = 0.0, times: int | None = None, query: Mapping | None = None,
             headers: Mapping | None = None, body: Mapping | None = None) -> dict:
@@ -3241,7 +3306,7 @@ class Faults:
         rule = {"action": action, "method": method.upper(), "path": path, "workspaceId": workspace_id,
                 "code": code, "status": status, "latency": float(latency), "times": times, "query": query,
                 "headers": headers, "body": body}
-        with self.db.atomic(durable=False) as conn:
+        def add(conn: sqlite3.Connection) -> int:
             count, number = conn.execute("SELECT fault_rules, fault_next + 1 FROM sandbox").fetchone()
             if count >= self.MAX_RULES:
                 raise invalid("faults", "too_many", maximum=self.MAX_RULES)
@@ -3249,6 +3314,8 @@ class Faults:
                          (number, json.dumps(rule), times))
             conn.execute("UPDATE sandbox SET fault_rules = fault_rules + 1, fault_next = ?,"
                          " fault_version = fault_version + 1", (number,))
+            return number
+        number = self.db.write([add], durable=False)[0]
         return {"id": f"fault_{number}", **rule, "fired": 0}
 
     @staticmethod
@@ -3284,62 +3351,67 @@ class Faults:
         """Remove one rule; S404 if there is none with that id."""
         number = fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_") \
             else ""
-        with self.db.atomic(durable=False) as conn:
+        def remove(conn: sqlite3.Connection) -> None:
             if not number.isdigit() or not conn.execute("DELETE FROM fault_rules WHERE id = ?",
                                                         (int(number[:18]),)).rowcount:
                 raise not_found("fault rule")
             conn.execute("UPDATE sandbox SET fault_rules = fault_rules - 1,"
                          " fault_version = fault_version + 1")
+        self.db.write([remove], durable=False)
 
     def clear(self) -> None:
         """Remove every rule; ids start again from fault_1."""
-        with self.db.atomic(durable=False) as conn:
-            conn.execute("DELETE FROM fault_rules")
-            conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0,"
-                         " fault_version = fault_version + 1")
+        self.db.write([self.cleared], durable=False)
+
+    @staticmethod
+    def cleared(conn: sqlite3.Connection) -> None:
+        """The unit that removes every rule (``clear``; the sandbox's reset)."""
+        conn.execute("DELETE FROM fault_rules")
+        conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0, fault_version = fault_version + 1")
 
     def take(self, method: str, path: str, workspace_id: str,
-             request: Callable[[], Mapping[str, Any]] = dict) -> dict | None:
+             request: Callable[[], Mapping[str, Any]] = dict) -> FaultRule | None:
         """The first rule matching this request that is not spent, counted as fired (once,
         across processes: the count is taken in the database). A spent rule (fired ``times``
-        times) stays listed with its count."""
+        times) stays listed with its count. A request when no rule is in force pays one read."""
         _, rules, spent = self._rules()
         for rule in rules:
-            if rule["number"] in spent or not (
-                    rule["method"] in ("*", method) and fnmatch.fnmatchcase(path, rule["path"])
-                    and rule["workspaceId"] in (None, workspace_id)):
+            if rule.number in spent or not (
+                    rule.method in ("*", method) and fnmatch.fnmatchcase(path, rule.path)
+                    and rule.workspace_id in (None, workspace_id)):
                 continue
-            matchers = {"query": rule["query"], "headers": rule["headers"], "body": rule["body"]}
+            matchers = {"query": rule.query, "headers": rule.headers, "body": rule.body}
             if any(value is not None for value in matchers.values()) and request_misses(request(), matchers):
                 continue
-            fired = self.db.write("UPDATE fault_rules SET fired = fired + 1 WHERE id = ?"
-                                  " AND (times IS NULL OR fired < times)", (rule["number"],), durable=False)
+            fired = self.db.write([lambda conn, number=rule.number: conn.execute(
+                "UPDATE fault_rules SET fired = fired + 1 WHERE id = ? AND (times IS NULL OR fired < times)",
+                (number,)).rowcount], durable=False)[0]
             if fired:
                 return rule
-            spent.add(rule["number"])  # (the set of this version of the rules)
+            spent.add(rule.number)  # (the set of this version of the rules)
         return None
 
-    def _rules(self) -> tuple[int, list[dict], set[int]]:
+    def _rules(self) -> tuple[int, list[FaultRule], set[int]]:
         """The rules in force, read again only when another change made them stale."""
-        with self.db.snapshot() as conn:
-            version = conn.execute("SELECT fault_version FROM sandbox").fetchone()[0]
-            if version != self._cache[0]:
+        with self.db.connection() as conn:
+            version, count = conn.execute("SELECT fault_version, fault_rules FROM sandbox").fetchone()
+            if not count:
+                return version, [], set()
+            if version != self._cache[0]:  # (a change after the version was read is read at the next)
                 rows = conn.execute("SELECT id, rule FROM fault_rules ORDER BY id").fetchall()
-                rules = [{**json.loads(rule), "id": f"fault_{number}", "number": number}
-                         for number, rule in rows]
+                rules = [FaultRule.stored(number, rule) for number, rule in rows]
                 self._cache = (version, rules, set())
         return self._cache
 
 
-def forced_error(rule: dict) -> WalletError:
+def forced_error(rule: FaultRule) -> WalletError:
     """The error a fault rule forces: the catalog's, or an ad-hoc code and status."""
-    known = ERRORS_BY_CODE.get(rule["code"])
-    if known is not None and known.status == rule["status"]:
-        return known(text=f"Forced by fault rule {rule['id']}.")
-    cls = type("ForcedError", (WalletError,), {"code": rule["code"],
-                                               "name": known.name if known else "FORCED_ERROR",
-                                               "status": rule["status"]})
-    return cls(text=f"Forced by fault rule {rule['id']}.")
+    known = ERRORS_BY_CODE.get(rule.code)
+    if known is not None and known.status == rule.status:
+        return known(text=f"Forced by fault rule {rule.id}.")
+    cls = type("ForcedError", (WalletError,), {"code": rule.code, "status": rule.status,
+                                               "name": known.name if known else "FORCED_ERROR"})
+    return cls(text=f"Forced by fault rule {rule.id}.")
 
 
 ###############################################################################
@@ -3552,9 +3624,16 @@ class WalletService(Ledger):
         seed = self.settings.id_seed
         # A restart keeps its place.
         if seed is not None and self.db.one("SELECT id_seed FROM sandbox")[0] != seed:
-            with self.db.atomic(durable=False) as conn:
-                conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0 WHERE id_seed IS NOT ?",
-                             (self.settings.id_seed, self.settings.id_seed))
+            self.db.write([lambda conn: conn.execute(
+                "UPDATE sandbox SET id_seed = ?, id_drawn = 0 WHERE id_seed IS NOT ?", (seed, seed))],
+                durable=False)
+
+    def now_in(self, conn: sqlite3.Connection) -> int:
+        """The service clock in ``conn``'s transaction: a bound Clock's state as it stands there."""
+        if isinstance(self.clock, Clock):
+            state = conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone()
+            return int(Clock.reading(*state) * 1000)
+        return self.now_ms()
 
     def clock_at(self, frozen_at: float | None, offset: float) -> float:
         """The service clock, given the sandbox's clock state as read from the database (in a
@@ -3570,8 +3649,8 @@ class WalletService(Ledger):
             raise invalid("seed", "integer")
         if seed is not None and not -2**63 <= seed < 2**63:
             raise invalid("seed", "too_large")
-        with self.db.atomic(durable=False) as conn:
-            conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0", (seed,))
+        self.db.write([lambda conn: conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0", (seed,))],
+                      durable=False)
 
     # The starting state ######################################################
 
@@ -3580,24 +3659,27 @@ class WalletService(Ledger):
         (docs/sandbox.md): every workspace, member, key, wallet, order and flow, the
         clock and the id sequence. ``walletsvc serve --demo`` and the pytest
         sandbox call it once their world is seeded."""
-        with self.db.atomic() as conn:
-            for table in _STARTING_STATE:
-                conn.execute(f"DELETE FROM start_{table}")
-                conn.execute(f"INSERT INTO start_{table} SELECT * FROM {table}")
-            conn.execute("DELETE FROM start_sandbox")
-            conn.execute("INSERT INTO start_sandbox SELECT clock_frozen_at, clock_offset, id_seed, id_drawn"
-                         " FROM sandbox")
-            conn.execute("UPDATE sandbox SET has_start = 1")
-            conn.execute("DELETE FROM world_starts")  # every workspace is a world that can be reset alone
-            for (workspace_id,) in conn.execute("SELECT id FROM workspaces").fetchall():
-                self._save_world(conn, workspace_id)
+        self.db.write([self.saving_start])
+
+    def saving_start(self, conn: sqlite3.Connection) -> None:
+        """The unit of ``save_start``."""
+        for table in _STARTING_STATE:
+            conn.execute(f"DELETE FROM start_{table}")
+            conn.execute(f"INSERT INTO start_{table} SELECT * FROM {table}")
+        conn.execute("DELETE FROM start_sandbox")
+        conn.execute("INSERT INTO start_sandbox SELECT clock_frozen_at, clock_offset, id_seed, id_drawn"
+                     " FROM sandbox")
+        conn.execute("UPDATE sandbox SET has_start = 1")
+        conn.execute("DELETE FROM world_starts")  # every workspace is a world that can be reset alone
+        for (workspace_id,) in conn.execute("SELECT id FROM workspaces").fetchall():
+            self._save_world(conn, workspace_id)
 
     def reset(self) -> None:
         """Back to the starting state (``save_start``; without one, an empty database), in
         one transaction: the same workspaces, keys, secrets, wallets and balances, the
         clock and the id sequence as they started; no journal, no fault rules, no nonce
         records. A busy database or a crash leaves it as it was or reset, never between."""
-        with self.db.atomic() as conn:
+        def reset(conn: sqlite3.Connection) -> None:
             _empty_journal(conn)
             Nonces.clear(conn)
             for table in (*reversed(_STARTING_STATE), "fault_rules"):
@@ -3617,6 +3699,7 @@ class WalletService(Ledger):
                          " id_drawn = ?, fault_rules = 0, fault_version = fault_version + 1, fault_next = 0",
                          tuple(start))
             conn.execute("DELETE FROM world_starts WHERE workspace_id NOT IN (SELECT id FROM workspaces)")
+        self.db.write([reset])
 
     # Worlds: scenarios, instantiated side by side (docs/sandbox.md) ##############
 
@@ -3627,16 +3710,20 @@ class WalletService(Ledger):
         a second copy beside the first (``POST /_admin/scenarios``). Returns the world:
         ``{"workspaces": [{..., "members", "keys" (with secrets), "wallets"}]}``."""
         scenario = check_scenario(scenario)
-        made = []
-        with self.writing() as (conn, now):
-            for index, spec in enumerate(scenario["workspaces"]):
-                made.append(self._load_workspace(conn, now, spec, f"workspaces[{index}]", fresh_ids))
-            for workspace_id in made:
-                self._save_world(conn, workspace_id)
+        made = self.commit(self.loading_scenario(scenario, fresh_ids))
         return {"workspaces": [self.describe_world(workspace_id) for workspace_id in made]}
 
-    def _load_workspace(self, conn: sqlite3.Connection, now: int, spec: Mapping[str, Any], where: str,
-                        fresh_ids: bool) -> str:
+    def loading_scenario(self, scenario: Mapping[str, Any], fresh_ids: bool = False) -> Callable[[Tx], list]:
+        """What ``load_scenario`` writes (its ``scenario`` checked): the ids of the workspaces made."""
+        def load(tx: Tx) -> list[str]:
+            made = [self._load_workspace(tx, spec, f"workspaces[{index}]", fresh_ids)
+                    for index, spec in enumerate(scenario["workspaces"])]
+            for workspace_id in made:
+                self._save_world(tx.conn, workspace_id)
+            return made
+        return load
+
+    def _load_workspace(self, tx: Tx, spec: Mapping[str, Any], where: str, fresh_ids: bool) -> str:
         """One scenario workspace (checked by ``check_scenario``), made by the admin API's inserts
         with its normalisation; its id."""
         def fixed(item: Mapping[str, Any], field: str) -> str | None:
@@ -3644,32 +3731,32 @@ class WalletService(Ledger):
             wanted = None if fresh_ids else item.get("id")
             if wanted:
                 for table in _ID_TABLES:
-                    if conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone():
+                    if tx.conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone():
                         raise invalid(f"{field}.id", "taken", value=wanted)
             return wanted
 
-        workspace_id, owner_id = self._insert_workspace(conn, now, spec["name"], fixed(spec, where))
+        workspace_id, owner_id = self._insert_workspace(tx, spec["name"], fixed(spec, where))
         members = {OWNER_NAME: owner_id}
         for index, member in enumerate(spec.get("members", ())):
-            member_id = self._insert_member(conn, now, workspace_id, member["name"], Role.MEMBER,
+            member_id = self._insert_member(tx, workspace_id, member["name"], Role.MEMBER,
                                             fixed(member, f"{where}.members[{index}]"))
             for alias in filter(None, (member["name"], member_id, member.get("id"))):  # a key's member
                 members[alias] = member_id
         for index, key in enumerate(spec.get("keys", ())):
             field = f"{where}.keys[{index}]"
             whitelist = key.get("ipWhitelist")
-            self._insert_api_key(conn, now, workspace_id, members[key.get("member", OWNER_NAME)],
+            self._insert_api_key(tx, workspace_id, members[key.get("member", OWNER_NAME)],
                                  api_key_scopes(key.get("scopes", SCOPES), f"{field}.scopes"),
                                  None if whitelist is None else ip_whitelist_entries(whitelist,
                                                                                      f"{field}.ipWhitelist"),
                                  fixed(key, field), None if fresh_ids else key.get("secret"))
         for index, wallet in enumerate(spec.get("wallets", ())):
-            wallet_id = self._insert_wallet(conn, now, workspace_id, wallet["currency"], wallet["name"],
+            wallet_id = self._insert_wallet(tx, workspace_id, wallet["currency"], wallet["name"],
                                             fixed(wallet, f"{where}.wallets[{index}]"))
             if wallet.get("balance") is not None:
-                self.deposit(wallet_id, wallet["balance"])
+                self._external_move(tx, wallet_id, wallet["balance"], FlowType.DEPOSIT, None)
             if wallet.get("status", WalletStatus.ACTIVE) != WalletStatus.ACTIVE:
-                self.set_wallet_status(wallet_id, wallet["status"])
+                self._set_wallet_status(tx, wallet_id, wallet["status"])
         return workspace_id
 
     def start_scenario(self) -> dict:
@@ -3695,7 +3782,7 @@ class WalletService(Ledger):
         flows; its keys' journal entries and its fault rules go (the nonce records stay: a
         request captured before is refused after). Other workspaces, and the clock, are
         untouched. GA2032 for no such workspace, S404 for one no world began with."""
-        with self.db.atomic() as conn:
+        def reset(conn: sqlite3.Connection) -> None:
             saved = conn.execute("SELECT rows FROM world_starts WHERE workspace_id = ?",
                                  (workspace_id,)).fetchone()
             if saved is None:
@@ -3725,6 +3812,7 @@ class WalletService(Ledger):
                     conn.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
             conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
                          " fault_version = fault_version + 1")
+        self.db.write([reset])
         return self.describe_world(workspace_id)
 
     @staticmethod
@@ -3739,7 +3827,8 @@ class WalletService(Ledger):
         return rows
 
     def _save_world(self, conn: sqlite3.Connection, workspace_id: str) -> None:
-        conn.execute("INSERT OR REPLACE INTO world_starts (workspace_id, rows) VALUES (?, ?)",
+        conn.execute("INSERT INTO world_starts (workspace_id, rows) VALUES (?, ?)"
+                     " ON CONFLICT (workspace_id) DO UPDATE SET rows = excluded.rows",
                      (workspace_id, json.dumps(self._world_rows(conn, workspace_id))))
 
 
@@ -3830,31 +3919,33 @@ def _line_of(text: str, scenario: Any, field: str) -> int | None:
 
 
 def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
-    """The sandbox's world at start: on a database without a saved starting state, load
-    ``scenario`` (unless its first workspace is there already), set the scenario's clock
-    and save the starting state; then the workspaces it started with, described."""
-    with svc.db.atomic() as conn:
-        if not conn.execute("SELECT has_start FROM sandbox").fetchone()[0]:
+    """The sandbox's world at start: on a database without a saved starting state, set the
+    scenario's clock, load ``scenario`` at that clock (unless its first workspace is there
+    already) and save the starting state, in one write; then the workspaces it started with,
+    described."""
+    body = json.dumps(scenario, default=str)
+    clock = scenario.get("clock") or {}
+    at = admin_time(clock.get("at"), "clock.at") if isinstance(svc.clock, Clock) else None
+
+    def start(conn: sqlite3.Connection) -> list[str]:
+        if conn.execute("SELECT has_start FROM sandbox").fetchone()[0]:
+            stored = conn.execute("SELECT body FROM start_scenario").fetchone()
+            if stored is not None and json.loads(stored[0]) != json.loads(body):
+                log.warning("this database started from another scenario, and resets to it: a new scenario"
+                            " needs a new database (--db)")
+        else:
             name = scenario["workspaces"][0]["name"] if scenario["workspaces"] else None
             if conn.execute("SELECT 1 FROM workspaces WHERE name = ? AND deleted_at IS NULL",
                             (name,)).fetchone() is None:
-                svc.load_scenario(scenario)
+                if at is not None:
+                    Clock.moved(Clock.starting_at(at, clock.get("frozen", True)))(conn)
+                svc.unit(svc.loading_scenario(scenario))(conn)
                 conn.execute("DELETE FROM start_scenario")
-                conn.execute("INSERT INTO start_scenario (body) VALUES (?)",
-                             (json.dumps(scenario, default=str),))
-                clock = scenario.get("clock")
-                if clock and clock.get("at") is not None and isinstance(svc.clock, Clock):
-                    at = admin_time(clock["at"], "clock.at")
-                    (svc.clock.freeze if clock.get("frozen", True) else svc.clock.set)(at)
-            svc.save_start()  # (a world an older walletsvc made starts from where it is)
-        else:
-            stored = conn.execute("SELECT body FROM start_scenario").fetchone()
-            if stored is not None and json.loads(stored[0]) != json.loads(json.dumps(scenario, default=str)):
-                log.warning("this database started from another scenario, and resets to it: a new scenario"
-                            " needs a new database (--db)")
-        started = [row[0] for row in conn.execute("SELECT id FROM start_workspaces WHERE deleted_at IS NULL"
-                                                  " ORDER BY created_at, id")]
-    return [svc.describe_world(workspace_id) for workspace_id in started]
+                conn.execute("INSERT INTO start_scenario (body) VALUES (?)", (body,))
+            svc.saving_start(conn)  # (a world an older walletsvc made starts from where it is)
+        return [row[0] for row in conn.execute("SELECT id FROM start_workspaces WHERE deleted_at IS NULL"
+                                               " ORDER BY created_at, id")]
+    return [svc.describe_world(workspace_id) for workspace_id in svc.db.write([start])[0]]
 
 
 def _first_key(world: list[dict]) -> dict:
@@ -4337,20 +4428,19 @@ class Answer(NamedTuple):
     now: int  # the envelope's timestamp
 
 
-class Deferred(NamedTuple):
-    """A write endpoint's handler, run inside the request's one write (``HttpApi.settle``)."""
+class Reply(NamedTuple):
+    """A handler's answer when it is more than data: its status, extra headers, and whether it
+    is an idempotent replay. A handler returns data, a Reply, or a write unit returning either."""
 
-    run: Callable[[], Any]
-    after: Callable[[Any], Any]  # what a fault rule makes of the applied result
-
-
-def _applied(data: Any) -> Any:
-    return data
+    data: Any
+    status: int = 200  # of a success (the console's login answers 303 or 401)
+    headers: tuple[tuple[str, str], ...] = ()
+    replayed: bool = False  # an idempotent replay of a transfer
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Received:
-    """A request as it arrived: never changed after."""
+    """A request as it arrived (and, for /api/, who it authenticated as): never changed after."""
 
     environ: Mapping[str, Any]
     endpoint: Endpoint | None  # None: bottle's router found nothing (404, 405)
@@ -4358,6 +4448,7 @@ class Received:
     started: float  # time.perf_counter()
     path: bytes  # as sent, prefix included: the signed path
     body: bytes = b""
+    principal: Principal | None = None  # set (in a copy) once the contract's pipeline passed
 
     @functools.cached_property
     def query(self) -> dict[str, list[str]]:
@@ -4375,37 +4466,30 @@ class Received:
         return self.environ.get(environ_key(name), "")
 
 
-@dataclasses.dataclass(eq=False)
-class Authenticated:
-    """What the contract's pipeline found of a request, step by step."""
+class Authenticated(NamedTuple):
+    """What the contract's pipeline found of a request: who it is, or why it was refused."""
 
+    now_ms: int  # the service clock as step 1 read it
     principal: Principal | None = None
+    refused: WalletError | None = None  # the first failure of steps 1-7
     canonical: bytes | None = None  # the canonical message the server computed
     verdict: Verdict = Verdict.UNCHECKED  # of the signature
     nonce: PendingNonce | None = None  # passed step 5 and the signature: recorded by the request's write
-    now_ms: int | None = None  # the service clock as step 1 read it
-    fault_rules: int = 0  # fault rules in force when it authenticated
-    diagnosis: tuple | None = None  # the signing mistake a GA2012 matched (debug_signatures)
+    diagnosis: Diagnosis | None = None  # the signing mistake a GA2012 matched (debug_signatures)
 
 
-@dataclasses.dataclass(eq=False)
-class Reply:
-    """What the handler says of its answer besides its data."""
+class Decision(NamedTuple):
+    """A request decided: what the handler answered (data or a Reply), the write unit that
+    answers instead, or the error; how it authenticated and the fault rule it fired."""
 
-    headers: dict = dataclasses.field(default_factory=dict)  # extra response headers
-    status: int = 200  # of a success (the console's login answers 303 or 401)
-    replayed: bool = False  # an idempotent replay of a transfer
+    data: Any = None
+    unit: Unit | None = None  # a write endpoint's: run by the request's one write
+    error: WalletError | None = None
+    auth: Authenticated | None = None  # (an /api/ request's)
+    fault: FaultRule | None = None  # a rule acting after the handler (commit_then_fail or _drop)
     quiet: bool = False  # left out of the access log (the console's polling)
-    drop: bool = False  # a commit_then_drop fault: cut the connection mid-response
+    headers: tuple[tuple[str, str], ...] = ()  # on the answer, whatever it is (a 405's Allow)
 
-
-@dataclasses.dataclass(eq=False)
-class Call:
-    """One request on its way through the app: as received, as authenticated, as answered."""
-
-    request: Received
-    found: Authenticated = dataclasses.field(default_factory=Authenticated)
-    reply: Reply = dataclasses.field(default_factory=Reply)
 
 
 ###############################################################################
@@ -4485,30 +4569,39 @@ class Authenticator:
         self.settings = settings
         self.nonces = Nonces(settings.nonce_records)
 
-    def authenticate(self, call: Call) -> Principal:
-        """The request's Principal, or the first failure of steps 1-7; ``call.found`` keeps
-        the canonical message, the signature's verdict, the service clock's reading, how
-        many fault rules are in force, and the nonce to record."""
-        request, found = call.request, call.found
+    def authenticate(self, request: Received) -> Authenticated:
+        """The request's Principal, or the first failure of steps 1-7 (``refused``), with what the
+        journal keeps: the canonical message, the signature's verdict, the service clock's
+        reading and the nonce to record (once the signature passed)."""
         signed = SignedHeaders.of(request.environ)
-        key = self.api_key(found, signed)
-        self.key_status(key)
-        self.workspace(key)
-        self.timestamp(found, key, signed)
-        self.nonces.check(signed.nonce, key)
-        self.signature(request, found, key, signed)
-        self.ip_whitelist(request, key)
-        return Principal(key["id"], key["workspace_id"], key["member_id"], frozenset(key["scopes"].split()))
+        now_ms = self.svc.now_ms()
+        try:
+            key = self.api_key(signed)
+            self.key_status(key)
+            self.workspace(key)
+            self.timestamp(now_ms, signed)
+            self.nonces.check(signed.nonce, key)
+        except WalletError as exc:
+            return Authenticated(now_ms, refused=exc)
+        canonical = canonical_message(request.environ["REQUEST_METHOD"], request.path, signed.timestamp,
+                                      signed.nonce, body_hash(request.body))
+        if not self._signature_matches(key["secret"], canonical, signed.signature):
+            return self.signature_refused(request, key, signed, canonical, now_ms)
+        nonce = PendingNonce(key["id"], signed.nonce, signed.stamp)
+        whitelist = json.loads(key["ip_whitelist"]) if key["ip_whitelist"] else None
+        if whitelist and not ip_allowed(client_ip(request.environ, self.settings.trusted_proxies), whitelist):
+            return Authenticated(now_ms, None, IpNotWhitelisted(), canonical, Verdict.VALID, nonce)  # step 7
+        principal = Principal(key["id"], key["workspace_id"], key["member_id"],
+                              frozenset(key["scopes"].split()))
+        return Authenticated(now_ms, principal, None, canonical, Verdict.VALID, nonce)
 
-    def api_key(self, found: Authenticated, signed: SignedHeaders) -> sqlite3.Row:
+    def api_key(self, signed: SignedHeaders) -> sqlite3.Row:
         """Step 1: the key, read with all that the later steps ask of the database (``_key``)."""
         if not signed.api_key:
             raise ApiKeyMissing()
         key = self._key(signed.api_key, signed.nonce, signed.stamp)
         if key is None:
             raise ApiKeyNotFound()
-        found.now_ms = int(self.svc.clock_at(key["clock_frozen_at"], key["clock_offset"]) * 1000)
-        found.fault_rules = key["fault_rules"]
         return key
 
     @staticmethod
@@ -4525,7 +4618,7 @@ class Authenticator:
         if key["member_removed"]:
             raise NotWorkspaceMember()
 
-    def timestamp(self, found: Authenticated, key: sqlite3.Row, signed: SignedHeaders) -> None:
+    def timestamp(self, now_ms: int, signed: SignedHeaders) -> None:
         """Step 4: X-Timestamp within the window of the service clock, in whole seconds (docs/signing.md)."""
         timestamp, tolerance = signed.timestamp, self.settings.timestamp_tolerance
         if signed.stamp < 0:
@@ -4533,67 +4626,59 @@ class Authenticator:
                 raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
                               "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
             raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
-        now = found.now_ms // 1000
-        if abs(now - int(timestamp)) > tolerance:
-            difference = int(timestamp) - now
-            english = (f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
-                       f" {now} ({iso_time(now * 1000)}), the request's is {difference:+d} s from it.")
-            chinese = (f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {now}"
-                       f"（{iso_time(now * 1000)}），请求时间与其相差 {difference:+d} 秒。")
-            if key["clock_frozen_at"] is not None or key["clock_offset"]:
-                frozen = key["clock_frozen_at"] is not None
-                english += (f" The sandbox clock is {'frozen' if frozen else 'moved'}: sign with its time"
-                            " (this answer's timestamp, in ms, over 1000), as walletsvc request and"
-                            " walletsvc.Client do")
-                english += ", or unfreeze it (POST /_admin/clock {\"freeze\": false})." if frozen else "."
-                chinese += (f"沙箱时钟已{'冻结' if frozen else '调整'}：请以沙箱时间签名（本响应的"
-                            " timestamp 毫秒值除以 1000），walletsvc request 与 walletsvc.Client 即如此")
-                chinese += "；或解冻时钟（POST /_admin/clock {\"freeze\": false}）。" if frozen else "。"
-            raise expired(english, chinese)
+        now = now_ms // 1000
+        if abs(now - signed.stamp) > tolerance:
+            raise self.outside_window(now, signed.stamp, tolerance)
 
-    def signature(self, request: Received, found: Authenticated, key: sqlite3.Row,
-                  signed: SignedHeaders) -> None:
-        """Step 6: X-Signature against the canonical message the server computes; a sandbox
-        with ``debug_signatures`` shows the message and the signing mistake it matches.
-        Passed, the nonce is pending: recorded by the request's one write, at its end."""
-        timestamp, nonce, provided, body = signed.timestamp, signed.nonce, signed.signature, request.body
-        found.canonical = message = canonical_message(request.environ["REQUEST_METHOD"], request.path,
-                                                      timestamp, nonce, body_hash(body))
-        found.verdict = Verdict.INVALID
-        if not self._signature_matches(key["secret"], message, provided):
-            if not self.settings.debug_signatures:
-                raise SignatureInvalid()
-            # A sandbox aid: the message and what matched, never the secret or the expected signature.
-            shown = message.decode("latin-1").replace("\n", "\\n")
-            english = f"Canonical message: {shown} ({len(body)} body bytes received)."
-            chinese = f"规范消息：{shown}（收到请求体 {len(body)} 字节）。"
-            found.diagnosis = diagnose_signature(key["secret"], request.environ, request.path, body,
-                                                 timestamp, nonce, provided)
-            if found.diagnosis:
-                english += f" The signature matches a common mistake: {found.diagnosis[0]}."
-                chinese += f"签名符合一个常见错误：{found.diagnosis[1]}。"
-            raise SignatureInvalid(extra=english, zh_extra=chinese)
-        found.verdict = Verdict.VALID
-        found.nonce = PendingNonce(key["id"], nonce, int(timestamp))
+    def outside_window(self, now: int, stamp: int, tolerance: int) -> RequestExpired:
+        """Step 4's refusal, saying when the sandbox clock is frozen or moved and how to sign at it."""
+        difference = stamp - now
+        english = (f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
+                   f" {now} ({iso_time(now * 1000)}), the request's is {difference:+d} s from it.")
+        chinese = (f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {now}"
+                   f"（{iso_time(now * 1000)}），请求时间与其相差 {difference:+d} 秒。")
+        frozen_at, offset = self.svc.clock.state() if isinstance(self.svc.clock, Clock) else (None, 0.0)
+        if frozen_at is not None or offset:
+            frozen = frozen_at is not None
+            english += (f" The sandbox clock is {'frozen' if frozen else 'moved'}: sign with its time"
+                        " (this answer's timestamp, in ms, over 1000), as walletsvc request and"
+                        " walletsvc.Client do")
+            english += ", or unfreeze it (POST /_admin/clock {\"freeze\": false})." if frozen else "."
+            chinese += (f"沙箱时钟已{'冻结' if frozen else '调整'}：请以沙箱时间签名（本响应的"
+                        " timestamp 毫秒值除以 1000），walletsvc request 与 walletsvc.Client 即如此")
+            chinese += "；或解冻时钟（POST /_admin/clock {\"freeze\": false}）。" if frozen else "。"
+        return expired(english, chinese)
 
-    def ip_whitelist(self, request: Received, key: sqlite3.Row) -> None:
-        """Step 7, only when the key has a whitelist."""
-        whitelist = json.loads(key["ip_whitelist"]) if key["ip_whitelist"] else None
-        if whitelist and not ip_allowed(client_ip(request.environ, self.settings.trusted_proxies), whitelist):
-            raise IpNotWhitelisted()
+    def signature_refused(self, request: Received, key: sqlite3.Row, signed: SignedHeaders, canonical: bytes,
+                          now_ms: int) -> Authenticated:
+        """Step 6 failed: GA2012; a sandbox with ``debug_signatures`` shows the message and the signing
+        mistake it matches, never the secret or the expected signature."""
+        if not self.settings.debug_signatures:
+            return Authenticated(now_ms, None, SignatureInvalid(), canonical, Verdict.INVALID)
+        body = request.body
+        shown = canonical.decode("latin-1").replace("\n", "\\n")
+        english = f"Canonical message: {shown} ({len(body)} body bytes received)."
+        chinese = f"规范消息：{shown}（收到请求体 {len(body)} 字节）。"
+        diagnosis = diagnose_signature(key["secret"], request.environ, request.path, body, signed.timestamp,
+                                       signed.nonce, signed.signature)
+        if diagnosis:
+            english += f" The signature matches a common mistake: {diagnosis.english}."
+            chinese += f"签名符合一个常见错误：{diagnosis.chinese}。"
+        return Authenticated(now_ms, None, SignatureInvalid(extra=english, zh_extra=chinese), canonical,
+                             Verdict.INVALID, diagnosis=diagnosis)
 
     def _key(self, api_key: str, nonce: str, stamp: int) -> sqlite3.Row | None:
-        """The key with its workspace and member state, what step 5 needs of the nonce
-        (``Nonces.LOOKUP``), the sandbox's clock and how many fault rules are in force."""
+        """The key with its workspace and member state and what step 5 needs of the nonce
+        (``Nonces.LOOKUP``)."""
         if len(api_key) > 128:
             return None
         return self.db.one(
             "SELECT k.id, k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
             "       w.deleted_at IS NOT NULL AS workspace_deleted,"
             "       m.removed_at IS NOT NULL AS member_removed,"
-            f"      {Nonces.LOOKUP}, s.clock_frozen_at, s.clock_offset, s.fault_rules"
+            f"      {Nonces.LOOKUP}"
             "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
-            "                  JOIN members m ON m.id = k.member_id, sandbox s"
+            "                  JOIN members m ON m.id = k.member_id"
             " WHERE k.id = :api_key", {"api_key": api_key, "nonce": nonce, "stamp": stamp})
 
     @staticmethod
@@ -4683,47 +4768,42 @@ class Console:
                 and environ.get("HTTP_SEC_FETCH_SITE", "same-origin") in ("same-origin", "none")
                 and origin_host in (None, environ.get("HTTP_HOST")))
 
-    def cookie(self, call: Call, value: str, max_age: int) -> str:
+    def cookie(self, request: Received, value: str, max_age: int) -> str:
         """A Set-Cookie value scoped to the admin surface under whatever prefix the app is mounted
         (/_admin/ itself when the path as sent does not say it plainly)."""
-        head, found, _ = call.request.path.decode("latin-1").rpartition("/_admin/")
+        head, found, _ = request.path.decode("latin-1").rpartition("/_admin/")
         path = head + found if found and re.fullmatch(r"[\w./~-]*", head) else "/_admin/"
-        attributes = [f"{self.cookie_name(call.request.environ)}={value}", f"Path={path}",
+        attributes = [f"{self.cookie_name(request.environ)}={value}", f"Path={path}",
                       f"Max-Age={max_age}", "HttpOnly", "SameSite=Strict"]
-        if call.request.environ.get("wsgi.url_scheme") == "https":
+        if request.environ.get("wsgi.url_scheme") == "https":
             attributes.append("Secure")
         return "; ".join(attributes)
 
-    def log_in(self, call: Call) -> str:
+    def log_in(self, request: Received) -> Reply:
         """The login form's POST: a session cookie and a redirect to the console, or the form again."""
         try:
-            form = urllib.parse.parse_qs(call.request.body.decode("utf-8", "replace"), max_num_fields=20)
+            form = urllib.parse.parse_qs(request.body.decode("utf-8", "replace"), max_num_fields=20)
         except ValueError:
             form = {}
         token = (form.get("token") or [""])[0].strip().encode("utf-8")
         if not self.key or not hmac.compare_digest(token, self.key):
-            call.reply.status = 401
-            return self.login_form(call, "That is not the admin token.")
+            return self.login_form("That is not the admin token.")._replace(status=401)
         nonce, expires = secrets.token_urlsafe(18), str(int(time.time()) + self.SESSION_SECONDS)
-        call.reply.status = 303
-        call.reply.headers.update({"Location": "console",
-                             "Set-Cookie": self.cookie(call, self.session_value(nonce, expires),
-                                                       self.SESSION_SECONDS)})
-        return ""
+        cookie = self.cookie(request, self.session_value(nonce, expires), self.SESSION_SECONDS)
+        return Reply("", 303, (("Location", "console"), ("Set-Cookie", cookie)))
 
-    def log_out(self, call: Call) -> None:
-        session = self.session(call.request.environ)
+    def log_out(self, request: Received) -> Reply:
+        session = self.session(request.environ)
         if session is not None and session.valid:
             self.end(session.nonce)
-        call.reply.headers["Set-Cookie"] = self.cookie(call, "", 0)
+        return Reply(None, headers=(("Set-Cookie", self.cookie(request, "", 0)),))
 
-    def login_form(self, call: Call, message: str = "") -> str:
-        call.reply.headers.update(_PAGE_HEADERS)
-        return _CONSOLE_LOGIN.replace("__MESSAGE__", html.escape(message))
+    @staticmethod
+    def login_form(message: str = "") -> Reply:
+        return Reply(_CONSOLE_LOGIN.replace("__MESSAGE__", html.escape(message)), headers=_PAGE_HEADERS)
 
-    def page(self, call: Call, nonce: str) -> str:
-        call.reply.headers.update(_PAGE_HEADERS)
-        return _CONSOLE_PAGE.replace("__CSRF__", self.mac("csrf", nonce))
+    def page(self, nonce: str) -> Reply:
+        return Reply(_CONSOLE_PAGE.replace("__CSRF__", self.mac("csrf", nonce)), headers=_PAGE_HEADERS)
 
 
 ###############################################################################
@@ -4734,14 +4814,17 @@ ADMIN_PATIENCE = 0.5  # seconds an admin write waits for the lock before S503 (t
 
 
 class HttpApi:
-    """The one request path: every request any host hands the app comes through ``serve``.
+    """The one request path (docs/contributing.md): every request any host hands the app comes
+    through ``serve``, in four steps, each one function:
 
-    It reads the body (once, ``max_body_bytes`` first), runs the contract's
-    pipeline for /api/ or the admin token check for /_admin/, applies fault
-    rules, calls the endpoint's handler and renders the result or the error
-    as the envelope, with the same headers whichever code path made it.
-    It is also the app's bottle plugin, so that bottle's own dispatch (a
-    route-merging ``mount``, a hook someone added) ends up in ``serve`` too.
+    - ``decide``: the request as received, the contract's pipeline (or the admin token), the
+      fault rules, then the handler: a read's data, a write's unit, or the error. Writes nothing.
+    - ``commit``: the request's one write: its nonce record, its unit and its journal entry.
+    - ``render``: the envelope (or a bare document), its status and headers, once.
+    - ``log``: the access log line.
+
+    It is also the app's bottle plugin, so that bottle's own dispatch (a route-merging
+    ``mount``, a hook someone added) ends up in ``serve`` too.
     """
 
     name = "walletsvc"
@@ -4762,137 +4845,242 @@ class HttpApi:
             return callback
 
         def through_serve(**url_args: Any) -> bottle.HTTPResponse:
-            status, headers, body = self.serve(bottle.request.environ, route, url_args, callback)
+            status, headers, body = self.serve(bottle.request.environ, route.config["endpoint"], url_args,
+                                               callback)
             return bottle.HTTPResponse(body, status, headers)
         return through_serve
 
-    def serve(self, environ: Mapping[str, Any], route: bottle.Route, url_args: dict,
+    def serve(self, environ: Mapping[str, Any], endpoint: Endpoint, url_args: dict,
               handler: Callable) -> tuple[int, list, Iterable[bytes]]:
-        """Answer one request routed to a declared ``route``: status, headers, body.
-
-        ``handler`` is the route's callback, or what plugins made of it."""
-        declaration = route.config["endpoint"]
-        call, refused = self.begin(environ, declaration)
-        try:
-            if refused is not None:
-                raise refused
-            if declaration.surface is Surface.API:
-                data = self.call_api(call, url_args, handler)
-            else:
-                if declaration.surface is Surface.ADMIN:
-                    self.check_admin(call)
-                with self.svc.db.patience(ADMIN_PATIENCE):
-                    data = handler(call, **url_args)
-        except Exception as exc:  # noqa: BLE001 - every failure becomes the envelope
-            return self.finish(call, None, self.as_wallet_error(exc))
-        return self.finish(call, data, None)
+        """Answer one request routed to a declared ``endpoint``: status, headers, body."""
+        request, refused = self.receive(environ, endpoint)
+        decision = Decision(error=refused) if refused is not None else self.decide(request, url_args, handler)
+        answer = self.commit(request, decision)
+        self.log(request, answer, decision.quiet)
+        dropped = decision.fault is not None and decision.fault.action == FaultAction.COMMIT_THEN_DROP \
+            and answer.code == SUCCESS_CODE
+        return answer.status, answer.headers, _dropped(answer.body) if dropped else [answer.body]
 
     def fail(self, environ: Mapping[str, Any], exc: BaseException) -> tuple[int, list, Iterable[bytes]]:
         """Answer a request that reached no endpoint: bottle's 404, 405 or 500."""
-        call, too_large = self.begin(environ, None)  # the size limit comes first, a 404's too (contract)
-        error = too_large or exc
+        request, too_large = self.receive(environ, None)  # the size limit comes first, a 404's too (contract)
+        error, headers = too_large or exc, ()
         if too_large is None and isinstance(exc, bottle.HTTPError):
             error = {404: not_found("path"), 405: MethodNotAllowed()}.get(
                 exc.status_code, exc.exception or RuntimeError(exc.body))
             if exc.status_code == 405 and exc.get_header("Allow"):
-                call.reply.headers["Allow"] = exc.get_header("Allow")
-        return self.finish(call, None, self.as_wallet_error(error))
+                headers = (("Allow", exc.get_header("Allow")),)
+        answer = self.commit(request, Decision(error=self.as_wallet_error(error), headers=headers))
+        self.log(request, answer, False)
+        return answer.status, answer.headers, [answer.body]
 
-    def begin(self, environ: Mapping[str, Any],
-              declaration: Endpoint | None) -> tuple[Call, WalletError | None]:
+    def receive(self, environ: Mapping[str, Any],
+                endpoint: Endpoint | None) -> tuple[Received, WalletError | None]:
         """The request as received, its body read; the error if the body was refused."""
         started, refused, body = time.perf_counter(), None, b""
         try:
             body = self.read_body(environ)
         except WalletError as exc:
             refused = exc
-        return Call(Received(environ, declaration, self.locale(environ), started, raw_request_path(environ),
-                             body)), refused
+        received = Received(environ, endpoint, self.locale(environ), started, raw_request_path(environ), body)
+        return received, refused
 
-    def finish(self, call: Call, data: Any, error: WalletError | None) -> tuple[int, list, Iterable[bytes]]:
-        """End every request one way: render (pure), settle (its one write), log."""
-        deferred = data if isinstance(data, Deferred) else None
-        answer = None if deferred else self.render(call, data, error)
-        answer = self.settle(call, answer, deferred)
-        self.log(call, answer)
-        return answer.status, answer.headers, _dropped(answer.body) if call.reply.drop else [answer.body]
+    # 1. Decide ###############################################################
 
-    def settle(self, call: Call, answer: Answer | None, deferred: Deferred | None) -> Answer:
-        """The request's one write, at its end (docs/operations.md), as one unit of the write queue:
-        its nonce record, a transfer's ledger rows (``deferred``, durable: answered only once
-        its batch committed) and its journal entry. The answer is rendered again only when the
-        nonce is refused (a replay that lost the race) or the write failed."""
-        request, nonce = call.request, call.found.nonce
+    def decide(self, request: Received, url_args: dict, handler: Callable) -> Decision:
+        """Who asks (the contract's pipeline for /api/, the admin token for /_admin/), then what the
+        handler answers: data, a Reply, or a write unit. Nothing is written here."""
+        if request.endpoint.surface is Surface.API:
+            return self.decide_api(request, url_args, handler)
+        quiet = False
+        try:
+            if request.endpoint.surface is Surface.ADMIN:
+                quiet = self.check_admin(request)
+            with self.svc.db.patience(ADMIN_PATIENCE):
+                return Decision(handler(request, **url_args), quiet=quiet)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the envelope
+            return Decision(error=self.as_wallet_error(exc), quiet=quiet)
+
+    def decide_api(self, request: Received, url_args: dict, handler: Callable) -> Decision:
+        """The contract's pipeline (steps 1-8), the fault rules, then the endpoint."""
+        try:
+            auth = self.auth.authenticate(request)
+        except Exception as exc:  # noqa: BLE001 - (a database that cannot be read)
+            return Decision(error=self.as_wallet_error(exc))
+        if auth.refused is not None:
+            return Decision(error=auth.refused, auth=auth)
+        request = dataclasses.replace(request, principal=auth.principal)
+        fault = None
+        try:
+            self.check_scope(request)
+            fault = self.take_fault(request)
+            if fault is not None:
+                self.sleep(fault.latency)  # (outside any transaction; ``walletsvc serve`` frees a thread)
+                if fault.action == FaultAction.ERROR:
+                    raise forced_error(fault)
+            result = handler(request, **url_args)
+        except Exception as exc:  # noqa: BLE001 - every failure becomes the envelope
+            return Decision(error=self.as_wallet_error(exc), auth=auth)
+        if callable(result):
+            return Decision(unit=result, auth=auth, fault=fault)
+        return self.after_fault(Decision(result, auth=auth, fault=fault))
+
+    @staticmethod
+    def after_fault(decision: Decision) -> Decision:
+        """What a commit_then_fail rule makes of a request once the handler applied it: S500,
+        its writes kept (commit_then_drop acts on the answer, in ``serve``)."""
+        fault = decision.fault
+        if fault is None or fault.action != FaultAction.COMMIT_THEN_FAIL:
+            return decision
+        return decision._replace(error=InternalError(
+            text=f"Forced by fault rule {fault.id} after the request was applied."))
+
+    @staticmethod
+    def check_scope(request: Received) -> None:
+        """Step 8: the endpoint's scope. A path or method no endpoint declares is denied by
+        default (docs/contract.md, Scopes)."""
+        scope = request.endpoint.scope
+        method = request.environ["REQUEST_METHOD"]
+        if scope is None or method != request.endpoint.method:  # deny by default, saying what is there
+            path = request.path.decode("latin-1")
+            slash = " (without its trailing /?)" if path.endswith("/") and len(path) > 1 else ""
+            zh_slash = "（去掉末尾的 /？）" if slash else ""
+            raise ApiAccessDenied(f"No endpoint is {method} {path}{slash}; /openapi.json lists them.",
+                                  zh_extra=f"不存在接口 {method} {path}{zh_slash}；见 /openapi.json。")
+        if scope not in request.principal.scopes:
+            raise ScopeRequired(scope=scope)
+
+    def take_fault(self, request: Received) -> FaultRule | None:
+        """The fault rule this authenticated request fires, if any. Rules name the app's own
+        paths: PATH_INFO's last segments, as many as the endpoint's path has, leave out any
+        prefix a mount put there."""
+        environ = request.environ
+        depth = request.endpoint.path.count("/")
+        path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-depth:])
+        return self.svc.faults.take(
+            environ["REQUEST_METHOD"], path, request.principal.workspace_id, lambda: {
+                "query": environ.get("QUERY_STRING", ""), "body": request.body.decode("utf-8", "replace"),
+                "headers": dict(received_headers(environ))})
+
+    def check_admin(self, request: Received) -> bool:
+        """The bearer token; or the console's session cookie, which authorizes only with the
+        page's CSRF header and from the same origin (S403 otherwise). Whether the request is
+        the console's own polling, which stays out of the access log (its actions do not)."""
+        environ = request.environ
+        session = self.console.session(environ)
+        if session is None or "HTTP_AUTHORIZATION" in environ:
+            self.check_admin_token(environ)
+            return False
+        if not session.valid:
+            raise Unauthorized()
+        if not self.console.same_origin(environ, session.nonce):
+            raise CrossSiteRefused()
+        return environ["REQUEST_METHOD"] == "GET"
+
+    def check_admin_token(self, environ: Mapping[str, Any]) -> None:
+        scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+        expected = (self.settings.admin_token or "").encode("utf-8")
+        given = token.strip().encode("latin-1", "replace")
+        if scheme.lower() != "bearer" or not expected or not hmac.compare_digest(given, expected):
+            raise Unauthorized()
+
+    # 2. Commit ###############################################################
+
+    def commit(self, request: Received, decision: Decision) -> Answer:
+        """The request's one write (docs/operations.md), as one unit: its nonce record, its write unit
+        (durable: answered only once its batch committed) and its journal entry, which keeps the
+        answer: so the answer is rendered inside the unit, once. A request with nothing to write is
+        rendered without one."""
+        auth = decision.auth
+        nonce = auth.nonce if auth is not None else None
         journal = self.svc.journal.enabled and request.endpoint is not None \
             and request.endpoint.surface is Surface.API
-        if deferred is None and nonce is None and not journal:
-            return answer
+        if nonce is None and decision.unit is None and not journal:
+            return self.render(request, decision)
 
         def unit(conn: sqlite3.Connection) -> Answer:
-            settled = answer
+            outcome = decision
             try:
                 if nonce is not None:
-                    self.auth.nonces.record(conn, nonce)  # a replay: GA2013, and nothing applied
-                if deferred is not None:  # in a savepoint of its own: a failure rolls back its writes alone
-                    applied = self.svc.db.run(lambda _: deferred.run())
-                    settled = self.render(call, deferred.after(applied), None)
-            except Exception as exc:
-                if isinstance(exc, sqlite3.Error) and not conn.in_transaction:
-                    raise  # the whole batch was lost (a full disk): S503 for each of its requests
-                settled = self.render(call, None, self.as_wallet_error(exc))
+                    self.auth.nonces.record(conn, nonce)  # a replay that lost the race: GA2013, no more
+                if decision.unit is not None:
+                    outcome = self.applied(conn, decision)
+            except WalletError as exc:
+                outcome = decision._replace(unit=None, error=exc)
+            answer = self.render(request, outcome)
             if journal:
-                self.svc.journal.record(self.journal_entry(call, settled), conn)
-            return settled
+                self.svc.journal.record(conn, self.journal_entry(request, outcome, answer))
+            return answer
 
         try:
-            return self.svc.db.run(unit, durable=deferred is not None)
+            return self.svc.db.write([unit], durable=decision.unit is not None)[0]
         except Exception as exc:  # noqa: BLE001 - the write failed: nothing of it was kept
-            if deferred is None and nonce is None:
+            if nonce is None and decision.unit is None:
                 log.warning("request not journaled: %s", exc)
-                return answer
-            return self.render(call, None, self.as_wallet_error(exc))  # an unrecorded nonce is not trusted
+                return self.render(request, decision)
+            # (an unrecorded nonce is not trusted)
+            return self.render(request, decision._replace(unit=None, error=self.as_wallet_error(exc)))
 
-    def render(self, call: Call, data: Any, error: WalletError | None) -> Answer:
+    def applied(self, conn: sqlite3.Connection, decision: Decision) -> Decision:
+        """The decision's write unit run in its own savepoint (a failure rolls back its writes alone),
+        and what a fault rule makes of it after: its data, or the error."""
+        try:
+            data = savepoint(conn, decision.unit)
+        except Exception as exc:
+            if isinstance(exc, sqlite3.Error) and not conn.in_transaction:
+                raise  # the whole batch was lost (a full disk): S503 for each of its requests
+            return decision._replace(unit=None, error=self.as_wallet_error(exc))
+        return self.after_fault(decision._replace(data=data, unit=None))
+
+    # 3. Render ###############################################################
+
+    def render(self, request: Received, outcome: Decision) -> Answer:
         """The one renderer: the envelope (or a bare document), its status and headers."""
-        now = call.found.now_ms
-        if now is None:
-            try:
-                now = self.svc.now_ms()
-            except (sqlite3.Error, WalletError):  # a sandbox clock the database cannot show: real time
-                now = int(time.time() * 1000)
-        media = call.request.endpoint.media if error is None else None
+        now = outcome.auth.now_ms if outcome.auth is not None else self.now_ms()
+        error = outcome.error
+        reply = outcome.data if isinstance(outcome.data, Reply) else Reply(outcome.data)
+        media = request.endpoint.media if error is None else None
         if error is None:
-            status, payload = call.reply.status, data if media else envelope(data, now)
+            status, payload = reply.status, reply.data if media else envelope(reply.data, now)
         else:
-            status, payload = error.status, error_envelope(error, call.request.locale, now)
+            status, payload = error.status, error_envelope(error, request.locale, now)
         body = payload.encode("utf-8") if isinstance(payload, str) else to_json(payload)
-        headers = [("Content-Type", media or JSON_CONTENT_TYPE), ("Content-Language", call.request.locale),
-                   ("Cache-Control", "no-store"), ("Content-Length", str(len(body))),
-                   *call.reply.headers.items()]
-        if call.reply.replayed and error is None:
-            headers.append(("Idempotent-Replayed", "true"))
+        headers = [("Content-Type", media or JSON_CONTENT_TYPE), ("Content-Language", request.locale),
+                   ("Cache-Control", "no-store"), ("Content-Length", str(len(body))), *outcome.headers]
+        if error is None:
+            headers.extend(reply.headers)
+            if reply.replayed:
+                headers.append(("Idempotent-Replayed", "true"))
         code = error.code if error is not None else (None if media else SUCCESS_CODE)
         return Answer(status, headers, body, code, now)
 
+    def now_ms(self) -> int:
+        try:
+            return self.svc.now_ms()
+        except (sqlite3.Error, WalletError):  # a sandbox clock the database cannot show: real time
+            return int(time.time() * 1000)
+
     @staticmethod
-    def journal_entry(call: Call, answer: Answer) -> JournalEntry:
-        request = call.request
-        environ = request.environ
+    def journal_entry(request: Received, outcome: Decision, answer: Answer) -> JournalEntry:
+        environ, auth = request.environ, outcome.auth or Authenticated(answer.now)
+        replayed = isinstance(outcome.data, Reply) and outcome.data.replayed and answer.code == SUCCESS_CODE
         return JournalEntry(
             answer.now, environ["REQUEST_METHOD"], request.path, environ.get("QUERY_STRING", ""),
-            environ.get("HTTP_X_API_KEY") or None, answer.status, answer.code, call.found.canonical,
-            call.found.verdict, call.reply.replayed and answer.code == SUCCESS_CODE,
-            received_headers(environ), request.body, answer.body,
+            environ.get("HTTP_X_API_KEY") or None, answer.status, answer.code, auth.canonical, auth.verdict,
+            replayed, received_headers(environ), request.body, answer.body,
             round((time.perf_counter() - request.started) * 1000, 3),
-            call.found.diagnosis and call.found.diagnosis[0])
+            auth.diagnosis.english if auth.diagnosis else None)
 
-    def log(self, call: Call, answer: Answer) -> None:
-        """The access log line (``walletsvc serve``), unless the call is quiet."""
-        if self.access_log is not None and not call.reply.quiet:
-            request = call.request
+    # 4. Log ##################################################################
+
+    def log(self, request: Received, answer: Answer, quiet: bool) -> None:
+        """The access log line (``walletsvc serve``), unless the request is quiet."""
+        if self.access_log is not None and not quiet:
             self.access_log.info("%s %s %s %s %.1fms", request.environ.get("REQUEST_METHOD"),
                                  request.path.decode("latin-1"), answer.status, answer.code or "-",
                                  (time.perf_counter() - request.started) * 1000)
+
+    # What every step shares ##################################################
 
     def read_body(self, environ: Mapping[str, Any]) -> bytes:
         """The request body, read once, exactly, within the size limit, which is
@@ -4915,83 +5103,6 @@ class HttpApi:
             raise PayloadTooLarge(limit=limit)
         return body
 
-    def call_api(self, call: Call, url_args: dict, handler: Callable) -> Any:
-        """the contract's pipeline (steps 1-8), the fault rules, then the endpoint: a read's data, or
-        a write's Deferred, which runs inside the request's one write (``settle``)."""
-        call.found.principal = self.auth.authenticate(call)
-        self.check_scope(call)
-        fault = self.take_fault(call) if call.found.fault_rules else None
-        deferred = Deferred(functools.partial(handler, call, **url_args), _applied)
-        if fault is not None:
-            deferred = self.with_fault(call, fault, deferred)
-        if call.request.endpoint.method == "GET":
-            return deferred.after(deferred.run())
-        return deferred
-
-    @staticmethod
-    def check_scope(call: Call) -> None:
-        """Step 8: the endpoint's scope. A path or method no endpoint declares is denied by
-        default (docs/contract.md, Scopes)."""
-        scope = call.request.endpoint.scope
-        method = call.request.environ["REQUEST_METHOD"]
-        if scope is None or method != call.request.endpoint.method:  # deny by default, saying what is there
-            path = call.request.path.decode("latin-1")
-            slash = " (without its trailing /?)" if path.endswith("/") and len(path) > 1 else ""
-            zh_slash = "（去掉末尾的 /？）" if slash else ""
-            raise ApiAccessDenied(f"No endpoint is {method} {path}{slash}; /openapi.json lists them.",
-                                  zh_extra=f"不存在接口 {method} {path}{zh_slash}；见 /openapi.json。")
-        if scope not in call.found.principal.scopes:
-            raise ScopeRequired(scope=scope)
-
-    def take_fault(self, call: Call) -> dict | None:
-        """The fault rule this authenticated request fires, if any. Rules name the app's own
-        paths: PATH_INFO's last segments, as many as the endpoint's path has, leave out any
-        prefix a mount put there."""
-        request = call.request
-        environ = request.environ
-        depth = request.endpoint.path.count("/")
-        path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-depth:])
-        return self.svc.faults.take(
-            environ["REQUEST_METHOD"], path, call.found.principal.workspace_id, lambda: {
-                "query": environ.get("QUERY_STRING", ""), "body": request.body.decode("utf-8", "replace"),
-                "headers": dict(received_headers(environ))})
-
-    def with_fault(self, call: Call, fault: dict, deferred: Deferred) -> Deferred:
-        """What a fault rule makes of the request: its latency now (outside any transaction, and
-        with a thread started beside it by ``walletsvc serve``: other requests go on), then a forced
-        error instead of the handler, or after it (the handler's writes kept)."""
-        if fault["latency"]:
-            self.sleep(fault["latency"])
-        if fault["action"] == FaultAction.ERROR:
-            raise forced_error(fault)
-
-        def after(data: Any) -> Any:
-            if fault["action"] == FaultAction.COMMIT_THEN_FAIL:
-                raise InternalError(text=f"Forced by fault rule {fault['id']} after the request was applied.")
-            call.reply.drop = fault["action"] == FaultAction.COMMIT_THEN_DROP
-            return data
-        return deferred._replace(after=after)
-
-    def check_admin(self, call: Call) -> None:
-        """The bearer token; or the console's session cookie, which authorizes only with
-        the page's CSRF header and from the same origin (S403 otherwise)."""
-        session = self.console.session(call.request.environ)
-        if session is None or "HTTP_AUTHORIZATION" in call.request.environ:
-            self.check_admin_token(call.request.environ)
-        elif not session.valid:
-            raise Unauthorized()
-        elif not self.console.same_origin(call.request.environ, session.nonce):
-            raise CrossSiteRefused()
-        else:  # the console's own polling stays out of the access log; its actions do not
-            call.reply.quiet = call.request.environ["REQUEST_METHOD"] == "GET"
-
-    def check_admin_token(self, environ: Mapping[str, Any]) -> None:
-        scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-        expected = (self.settings.admin_token or "").encode("utf-8")
-        given = token.strip().encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not expected or not hmac.compare_digest(given, expected):
-            raise Unauthorized()
-
     def locale(self, environ: Mapping[str, Any]) -> str:
         if "HTTP_X_LOCALE" not in environ and "HTTP_ACCEPT_LANGUAGE" not in environ:
             return self.settings.default_locale
@@ -5013,7 +5124,7 @@ class HttpApi:
         return InternalError()
 
     def bottle_error(self, error: bottle.HTTPError) -> list[bytes]:
-        """bottle's error handler: its own 404, 405 and 500, rendered by ``finish``."""
+        """bottle's error handler: its own 404, 405 and 500, rendered by ``commit``."""
         status, headers, body = self.fail(bottle.request.environ, error)
         bottle.response.status = status
         for name, value in headers:
@@ -5152,50 +5263,50 @@ class WalletApi:
     @endpoint("GET", "/api/v1/wallets", "List wallets", scope="wallet:read", response="WalletPage",
               query=_WALLET_PARAMETERS,
               links=(("Wallet", "get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),))
-    def list_wallets(self, call: Call) -> dict:
-        return self.svc.list_wallets(call.found.principal.workspace_id, call.request.query)
+    def list_wallets(self, request: Received) -> dict:
+        return self.svc.list_wallets(request.principal.workspace_id, request.query)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>", "Get a wallet", scope="wallet:read", response="Wallet",
               links=(("Balance", "get_balance", {"wallet_id": "$response.body#/data/id"}),
                      ("Flows", "list_flows", {"wallet_id": "$response.body#/data/id"})),
               errors=(WalletNotFound,))
-    def get_wallet(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.get_wallet(wallet_id, workspace_id=call.found.principal.workspace_id)
+    def get_wallet(self, request: Received, wallet_id: str) -> dict:
+        return self.svc.get_wallet(wallet_id, workspace_id=request.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/balance", "Get a wallet balance", scope="wallet:read",
               response="Balance", errors=(WalletNotFound,))
-    def get_balance(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.get_balance(wallet_id, workspace_id=call.found.principal.workspace_id)
+    def get_balance(self, request: Received, wallet_id: str) -> dict:
+        return self.svc.get_balance(wallet_id, workspace_id=request.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/flows", "List a wallet's flows", scope="wallet:read",
               response="FlowPage", query=_FLOW_PARAMETERS, errors=(WalletNotFound,))
-    def list_flows(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.list_flows(wallet_id, call.request.query,
-                                   workspace_id=call.found.principal.workspace_id)
+    def list_flows(self, request: Received, wallet_id: str) -> dict:
+        return self.svc.list_flows(wallet_id, request.query,
+                                   workspace_id=request.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders", "List transfer orders", scope="transfer:read",
               response="TransferOrderPage", query=_TRANSFER_PARAMETERS,
               links=(("Order", "get_transfer", {"biz_id": "$response.body#/data/content/0/bizId"}),))
-    def list_transfers(self, call: Call) -> dict:
-        return self.svc.list_transfers(call.found.principal.workspace_id, call.request.query)
+    def list_transfers(self, request: Received) -> dict:
+        return self.svc.list_transfers(request.principal.workspace_id, request.query)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/wallet/<wallet_id>", "List a wallet's transfer orders",
               scope="transfer:read", response="TransferOrderPage", query=_TRANSFER_PARAMETERS,
               errors=(WalletNotFound,))
-    def list_wallet_transfers(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.list_transfers(call.found.principal.workspace_id, call.request.query,
+    def list_wallet_transfers(self, request: Received, wallet_id: str) -> dict:
+        return self.svc.list_transfers(request.principal.workspace_id, request.query,
                                        wallet_id=wallet_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/<biz_id>", "Get a transfer order", scope="transfer:read",
               response="TransferOrder", errors=(TransferNotFound,))
-    def get_transfer(self, call: Call, biz_id: str) -> dict:
-        return self.svc.get_transfer(call.found.principal.workspace_id, biz_id)
+    def get_transfer(self, request: Received, biz_id: str) -> dict:
+        return self.svc.get_transfer(request.principal.workspace_id, biz_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders/<biz_id>/completed",
               "Check whether a transfer order is completed", scope="transfer:read", response="Completion",
               errors=(TransferNotFound,))
-    def transfer_completed(self, call: Call, biz_id: str) -> dict:
-        return self.svc.transfer_completion(call.found.principal.workspace_id, biz_id)
+    def transfer_completed(self, request: Received, biz_id: str) -> dict:
+        return self.svc.transfer_completion(request.principal.workspace_id, biz_id)
 
     @endpoint("POST", "/api/v1/transfer/command/create", "Create a transfer order", scope="transfer:create",
               request="CreateTransfer", response="TransferOrder",
@@ -5209,34 +5320,36 @@ class WalletApi:
                                          " body's bizId")),),
               errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance,
                       CurrencyMismatch, SameWallet, IdempotencyConflict))
-    def create_transfer(self, call: Call) -> dict:
-        media_type = call.request.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
+    def create_transfer(self, request: Received) -> Unit:
+        media_type = request.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
         if media_type != "application/json":
             raise UnsupportedMediaType()
-        body = call.request.json()
-        header_key = call.request.header("Idempotency-Key")
+        body = request.json()
+        header_key = request.header("Idempotency-Key")
         if header_key and header_key != body.get("bizId"):  # unsigned: it cannot change the request
             raise invalid("Idempotency-Key", "unsigned_key")
-        order, replayed = self.svc.transfer(
-            call.found.principal.workspace_id, body["sourceWalletId"], body["targetWalletId"], body["amount"],
-            body["currency"], biz_id=body.get("bizId"), description=body.get("description"))
-        if replayed:
-            call.reply.replayed = True
-        return order
+        transfer = self.svc.transfer_unit(request.principal.workspace_id, TransferRequest.checked(
+            body["sourceWalletId"], body["targetWalletId"], body["amount"], body["currency"],
+            body.get("bizId"), body.get("description")))
+
+        def unit(conn: sqlite3.Connection) -> Reply:
+            order, replayed = transfer(conn)
+            return Reply(order, replayed=replayed)
+        return unit
 
     @endpoint("GET", "/healthz", "Health check: S503 once the database file is gone or replaced",
               response="Health")
-    def healthz(self, call: Call) -> dict:
+    def healthz(self, request: Received) -> dict:
         self.svc.db.check_file()
         return {"status": "ok", "version": __version__}
 
     @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)",
               response={"type": "object"}, media=JSON_CONTENT_TYPE)
-    def openapi(self, call: Call) -> dict:
-        environ = call.request.environ
+    def openapi(self, request: Received) -> dict:
+        environ = request.environ
         host = (environ.get("HTTP_HOST")
                 or f"{environ.get('SERVER_NAME', 'localhost')}:{environ.get('SERVER_PORT', '80')}")
-        prefix = call.request.path.decode("latin-1")[: -len("/openapi.json")]
+        prefix = request.path.decode("latin-1")[: -len("/openapi.json")]
         return openapi_document(self.http.endpoints, f"{environ.get('wsgi.url_scheme', 'http')}://{host}{prefix}")
 
 
@@ -5261,166 +5374,166 @@ class AdminApi:
 
     @endpoint("GET", CONSOLE_PATH, "The sandbox console (HTML): its login form, or the console once"
               " logged in", response={"type": "string"}, media=HTML_CONTENT_TYPE)
-    def console_page(self, call: Call) -> str:
-        session = self.console.session(call.request.environ)
+    def console_page(self, request: Received) -> Reply:
+        session = self.console.session(request.environ)
         if session is None or not session.valid:
-            return self.console.login_form(call)
-        return self.console.page(call, session.nonce)
+            return self.console.login_form()
+        return self.console.page(session.nonce)
 
     @endpoint("POST", CONSOLE_PATH, "Log in to the console: the form field token, the admin token",
               response={"type": "string"}, media=HTML_CONTENT_TYPE, form=("token",),
               answers=((303, ("Logged in: the session cookie (Set-Cookie), and back to the console"
                               " (Location)")),
                        (401, "Not the admin token: the login form again (HTML)")))
-    def console_login(self, call: Call) -> str:
-        return self.console.log_in(call)
+    def console_login(self, request: Received) -> Reply:
+        return self.console.log_in(request)
 
     @endpoint("POST", CONSOLE_PATH + "/logout", "Log out of the console (ends the session cookie)",
               response=None)
-    def console_logout(self, call: Call) -> None:
-        self.console.log_out(call)
+    def console_logout(self, request: Received) -> Reply:
+        return self.console.log_out(request)
 
     @endpoint("GET", "/_admin/workspaces", "List workspaces", response=_array("Workspace"))
-    def list_workspaces(self, call: Call) -> list:
+    def list_workspaces(self, request: Received) -> list:
         return self.svc.list_workspaces()
 
     @endpoint("POST", "/_admin/workspaces", "Create a workspace", request="NameBody", response="Workspace",
               links=[(name, name, {"workspace_id": "$response.body#/data/id"})
                      for name in ("get_workspace", "list_members", "create_api_key", "create_wallet")])
-    def create_workspace(self, call: Call) -> dict:
-        return self.svc.create_workspace(call.request.json()["name"])
+    def create_workspace(self, request: Received) -> dict:
+        return self.svc.create_workspace(request.json()["name"])
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>", "Get a workspace", response="Workspace",
               errors=(WorkspaceNotFound,))
-    def get_workspace(self, call: Call, workspace_id: str) -> dict:
+    def get_workspace(self, request: Received, workspace_id: str) -> dict:
         return self.svc.get_workspace(workspace_id)
 
     @endpoint("DELETE", "/_admin/workspaces/<workspace_id>", "Delete a workspace (its keys answer GA2032)",
               response=None, errors=(WorkspaceNotFound,))
-    def delete_workspace(self, call: Call, workspace_id: str) -> None:
+    def delete_workspace(self, request: Received, workspace_id: str) -> None:
         self.svc.delete_workspace(workspace_id)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/members", "List members", response=_array("Member"),
               errors=(WorkspaceNotFound,))
-    def list_members(self, call: Call, workspace_id: str) -> list:
+    def list_members(self, request: Received, workspace_id: str) -> list:
         return self.svc.list_members(workspace_id)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/members", "Add a member", request="NameBody",
               response="Member", errors=(WorkspaceNotFound,))
-    def add_member(self, call: Call, workspace_id: str) -> dict:
-        return self.svc.add_member(workspace_id, call.request.json()["name"])
+    def add_member(self, request: Received, workspace_id: str) -> dict:
+        return self.svc.add_member(workspace_id, request.json()["name"])
 
     @endpoint("DELETE", "/_admin/workspaces/<workspace_id>/members/<member_id>",
               "Remove a member (its keys answer GA2034)", response=None, errors=(WorkspaceNotFound, NotFound))
-    def remove_member(self, call: Call, workspace_id: str, member_id: str) -> None:
+    def remove_member(self, request: Received, workspace_id: str, member_id: str) -> None:
         self.svc.remove_member(workspace_id, member_id)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/keys", "List API keys", response=_array("ApiKey"),
               errors=(WorkspaceNotFound,))
-    def list_api_keys(self, call: Call, workspace_id: str) -> list:
+    def list_api_keys(self, request: Received, workspace_id: str) -> list:
         return self.svc.list_api_keys(workspace_id)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/keys",
               "Create an API key (the secret is returned once)",
               request="NewKeyBody", response="ApiKey", errors=(WorkspaceNotFound, NotFound),
               rules=(_WHITELIST_RULE,))
-    def create_api_key(self, call: Call, workspace_id: str) -> dict:
-        body = call.request.json()
+    def create_api_key(self, request: Received, workspace_id: str) -> dict:
+        body = request.json()
         return self.svc.create_api_key(workspace_id, body.get("scopes", SCOPES),
                                        member_id=body.get("memberId"), ip_whitelist=body.get("ipWhitelist"))
 
     @endpoint("POST", "/_admin/keys/<api_key>/enable", "Enable an API key", response="ApiKey",
               errors=(NotFound,))
-    def enable_api_key(self, call: Call, api_key: str) -> dict:
+    def enable_api_key(self, request: Received, api_key: str) -> dict:
         return self.svc.set_api_key_enabled(api_key, True)
 
     @endpoint("POST", "/_admin/keys/<api_key>/disable", "Disable an API key (GA2021)", response="ApiKey",
               errors=(NotFound,))
-    def disable_api_key(self, call: Call, api_key: str) -> dict:
+    def disable_api_key(self, request: Received, api_key: str) -> dict:
         return self.svc.set_api_key_enabled(api_key, False)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/wallets", "List a workspace's wallets",
               response="WalletPage", query=_WALLET_PARAMETERS, errors=(WorkspaceNotFound,))
-    def list_wallets(self, call: Call, workspace_id: str) -> dict:
+    def list_wallets(self, request: Received, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
-        return self.svc.list_wallets(workspace_id, call.request.query)
+        return self.svc.list_wallets(workspace_id, request.query)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/wallets", "Create a wallet", request="NewWalletBody",
               response="Wallet", errors=(WorkspaceNotFound,),
               links=[(name, name, {"wallet_id": "$response.body#/data/id"})
                      for name in ("get_wallet", "deposit", "withdraw", "set_wallet_status")])
-    def create_wallet(self, call: Call, workspace_id: str) -> dict:
-        body = call.request.json()
+    def create_wallet(self, request: Received, workspace_id: str) -> dict:
+        body = request.json()
         return self.svc.create_wallet(workspace_id, body["currency"], name=body.get("name"))
 
     @endpoint("GET", "/_admin/wallets/<wallet_id>", "Get a wallet", response="Wallet",
               errors=(WalletNotFound,))
-    def get_wallet(self, call: Call, wallet_id: str) -> dict:
+    def get_wallet(self, request: Received, wallet_id: str) -> dict:
         return self.svc.get_wallet(wallet_id)
 
     @endpoint("GET", "/_admin/wallets/<wallet_id>/balance", "Get a wallet's balance", response="Balance",
               errors=(WalletNotFound,))
-    def get_balance(self, call: Call, wallet_id: str) -> dict:
+    def get_balance(self, request: Received, wallet_id: str) -> dict:
         return self.svc.get_balance(wallet_id)
 
     @endpoint("GET", "/_admin/wallets/<wallet_id>/flows", "List a wallet's flows", response="FlowPage",
               query=_FLOW_PARAMETERS, errors=(WalletNotFound,))
-    def list_flows(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.list_flows(wallet_id, call.request.query)
+    def list_flows(self, request: Received, wallet_id: str) -> dict:
+        return self.svc.list_flows(wallet_id, request.query)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/balances",
               "List a workspace's wallets as balances (the same pages, filters and sorts as its wallets)",
               response="BalancePage", query=_WALLET_PARAMETERS, errors=(WorkspaceNotFound,))
-    def list_balances(self, call: Call, workspace_id: str) -> dict:
+    def list_balances(self, request: Received, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
-        return self.svc.list_wallets(workspace_id, call.request.query, balances=True)
+        return self.svc.list_wallets(workspace_id, request.query, balances=True)
 
     @endpoint("GET", "/_admin/workspaces/<workspace_id>/transfers", "List a workspace's transfer orders",
               response="TransferOrderPage", query=_TRANSFER_PARAMETERS, errors=(WorkspaceNotFound,))
-    def list_transfers(self, call: Call, workspace_id: str) -> dict:
+    def list_transfers(self, request: Received, workspace_id: str) -> dict:
         self.svc.get_workspace(workspace_id)
-        return self.svc.list_transfers(workspace_id, call.request.query)
+        return self.svc.list_transfers(workspace_id, request.query)
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/status", "Freeze, unfreeze or close a wallet",
               request="StatusBody", response="Wallet", errors=(WalletNotFound,),
               rules=(("status", "a CLOSED wallet stays CLOSED: CLOSED is final"),))
-    def set_wallet_status(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.set_wallet_status(wallet_id, call.request.json()["status"])
+    def set_wallet_status(self, request: Received, wallet_id: str) -> dict:
+        return self.svc.set_wallet_status(wallet_id, request.json()["status"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/deposit", "Deposit money from outside",
               request="AmountBody", response="Flow", errors=(WalletNotFound, WalletNotActive),
               rules=(("amount", ("has the wallet's currency's decimals, and the balance stays within"
                                 " 999999999999999999 minor units")),))
-    def deposit(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.deposit(wallet_id, call.request.json()["amount"])
+    def deposit(self, request: Received, wallet_id: str) -> dict:
+        return self.svc.deposit(wallet_id, request.json()["amount"])
 
     @endpoint("POST", "/_admin/wallets/<wallet_id>/withdraw", "Withdraw money", request="AmountBody",
               response="Flow", errors=(WalletNotFound, WalletNotActive, InsufficientBalance),
               rules=(("amount", "has the wallet's currency's decimals"),))
-    def withdraw(self, call: Call, wallet_id: str) -> dict:
-        return self.svc.withdraw(wallet_id, call.request.json()["amount"])
+    def withdraw(self, request: Received, wallet_id: str) -> dict:
+        return self.svc.withdraw(wallet_id, request.json()["amount"])
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/complete", "Complete a PENDING order",
               request="DecisionBody", response="TransferOrder", errors=(TransferNotFound,),
               rules=(_DECIDED_RULE,))
-    def complete_transfer(self, call: Call, biz_id: str) -> dict:
-        return self.svc.complete_transfer(biz_id, workspace_id=call.request.json().get("workspaceId"))
+    def complete_transfer(self, request: Received, biz_id: str) -> dict:
+        return self.svc.complete_transfer(biz_id, workspace_id=request.json().get("workspaceId"))
 
     @endpoint("POST", "/_admin/transfers/<biz_id>/fail", "Fail a PENDING order", request="DecisionBody",
               response="TransferOrder", errors=(TransferNotFound,), rules=(_DECIDED_RULE,))
-    def fail_transfer(self, call: Call, biz_id: str) -> dict:
-        return self.svc.fail_transfer(biz_id, workspace_id=call.request.json().get("workspaceId"))
+    def fail_transfer(self, request: Received, biz_id: str) -> dict:
+        return self.svc.fail_transfer(biz_id, workspace_id=request.json().get("workspaceId"))
 
     @endpoint("POST", "/_admin/reset", "Back to the starting state (one transaction): its data and clock,"
               " no journal, no fault rules", response=None)
-    def reset(self, call: Call) -> None:
+    def reset(self, request: Received) -> None:
         self.svc.reset()
 
     @endpoint("POST", "/_admin/scenarios", "Make a world beside the others, with fresh ids and keys: the"
               " scenario the sandbox started from, the built-in demo, or the one given",
               request="ScenarioBody", response="World", rules=_SCENARIO_RULES)
-    def instantiate(self, call: Call) -> dict:
-        body = call.request.json()
+    def instantiate(self, request: Received) -> dict:
+        body = request.json()
         if "workspaces" in body and "scenario" in body or body.get("scenario", "demo") != "demo":
             raise invalid("scenario", "one_of", choices="demo (or no scenario, and workspaces or none)")
         if "workspaces" in body:
@@ -5435,12 +5548,12 @@ class AdminApi:
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/reset", "Return one workspace to the state its world"
               " began in (other workspaces and the clock untouched)", response="WorldWorkspace",
               errors=(WorkspaceNotFound, NotFound))
-    def reset_workspace(self, call: Call, workspace_id: str) -> dict:
+    def reset_workspace(self, request: Received, workspace_id: str) -> dict:
         return self.svc.reset_workspace(workspace_id)
 
     @endpoint("GET", "/_admin/audit", "Audit the ledger: the violations of its invariants (none: clean)",
               response=_array("Violation"))
-    def audit(self, call: Call) -> list:
+    def audit(self, request: Received) -> list:
         return self.svc.audit()
 
     @endpoint("GET", "/_admin/journal", "The request journal, oldest first, a page at a time",
@@ -5453,12 +5566,12 @@ class AdminApi:
                       "content": {"application/json": {"schema": {"type": "object"}}}},
                      *({"name": name, "in": "query", "schema": {"type": "integer", "minimum": 0}}
                        for name in ("after", "last"))])
-    def journal(self, call: Call) -> dict:
+    def journal(self, request: Received) -> dict:
         """Query parameters ``method``, ``path``, ``code``, ``query.NAME``, ``header.NAME``, ``body``
         (JSON); ``after``: only entries whose seq is greater (what is new since a poll);
         ``last``: only the newest so many of the matching entries; ``page`` and ``size`` as
         the API's lists take them."""
-        query = call.request.query
+        query = request.query
         after, last = (_page_integer(query, name, -1, 0) for name in ("after", "last"))
         number, size = _page_and_size(query)
         criteria: dict[str, Any] = {name: first(query, name) for name in ("method", "path", "code")}
@@ -5474,8 +5587,8 @@ class AdminApi:
 
     @endpoint("POST", "/_admin/journal/assert", "Assert on the journal: passed, the count, the near misses",
               request="JournalAssertBody", response="JournalVerdict")
-    def assert_journal(self, call: Call) -> dict:
-        body = call.request.json()
+    def assert_journal(self, request: Received) -> dict:
+        body = request.json()
         counts = {"times": body.pop("times", None), "at_least": body.pop("atLeast", None),
                   "never": body.pop("never", False)}
         try:
@@ -5485,37 +5598,37 @@ class AdminApi:
         return {"passed": True, "count": len(calls), "message": None}
 
     @endpoint("DELETE", "/_admin/journal", "Empty the request journal", response=None)
-    def clear_journal(self, call: Call) -> None:
+    def clear_journal(self, request: Received) -> None:
         self.svc.journal.clear()
 
     @endpoint("GET", "/_admin/faults", "List fault rules", response=_array("Fault"))
-    def list_faults(self, call: Call) -> list:
+    def list_faults(self, request: Received) -> list:
         return self.svc.faults.rules()
 
     @endpoint("POST", "/_admin/faults", "Add a fault rule", request="FaultBody", response="Fault",
               rules=(("faults", f"at most {Faults.MAX_RULES} rules are in force at a time"),))
-    def add_fault(self, call: Call) -> dict:
-        body = call.request.json()
+    def add_fault(self, request: Received) -> dict:
+        body = request.json()
         if "workspaceId" in body:
             body["workspace_id"] = body.pop("workspaceId")
         return self.svc.faults.add(**body)
 
     @endpoint("DELETE", "/_admin/faults", "Remove every fault rule", response=None)
-    def clear_faults(self, call: Call) -> None:
+    def clear_faults(self, request: Received) -> None:
         self.svc.faults.clear()
 
     @endpoint("DELETE", "/_admin/faults/<fault_id>", "Remove one fault rule", response=None,
               errors=(NotFound,))
-    def remove_fault(self, call: Call, fault_id: str) -> None:
+    def remove_fault(self, request: Received, fault_id: str) -> None:
         self.svc.faults.remove(fault_id)
 
     @endpoint("POST", "/_admin/ids", "Seed the ids and secrets that follow (null: random again)",
               request="SeedBody", response=None)
-    def seed_ids(self, call: Call) -> None:
-        self.svc.seed_ids(call.request.json()["seed"])
+    def seed_ids(self, request: Received) -> None:
+        self.svc.seed_ids(request.json()["seed"])
 
     @endpoint("GET", "/_admin/clock", "The service clock", response="ClockState")
-    def get_clock(self, call: Call) -> dict:
+    def get_clock(self, request: Received) -> dict:
         clock = self.svc.clock
         return {"now": iso_time(self.svc.now_ms()), "epochMillis": self.svc.now_ms(),
                 "frozen": bool(getattr(clock, "frozen", False)), "controllable": isinstance(clock, Clock)}
@@ -5524,9 +5637,9 @@ class AdminApi:
               request="ClockBody", response="ClockState",
               rules=(("at", "the clock stays between 1970 and 9999 UTC"),
                      ("advance", "the clock stays between 1970 and 9999 UTC, wherever it stands")))
-    def set_clock(self, call: Call) -> dict:
+    def set_clock(self, request: Received) -> dict:
         """``{"freeze": true|false, "at": epoch seconds or RFC 3339, "advance": seconds}``."""
-        body = call.request.json()
+        body = request.json()
         clock = self.svc.clock
         if not isinstance(clock, Clock):
             raise invalid("clock", "state",
@@ -5545,7 +5658,7 @@ class AdminApi:
             raise invalid("advance" if "advance" in body else "at", "clock_range") from None
         if body.get("freeze") is False:
             clock.unfreeze()
-        return self.get_clock(call)
+        return self.get_clock(request)
 
 
 ###############################################################################
@@ -5595,7 +5708,7 @@ class WalletApp(bottle.Bottle):
                 environ["PATH_INFO"] = raw
                 return self.wsgi(environ, start_response)
             environ["bottle.raw_path"], environ["bottle.app"] = raw, self
-            status, headers, body = self.http.serve(environ, route, url_args, route.callback)
+            status, headers, body = self.http.serve(environ, route.config["endpoint"], url_args, route.callback)
         start_response(_STATUS_LINES.get(status) or f"{status} Error", headers)
         return body
 
@@ -5617,7 +5730,7 @@ def create_app(svc: WalletService, **settings: Any) -> WalletApp:
             check_declaration(declaration, handler)
             app.route(declaration.path, declaration.method, handler, endpoint=declaration)
             http.endpoints.append(declaration)
-    app.route(_UNDECLARED.path, "ANY", lambda call, rest="": None, endpoint=_UNDECLARED)
+    app.route(_UNDECLARED.path, "ANY", lambda request, rest="": None, endpoint=_UNDECLARED)
     app.default_error_handler = http.bottle_error
     app.install(http)
     app.built_with = list(app.plugins)
@@ -7129,11 +7242,11 @@ def _csp_source(text: str) -> str:
 
 # Only this page's own script and style run, it talks only to its own origin, and no
 # other site may frame it (a Reset button under someone else's page).
-_PAGE_HEADERS = {
+_PAGE_HEADERS = tuple({
     "Content-Security-Policy": f"default-src 'none'; script-src {_csp_source(_CONSOLE_SCRIPT)}; "
                                f"style-src {_csp_source(_CONSOLE_STYLE)}; connect-src 'self'; img-src data:; "
                                "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
-    "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}
+    "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}.items())
 
 # Last, so that a run as a script (python walletsvc.py) has every section defined.
 if __name__ == "__main__":
