@@ -7304,8 +7304,8 @@ def test_the_module_docstring_lists_every_section_in_order() -> None:
     listed = re.findall(r"^ +(\d+)\. (.+?) - ", walletsvc.__doc__, re.MULTILINE)
     assert [int(number) for number, _ in listed] == list(range(1, len(banners) + 1))
     assert [name for _, name in listed] == banners
-    for sought in ("The authentication pipeline", "Pagination", "Request journal", "The console's session"):
-        assert sought in banners  # the nonce check, a page query, what the journal keeps, the console's login
+    for sought in ("The request path", "Pagination", "Request journal", "The console's session"):
+        assert sought in banners  # the pipeline, a page query, what the journal keeps, the console's login
 
 
 def test_help_starts_with_the_contents() -> None:
