@@ -1835,6 +1835,71 @@ def test_hmac_auth_signs_requests_and_httpx(svc, live, world, clock) -> None:
     assert balances(svc, world["b"]) == ["2.00"]
 
 
+def test_hmac_auth_follows_a_moved_live_sandbox_clock_without_a_refused_request(walletsvc_live) -> None:
+    """DESIGN.md, 9: after `sandbox.clock.advance(3600)`, `requests.get(url, auth=HmacAuth(key, secret))`
+    answered GA2013. It reads the server's time from /healthz beside the URL first (not journaled);
+    httpx too; clock= signs at a given clock (an in-process transport, with no server to ask)."""
+    import httpx
+    import requests
+
+    sandbox = walletsvc_live
+    sandbox.clock.advance(3600)
+    key, secret = sandbox.key["apiKey"], sandbox.key["secret"]
+    url = sandbox.url + "/api/v1/wallets"
+    assert requests.get(url, auth=walletsvc.HmacAuth(key, secret), timeout=10).json()["code"] == "2000"
+    assert httpx.get(url, auth=walletsvc.HmacAuth(key, secret), timeout=10).json()["code"] == "2000"
+    in_process = walletsvc.HmacAuth(key, secret, clock=sandbox.clock)  # no server to ask: the clock itself
+    transport = httpx.WSGITransport(app=sandbox.app)
+    with httpx.Client(transport=transport, base_url="http://wallets.test") as local:
+        assert local.get("/api/v1/wallets", auth=in_process).json()["code"] == "2000"
+    sandbox.clock.freeze()
+    sandbox.clock.advance(-86400)  # frozen, a day back
+    given = walletsvc.HmacAuth(key, secret, clock=sandbox.clock)  # no extra request
+    assert requests.get(url, auth=given, timeout=10).json()["code"] == "2000"
+    assert requests.get(url, auth=walletsvc.HmacAuth(key, secret), timeout=10).json()["code"] == "2000"
+    sandbox.assert_called("GET", "/api/v1/wallets", times=5)
+    assert {entry["code"] for entry in sandbox.journal.entries()} == {"2000"}
+    refused = requests.get(url, auth=walletsvc.HmacAuth(key, secret, clock=time.time), timeout=10).json()
+    assert refused["code"] == "GA2013" and "GET /healthz" in refused["detail"]  # and it says how
+
+
+def test_request_says_when_it_falls_back_to_the_demo_and_what_it_needs(tmp_path) -> None:
+    """Issue 38: with no variable, `walletsvc request` quietly reached the demo on 8080 in place of the app
+    meant; a POST without --data said S415; a server that is not there said only "Connection refused"."""
+    port = _free_port()  # nothing listens there
+    env = {name: value for name, value in os.environ.items() if not name.startswith("WALLETSVC_")}
+    fell_back = _cli("request", "GET", "/api/v1/wallets", env=env)
+    assert "WALLETSVC_URL, WALLETSVC_KEY, WALLETSVC_SECRET not set: the demo's http://127.0.0.1:8080 with" \
+           " key ak_demo" in fell_back.stderr
+    gone = _cli("request", "GET", "/api/v1/wallets", "--url", f"127.0.0.1:{port}", env={
+        **env, "WALLETSVC_KEY": "ak_x", "WALLETSVC_SECRET": "sk_x"})
+    assert gone.returncode == 2 and "not set" not in gone.stderr
+    assert f"cannot reach http://127.0.0.1:{port}" in gone.stderr and "Traceback" not in gone.stderr
+    bodiless = _cli("request", "POST", "/api/v1/transfer/command/create", "--url", f"127.0.0.1:{port}",
+                    env={**env, "WALLETSVC_KEY": "ak_x", "WALLETSVC_SECRET": "sk_x"})
+    assert bodiless.returncode == 2 and "POST needs a JSON body: --data" in bodiless.stderr
+    signed = _cli("sign", "GET", "/api/v1/wallets", "--url", f"127.0.0.1:{port}", env=env)
+    assert signed.returncode == 0 and "signed at this machine's clock" in signed.stderr
+
+
+def test_a_fault_with_a_code_outside_the_catalog_says_its_status_is_needed(walletsvc_sandbox) -> None:
+    """Issue 38: {"action": "error", "code": "NOPE"} said "'status' is required", with nothing on why."""
+    admin = webtest.TestApp(walletsvc_sandbox.app)
+    refused = admin.post_json("/_admin/faults", {"action": "error", "code": "NOPE"}, expect_errors=True,
+                              headers={"Authorization": f"Bearer {walletsvc_sandbox.admin_token}"}).json
+    assert refused["code"] == "S012"
+    assert "NOPE is not a code of the error catalog, so give the HTTP status" in refused["detail"]
+
+
+def test_a_failed_assert_called_shows_the_tests_line_not_walletsvcs_frames(tmp_path) -> None:
+    (tmp_path / "test_miss.py").write_text(
+        "def test_miss(walletsvc_sandbox):\n    walletsvc_sandbox.assert_called('GET', '/api/v1/wallets')\n")
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_miss.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120, check=False)
+    assert done.returncode == 1 and "expected a request with" in done.stdout, done.stdout
+    assert "walletsvc.py" not in done.stdout.split("short test summary")[0], done.stdout
+
+
 @pytest.mark.parametrize("section", ["Signing in Python", "Clients"])
 def test_signing_python_blocks_run_as_printed_against_the_demo(demo_server, section, tmp_path) -> None:
     server, env = demo_server  # WALLETSVC_URL, _KEY, _SECRET as the banner exports them
@@ -4002,7 +4067,8 @@ def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
         assert re.search(r"^wallets  : alice wal_\S+, bob wal_\S+, yen wal_\S+$", banner, re.MULTILINE)
         token = re.search(r"WALLETSVC_ADMIN_TOKEN=(\S+)", banner).group(1)
         admin = {"Authorization": f"Bearer {token}"}
-        for change in ({}, {"freeze": True, "at": "2030-01-01T00:00:00Z"}, {"freeze": False, "advance": -7200}):
+        moves = ({}, {"freeze": True, "at": "2030-01-01T00:00:00Z"}, {"freeze": False, "advance": -7200})
+        for change in moves:
             if change:  # the curl, as printed, at a frozen clock, then at a moved one (DESIGN.md, 9)
                 _clock(base_url, admin, **change)
             curl = _banner_shell(banner, "(openssl + curl), at the sandbox's clock", tmp_path)
@@ -6385,7 +6451,8 @@ def test_a_busy_port_is_named_with_a_way_out(tmp_path) -> None:
         holder.listen()
         port = holder.getsockname()[1]
         finished = subprocess.run([sys.executable, "-m", "walletsvc", "serve", "--db", str(tmp_path / "p.db"),
-                                   "--port", str(port), "--demo"], check=False, capture_output=True, text=True,
+                                   "--port", str(port), "--demo"], check=False, capture_output=True,
+                                  text=True,
                                   timeout=60)
     assert finished.returncode == 2
     assert f"port {port} on 127.0.0.1 is already in use" in finished.stderr and "--port 0" in finished.stderr

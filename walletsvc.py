@@ -139,6 +139,7 @@ __all__ = [
     "create_app",
     "endpoint",
     "main",
+    "server_time",
     "sign_request",
 ]
 __version__ = "0.1.0"
@@ -619,8 +620,8 @@ ERRORS_BY_CODE: Mapping[str, type[WalletError]] = {error.code: error for error i
 _REASONS = {
     "required": ("is required",
                  "为必填项"),
-    "status_of_code": ("is required: {code} is not a code of the error catalog, so give the HTTP status to"
-                       " answer it with (e.g. 503)",
+    "status_of_code": (("is required: {code} is not a code of the error catalog, so give the HTTP status"
+                        " to answer it with (e.g. 503)"),
                        "为必填项：{code} 不是错误目录中的代码，请给出应答所用的 HTTP 状态码（例如 503）"),
     "string": ("must be a string",
                "必须是字符串"),
@@ -5691,13 +5692,12 @@ class HmacAuth:
 
     ``clock`` left out, each request is signed at the time of the server it goes to, read from
     ``GET /healthz`` beside it (below the same mount prefix) just before: a sandbox whose clock is
-    frozen or moved never refuses it (httpx sends that request through its own transport, so an
-    in-process app works too). ``clock=sandbox.clock`` (the pytest sandbox's) or ``clock=time.time``
-    signs at that clock instead, without the extra request. Imports neither library: a requests
-    PreparedRequest and an httpx Request are told apart by their attributes.
+    frozen or moved never refuses it. Where no server answers there (an httpx client on an
+    in-process transport), it signs at this machine's clock. ``clock=sandbox.clock`` (the pytest
+    sandbox's) or ``clock=time.time`` signs at that clock instead, without the extra request.
+    Imports neither library: a requests PreparedRequest and an httpx Request are told apart by
+    their attributes.
     """
-
-    requires_response_body = True  # httpx: the /healthz answer's body is read before auth_flow sees it
 
     def __init__(self, api_key: str, secret: str, *, clock: Callable[[], float] | None = None) -> None:
         self.api_key = api_key
@@ -5705,8 +5705,11 @@ class HmacAuth:
         self.clock = clock
 
     def __call__(self, request: Any) -> Any:
-        """requests' auth protocol: sign ``request`` (a PreparedRequest or an httpx Request)."""
-        stamp = None if self.clock is not None else server_time(str(request.url))
+        """Sign ``request`` (a requests PreparedRequest, or an httpx Request: httpx calls it too)."""
+        stamp = None
+        if self.clock is None:
+            with contextlib.suppress(ConnectionError):
+                stamp = server_time(str(request.url))
         return self.sign(request, stamp)
 
     def sign(self, request: Any, stamp: int | None) -> Any:
@@ -5722,14 +5725,6 @@ class HmacAuth:
         request.headers.update(sign_request(request.method, path, body, self.api_key, self.secret,
                                             timestamp=stamp))
         return request
-
-    def auth_flow(self, request: Any) -> Iterator[Any]:
-        """httpx's Auth protocol: the server's time first, through the client's own transport."""
-        stamp = None
-        if self.clock is None:
-            health = yield type(request)("GET", health_url(str(request.url)))
-            stamp = envelope_seconds(health.content)
-        yield self.sign(request, stamp)
 
 
 def _segment(value: str) -> str:
