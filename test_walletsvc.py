@@ -1836,7 +1836,7 @@ def test_hmac_auth_signs_requests_and_httpx(svc, live, world, clock) -> None:
 
 
 def test_hmac_auth_follows_a_moved_live_sandbox_clock_without_a_refused_request(walletsvc_live) -> None:
-    """DESIGN.md, 9: after `sandbox.clock.advance(3600)`, `requests.get(url, auth=HmacAuth(key, secret))`
+    """docs/signing.md, Clients: after `sandbox.clock.advance(3600)`, `requests.get(url, auth=HmacAuth(key, secret))`
     answered GA2013. It reads the server's time from /healthz beside the URL first (not journaled);
     httpx too; clock= signs at a given clock (an in-process transport, with no server to ask)."""
     import httpx
@@ -1903,10 +1903,17 @@ def test_a_failed_assert_called_shows_the_tests_line_not_walletsvcs_frames(tmp_p
 @pytest.mark.parametrize("section", ["Signing in Python", "Clients"])
 def test_signing_python_blocks_run_as_printed_against_the_demo(demo_server, section, tmp_path) -> None:
     server, env = demo_server  # WALLETSVC_URL, _KEY, _SECRET as the banner exports them
-    for block in doc_blocks(section, "python"):
-        done = subprocess.run([sys.executable, "-c", block], env=env, capture_output=True, text=True,
-                              timeout=60, cwd=tmp_path, check=False)
-        assert done.returncode == 0, done.stdout + done.stderr
+    admin = {"Authorization": f"Bearer {env['WALLETSVC_ADMIN_TOKEN']}"}
+    moves = [{"freeze": True, "at": "2030-01-01T00:00:00Z"}]  # the Clients block once, at a frozen clock
+    if section == "Signing in Python":  # this one at real time, frozen, and moved
+        moves = [{}, *moves, {"freeze": False, "advance": -7200}]
+    for change in moves:
+        if change:
+            _clock(server.url, admin, **change)
+        for block in doc_blocks(section, "python"):
+            done = subprocess.run([sys.executable, "-c", block], env=env, capture_output=True, text=True,
+                                  timeout=60, cwd=tmp_path, check=False)
+            assert done.returncode == 0, done.stdout + done.stderr
     if section == "Signing in Python":
         assert done.stdout == "3 wallets\n"
     else:  # 1.00 by requests, 10.00 by the Client: bob's balance from the demo's 1000.00
@@ -4069,7 +4076,7 @@ def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
         admin = {"Authorization": f"Bearer {token}"}
         moves = ({}, {"freeze": True, "at": "2030-01-01T00:00:00Z"}, {"freeze": False, "advance": -7200})
         for change in moves:
-            if change:  # the curl, as printed, at a frozen clock, then at a moved one (DESIGN.md, 9)
+            if change:  # the curl, as printed, at a frozen clock, then at a moved one (docs/signing.md, The server's time)
                 _clock(base_url, admin, **change)
             curl = _banner_shell(banner, "(openssl + curl), at the sandbox's clock", tmp_path)
             answer = json.loads(curl.stdout)
@@ -4406,7 +4413,7 @@ def test_request_command_signs_at_a_scenarios_frozen_clock(tmp_path) -> None:
         assert done.returncode == 0, done.stdout + done.stderr
         (till,) = json.loads(done.stdout)["data"]["content"]
         assert till["name"] == "till"
-        # A scenario's rows are made at its clock (DESIGN.md, 9), the same on every run.
+        # A scenario's rows are made at its clock (docs/sandbox.md, Scenarios), the same on every run.
         assert (till["createdAt"], till["updatedAt"]) == ("2030-01-01T00:00:00.000Z",) * 2
         admin = {"Authorization": f"Bearer {exported['WALLETSVC_ADMIN_TOKEN']}"}
         passed = requests.post(server.url + "/_admin/journal/assert", headers=admin, timeout=10, json={
