@@ -1836,7 +1836,8 @@ def test_hmac_auth_signs_requests_and_httpx(svc, live, world, clock) -> None:
 
 
 def test_hmac_auth_follows_a_moved_live_sandbox_clock_without_a_refused_request(walletsvc_live) -> None:
-    """docs/signing.md, Clients: after `sandbox.clock.advance(3600)`, `requests.get(url, auth=HmacAuth(key, secret))`
+    """docs/signing.md, Clients: after `sandbox.clock.advance(3600)`,
+    `requests.get(url, auth=HmacAuth(key, secret))`
     answered GA2013. It reads the server's time from /healthz beside the URL first (not journaled);
     httpx too; clock= signs at a given clock (an in-process transport, with no server to ask)."""
     import httpx
@@ -4076,7 +4077,7 @@ def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
         admin = {"Authorization": f"Bearer {token}"}
         moves = ({}, {"freeze": True, "at": "2030-01-01T00:00:00Z"}, {"freeze": False, "advance": -7200})
         for change in moves:
-            if change:  # the curl, as printed, at a frozen clock, then at a moved one (docs/signing.md, The server's time)
+            if change:  # as printed, at a frozen clock, then a moved one (docs/signing.md)
                 _clock(base_url, admin, **change)
             curl = _banner_shell(banner, "(openssl + curl), at the sandbox's clock", tmp_path)
             answer = json.loads(curl.stdout)
