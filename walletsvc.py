@@ -842,7 +842,7 @@ class Settings:
     nonce_records: int = _setting(
         "http", 100_000, _between(int, 1000, 100_000_000),
         "nonce records kept, newest first, however the clock moves; past it the oldest are forgotten"
-        " (README, Replay protection)")
+        " (docs/contract.md, Replay protection)")
     max_body_bytes: int = _setting(
         "http", 65536, _between(int, 0, 64 << 20), "largest request body accepted; larger answers S413")
     debug_signatures: bool = _setting(
@@ -6762,11 +6762,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="start from the built-in scenario once (alice, bob, yen) and print its"
                              " credentials")
     starts.add_argument("--scenario", metavar="FILE",
-                        help="start from this scenario (TOML, or JSON for .json) once; README, Scenarios")
+                        help="start from this scenario (TOML, or JSON for .json) once;"
+                             " docs/sandbox.md, Scenarios")
     serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN"),
                               help="enable /_admin/ with this bearer token")
     serve_parser.add_argument("--set", action="append", type=_setting_pair, metavar="NAME=VALUE",
-                              help="a setting (README, Settings), e.g. busy_timeout=2; repeatable")
+                              help="a setting (docs/reference.md, Settings), e.g. busy_timeout=2; repeatable")
     serve_parser.set_defaults(run=_serve_command)
 
     workspace = commands.add_parser("workspace", help="create, list, delete workspaces")
