@@ -5677,8 +5677,8 @@ def server_time(url: str, timeout: float = 10.0) -> int:
             payload = reply.read()
     except urllib.error.HTTPError as reply:  # a 503 (a replaced database) still tells the time
         payload = reply.read()
-    except (urllib.error.URLError, OSError) as exc:
-        raise ConnectionError(f"cannot reach {target}: {getattr(exc, 'reason', exc)} (is walletsvc serve"
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # (a server killed mid-answer)
+        raise ConnectionError(f"cannot reach {target}: {getattr(exc, 'reason', exc)!s} (is walletsvc serve"
                               " running there? check WALLETSVC_URL or --url)") from None
     seconds = envelope_seconds(payload)
     if seconds is None:
