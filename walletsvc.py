@@ -136,6 +136,7 @@ __all__ = [
     "create_app",
     "endpoint",
     "main",
+    "server_time",
     "sign_request",
 ]
 __version__ = "0.1.0"
@@ -502,6 +503,9 @@ ERRORS_BY_CODE: Mapping[str, type[WalletError]] = {error.code: error for error i
 _REASONS = {
     "required": ("is required",
                  "为必填项"),
+    "status_of_code": (("is required: {code} is not a code of the error catalog, so give the HTTP status"
+                        " to answer it with (e.g. 503)"),
+                       "为必填项：{code} 不是错误目录中的代码，请给出应答所用的 HTTP 状态码（例如 503）"),
     "string": ("must be a string",
                "必须是字符串"),
     "integer": ("must be an integer",
@@ -721,7 +725,7 @@ class Settings:
     nonce_records: int = _setting(
         "http", 100_000, _between(int, 1000, 100_000_000),
         "nonce records kept, newest first, however the clock moves; past it the oldest are forgotten"
-        " (README, Replay protection)")
+        " (docs/contract.md, Replay protection)")
     max_body_bytes: int = _setting(
         "http", 65536, _between(int, 0, 64 << 20), "largest request body accepted; larger answers S413")
     debug_signatures: bool = _setting(
@@ -3172,6 +3176,7 @@ class Journal:
         """Fail unless matching requests were received: at least once, or exactly ``times``,
         ``at_least`` so many, or ``never``. The failure lists the closest entries and what
         differed, the way WireMock shows near misses."""
+        __tracebackhide__ = True  # pytest shows the test's line, not walletsvc's frames
         calls = self.entries(method, path, **criteria)
         if never:
             times = 0
@@ -3187,6 +3192,7 @@ class Journal:
 
     def assert_not_called(self, method: str | None = None, path: str | None = None, **criteria: Any) -> None:
         """Fail if a matching request was received."""
+        __tracebackhide__ = True
         self.assert_called(method, path, never=True, **criteria)
 
     def describe_miss(self, wanted: str, got: int, criteria: Mapping[str, Any]) -> str:
@@ -3342,7 +3348,7 @@ class Faults:
         code = code or "S500"
         known = ERRORS_BY_CODE.get(code)
         if known is None and status is None:
-            raise invalid("status", "required")
+            raise invalid("status", "status_of_code", code=str(code)[:64])
         return code, status or known.status
 
     @classmethod
@@ -3949,7 +3955,7 @@ def _first_key(world: list[dict]) -> dict:
     workspace = world[0] if world else {"keys": [], "wallets": []}
     key = workspace["keys"][0] if workspace["keys"] else {"apiKey": None, "secret": None}
     return {"apiKey": key["apiKey"], "secret": key["secret"],
-            "walletIds": [wallet["id"] for wallet in workspace["wallets"]]}
+            "wallets": [(wallet["name"], wallet["id"]) for wallet in workspace["wallets"]]}
 
 
 ###############################################################################
@@ -4647,12 +4653,15 @@ class Authenticator:
         frozen_at, offset = self.svc.clock.state() if isinstance(self.svc.clock, Clock) else (None, 0.0)
         if frozen_at is not None or offset:
             frozen = frozen_at is not None
-            english += (f" The sandbox clock is {'frozen' if frozen else 'moved'}: sign with its time"
-                        " (this answer's timestamp, in ms, over 1000), as walletsvc request and"
-                        " walletsvc.Client do")
+            english += (f" The sandbox clock is {'frozen' if frozen else 'moved'}: sign with its"
+                        " time, read before signing from GET /healthz (its timestamp, in ms, over 1000;"
+                        " unsigned and not journaled), as walletsvc request, walletsvc sign,"
+                        " walletsvc.Client and walletsvc.HmacAuth do (docs/signing.md)")
             english += ", or unfreeze it (POST /_admin/clock {\"freeze\": false})." if frozen else "."
-            chinese += (f"沙箱时钟已{'冻结' if frozen else '调整'}：请以沙箱时间签名（本响应的"
-                        " timestamp 毫秒值除以 1000），walletsvc request 与 walletsvc.Client 即如此")
+            chinese += (f"沙箱时钟已{'冻结' if frozen else '调整'}：请以沙箱时间签名，签名前从"
+                        " GET /healthz 读取（其 timestamp 毫秒值除以 1000；无需签名，不记入日志），"
+                        "walletsvc request、walletsvc sign、walletsvc.Client 与 walletsvc.HmacAuth"
+                        " 即如此（docs/signing.md）")
             chinese += "；或解冻时钟（POST /_admin/clock {\"freeze\": false}）。" if frozen else "。"
         return expired(english, chinese)
 
@@ -5752,30 +5761,84 @@ def error_for(code: str, detail: str = "", status: int | None = None) -> WalletE
     return cls(text=detail)
 
 
-class HmacAuth:
-    """Signs requests for ``requests`` and ``httpx`` (``auth=HmacAuth(key, secret)``).
+HEALTH_PATH = "/healthz"  # unsigned and never journaled: its envelope's timestamp is the server's clock
 
-    Imports neither library: a requests PreparedRequest and an httpx Request
-    are told apart by their attributes.
+
+def envelope_seconds(payload: bytes) -> int | None:
+    """The epoch seconds of an envelope's ``timestamp`` (milliseconds), None if ``payload`` is none."""
+    try:
+        millis = json.loads(payload).get("timestamp")
+    except (ValueError, AttributeError):
+        return None
+    return millis // 1000 if isinstance(millis, int) and not isinstance(millis, bool) else None
+
+
+def health_url(url: str) -> str:
+    """The /healthz beside an API URL: below the same mount prefix (the part of the path before /api/)."""
+    parts = urllib.parse.urlsplit(url)
+    prefix = parts.path.split("/api/", 1)[0] if "/api/" in parts.path else parts.path.rstrip("/")
+    return f"{parts.scheme}://{parts.netloc}{prefix}{HEALTH_PATH}"
+
+
+def server_time(url: str, timeout: float = 10.0) -> int:
+    """The server's clock in epoch seconds (a sandbox's, frozen or moved), from ``GET /healthz`` beside
+    ``url`` (a base URL, or any URL of its API): unsigned, and never in the journal, so learning the
+    time before signing leaves no failed request behind (docs/signing.md). ConnectionError if no
+    walletsvc answers there."""
+    target = health_url(url)
+    try:
+        with urllib.request.urlopen(urllib.request.Request(target), timeout=timeout) as reply:
+            payload = reply.read()
+    except urllib.error.HTTPError as reply:  # a 503 (a replaced database) still tells the time
+        payload = reply.read()
+    except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # (a server killed mid-answer)
+        raise ConnectionError(f"cannot reach {target}: {getattr(exc, 'reason', exc)!s} (is walletsvc serve"
+                              " running there? check WALLETSVC_URL or --url)") from None
+    seconds = envelope_seconds(payload)
+    if seconds is None:
+        raise ConnectionError(f"{target} did not answer walletsvc's envelope: is it a walletsvc server?")
+    return seconds
+
+
+class HmacAuth:
+    """Signs requests for ``requests`` and ``httpx`` (``auth=HmacAuth(key, secret)``), at the
+    server's clock.
+
+    ``clock`` left out, each request is signed at the time of the server it goes to, read from
+    ``GET /healthz`` beside it (below the same mount prefix) just before: a sandbox whose clock is
+    frozen or moved never refuses it. Where no server answers there (an httpx client on an
+    in-process transport), it signs at this machine's clock. ``clock=sandbox.clock`` (the pytest
+    sandbox's) or ``clock=time.time`` signs at that clock instead, without the extra request.
+    Imports neither library: a requests PreparedRequest and an httpx Request are told apart by
+    their attributes.
     """
 
-    def __init__(self, api_key: str, secret: str) -> None:
+    def __init__(self, api_key: str, secret: str, *, clock: Callable[[], float] | None = None) -> None:
         self.api_key = api_key
         self.secret = secret
+        self.clock = clock
 
     def __call__(self, request: Any) -> Any:
+        """Sign ``request`` (a requests PreparedRequest, or an httpx Request: httpx calls it too)."""
+        stamp = None
+        if self.clock is None:
+            with contextlib.suppress(ConnectionError):
+                stamp = server_time(str(request.url))
+        return self.sign(request, stamp)
+
+    def sign(self, request: Any, stamp: int | None) -> Any:
+        """Add the signature headers to ``request``, at ``stamp`` (None: this auth's clock)."""
         if hasattr(request, "path_url"):  # requests
             path, body = request.path_url, request.body
         else:  # httpx
             path, body = request.url.raw_path.decode("ascii"), request.content
         if body is not None and not isinstance(body, (bytes, str)):
             raise TypeError("HmacAuth signs the exact body bytes; streamed bodies cannot be signed")
-        request.headers.update(sign_request(request.method, path, body, self.api_key, self.secret))
+        if stamp is None:
+            stamp = int(self.clock()) if self.clock is not None else int(time.time())
+        request.headers.update(sign_request(request.method, path, body, self.api_key, self.secret,
+                                            timestamp=stamp))
         return request
-
-    def auth_flow(self, request: Any) -> Iterator[Any]:
-        """httpx's Auth protocol."""
-        yield self(request)
 
 
 def _segment(value: str) -> str:
@@ -5794,13 +5857,17 @@ class Client:
 
     Left out, the target, key and secret are WALLETSVC_URL, WALLETSVC_KEY and
     WALLETSVC_SECRET, else the demo's (``walletsvc serve --demo``). It signs at
-    the sandbox's clock: refused for its timestamp (GA2013), it takes the
+    the sandbox's clock: ``clock`` left out, it reads the server's time from
+    ``GET /healthz`` (unsigned, never journaled) before each request, so a
+    frozen or moved clock never refuses one; ``clock=sandbox.clock`` or
+    ``clock=time.time`` signs at that clock without it. Refused for its
+    timestamp all the same (GA2013: the clock moved in between), it takes the
     server's time from the answer, keeps the difference and sends once more.
     """
 
     def __init__(self, target: str | Callable | None = None, api_key: str | None = None,
                  secret: str | None = None, *, prefix: str = "", timeout: float = 10.0,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] | None = None) -> None:
         target = target or os.environ.get("WALLETSVC_URL") or DEMO_URL
         if isinstance(target, str):
             parts = urllib.parse.urlsplit(target)
@@ -5879,14 +5946,21 @@ class Client:
         if not isinstance(query, str):
             query = urllib.parse.urlencode(
                 {name: value for name, value in (query or {}).items() if value is not None}, doseq=True)
-        stamp = int(self.clock()) + self.offset
+        stamp = self.server_time() if self.clock is None else int(self.clock()) + self.offset
         status, response_headers, answer = self._signed(method, path, query, raw, stamp)
         server = answer.get("timestamp")
         if answer.get("code") == RequestExpired.code and isinstance(server, int) and server // 1000 != stamp:
-            # The sandbox's clock is frozen or moved: sign at its time (a refused request did nothing).
-            self.offset = server // 1000 - int(self.clock())
+            # The sandbox's clock moved since: sign at its time (a refused request did nothing).
+            if self.clock is not None:
+                self.offset = server // 1000 - int(self.clock())
             status, response_headers, answer = self._signed(method, path, query, raw, server // 1000)
         return status, response_headers, answer
+
+    def server_time(self) -> int:
+        """The server's clock, in epoch seconds: the timestamp of its ``/healthz`` envelope."""
+        _, _, payload = self._send("GET", self.prefix + HEALTH_PATH, "", {}, b"")
+        seconds = envelope_seconds(payload)
+        return int(time.time()) if seconds is None else seconds
 
     def _signed(self, method: str, path: str, query: str, raw: bytes,
                 stamp: int) -> tuple[int, dict, dict]:
@@ -5911,6 +5985,10 @@ class Client:
                     return reply.status, dict(reply.headers), reply.read()
             except urllib.error.HTTPError as reply:
                 return reply.code, dict(reply.headers), reply.read()
+            except (urllib.error.URLError, OSError) as exc:  # no answer at all: say where it went
+                reason = getattr(exc, "reason", exc)
+                raise ConnectionError(f"cannot reach {self.target}{self.prefix}: {reason} (is walletsvc serve"
+                                      " running there? check WALLETSVC_URL or --url)") from None
         environ = {"REQUEST_METHOD": method, "SCRIPT_NAME": "",
                    "PATH_INFO": urllib.parse.unquote(path, "latin-1"), "REQUEST_URI": path,
                    "QUERY_STRING": query, "SERVER_NAME": "walletsvc", "SERVER_PORT": "80",
@@ -5935,19 +6013,18 @@ class Client:
 # Serving ######################################################################
 ###############################################################################
 
-def demo_instructions(base_url: str, demo: dict, admin_token: str | None, database: str,
-                      clock: tuple[float | None, float] = (None, 0.0)) -> str:
+def demo_instructions(base_url: str, demo: dict, admin_token: str | None, database: str) -> str:
     """What ``serve --demo`` (or ``--scenario``) prints: one export line with the names every
-    example uses, and examples that paste as printed and sign at the sandbox's clock."""
+    example uses, and examples that paste as printed and sign at the sandbox's clock, whatever it
+    does later: the curl reads it from /healthz first (bash or zsh, curl, openssl and sed: Linux,
+    macOS, WSL)."""
     names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": demo["apiKey"], "WALLETSVC_SECRET": demo["secret"]}
     if admin_token:
         names["WALLETSVC_ADMIN_TOKEN"] = admin_token
-    frozen_at, offset = clock
-    stamp = (f"{int(frozen_at)}" if frozen_at is not None
-             else f"$(( $(date +%s) + {int(offset)} ))" if int(offset) else "$(date +%s)")
+    wallets = ", ".join(f"{name} {wallet_id}" for name, wallet_id in demo["wallets"])
     return f"""walletsvc sandbox at {base_url}
 database : {os.path.abspath(database)}
-wallets  : {", ".join(demo["walletIds"])}
+wallets  : {wallets or "(none)"}
 console  : {f"{base_url}{CONSOLE_PATH} (log in with WALLETSVC_ADMIN_TOKEN)" if admin_token
             else "(off: it needs an admin token)"}
 
@@ -5957,16 +6034,23 @@ export {" ".join(f"{name}={shlex.quote(value)}" for name, value in names.items()
 A signed request, from another shell:
 walletsvc request GET /api/v1/wallets
 
-Signed by hand (openssl + curl), at the sandbox's clock:
-TS={stamp} NONCE=$(cat /proc/sys/kernel/random/uuid) P=/api/v1/wallets
-SIG=$(printf 'GET\\n%s\\n%s\\n%s\\n%s' "$P" "$TS" "$NONCE" "$(printf '' | sha256sum | cut -d' ' -f1)" \\
-  | openssl dgst -sha256 -hmac "$WALLETSVC_SECRET" -binary | base64)
-curl -s "$WALLETSVC_URL$P" -H "X-Api-Key: $WALLETSVC_KEY" -H "X-Timestamp: $TS" -H "X-Nonce: $NONCE" \\
-  -H "X-Signature: $SIG"
-
+Signed by hand (openssl + curl), at the sandbox's clock (read from /healthz first):
+{CURL_SIGNED_GET}
 From Python:
 import walletsvc
 print(walletsvc.Client().list_wallets())
+"""
+
+
+# The banner's curl: the sandbox's time from /healthz's envelope (epoch ms, unsigned, never journaled), then
+# a GET signed at it. Tools found on Linux, macOS and WSL alike (no sha256sum, no /proc).
+CURL_SIGNED_GET = """\
+TS=$(curl -s "$WALLETSVC_URL/healthz" | sed -E 's/.*"timestamp":([0-9]+)[0-9]{3}.*/\\1/')
+NONCE=$(openssl rand -hex 16) P=/api/v1/wallets H=$(printf '' | openssl dgst -sha256 | sed 's/.* //')
+SIG=$(printf 'GET\\n%s\\n%s\\n%s\\n%s' "$P" "$TS" "$NONCE" "$H" \\
+  | openssl dgst -sha256 -hmac "$WALLETSVC_SECRET" -binary | base64)
+curl -s "$WALLETSVC_URL$P" -H "X-Api-Key: $WALLETSVC_KEY" -H "X-Timestamp: $TS" -H "X-Nonce: $NONCE" \\
+  -H "X-Signature: $SIG"
 """
 
 
@@ -6306,6 +6390,7 @@ class Sandbox:
 
     def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
         """The journal's ``assert_called``."""
+        __tracebackhide__ = True
         return self.service.journal.assert_called(method, path, times=times)
 
     def audit(self) -> None:
@@ -6563,8 +6648,18 @@ def _serve_command(args: argparse.Namespace) -> int:
             settings.setdefault("admin_token", demo_admin_token(demo["secret"]))
     counts = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
                         " WHERE deleted_at IS NULL)")
-    banner = functools.partial(_serve_banner, args, svc, settings, world, demo, counts)
-    serve(svc, args.host, args.port, args.threads, workers=args.workers, on_ready=banner, **settings)
+    ready: list[str] = []
+
+    def banner(base_url: str) -> None:
+        ready.append(base_url)
+        _serve_banner(args, svc, settings, world, demo, counts, base_url)
+
+    try:
+        serve(svc, args.host, args.port, args.threads, workers=args.workers, on_ready=banner, **settings)
+    except BaseException:
+        if not ready:  # refused before serving (a busy port): the world it seeded goes too (docs/contract.md)
+            _undo_start(svc, made)
+        raise
     return 0
 
 
@@ -6585,8 +6680,7 @@ def _serve_banner(args: argparse.Namespace, svc: WalletService, settings: dict, 
     if args.ready_file:
         _write_ready_file(args.ready_file, base_url, settings.get("admin_token"), world or [])
     if demo and demo["apiKey"]:
-        print(demo_instructions(base_url, demo, settings.get("admin_token"), args.db, svc.clock.state()),
-              flush=True)
+        print(demo_instructions(base_url, demo, settings.get("admin_token"), args.db), flush=True)
     elif keys:
         print(f"walletsvc serving {args.db} at {base_url}\nIt holds {keys} API key(s) in {workspaces}"
               f" workspace(s): walletsvc workspace list --db {args.db}, walletsvc key list WORKSPACE_ID"
@@ -6649,9 +6743,26 @@ def _setting_pair(text: str) -> tuple[str, str]:
 
 
 def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str]:
-    if not args.key or not args.secret:
+    """The key and secret of ``request`` and ``sign``: given, else WALLETSVC_KEY and WALLETSVC_SECRET,
+    else the demo's, which is said on stderr with the URL: a folder without its variables must not
+    quietly reach the demo in place of the app meant (docs/reference.md)."""
+    given = {"url": args.url, "key": args.key, "secret": args.secret}
+    defaults = {"url": ("WALLETSVC_URL", DEMO_URL), "key": ("WALLETSVC_KEY", DEMO_KEY),
+                "secret": ("WALLETSVC_SECRET", DEMO_SECRET)}
+    fell_back = []
+    for name, (variable, demo) in defaults.items():
+        if given[name] is None:
+            given[name] = os.environ.get(variable)
+        if given[name] is None:
+            given[name] = demo
+            fell_back.append(variable)
+    if fell_back:
+        print(f"walletsvc: {', '.join(fell_back)} not set: the demo's {given['url']} with key {given['key']}"
+              " (walletsvc serve --demo)", file=sys.stderr)
+    args.url = given["url"]
+    if not given["key"] or not given["secret"]:
         parser.error("an API key and secret are needed: --key/--secret or WALLETSVC_KEY/WALLETSVC_SECRET")
-    return args.key, args.secret
+    return given["key"], given["secret"]
 
 
 def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
@@ -6677,6 +6788,9 @@ def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
 def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     key, secret = _credentials(args, parser)
     url, path, query = _target(args, parser)
+    if args.method.upper() in ("POST", "PUT", "PATCH") and args.data is None:
+        parser.error(f"{args.method.upper()} needs a JSON body: --data '{{...}}' (the exact bytes sent and"
+                     " signed)")
     client = Client(url, key, secret)
     body = args.data.encode("utf-8") if args.data is not None else None
     status, _, answer = client.send(args.method.upper(), path, query=query, body=body)
@@ -6690,7 +6804,12 @@ def _sign_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
     url, path, query = _target(args, parser)
     prefix = urllib.parse.urlsplit(url).path  # signed too: it is part of the path sent
     method, body = args.method.upper(), (args.data or "").encode("utf-8")
-    headers = sign_request(method, prefix + path, body, key, secret)
+    try:  # at the server's clock, as every client walletsvc ships (docs/signing.md)
+        stamp = server_time(url)
+    except ConnectionError as exc:
+        stamp = int(time.time())
+        print(f"walletsvc: {exc}; signed at this machine's clock", file=sys.stderr)
+    headers = sign_request(method, prefix + path, body, key, secret, timestamp=stamp)
     if args.format == "curl":  # a whole command, for every method: eval "$(walletsvc sign ... --format curl)"
         words = ["curl", "-s", "-X", method, url + path + (f"?{query}" if query else "")]
         for name, value in headers.items():
@@ -6757,11 +6876,12 @@ def build_parser() -> argparse.ArgumentParser:
                         help="start from the built-in scenario once (alice, bob, yen) and print its"
                              " credentials")
     starts.add_argument("--scenario", metavar="FILE",
-                        help="start from this scenario (TOML, or JSON for .json) once; README, Scenarios")
+                        help="start from this scenario (TOML, or JSON for .json) once;"
+                             " docs/sandbox.md, Scenarios")
     serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN"),
                               help="enable /_admin/ with this bearer token")
     serve_parser.add_argument("--set", action="append", type=_setting_pair, metavar="NAME=VALUE",
-                              help="a setting (README, Settings), e.g. busy_timeout=2; repeatable")
+                              help="a setting (docs/reference.md, Settings), e.g. busy_timeout=2; repeatable")
     serve_parser.set_defaults(run=_serve_command)
 
     workspace = commands.add_parser("workspace", help="create, list, delete workspaces")
@@ -6842,18 +6962,13 @@ def build_parser() -> argparse.ArgumentParser:
         sub.add_argument("method")
         sub.add_argument("path", help="path, e.g. /api/v1/wallets (a query string is not signed)")
         sub.add_argument("--data", help="the exact JSON body")
-        sub.add_argument("--key", default=os.environ.get("WALLETSVC_KEY", DEMO_KEY),
-                         help="the API key (WALLETSVC_KEY; the demo's if unset)")
-        sub.add_argument("--secret", default=os.environ.get("WALLETSVC_SECRET", DEMO_SECRET),
-                         help="its secret (WALLETSVC_SECRET; the demo's if unset)")
-        if name == "request":
-            sub.add_argument("--url", default=os.environ.get("WALLETSVC_URL", DEMO_URL),
-                             help="the server (WALLETSVC_URL); requests are signed at its clock")
-        else:
+        sub.add_argument("--key", help="the API key (WALLETSVC_KEY; the demo's if unset, said on stderr)")
+        sub.add_argument("--secret", help="its secret (WALLETSVC_SECRET; the demo's if unset)")
+        sub.add_argument("--url", help="the server (WALLETSVC_URL; the demo's if unset): signed at its clock,"
+                                       " read from its /healthz; a path prefix in it is signed")
+        if name == "sign":
             sub.add_argument("--format", choices=("headers", "curl"), default="headers",
-                             help="headers, or a whole curl command (with --url)")
-            sub.add_argument("--url", default=os.environ.get("WALLETSVC_URL", DEMO_URL),
-                             help="the server (for --format curl; a path prefix in it is signed)")
+                             help="headers, or a whole curl command")
         sub.set_defaults(run=lambda args, runner=runner, sub=sub: runner(args, sub))
 
     openapi = commands.add_parser("openapi", help="print the OpenAPI 3.1 document (API and admin)")
