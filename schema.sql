@@ -7,7 +7,7 @@ CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
 );
 INSERT INTO schema_version (version)
-    SELECT 4 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
+    SELECT 5 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
 
 -- The ledger's clock (docs/contract.md): the time of the last write transaction,
 -- so that times never go backwards within a database (a write waiting for the
@@ -97,6 +97,14 @@ CREATE TABLE IF NOT EXISTS sandbox (
 INSERT INTO sandbox (clock_frozen_at, clock_offset, id_seed, id_drawn, fault_rules, fault_version,
                      fault_next, has_start, journal_floor, nonce_tolerance)
     SELECT NULL, 0, NULL, 0, 0, 0, 0, 0, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM sandbox);
+
+-- The admin token of a sandbox served from a scenario without --admin-token
+-- (docs/sandbox.md): drawn at random once per database, never derived from
+-- anything a key holder knows, so that every process and restart on this file
+-- agrees. One row at most. (Version 5.)
+CREATE TABLE IF NOT EXISTS admin_token (
+    token  TEXT NOT NULL CHECK (length(token) BETWEEN 1 AND 256)
+);
 
 -- Fault rules in force, in the order they are tried; rule is the rule as JSON.
 CREATE TABLE IF NOT EXISTS fault_rules (

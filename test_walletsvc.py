@@ -1669,7 +1669,7 @@ def test_file_database_uses_wal_and_a_schema_version(tmp_path) -> None:
     with second.db.connection() as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
-        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(4,)]
+        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(5,)]
 
 
 def test_schema_sql_applies_idempotently(tmp_path) -> None:
@@ -3387,7 +3387,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path) -> None:
     assert upgraded.get_workspace(ws)["name"] == "old"
     assert upgraded.create_workspace("new")["name"] == "new"
     with upgraded.db.connection() as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 4
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 5
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -4089,6 +4089,40 @@ def test_the_ready_file_says_everything_a_suite_needs(tmp_path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def _served_admin_token(db_path: pathlib.Path, log: pathlib.Path, *options: str) -> str:
+    """The admin token ``serve`` prints (on a free port), after checking that /_admin/ takes it."""
+    server = ServerProcess(str(db_path), log, *options)
+    server.start()
+    try:
+        token = re.findall(r"WALLETSVC_ADMIN_TOKEN=(\S+)", log.read_text())[-1]
+        answer = requests.get(server.url + "/_admin/workspaces", timeout=10,
+                              headers={"Authorization": f"Bearer {token}"})
+        assert answer.status_code == 200, answer.text
+    finally:
+        server.stop()
+    return token
+
+
+def test_the_admin_token_is_random_per_database_and_kept_in_it(tmp_path) -> None:
+    """Defect: without --admin-token, serve derived the admin token from the first key's secret: every
+    --demo had the same token, and a scenario's first key holder could compute it (DESIGN.md §3)."""
+    first = _served_admin_token(tmp_path / "one.db", tmp_path / "one.log", "--demo")
+    other = _served_admin_token(tmp_path / "two.db", tmp_path / "two.log", "--demo")
+    assert first != other and len(first) >= 32  # the same demo key, yet another token
+    derived = hmac.new(b"sk_demo", b"walletsvc demo admin token", hashlib.sha256).hexdigest()[:32]
+    assert derived not in (first, other)
+    # kept in the database: a restart, and every worker of --workers 2, take the same one
+    again = _served_admin_token(tmp_path / "one.db", tmp_path / "again.log", "--demo", "--workers", "2")
+    assert again == first
+    with sqlite3.connect(tmp_path / "one.db") as conn:
+        assert conn.execute("SELECT token FROM admin_token").fetchall() == [(first,)]
+    given = _served_admin_token(tmp_path / "one.db", tmp_path / "given.log", "--demo", "--admin-token",
+                                "mine")
+    assert given == "mine"  # given: it wins, and is not kept
+    with sqlite3.connect(tmp_path / "one.db") as conn:
+        assert conn.execute("SELECT token FROM admin_token").fetchall() == [(first,)]
 
 
 ###############################################################################

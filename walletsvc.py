@@ -6360,9 +6360,15 @@ def __getattr__(name: str) -> Any:
 # Command line #################################################################
 ###############################################################################
 
-def demo_admin_token(secret: str) -> str:
-    """The demo's admin token, derived from its key so that a restart prints the same one."""
-    return hmac.new(secret.encode(), b"walletsvc demo admin token", hashlib.sha256).hexdigest()[:32]
+def stored_admin_token(db: Database) -> str:
+    """The admin token of a sandbox served without ``--admin-token``: random, drawn once per database
+    and kept in it, so that every worker, a second server on the file and a restart agree, and
+    nothing a key holder knows (a key's secret) leads to it (docs/sandbox.md)."""
+    def draw(conn: sqlite3.Connection) -> str:
+        conn.execute("INSERT INTO admin_token (token) SELECT ? WHERE NOT EXISTS (SELECT 1 FROM admin_token)",
+                     (secrets.token_hex(16),))
+        return conn.execute("SELECT token FROM admin_token").fetchone()[0]
+    return db.run(draw)
 
 
 def _cell(value: Any) -> str:
@@ -6442,11 +6448,11 @@ def _serve_command(args: argparse.Namespace) -> int:
         raise
     if args.admin_token:
         settings["admin_token"] = args.admin_token
+    elif world is not None and "admin_token" not in settings:
+        settings["admin_token"] = stored_admin_token(svc.db)
     demo = _first_key(world) if world is not None else None
     if demo:
         settings.setdefault("debug_signatures", True)
-        if demo["secret"]:
-            settings.setdefault("admin_token", demo_admin_token(demo["secret"]))
     counts = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
                         " WHERE deleted_at IS NULL)")
     banner = functools.partial(_serve_banner, args, svc, settings, world, demo, counts)
