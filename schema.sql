@@ -55,11 +55,11 @@ CREATE TABLE IF NOT EXISTS api_keys (
 );
 CREATE INDEX IF NOT EXISTS api_keys_by_workspace ON api_keys (workspace_id, created_at);
 
--- Replay protection (README, "Replay protection"): every nonce recorded, per key, with the
--- second it was signed in (its X-Timestamp), in the order recorded (seq). Records are kept
+-- Replay protection (docs/contract.md, "Replay protection"): every nonce recorded, per key, with
+-- the second it was signed in (its X-Timestamp), in the order recorded (seq). Records are kept
 -- exactly, whatever the clock does, up to a count (the newest 100,000 by default); past it
--- the oldest are forgotten, and each forgotten record's key and second go to
--- nonces_forgotten, as runs of consecutive seconds: a request of that key signed in such a
+-- the oldest become digests (nonce_digests), and past those each forgotten record's key and
+-- second go to nonces_forgotten, as runs of consecutive seconds: a request of that key signed in such a
 -- second may be a replay and is refused. api_key '*' stands for every key (spans kept by schema
 -- version 3). (Version 4.)
 CREATE TABLE IF NOT EXISTS nonce_records (
@@ -76,6 +76,23 @@ CREATE TABLE IF NOT EXISTS nonces_forgotten (
     CHECK (lo <= hi)
 );
 CREATE INDEX IF NOT EXISTS nonces_forgotten_by_key ON nonces_forgotten (api_key, lo);
+
+-- Past the count, the oldest records become digests before they are forgotten (a frozen clock
+-- puts every request in one second: forgetting its records at once would refuse every fresh
+-- request of that second): 64 bits of (key, nonce), still refused as used, kept in record order
+-- (seq) up to ten times the count. Each batch made digests notes its keys' seconds (upto: the
+-- batch's last digest); they join nonces_forgotten when the batch's digests are dropped. (Version 5.)
+CREATE TABLE IF NOT EXISTS nonce_digests (
+    seq     INTEGER PRIMARY KEY,
+    digest  INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS nonce_digests_by_digest ON nonce_digests (digest);
+CREATE TABLE IF NOT EXISTS nonce_digest_seconds (
+    upto     INTEGER NOT NULL,
+    api_key  TEXT NOT NULL,
+    ts       INTEGER NOT NULL,
+    PRIMARY KEY (upto, api_key, ts)
+) WITHOUT ROWID;
 
 -- What controls the sandbox (docs/sandbox.md), shared by every process on this
 -- file: the clock (frozen at an epoch second, or real time plus an offset),

@@ -2871,25 +2871,27 @@ def test_a_recorded_nonce_is_refused_whatever_the_clock_does(svc, api: Api, cloc
 
 def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_path, clock,
                                                                             make_service) -> None:
-    """docs/operations.md: the records stay bounded by a count (here the least, 1000); past it the oldest are
-    forgotten, and a forgotten second refuses only requests signed in that second for that key."""
+    """docs/contract.md, Replay protection: the records stay bounded by a count (here the least, 1000), past
+    it the oldest are kept as digests (ten times as many), and only past those forgotten: a forgotten second
+    refuses only requests signed in that second for that key."""
     svc = make_service(str(tmp_path / "bounded.db"), clock=clock)
     world_ = make_world(svc)
     app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
     key, other = world_["key"], svc.create_api_key(world_["ws"]["id"])
     first = int(clock())
     sign = functools.partial(walletsvc.sign_request, "GET", "/api/v1/wallets", b"")
-    for n in range(1400):
+    for n in range(12_000):
         if n == 700:
             clock.advance(5)  # the oldest 700 were signed in the first second, the rest five seconds later
         assert app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"],
-                                                       timestamp=int(clock()))).json["success"]
+                                                       timestamp=int(clock()))).json["success"], n
     with svc.db.connection() as conn:
         kept = conn.execute("SELECT count(*) FROM nonce_records").fetchone()[0]
+        digests = conn.execute("SELECT count(*) FROM nonce_digests").fetchone()[0]
         runs = conn.execute("SELECT lo, hi FROM nonces_forgotten WHERE api_key = ?",
                             (key["apiKey"],)).fetchall()
-    assert 1000 <= kept < 1000 + 256
-    assert [tuple(run) for run in runs] == [(first, first)]  # one row for the 700 of that second, exactly
+    assert 1000 <= kept < 1000 + 256 and 10_000 <= digests <= 10_000 + 256
+    assert [tuple(run) for run in runs] == [(first, first)]  # one row for what was forgotten of that second
     clock.now = first
     refused = app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"], timestamp=first),
                       expect_errors=True)
@@ -2900,6 +2902,36 @@ def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_p
         clock.now = second
         assert app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"],
                                                        timestamp=second)).json["success"]
+
+
+def test_a_frozen_clock_refuses_no_fresh_request_before_eleven_times_the_bound(svc, world, clock) -> None:
+    """Defect: with the clock frozen, from request nonce_records + ~100 on every fresh request was GA2013
+    "forgotten". docs/contract.md, Replay protection: records kept exactly up to the bound, then as digests
+    up to ten times it; only past that is the key's second forgotten, with a detail saying to move the clock
+    or raise the bound; a used nonce stays refused as used all along."""
+    app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
+    key, other = world["key"], svc.create_api_key(world["ws"]["id"])
+    frozen = int(clock())  # never moves: every request below is signed in this one second
+
+    def get(api_key: dict, nonce: str) -> webtest.TestResponse:
+        headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", api_key["apiKey"], api_key["secret"],
+                                         timestamp=frozen, nonce=nonce)
+        return app.get("/api/v1/wallets", headers=headers, expect_errors=True)
+
+    for n in range(11_000):  # eleven times the bound, fresh: every one answered
+        assert get(key, f"fresh-{n}").json["success"], n
+    for n in (0, 5000, 10_500):  # a digest, or still a record: refused as used
+        assert "already used" in error(get(key, f"fresh-{n}"), "GA2013", 401)["detail"]
+    n = 11_000
+    while get(key, f"fresh-{n}").json["success"]:
+        n += 1
+        assert n <= 11_000 + 512  # forgetting works in batches of 256
+    detail = error(get(key, "fresh-again"), "GA2013", 401)["detail"]
+    assert "forgotten" in detail and "POST /_admin/clock" in detail and "nonce_records" in detail
+    assert get(other, "fresh-other").json["success"]  # another key of that very second: answered
+    clock.advance(1)
+    frozen += 1
+    assert get(key, "fresh-moved").json["success"]  # the clock moved: answered again
 
 
 def test_time_is_compared_in_whole_seconds(svc, api: Api, clock: FrozenClock) -> None:
@@ -4107,7 +4139,8 @@ def _served_admin_token(db_path: pathlib.Path, log: pathlib.Path, *options: str)
 
 def test_the_admin_token_is_random_per_database_and_kept_in_it(tmp_path) -> None:
     """Defect: without --admin-token, serve derived the admin token from the first key's secret: every
-    --demo had the same token, and a scenario's first key holder could compute it (DESIGN.md §3)."""
+    --demo had the same token, and a scenario's first key holder could compute it (docs/sandbox.md, The
+    admin surface)."""
     first = _served_admin_token(tmp_path / "one.db", tmp_path / "one.log", "--demo")
     other = _served_admin_token(tmp_path / "two.db", tmp_path / "two.log", "--demo")
     assert first != other and len(first) >= 32  # the same demo key, yet another token
@@ -6782,7 +6815,7 @@ def test_a_keys_forgotten_seconds_are_kept_as_runs_never_wider_than_what_was_for
     app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
     key = world_["key"]
     first = int(clock())
-    for n in range(3000):
+    for n in range(14_000):  # past the records (1000) and their digests (10,000)
         if n % 100 == 0 and n:
             clock.advance(1 if n != 1000 else 2)  # one second skipped: no request was signed in it
         app.get("/api/v1/wallets", headers=walletsvc.sign_request(

@@ -837,8 +837,8 @@ class Settings:
         "http", 60, _between(int, 1, 86400), "seconds X-Timestamp may differ from server time")
     nonce_records: int = _setting(
         "http", 100_000, _between(int, 1000, 100_000_000),
-        "nonce records kept, newest first, however the clock moves; past it the oldest are forgotten"
-        " (README, Replay protection)")
+        "nonce records kept exactly, however the clock moves; past it the oldest are kept as digests, ten"
+        " times as many, and only past those forgotten (docs/contract.md, Replay protection)")
     max_body_bytes: int = _setting(
         "http", 65536, _between(int, 0, 64 << 20), "largest request body accepted; larger answers S413")
     debug_signatures: bool = _setting(
@@ -1727,29 +1727,49 @@ class Nonces:
     once the signature passed, and forgetting by count (docs/contract.md, Replay protection).
 
     Records are kept exactly, however the clock moves: a nonce recorded for a key is
-    refused for that key while its record is kept, at any time. Only past ``bound``
-    records are the oldest forgotten, a few hundred at a time; each forgotten record
-    leaves its key and second behind, and a request of that key signed in that very
-    second is refused (it may be a replay of the forgotten one). The forgotten seconds
-    of a key are kept as runs of consecutive seconds (lo, hi), so that a key under steady
-    load leaves one row, not one a second; a run never covers a second that held no
-    forgotten record. Nothing else names the nonce tables.
+    refused for that key while its record is kept, at any time. Past ``bound`` records
+    the oldest become digests, a few hundred at a time: 64 bits of BLAKE2b over (key,
+    nonce), still refused as used, a fraction of a record's size, kept up to
+    ``DIGESTS`` times the bound (a frozen clock puts every request in one second, and
+    must not turn fresh requests into refusals before that). Only past the digests'
+    bound is what they held forgotten: each batch of digests left its keys' seconds
+    behind, and a request of such a key signed in such a second is refused (it may be a
+    replay of a forgotten one). The forgotten seconds of a key are kept as runs of
+    consecutive seconds (lo, hi), so that a key under steady load leaves one row, not
+    one a second; a run never covers a second that held no forgotten record. Nothing
+    else names the nonce tables.
     """
 
-    # What step 1's key lookup reads for step 5 (``k`` the key's row; :nonce, :stamp the request's).
-    # A key's runs never overlap: the one that could hold :stamp is the last to start at or before it.
+    # What step 1's key lookup reads for step 5 (``k`` the key's row; :nonce, :digest, :stamp the
+    # request's, ``parameters`` gives them). A key's runs never overlap: the one that could hold
+    # :stamp is the last to start at or before it.
     _FORGOTTEN = ("EXISTS (SELECT 1 FROM nonces_forgotten f WHERE f.api_key IN ({key}, '*') AND f.lo = ("
                   "SELECT max(lo) FROM nonces_forgotten WHERE api_key = f.api_key AND lo <= :stamp)"
                   " AND f.hi >= :stamp)")
-    LOOKUP = ("EXISTS (SELECT 1 FROM nonce_records WHERE api_key = k.id AND nonce = :nonce) AS nonce_used, "
-              + _FORGOTTEN.format(key="k.id") + " AS nonce_forgotten")
-    # One statement, so that of two racing requests one wins; refused in a forgotten second.
+    _DIGESTED = "EXISTS (SELECT 1 FROM nonce_digests WHERE digest = :digest)"
+    LOOKUP = ("(EXISTS (SELECT 1 FROM nonce_records WHERE api_key = k.id AND nonce = :nonce)"
+              f" OR {_DIGESTED}) AS nonce_used, " + _FORGOTTEN.format(key="k.id") + " AS nonce_forgotten")
+    # One statement, so that of two racing requests one wins; refused when digested, or in a forgotten second.
     _RECORD = ("INSERT INTO nonce_records (api_key, nonce, ts) SELECT :api_key, :nonce, :stamp"
-               f" WHERE NOT {_FORGOTTEN.format(key=':api_key')} ON CONFLICT (api_key, nonce) DO NOTHING")
+               f" WHERE NOT {_DIGESTED} AND NOT {_FORGOTTEN.format(key=':api_key')}"
+               " ON CONFLICT (api_key, nonce) DO NOTHING")
     FORGET_EVERY = 256  # records between two forgettings (one DELETE of this many rows, ~0.3 ms)
+    DIGESTS = 10  # digests kept, in bounds (docs/contract.md: ten times the records' bound)
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
+
+    @staticmethod
+    def digest(api_key: str, nonce: str) -> int:
+        """(key, nonce) in 64 bits, as SQLite keeps an integer: two of a million collide once in 10^7 years
+        of a request a second (a collision refuses one fresh request; it never lets a replay in)."""
+        value = hashlib.blake2b(f"{api_key}\n{nonce}".encode("utf-8", "replace"), digest_size=8).digest()
+        return int.from_bytes(value, "big", signed=True)
+
+    @classmethod
+    def parameters(cls, api_key: str, nonce: str, stamp: int) -> dict[str, Any]:
+        """The named parameters LOOKUP and the record read."""
+        return {"api_key": api_key, "nonce": nonce, "stamp": stamp, "digest": cls.digest(api_key, nonce)}
 
     @staticmethod
     def check(nonce: str, key: Mapping[str, Any]) -> None:
@@ -1765,20 +1785,41 @@ class Nonces:
     def record(self, conn: sqlite3.Connection, pending: PendingNonce) -> None:
         """Record ``pending`` in ``conn``'s transaction; GA2013 if another request recorded it
         first or its second was forgotten meanwhile."""
-        cursor = conn.execute(self._RECORD, pending._asdict())
+        cursor = conn.execute(self._RECORD, self.parameters(*pending))
         if cursor.rowcount != 1:
             raise _nonce_used()
         seq = cursor.lastrowid
         if seq > self.bound and seq % self.FORGET_EVERY == 0:
-            self._forget(conn, seq - self.bound)
+            self._digest(conn, seq - self.bound)
+
+    def _digest(self, conn: sqlite3.Connection, through: int) -> None:
+        """The records up to seq ``through`` become digests (numbered on from the newest digest), and
+        their keys' seconds are noted with the batch's last digest; past the digests' bound, the oldest
+        batches are forgotten."""
+        records = conn.execute("SELECT api_key, nonce FROM nonce_records WHERE seq <= ? ORDER BY seq",
+                               (through,)).fetchall()
+        conn.executemany("INSERT INTO nonce_digests (digest) VALUES (?)",
+                         [(self.digest(api_key, nonce),) for api_key, nonce in records])
+        oldest, newest = conn.execute("SELECT min(seq), max(seq) FROM nonce_digests").fetchone()
+        conn.execute("INSERT OR IGNORE INTO nonce_digest_seconds (upto, api_key, ts)"
+                     " SELECT DISTINCT ?, api_key, ts FROM nonce_records WHERE seq <= ?", (newest, through))
+        conn.execute("DELETE FROM nonce_records WHERE seq <= ?", (through,))
+        if newest is not None and newest - oldest + 1 > self.bound * self.DIGESTS:
+            self._forget(conn, newest - self.bound * self.DIGESTS)
 
     @staticmethod
-    def _forget(conn: sqlite3.Connection, through: int) -> None:
-        """Forget the records up to seq ``through``, each key's seconds joined to its runs: a run
-        grows only by a second next to it, and two runs that come to touch become one."""
-        seconds = conn.execute("SELECT DISTINCT api_key, ts FROM nonce_records WHERE seq <= ?"
+    def _forget(conn: sqlite3.Connection, before: int) -> None:
+        """Forget the digests of the batches that ended at or before digest ``before``, each key's
+        seconds joined to its runs: a run grows only by a second next to it, and two runs that come
+        to touch become one."""
+        (through,) = conn.execute("SELECT max(upto) FROM nonce_digest_seconds WHERE upto <= ?",
+                                  (before,)).fetchone()
+        if through is None:
+            return
+        seconds = conn.execute("SELECT DISTINCT api_key, ts FROM nonce_digest_seconds WHERE upto <= ?"
                                " ORDER BY api_key, ts", (through,)).fetchall()
-        conn.execute("DELETE FROM nonce_records WHERE seq <= ?", (through,))
+        conn.execute("DELETE FROM nonce_digest_seconds WHERE upto <= ?", (through,))
+        conn.execute("DELETE FROM nonce_digests WHERE seq <= ?", (through,))
         for api_key, ts in seconds:
             touching = conn.execute("SELECT rowid, lo, hi FROM nonces_forgotten WHERE api_key = ?"
                                     " AND lo <= ? AND hi >= ?", (api_key, ts + 1, ts - 1)).fetchall()
@@ -1790,16 +1831,16 @@ class Nonces:
 
     @staticmethod
     def clear(conn: sqlite3.Connection) -> None:
-        """Forget every record and every forgotten second (the sandbox's reset)."""
-        conn.execute("DELETE FROM nonce_records")
-        conn.execute("DELETE FROM nonces_forgotten")
+        """Forget every record, digest and forgotten second (the sandbox's reset)."""
+        for table in ("nonce_records", "nonce_digests", "nonce_digest_seconds", "nonces_forgotten"):
+            conn.execute(f"DELETE FROM {table}")
 
     @staticmethod
     def drop_keys(conn: sqlite3.Connection, api_keys: Sequence[str]) -> None:
-        """Forget what was recorded of keys that no longer exist."""
+        """Forget what was recorded of keys that no longer exist (their digests age out unread)."""
         marks = ", ".join("?" * len(api_keys))
-        conn.execute(f"DELETE FROM nonce_records WHERE api_key IN ({marks})", api_keys)
-        conn.execute(f"DELETE FROM nonces_forgotten WHERE api_key IN ({marks})", api_keys)
+        for table in ("nonce_records", "nonce_digest_seconds", "nonces_forgotten"):
+            conn.execute(f"DELETE FROM {table} WHERE api_key IN ({marks})", api_keys)
 
 
 def _nonce_used() -> RequestExpired:
@@ -1808,11 +1849,13 @@ def _nonce_used() -> RequestExpired:
 
 def _nonce_forgotten() -> RequestExpired:
     return expired(
-        "This key's nonce records of this X-Timestamp second were forgotten (only the newest are kept);"
-        " a request signed in that second may be a replay and is refused. Sign at another second"
-        " (or reset the sandbox).",
-        "该密钥在此 X-Timestamp 秒内的 nonce 记录已被清除（只保留最新的记录）；以该秒签名的请求可能是重放，"
-        "因此被拒绝。请以其他秒签名（或重置沙箱）。")
+        "This key's nonces of this X-Timestamp second were forgotten: at least eleven times nonce_records"
+        " requests were recorded since (a frozen clock puts every request in one second). A request"
+        " signed in that second may be a replay and is refused. Move the sandbox clock (POST /_admin/clock)"
+        " and sign at its new second, raise the nonce_records setting, or reset the sandbox.",
+        "该密钥在此 X-Timestamp 秒内的 nonce 已被遗忘：此后记录的请求已达到 nonce_records 的十一倍"
+        "（冻结的时钟让所有请求落在同一秒）。以该秒签名的请求可能是重放，因此被拒绝。请调整沙箱时钟"
+        "（POST /_admin/clock）并以新的秒签名，或调大 nonce_records 设置，或重置沙箱。")
 
 
 ###############################################################################
@@ -4594,7 +4637,7 @@ class Authenticator:
             f"      {Nonces.LOOKUP}, s.clock_frozen_at, s.clock_offset, s.fault_rules"
             "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
             "                  JOIN members m ON m.id = k.member_id, sandbox s"
-            " WHERE k.id = :api_key", {"api_key": api_key, "nonce": nonce, "stamp": stamp})
+            " WHERE k.id = :api_key", Nonces.parameters(api_key, nonce, stamp))
 
     @staticmethod
     def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
