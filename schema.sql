@@ -123,6 +123,14 @@ CREATE TABLE IF NOT EXISTS admin_token (
     token  TEXT NOT NULL CHECK (length(token) BETWEEN 1 AND 256)
 );
 
+-- The console's sessions (docs/sandbox.md, The console), until they expire or log
+-- out: kept here, so that a logout holds in every process serving the file.
+-- (Version 5.)
+CREATE TABLE IF NOT EXISTS console_sessions (
+    nonce    TEXT PRIMARY KEY,
+    expires  INTEGER NOT NULL
+) WITHOUT ROWID;
+
 -- Fault rules in force, in the order they are tried; rule is the rule as JSON.
 CREATE TABLE IF NOT EXISTS fault_rules (
     id     INTEGER PRIMARY KEY,

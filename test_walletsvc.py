@@ -5748,6 +5748,20 @@ def test_console_logout_ends_the_session(svc) -> None:
     error(bare.get("/_admin/workspaces", headers=copy, expect_errors=True), "S401", 401)
 
 
+def test_console_logout_holds_in_every_process_on_the_file(tmp_path, make_service) -> None:
+    """Defect: logout ended the session in one worker only; under --workers 2 a copied cookie still worked
+    in about half the requests. Sessions are sandbox state, in the database (docs/sandbox.md)."""
+    path = str(tmp_path / "console.db")
+    one, two = (admin_app(make_service(path)) for _ in range(2))  # as two processes serving the file
+    csrf = console_session(one)
+    session = {"X-Console-Csrf": csrf, **console_cookie(one.cookies["walletsvc_console_80"].strip('"'))}
+    assert data(two.get("/_admin/workspaces", headers=session)) == []  # logged in: in every process
+    one.post("/_admin/console/logout", headers={"X-Console-Csrf": csrf})
+    error(two.get("/_admin/workspaces", headers=session, expect_errors=True), "S401", 401)
+    assert 'name="token"' in two.get("/_admin/console", headers=session).text
+    error(one.get("/_admin/workspaces", headers=session, expect_errors=True), "S401", 401)
+
+
 def test_console_sessions_expire(svc, monkeypatch) -> None:
     monkeypatch.setattr(walletsvc.Console, "SESSION_SECONDS", -1)
     app = admin_app(svc)

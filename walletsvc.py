@@ -4664,7 +4664,9 @@ class Console:
 
     Logging in with the admin token sets an HttpOnly, SameSite=Strict cookie:
     a random nonce, its expiry and their HMAC under the admin token (a new
-    admin token ends every session; logging out ends one in this process).
+    admin token ends every session). The session is sandbox state: kept in the
+    database until it expires or logs out, so that a logout holds in every
+    process serving the file (``--workers``, a second server).
     The cookie alone authorizes nothing: a request must also carry the page's
     CSRF token (another HMAC of the nonce, readable only by a page of the same
     origin) and must not come from another site (``Sec-Fetch-Site``, ``Origin``).
@@ -4674,10 +4676,9 @@ class Console:
 
     SESSION_SECONDS = 12 * 3600
 
-    def __init__(self, admin_token: str) -> None:
+    def __init__(self, admin_token: str, db: Database) -> None:
         self.key = admin_token.encode("utf-8")
-        self._ended: dict[str, float] = {}  # nonce -> when its cookie expires anyway: logged out
-        self._lock = threading.Lock()
+        self.db = db
 
     def mac(self, purpose: str, nonce: str) -> str:
         digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
@@ -4701,18 +4702,22 @@ class Console:
         valid = (self.key and nonce and expires.isdigit() and int(expires) > time.time()
                  and hmac.compare_digest(value.encode("latin-1", "replace"),
                                          self.session_value(nonce, expires).encode())
-                 and nonce not in self._ended)
+                 and self.db.one("SELECT 1 FROM console_sessions WHERE nonce = ?", (nonce,)) is not None)
         return ConsoleSession(nonce, bool(valid))
 
     def session_value(self, nonce: str, expires: str) -> str:
         return f"{nonce}.{expires}.{self.mac('session', f'{nonce}.{expires}')}"
 
+    def begin(self, nonce: str, expires: int) -> None:
+        """Keep a new session (and forget those that expired)."""
+        def unit(conn: sqlite3.Connection) -> None:
+            conn.execute("DELETE FROM console_sessions WHERE expires <= ?", (int(time.time()),))
+            conn.execute("INSERT INTO console_sessions (nonce, expires) VALUES (?, ?)", (nonce, expires))
+        self.db.run(unit, durable=False)
+
     def end(self, nonce: str) -> None:
-        """Log a session out in this process (its cookie, copied, no longer works here)."""
-        now = time.time()
-        with self._lock:
-            self._ended = {ended: until for ended, until in self._ended.items() if until > now}
-            self._ended[nonce] = now + self.SESSION_SECONDS
+        """Log a session out in every process (its cookie, copied, no longer works anywhere)."""
+        self.db.write("DELETE FROM console_sessions WHERE nonce = ?", (nonce,), durable=False)
 
     def same_origin(self, environ: Mapping[str, Any], nonce: str) -> bool:
         """The page's CSRF header is right and the browser does not say another site sent it."""
@@ -4748,6 +4753,7 @@ class Console:
             call.reply.status = 401
             return self.login_form(call, "That is not the admin token.")
         nonce, expires = secrets.token_urlsafe(18), str(int(time.time()) + self.SESSION_SECONDS)
+        self.begin(nonce, int(expires))
         call.reply.status = 303
         call.reply.headers.update({"Location": "console",
                              "Set-Cookie": self.cookie(call, self.session_value(nonce, expires),
@@ -4794,7 +4800,7 @@ class HttpApi:
         self.svc = svc
         self.settings = settings
         self.auth = Authenticator(svc, settings)
-        self.console = Console(settings.admin_token or "")
+        self.console = Console(settings.admin_token or "", svc.db)
         self.endpoints: list[Endpoint] = []  # every declared endpoint the app serves
         self.access_log: logging.Logger | None = None  # one line per request when set (walletsvc serve)
         self.sleep: Callable[[float], None] = time.sleep  # a latency rule's wait (serve's frees a thread)
