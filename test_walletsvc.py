@@ -6202,6 +6202,63 @@ def test_idle_and_slowloris_connections_do_not_keep_a_fresh_client_out(tmp_path)
         server.stop()
 
 
+def test_slow_senders_filling_the_connection_limit_never_keep_a_fresh_client_out(tmp_path) -> None:
+    """Defect: 1,000 slow senders (a header line every 10 s, so channel_timeout never closed them) filled
+    waitress's connection limit: fresh requests, /healthz and /_admin/ timed out. A request whose headers
+    are not complete within a bound is closed, and the limit leaves room for a fresh client
+    (docs/operations.md).
+    Bounded: the limit lowered to 40 connections and the bound to 2 s (the shipped 1000 and 10 s)."""
+    import socket
+
+    ready = tmp_path / "ready.json"
+    lowered = ("import sys, walletsvc; walletsvc.HEADERS_WITHIN = 2.0;"
+               " walletsvc.WAITRESS_LIMITS.update(connection_limit=40, cleanup_interval=1);"
+               " sys.exit(walletsvc.main(sys.argv[1:]))")
+    process = subprocess.Popen([sys.executable, "-c", lowered, "serve", "--demo", "--port", "0", "--db",
+                                str(tmp_path / "slow.db"), "--ready-file", str(ready)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    slow: list = []
+    stop = threading.Event()
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        facts = json.loads(ready.read_text())
+        (key,) = facts["keys"]
+        for _ in range(60):  # more than the limit: the ones past it wait in the listen backlog
+            sock = socket.create_connection(("127.0.0.1", facts["port"]), timeout=5)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            slow.append(sock)
+
+        def drip() -> None:  # one more header line every 0.3 s, never the end of the headers
+            while not stop.wait(0.3):
+                for number, sock in enumerate(slow):
+                    with contextlib.suppress(OSError):
+                        sock.sendall(f"X-Slow-{number}: {time.time()}\r\n".encode())
+
+        threading.Thread(target=drip, daemon=True).start()
+        time.sleep(1)
+        admin = {"Authorization": f"Bearer {facts['adminToken']}"}
+        signed = _signed("GET", "/api/v1/wallets", key["apiKey"], key["secret"])
+        for path, headers in (("/healthz", {}), ("/_admin/clock", admin), ("/api/v1/wallets", signed)):
+            started = time.monotonic()
+            answer = requests.get(facts["url"] + path, headers=headers, timeout=5)
+            assert answer.json()["success"] is True and time.monotonic() - started < 3, path
+        time.sleep(3)  # past the bound (and a cleanup): the slow senders accepted at first are closed
+        closed = 0
+        for sock in slow[:20]:
+            sock.settimeout(0.5)
+            with contextlib.suppress(OSError):
+                closed += sock.recv(1) == b""
+        assert closed == 20
+    finally:
+        stop.set()
+        for sock in slow:
+            sock.close()
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def test_an_oversized_body_is_refused_without_being_read(tmp_path) -> None:
     import socket
 
@@ -6272,6 +6329,12 @@ def test_the_waitress_internals_serving_leans_on_are_there() -> None:
     try:
         assert server.task_dispatcher is dispatcher and server.channel_class is HTTPChannel
         assert isinstance(server._map, dict) and callable(server.trigger.pull_trigger)
+        # guarding_slow_senders
+        assert callable(server.readable) and callable(server.maintenance) and server.accepting is True
+        assert isinstance(server.active_channels, dict) and server.adj.connection_limit > 0
+        assert {"will_close", "last_activity", "request"} <= set(dir(HTTPChannel))
+        assert "self.requests" in inspect.getsource(HTTPChannel.__init__)
+        assert "headers_finished" in dir(HTTPChannel.parser_class) and callable(HTTPChannel.received)
     finally:
         server.close()
         server.trigger.close()

@@ -5918,6 +5918,9 @@ WAITRESS_LIMITS = {
     "max_request_header_size": 65536,
 }
 BODY_BUFFER_BYTES = 1 << 20  # the largest body waitress buffers; larger ones get its 413 unread
+# A request line and headers not complete this many seconds after their first byte close the connection
+# (checked every cleanup_interval): a slow sender's header line every 10 s keeps channel_timeout away.
+HEADERS_WITHIN = 10.0
 
 
 def _raise_file_limit(needed: int) -> None:
@@ -5946,7 +5949,11 @@ MAX_SLEEPERS = 256  # threads a process starts beside requests that a latency ru
 # - HTTPChannel.error_task_class and ErrorTask.execute: waitress answers what it cannot parse itself,
 #   in text, before any app runs; subclassing them is the only way to answer in the envelope;
 # - server._map, server.trigger and wasyncore.close_all: closing a server's open connections from
-#   outside its loop (LiveServer.stop); server.close() closes only the listener.
+#   outside its loop (LiveServer.stop); server.close() closes only the listener;
+# - server.readable, server.maintenance, server.active_channels and a channel's request (its
+#   headers_finished), requests, last_activity and will_close: waitress bounds a connection's
+#   silence but not how long its headers take, and stops accepting at its connection limit; no
+#   option closes slow senders or makes room for a fresh client (guarding_slow_senders).
 
 
 def _control_dispatcher(threads: int) -> Any:
@@ -6073,11 +6080,58 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
     dispatcher = _control_dispatcher(threads)
     app.http.sleep = dispatcher.sleep
-    return answering_in_envelopes(waitress.create_server(
+    return guarding_slow_senders(answering_in_envelopes(waitress.create_server(
         app, sockets=[listener], _dispatcher=dispatcher, ident="walletsvc",
         clear_untrusted_proxy_headers=False,
         max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1),
-        **WAITRESS_LIMITS), app.http.settings.max_body_bytes)
+        **WAITRESS_LIMITS), app.http.settings.max_body_bytes))
+
+
+def _make_room(channels: list) -> None:
+    """Close the stalest of ``channels`` that is not being answered (one at a time: it closes on the
+    event loop's next turn)."""
+    if not any(channel.will_close for channel in channels):
+        waiting = [channel for channel in channels if not channel.requests and hasattr(channel, "staleness")]
+        if waiting:
+            min(waiting, key=lambda channel: channel.staleness()).will_close = True
+
+
+def guarding_slow_senders(server: Any) -> Any:
+    """A waitress ``server`` that slow senders cannot fill (docs/operations.md): a connection whose
+    request line and headers are not complete HEADERS_WITHIN seconds after their first byte is closed,
+    and at the connection limit the stalest connection that is not being answered (the earliest
+    unfinished headers, else the longest idle) is closed to make room for the next one."""
+    class GuardedChannel(server.channel_class):
+        headers_since: float | None = None  # when the first byte of unfinished headers came
+
+        def received(self, data: bytes) -> bool:
+            result = super().received(data)
+            unfinished = self.request is not None and not self.request.headers_finished
+            if not unfinished:
+                self.headers_since = None
+            elif self.headers_since is None:
+                self.headers_since = time.time()
+            elif time.time() - self.headers_since > HEADERS_WITHIN:
+                self.will_close = True
+            return result
+
+        def staleness(self) -> float:
+            return self.last_activity if self.headers_since is None else self.headers_since
+
+    def maintenance(now: float, closing_idle: Callable[[float], None] = server.maintenance) -> None:
+        closing_idle(now)
+        for channel in list(server.active_channels.values()):
+            if (getattr(channel, "headers_since", None) or now) < now - HEADERS_WITHIN:
+                channel.will_close = True
+
+    def readable(accepting: Callable[[], bool] = server.readable) -> bool:
+        if server.accepting and len(server._map) >= server.adj.connection_limit:
+            _make_room(list(server.active_channels.values()))
+        return accepting()
+
+    server.channel_class = GuardedChannel
+    server.maintenance, server.readable = maintenance, readable
+    return server
 
 
 def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
