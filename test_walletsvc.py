@@ -844,6 +844,20 @@ def test_unsortable_field_or_bad_direction_is_s012(api: Api, world: dict, path: 
     assert "sort" in body["detail"]
 
 
+LISTS = ["/api/v1/wallets", "/api/v1/wallets/{a}/flows", "/api/v1/transfer/query/orders",
+         "/api/v1/transfer/query/orders/wallet/{a}"]
+
+
+@pytest.mark.parametrize("path", LISTS)
+def test_more_than_ten_sort_keys_is_s012_on_every_list(api: Api, world: dict, path: str) -> None:
+    """Defect: 2,000 repeated sort parameters answered S500 (SQLite's "too many terms in ORDER BY")."""
+    field = "type" if path.endswith("flows") else "createdAt"
+    many = "&".join([f"sort={field},asc"] * 2000)
+    body = error(api.get(path.format(a=world["a"]), query=many), "S012", 400)
+    assert "'sort'" in body["detail"] and "at most 10 sort keys" in body["detail"]
+    data(api.get(path.format(a=world["a"]), query="&".join([f"sort={field},asc"] * 10)))  # ten: taken
+
+
 ###############################################################################
 # Authentication: request headers ##############################################
 ###############################################################################
@@ -2019,6 +2033,17 @@ def test_a_lone_surrogate_is_s012_not_a_failure(walletsvc_sandbox, body: bytes) 
     pair = app.post("/_admin/workspaces", b'{"name": "\\ud83d\\ude00"}', headers=ADMIN,
                     content_type="application/json")
     assert pair.json["data"]["name"] == "\U0001F600"  # a pair is one character
+
+
+def test_a_wrong_signature_over_a_lone_surrogate_is_diagnosed_as_ga2012(walletsvc_sandbox) -> None:
+    """Defect: under debug_signatures, the diagnosis of a wrong signature over a body holding "\\ud800"
+    failed, and the answer was S500 instead of GA2012."""
+    app, key = webtest.TestApp(walletsvc_sandbox.app), walletsvc_sandbox.key
+    body = b'{"description": "\\ud800"}'
+    headers = _signed("POST", TRANSFER_PATH, key["apiKey"], "not-the-secret", body=body)
+    answer = app.post(TRANSFER_PATH, body, headers={**headers, "Content-Type": "application/json"},
+                      expect_errors=True)
+    assert "Canonical message" in error(answer, "GA2012", 401)["detail"]
 
 
 def test_a_405_says_which_methods_are_allowed(walletsvc_sandbox) -> None:
@@ -6285,7 +6310,8 @@ def test_an_oversized_body_is_refused_without_being_read(tmp_path) -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("header", [b"Content-Length;", b"Content-Length: abc", b"X-\x01: y"])
+@pytest.mark.parametrize("header", [b"Content-Length;", b"Content-Length: abc", b"X-\x01: y",
+                                    b"Transfer-Encoding: gzip"])  # (waitress's 501: a 4xx now)
 def test_what_the_http_server_cannot_parse_is_answered_with_the_envelope(tmp_path, header: bytes) -> None:
     """docs/contract.md: every answer is the envelope, even waitress's own to a request it cannot parse
     (which never reaches the app)."""

@@ -643,6 +643,8 @@ _REASONS = {
                    "不能按 '{value}' 排序；可排序字段：{choices}"),
     "sort_direction": ("the direction must be asc or desc",
                        "排序方向必须是 asc 或 desc"),
+    "sort_keys": ("takes at most {maximum} sort keys",
+                  "最多接受 {maximum} 个排序键"),
     "currency": ("'{value}' is not an ISO 4217 currency code",
                  "'{value}' 不是 ISO 4217 币种代码"),
     "amount": ("must be a positive decimal string such as \"10.00\" (no sign, exponent or leading zero)",
@@ -1678,8 +1680,9 @@ def _body_mistakes(message: Callable[..., bytes], secret: str,
         return
     for dumped in {json.dumps(document), json.dumps(document, separators=(",", ":")),
                    json.dumps(document, sort_keys=True), json.dumps(document, ensure_ascii=False)}:
-        if dumped.encode("utf-8") != body:
-            yield (message(digest=body_hash(dumped.encode("utf-8"))), secret,
+        encoded = dumped.encode("utf-8", "surrogatepass")  # ("\ud800" unescaped: no client sends it, no 500)
+        if encoded != body:
+            yield (message(digest=body_hash(encoded)), secret,
                    "the body was re-serialised after hashing (sign the exact bytes sent)",
                    "哈希之后请求体被重新序列化（请对发送的原始字节签名）")
 
@@ -1864,6 +1867,7 @@ def _nonce_forgotten() -> RequestExpired:
 
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
+MAX_SORT_KEYS = 10  # sort keys a list takes (each list has at most 6 sortable fields; SQLite stops at 2000)
 Query = Mapping[str, Sequence[str]]
 
 
@@ -1934,6 +1938,8 @@ def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest
     """
     number, size = _page_and_size(query)
     order = []
+    if len(query.get("sort", ())) > MAX_SORT_KEYS:
+        raise invalid("sort", "sort_keys", maximum=MAX_SORT_KEYS)
     for text in query.get("sort", ()):
         field, comma, direction = text.partition(",")
         if field not in sortable:
@@ -4165,7 +4171,7 @@ _ANY_CASE_DIRECTION = "([aA][sS][cC]|[dD][eE][sS][cC])"
 def _filters(sortable: Mapping[str, str], filters: Mapping[str, ListFilter]) -> tuple:
     sort = {"name": "sort", "in": "query", "style": "form", "explode": True,
             "description": "field,asc|desc; repeatable",
-            "schema": {"type": "array",
+            "schema": {"type": "array", "maxItems": MAX_SORT_KEYS,
                        "items": {"type": "string",
                                  "pattern": f"^({'|'.join(sortable)})(,{_ANY_CASE_DIRECTION})?$"}}}
     return (*_PAGE_PARAMETERS, sort,
@@ -6151,7 +6157,8 @@ def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
             else:
                 error = invalid("request", "http", problem=str(refusal.body)[:200])
             body = to_json(error_envelope(error, LOCALES[0], int(time.time() * 1000)))
-            self.status = f"{refusal.code} {refusal.reason}"
+            # waitress's 501 is a Transfer-Encoding it does not take: the client's to change, so a 4xx
+            self.status = "400 Bad Request" if refusal.code == 501 else f"{refusal.code} {refusal.reason}"
             self.response_headers.extend([("Content-Type", JSON_CONTENT_TYPE),
                                           ("Content-Language", LOCALES[0]), ("Cache-Control", "no-store")])
             self.set_close_on_finish()
