@@ -5945,7 +5945,7 @@ CONTROL_THREADS = 2  # waitress threads of their own for /_admin/** and the cons
 _CONTROL_PATH = re.compile(r"(/(?!api/)[^/]+)*/(_admin/.*|healthz)")  # below any mount prefix but /api/
 
 
-MAX_SLEEPERS = 256  # threads a process starts beside requests that a latency rule keeps waiting
+MAX_SLEEPERS = 256  # requests a latency rule keeps waiting at once, each with a thread started beside it
 
 # waitress's internals this section leans on, where waitress has no public API for the need (setup.cfg
 # pins waitress below 4; test_the_waitress_internals_serving_leans_on_are_there names each, so that a
@@ -5986,18 +5986,23 @@ def _control_dispatcher(threads: int) -> Any:
                 self.control.add_task(task)
 
         def sleep(self, seconds: float) -> None:
-            """A request's latency rule: while it sleeps, one more worker thread (up to
-            MAX_SLEEPERS more) serves the others, so that a request no rule matches never
-            waits behind the sleepers."""
+            """A request's latency rule: while it sleeps, one more worker thread serves the
+            others, so that a request no rule matches never waits behind the sleepers. Past
+            MAX_SLEEPERS sleeping at once, the request is answered S503 at once instead
+            (docs/sandbox.md): a sleeper without a thread of its own would hold a worker."""
             with self.sleepers_lock:
+                if self.sleepers >= MAX_SLEEPERS:
+                    raise ServiceBusy(text=f"{MAX_SLEEPERS} requests are already held by latency fault rules"
+                                           " in this process; this one is answered at once instead of"
+                                           " waiting. Retry it, or hold fewer requests at a time.")
                 self.sleepers += 1
-                self.set_thread_count(threads + min(self.sleepers, MAX_SLEEPERS))
+                self.set_thread_count(threads + self.sleepers)
             try:
                 time.sleep(seconds)
             finally:
                 with self.sleepers_lock:
                     self.sleepers -= 1
-                    self.set_thread_count(threads + min(self.sleepers, MAX_SLEEPERS))
+                    self.set_thread_count(threads + self.sleepers)
 
         def shutdown(self, cancel_pending: bool = True, timeout: float = 5) -> bool:
             self.health.shutdown(cancel_pending, timeout)
