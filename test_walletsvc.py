@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import decimal
 import functools
 import hashlib
 import hmac
@@ -1610,6 +1611,30 @@ def test_the_states_are_str_enums_equal_to_the_contracts_strings(make_service) -
     shown = json.loads(json.dumps([wallet, flow, svc.list_members(ws["id"])]))
     assert (shown[0]["status"], shown[1]["type"], shown[1]["direction"], shown[2][0]["role"]) == (
         "ACTIVE", "DEPOSIT", "CREDIT", "OWNER")
+
+
+def test_the_python_api_raises_only_wallet_errors_for_bad_values(make_service) -> None:
+    """Defect: create_transfer(None, ...) raised sqlite3.IntegrityError, a page of 10**5000 ValueError, a list
+    as the query AttributeError; and deposit took an int that a transfer refuses. Service methods take
+    Python values the same way everywhere, and raise WalletError (docs/embedding.md)."""
+    svc = make_service()
+    ws = svc.create_workspace("Acme")["id"]
+    a, b = (svc.create_wallet(ws, "USD")["id"] for _ in range(2))
+    svc.deposit(a, "5.00")
+    refused = [(lambda: svc.create_transfer(None, a, b, "1.00", "USD"), "GA2032", ""),
+               (lambda: svc.list_wallets(ws, {"page": 10**5000}), "S012", "'page'"),
+               (lambda: svc.list_wallets(ws, [("page", "1")]), "S012", "'query'"),
+               (lambda: svc.list_flows(a, "page=1"), "S012", "'query'"),
+               (lambda: svc.list_transfers(ws, ["size"]), "S012", "'query'")]
+    refused += [(lambda method=method, amount=amount: method(a, amount), "S012", "'amount'")
+                for method in (svc.deposit, svc.withdraw) for amount in (1, 1.5, True)]
+    refused += [(lambda: svc.create_transfer(ws, a, b, 1, "USD"), "S012", "'amount'")]
+    for call, code, named in refused:
+        with pytest.raises(walletsvc.WalletError) as raised:
+            call()
+        assert raised.value.code == code and named in str(raised.value), (code, named, raised.value)
+    assert svc.get_balance(a)["balance"] == "5.00" and svc.get_balance(b)["balance"] == "0.00"
+    assert svc.deposit(a, decimal.Decimal("1.50"))["amount"] == "1.50"  # str or Decimal, as everywhere
 
 
 ###############################################################################
@@ -3712,7 +3737,8 @@ def test_every_mistake_in_a_scenario_file_names_the_file_line_and_field(tmp_path
     ("timestamp_tolerance", "100000000000000000", "from 1 to 86,400"), ("busy_timeout", "0", "0.001 to 600"),
     ("busy_timeout", "nan", "0.001 to 600"), ("max_body_bytes", "-1", "0 to 67,108,864"),
     ("journal_size", "10000000", "0 to 100,000"), ("nonce_records", "10", "1,000 to 100,000,000"),
-    ("settlement_delay", "inf", "0 to 31,622,400"), ("id_seed", "-1", "0 to 9,223,372,036,854,775,807")])
+    ("settlement_delay", "inf", "0 to 31,622,400"), ("id_seed", "-1", "0 to 9,223,372,036,854,775,807"),
+    ("admin_token", "", "1 to 256 characters"), ("admin_token", "t" * 257, "1 to 256 characters")])
 def test_every_setting_has_a_range_refused_where_given(tmp_path, make_service, setting: str, value: str,
                                                        range_: str) -> None:
     """The attack (docs/operations.md): timestamp_tolerance=10^17 was stored and made every signed request a
@@ -5236,6 +5262,19 @@ def test_ids_can_be_seeded_over_http(make_service) -> None:
     assert fresh != made[0][0]
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63])
+def test_a_seed_out_of_the_settings_range_is_refused_naming_it(walletsvc_sandbox, seed: int) -> None:
+    """Defect: POST /_admin/ids {"seed": -1} answered 200 where id_seed=-1 is refused, and 2^63 said "is too
+    large" without the range. One range, 0 to 2^63 - 1, everywhere (docs/reference.md)."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    refused = app.post_json("/_admin/ids", {"seed": seed}, headers=ADMIN, expect_errors=True)
+    assert "9,223,372,036,854,775,807" in error(refused, "S012", 400)["detail"]
+    with pytest.raises(walletsvc.WalletError, match="0 to 9,223,372,036,854,775,807"):
+        walletsvc_sandbox.service.seed_ids(seed)
+    seeds = app.get("/openapi.json").json["components"]["schemas"]["SeedBody"]["properties"]["seed"]
+    assert (seeds["minimum"], seeds["maximum"]) == (0, 2**63 - 1)
+
+
 def test_seeding_again_on_a_used_database_never_collides(walletsvc_sandbox) -> None:
     """Defect: a second POST /_admin/ids {"seed": 42} made every create S500 (UNIQUE constraint)."""
     sandbox = walletsvc_sandbox
@@ -5650,6 +5689,18 @@ def test_a_journal_entry_is_bounded_whatever_the_request_carries(walletsvc_sandb
     assert size <= 2048 + 64  # the headers together, with the note of how many were cut
     assert "more header(s)" in entry["headers"]["X-Walletsvc-Cut"]
     assert len(json.dumps(entry)) <= 10 * 2048 * 2  # every field capped (JSON escapes at most double)
+
+
+def test_the_journal_caps_count_bytes_not_characters(walletsvc_sandbox) -> None:
+    """Defect: the journal's 2 KiB caps counted characters: 2,048 two-byte characters (or quotes, which JSON
+    escapes) kept 4 KB. Each cap is 2048 bytes as kept, in UTF-8 (docs/sandbox.md)."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    app.get("/api/v1/wallets?" + "é" * 3000, headers={"X-Quotes": '"' * 3000}, expect_errors=True)
+    (entry,) = app.get("/_admin/journal", headers=ADMIN).json["data"]["content"]
+    assert 2048 <= len(entry["query"].encode()) <= 2048 + 32
+    assert entry["query"].endswith("é...[3952 more]")  # bytes cut, no character cut in two
+    kept = json.dumps(list(entry["headers"].items()), ensure_ascii=False, separators=(",", ":")).encode()
+    assert 2000 <= len(kept) <= 2048 + 64 and '"' * 500 in entry["headers"]["X-Quotes"]  # as kept, escaped
 
 
 def test_the_journal_is_bounded_whatever_the_requests_carry() -> None:

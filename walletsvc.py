@@ -651,6 +651,10 @@ _REASONS = {
                "必须是正的十进制字符串，例如 \"10.00\"（不带符号、指数或前导零）"),
     "decimals": ("{currency} allows at most {exponent} decimal places",
                  "{currency} 最多允许 {exponent} 位小数"),
+    "range": ("must be an integer from {minimum} to {maximum}",
+              "必须是 {minimum} 到 {maximum} 之间的整数"),
+    "mapping": ("must be a mapping of parameter names to values, such as {{\"size\": 5}}",
+                "必须是参数名到值的映射，例如 {{\"size\": 5}}"),
     "too_large": ("is too large",
                   "过大"),
     "time": ("must be RFC 3339 (2027-01-15T08:00:00Z, or a date) or epoch milliseconds",
@@ -791,11 +795,15 @@ def _boolean(value: Any) -> bool:
     return bool(value)
 
 
+ID_SEEDS = (0, 2**63 - 1)  # the seeds of deterministic ids: the id_seed setting's and POST /_admin/ids's
+
+
 def _optional_str(value: Any) -> str | None:
-    if value in (None, ""):
+    """None, or 1 to 256 characters: an empty string is refused, never taken for "unset"."""
+    if value is None:
         return None
-    if len(str(value)) > 256:
-        raise ValueError("must be at most 256 characters")
+    if not 1 <= len(str(value)) <= 256:
+        raise ValueError("must be 1 to 256 characters (leave it unset for none)")
     return str(value)
 
 
@@ -863,7 +871,7 @@ class Settings:
     settlement_delay: float = _setting(
         "service", 5.0, _between(float, 0, 366 * 86400), "seconds a delayed-settlement order stays PENDING")
     id_seed: int | None = _setting(
-        "service", None, _between(int, 0, 2**63 - 1, optional=True),
+        "service", None, _between(int, *ID_SEEDS, optional=True),
         "seed for deterministic ids and secrets (tests only; never in production)")
     journal_size: int = _setting(
         "service", 0, _between(int, 0, 100_000),
@@ -974,15 +982,14 @@ def currency_exponent(currency: Any, field: str = "currency") -> int:
 def parse_amount(amount: Any, currency: str, field: str = "amount") -> int:
     """An amount (amount_pattern) as integer minor units; never rounds.
 
-    Accepts ``str`` (and, from Python, ``decimal.Decimal`` or ``int``); refuses
-    floats, exponents, signs, zero, leading zeros, more decimals than the currency
-    allows, and 10**18 minor units or more.
+    Accepts ``str`` (and, from Python, ``decimal.Decimal``), as every caller does;
+    refuses ints and floats (an amount is never a number), exponents, signs, zero,
+    leading zeros, more decimals than the currency allows, and 10**18 minor units
+    or more.
     """
     exponent = currency_exponent(currency)
     if isinstance(amount, decimal.Decimal) and amount.is_finite():
         amount = format(amount, "f")
-    elif isinstance(amount, int) and not isinstance(amount, bool) and amount >= 0:
-        amount = str(amount)
     if not isinstance(amount, str):
         raise invalid(field, "string")
     if _AMOUNTS[exponent].fullmatch(amount) is None:
@@ -1879,11 +1886,16 @@ def parse_query_string(query_string: str) -> dict[str, list[str]]:
 
 
 def normalize_query(query: Mapping[str, Any] | None) -> dict[str, list[str]]:
-    """Python callers may pass ``{"size": 5}``; HTTP passes lists of strings."""
+    """Python callers may pass ``{"size": 5}``; HTTP passes lists of strings. Anything else is S012."""
+    if query is not None and not isinstance(query, Mapping):
+        raise invalid("query", "mapping")
     normal = {}
     for name, value in (query or {}).items():
         values = value if isinstance(value, (list, tuple)) else [value]
-        normal[name] = [str(item) for item in values]
+        try:
+            normal[str(name)] = [str(item) for item in values]
+        except ValueError:  # an int of more digits than Python writes out (sys.get_int_max_str_digits)
+            raise invalid(str(name), "too_large") from None
     return normal
 
 
@@ -2574,6 +2586,8 @@ class Ledger:
                         description: str | None = None) -> dict:
         """Move ``amount`` (a decimal string or Decimal, never rounded) between two
         wallets of a workspace; the order. Idempotent on ``biz_id`` (docs/contract.md)."""
+        if not isinstance(workspace_id, str):  # (as create_wallet answers: no such workspace, never a crash)
+            raise WorkspaceNotFound()
         return self.transfer(workspace_id, source_wallet_id, target_wallet_id, amount, currency,
                              biz_id=biz_id, description=description)[0]
 
@@ -3044,24 +3058,45 @@ class JournalEntry(NamedTuple):
     diagnosis: str | None  # the signing mistake a GA2012 matched
 
 
+def _utf8_size(value: str) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
+
+
+def _utf8_cut(value: str, limit: int) -> str:
+    """``value``'s first ``limit`` bytes as stored (UTF-8), no character cut in two."""
+    return value.encode("utf-8", "surrogatepass")[:max(limit, 0)].decode("utf-8", "ignore")
+
+
 def _capped(value: Any, limit: int) -> Any:
-    """``value`` (bytes or str) cut to ``limit``, marked with how much was cut."""
-    if isinstance(value, (bytes, str)) and len(value) > limit:
-        marker = f"...[{len(value) - limit} more]"
-        return value[:limit] + (marker.encode() if isinstance(value, bytes) else marker)
+    """``value`` (bytes or str) cut to ``limit`` bytes (a str's as stored, in UTF-8), marked with how
+    many bytes were cut."""
+    if isinstance(value, bytes) and len(value) > limit:
+        return value[:limit] + f"...[{len(value) - limit} more]".encode()
+    if isinstance(value, str) and _utf8_size(value) > limit:
+        cut = _utf8_cut(value, limit)
+        return f"{cut}...[{_utf8_size(value) - _utf8_size(cut)} more]"
     return value
 
 
 def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
-    """The headers as a JSON list of pairs, names and values together cut at ``limit`` characters."""
+    """The headers as a JSON list of pairs, names and values together cut at ``limit`` bytes of the
+    JSON kept (escapes and UTF-8 counted)."""
     kept, left, dropped = [], limit, 0
     for name, value in headers:
         if left <= 0:
             dropped += 1
             continue
-        name, value = name[:left], _capped(value, max(left - len(name), 0))
+        name = _utf8_cut(name, left)
+        value = _capped(value, left - _utf8_size(_JSON.encode([name, ""])))
+        if _utf8_size(_JSON.encode([name, value])) > left:  # escapes: the longest prefix that fits
+            low, high = 0, len(value)
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if _utf8_size(_JSON.encode([name, value[:middle]])) <= left \
+                    else (low, middle - 1)
+            value = value[:low]
         kept.append((name, value))
-        left -= len(name) + len(value)
+        left -= _utf8_size(_JSON.encode([name, value]))
     if dropped:
         kept.append(("X-Walletsvc-Cut", f"{dropped} more header(s)"))
     return _JSON.encode(kept)
@@ -3617,8 +3652,8 @@ class WalletService(Ledger):
         sorts after every id already issued in this database. Tests only."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise invalid("seed", "integer")
-        if seed is not None and not -2**63 <= seed < 2**63:
-            raise invalid("seed", "too_large")
+        if seed is not None and not ID_SEEDS[0] <= seed <= ID_SEEDS[1]:
+            raise invalid("seed", "range", minimum=f"{ID_SEEDS[0]:,}", maximum=f"{ID_SEEDS[1]:,}")
         with self.db.atomic(durable=False) as conn:
             conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0", (seed,))
 
@@ -4121,7 +4156,8 @@ SCHEMAS: Mapping[str, dict] = {
                       "times": {"type": ["integer", "null"]}, "query": {"type": ["object", "null"]},
                       "headers": {"type": ["object", "null"]}, "body": {"type": ["object", "null"]},
                       "fired": {"type": "integer"}}),
-    "SeedBody": _object({"seed": {"type": ["integer", "null"], "minimum": -2**63, "maximum": 2**63 - 1}}),
+    "SeedBody": _object({"seed": {"type": ["integer", "null"], "minimum": ID_SEEDS[0],
+                                  "maximum": ID_SEEDS[1]}}),
     "ScenarioBody": {**_object({"scenario": _enum(("demo",)), "workspaces": {
                                     "type": "array", "items": _scenario_schema("workspaces")}}, []),
                      "not": {"required": ["scenario", "workspaces"]}},
