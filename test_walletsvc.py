@@ -3472,6 +3472,30 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path) -> None:
         assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 5
 
 
+def test_a_version_4_database_is_upgraded_in_place(tmp_path) -> None:
+    """Schema version 5 adds the admin token, the nonce digests and the console's sessions: a version 4 file
+    gets them, keeping its nonce records (a used nonce stays refused)."""
+    path = str(tmp_path / "v4.db")
+    svc = walletsvc.WalletService(path)
+    world_ = make_world(svc)
+    key = world_["key"]
+    app = webtest.TestApp(walletsvc.create_app(svc))
+    headers = _signed("GET", "/api/v1/wallets", key["apiKey"], key["secret"])
+    data(app.get("/api/v1/wallets", headers=headers))
+    svc.close()
+    with sqlite3.connect(path) as conn:
+        conn.executescript("DROP TABLE admin_token; DROP TABLE nonce_digests; DROP TABLE console_sessions;"
+                           " DROP TABLE nonce_digest_seconds; UPDATE schema_version SET version = 4;")
+    upgraded = walletsvc.WalletService(path)
+    with upgraded.db.connection() as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 5
+        for table in ("admin_token", "nonce_digests", "nonce_digest_seconds", "console_sessions"):
+            assert conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == 0
+    replayed = webtest.TestApp(walletsvc.create_app(upgraded)).get("/api/v1/wallets", headers=headers,
+                                                                   expect_errors=True)
+    error(replayed, "GA2013", 401)
+
+
 @pytest.mark.parametrize("version", [1, 2])
 def test_an_upgrade_orders_new_rows_after_every_old_one(tmp_path, version: int) -> None:
     """Defect: the v1 -> v2 upgrade set the ledger clock to 0; rows written with a clock ahead sorted after

@@ -5992,10 +5992,7 @@ MAX_SLEEPERS = 256  # requests a latency rule keeps waiting at once, each with a
 #   in text, before any app runs; subclassing them is the only way to answer in the envelope;
 # - server._map, server.trigger and wasyncore.close_all: closing a server's open connections from
 #   outside its loop (LiveServer.stop); server.close() closes only the listener;
-# - server.readable, server.maintenance, server.active_channels and a channel's request (its
-#   headers_finished), requests, last_activity and will_close: waitress bounds a connection's
-#   silence but not how long its headers take, and stops accepting at its connection limit; no
-#   option closes slow senders or makes room for a fresh client (guarding_slow_senders).
+# - a server's readable, maintenance and active_channels, and a channel's parser state: below.
 
 
 def _control_dispatcher(threads: int) -> Any:
@@ -6147,7 +6144,11 @@ def guarding_slow_senders(server: Any) -> Any:
     """A waitress ``server`` that slow senders cannot fill (docs/operations.md): a connection whose
     request line and headers are not complete HEADERS_WITHIN seconds after their first byte is closed,
     and at the connection limit the stalest connection that is not being answered (the earliest
-    unfinished headers, else the longest idle) is closed to make room for the next one."""
+    unfinished headers, else the longest idle) is closed to make room for the next one.
+
+    waitress's internals (no option does this: it bounds a connection's silence, not how long its
+    headers take, and stops accepting at its limit): the server's readable, maintenance and
+    active_channels; a channel's request (headers_finished), requests, last_activity and will_close."""
     class GuardedChannel(server.channel_class):
         headers_since: float | None = None  # when the first byte of unfinished headers came
 
