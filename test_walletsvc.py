@@ -19,6 +19,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import contextlib
+import decimal
 import functools
 import hashlib
 import hmac
@@ -420,12 +421,12 @@ class ServerProcess:
         self.db_path, self.log_path, self.port, self.options = db_path, log_path, _free_port(), options
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
+        self.command = [sys.executable, "-m", "walletsvc"]  # (or -c, with a limit lowered first)
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
-                [sys.executable, "-m", "walletsvc", "serve", "--db", self.db_path, "--port", str(self.port),
-                 *self.options],
+                [*self.command, "serve", "--db", self.db_path, "--port", str(self.port), *self.options],
                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
@@ -852,6 +853,20 @@ def test_sort_keys_primary_first(api: Api, many: dict, sort: list, expected: lis
 def test_unsortable_field_or_bad_direction_is_s012(api: Api, world: dict, path: str, sort: str) -> None:
     body = error(api.get(path.format(a=world["a"]), query=f"sort={sort}"), "S012", 400)
     assert "sort" in body["detail"]
+
+
+LISTS = ["/api/v1/wallets", "/api/v1/wallets/{a}/flows", "/api/v1/transfer/query/orders",
+         "/api/v1/transfer/query/orders/wallet/{a}"]
+
+
+@pytest.mark.parametrize("path", LISTS)
+def test_more_than_ten_sort_keys_is_s012_on_every_list(api: Api, world: dict, path: str) -> None:
+    """Defect: 2,000 repeated sort parameters answered S500 (SQLite's "too many terms in ORDER BY")."""
+    field = "type" if path.endswith("flows") else "createdAt"
+    many = "&".join([f"sort={field},asc"] * 2000)
+    body = error(api.get(path.format(a=world["a"]), query=many), "S012", 400)
+    assert "'sort'" in body["detail"] and "at most 10 sort keys" in body["detail"]
+    data(api.get(path.format(a=world["a"]), query="&".join([f"sort={field},asc"] * 10)))  # ten: taken
 
 
 ###############################################################################
@@ -1647,6 +1662,30 @@ def test_the_states_are_str_enums_equal_to_the_contracts_strings(make_service) -
         "ACTIVE", "DEPOSIT", "CREDIT", "OWNER")
 
 
+def test_the_python_api_raises_only_wallet_errors_for_bad_values(make_service) -> None:
+    """Defect: create_transfer(None, ...) raised sqlite3.IntegrityError, a page of 10**5000 ValueError, a list
+    as the query AttributeError; and deposit took an int that a transfer refuses. Service methods take
+    Python values the same way everywhere, and raise WalletError (docs/embedding.md)."""
+    svc = make_service()
+    ws = svc.create_workspace("Acme")["id"]
+    a, b = (svc.create_wallet(ws, "USD")["id"] for _ in range(2))
+    svc.deposit(a, "5.00")
+    refused = [(lambda: svc.create_transfer(None, a, b, "1.00", "USD"), "GA2032", ""),
+               (lambda: svc.list_wallets(ws, {"page": 10**5000}), "S012", "'page'"),
+               (lambda: svc.list_wallets(ws, [("page", "1")]), "S012", "'query'"),
+               (lambda: svc.list_flows(a, "page=1"), "S012", "'query'"),
+               (lambda: svc.list_transfers(ws, ["size"]), "S012", "'query'")]
+    refused += [(lambda method=method, amount=amount: method(a, amount), "S012", "'amount'")
+                for method in (svc.deposit, svc.withdraw) for amount in (1, 1.5, True)]
+    refused += [(lambda: svc.create_transfer(ws, a, b, 1, "USD"), "S012", "'amount'")]
+    for call, code, named in refused:
+        with pytest.raises(walletsvc.WalletError) as raised:
+            call()
+        assert raised.value.code == code and named in str(raised.value), (code, named, raised.value)
+    assert svc.get_balance(a)["balance"] == "5.00" and svc.get_balance(b)["balance"] == "0.00"
+    assert svc.deposit(a, decimal.Decimal("1.50"))["amount"] == "1.50"  # str or Decimal, as everywhere
+
+
 ###############################################################################
 # Python API: settings (docs/embedding.md) #####################################
 ###############################################################################
@@ -1718,7 +1757,7 @@ def test_file_database_uses_wal_and_a_schema_version(tmp_path) -> None:
     with second.db.connection() as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
-        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(4,)]
+        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(5,)]
 
 
 def test_schema_sql_applies_idempotently(tmp_path) -> None:
@@ -2141,6 +2180,17 @@ def test_a_lone_surrogate_is_s012_not_a_failure(walletsvc_sandbox, body: bytes) 
     pair = app.post("/_admin/workspaces", b'{"name": "\\ud83d\\ude00"}', headers=ADMIN,
                     content_type="application/json")
     assert pair.json["data"]["name"] == "\U0001F600"  # a pair is one character
+
+
+def test_a_wrong_signature_over_a_lone_surrogate_is_diagnosed_as_ga2012(walletsvc_sandbox) -> None:
+    """Defect: under debug_signatures, the diagnosis of a wrong signature over a body holding "\\ud800"
+    failed, and the answer was S500 instead of GA2012."""
+    app, key = webtest.TestApp(walletsvc_sandbox.app), walletsvc_sandbox.key
+    body = b'{"description": "\\ud800"}'
+    headers = _signed("POST", TRANSFER_PATH, key["apiKey"], "not-the-secret", body=body)
+    answer = app.post(TRANSFER_PATH, body, headers={**headers, "Content-Type": "application/json"},
+                      expect_errors=True)
+    assert "Canonical message" in error(answer, "GA2012", 401)["detail"]
 
 
 def test_a_405_says_which_methods_are_allowed(walletsvc_sandbox) -> None:
@@ -2993,25 +3043,27 @@ def test_a_recorded_nonce_is_refused_whatever_the_clock_does(svc, api: Api, cloc
 
 def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_path, clock,
                                                                             make_service) -> None:
-    """docs/operations.md: the records stay bounded by a count (here the least, 1000); past it the oldest are
-    forgotten, and a forgotten second refuses only requests signed in that second for that key."""
+    """docs/contract.md, Replay protection: the records stay bounded by a count (here the least, 1000), past
+    it the oldest are kept as digests (ten times as many), and only past those forgotten: a forgotten second
+    refuses only requests signed in that second for that key."""
     svc = make_service(str(tmp_path / "bounded.db"), clock=clock)
     world_ = make_world(svc)
     app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
     key, other = world_["key"], svc.create_api_key(world_["ws"]["id"])
     first = int(clock())
     sign = functools.partial(walletsvc.sign_request, "GET", "/api/v1/wallets", b"")
-    for n in range(1400):
+    for n in range(12_000):
         if n == 700:
             clock.advance(5)  # the oldest 700 were signed in the first second, the rest five seconds later
         assert app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"],
-                                                       timestamp=int(clock()))).json["success"]
+                                                       timestamp=int(clock()))).json["success"], n
     with svc.db.connection() as conn:
         kept = conn.execute("SELECT count(*) FROM nonce_records").fetchone()[0]
+        digests = conn.execute("SELECT count(*) FROM nonce_digests").fetchone()[0]
         runs = conn.execute("SELECT lo, hi FROM nonces_forgotten WHERE api_key = ?",
                             (key["apiKey"],)).fetchall()
-    assert 1000 <= kept < 1000 + 256
-    assert [tuple(run) for run in runs] == [(first, first)]  # one row for the 700 of that second, exactly
+    assert 1000 <= kept < 1000 + 256 and 10_000 <= digests <= 10_000 + 256
+    assert [tuple(run) for run in runs] == [(first, first)]  # one row for what was forgotten of that second
     clock.now = first
     refused = app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"], timestamp=first),
                       expect_errors=True)
@@ -3022,6 +3074,36 @@ def test_past_the_bound_only_the_forgotten_seconds_of_that_key_are_refused(tmp_p
         clock.now = second
         assert app.get("/api/v1/wallets", headers=sign(key["apiKey"], key["secret"],
                                                        timestamp=second)).json["success"]
+
+
+def test_a_frozen_clock_refuses_no_fresh_request_before_eleven_times_the_bound(svc, world, clock) -> None:
+    """Defect: with the clock frozen, from request nonce_records + ~100 on every fresh request was GA2013
+    "forgotten". docs/contract.md, Replay protection: records kept exactly up to the bound, then as digests
+    up to ten times it; only past that is the key's second forgotten, with a detail saying to move the clock
+    or raise the bound; a used nonce stays refused as used all along."""
+    app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
+    key, other = world["key"], svc.create_api_key(world["ws"]["id"])
+    frozen = int(clock())  # never moves: every request below is signed in this one second
+
+    def get(api_key: dict, nonce: str) -> webtest.TestResponse:
+        headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", api_key["apiKey"], api_key["secret"],
+                                         timestamp=frozen, nonce=nonce)
+        return app.get("/api/v1/wallets", headers=headers, expect_errors=True)
+
+    for n in range(11_000):  # eleven times the bound, fresh: every one answered
+        assert get(key, f"fresh-{n}").json["success"], n
+    for n in (0, 5000, 10_500):  # a digest, or still a record: refused as used
+        assert "already used" in error(get(key, f"fresh-{n}"), "GA2013", 401)["detail"]
+    n = 11_000
+    while get(key, f"fresh-{n}").json["success"]:
+        n += 1
+        assert n <= 11_000 + 512  # forgetting works in batches of 256
+    detail = error(get(key, "fresh-again"), "GA2013", 401)["detail"]
+    assert "forgotten" in detail and "POST /_admin/clock" in detail and "nonce_records" in detail
+    assert get(other, "fresh-other").json["success"]  # another key of that very second: answered
+    clock.advance(1)
+    frozen += 1
+    assert get(key, "fresh-moved").json["success"]  # the clock moved: answered again
 
 
 def test_time_is_compared_in_whole_seconds(svc, api: Api, clock: FrozenClock) -> None:
@@ -3509,7 +3591,31 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path) -> None:
     assert upgraded.get_workspace(ws)["name"] == "old"
     assert upgraded.create_workspace("new")["name"] == "new"
     with upgraded.db.connection() as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 4
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 5
+
+
+def test_a_version_4_database_is_upgraded_in_place(tmp_path) -> None:
+    """Schema version 5 adds the admin token, the nonce digests and the console's sessions: a version 4 file
+    gets them, keeping its nonce records (a used nonce stays refused)."""
+    path = str(tmp_path / "v4.db")
+    svc = walletsvc.WalletService(path)
+    world_ = make_world(svc)
+    key = world_["key"]
+    app = webtest.TestApp(walletsvc.create_app(svc))
+    headers = _signed("GET", "/api/v1/wallets", key["apiKey"], key["secret"])
+    data(app.get("/api/v1/wallets", headers=headers))
+    svc.close()
+    with sqlite3.connect(path) as conn:
+        conn.executescript("DROP TABLE admin_token; DROP TABLE nonce_digests; DROP TABLE console_sessions;"
+                           " DROP TABLE nonce_digest_seconds; UPDATE schema_version SET version = 4;")
+    upgraded = walletsvc.WalletService(path)
+    with upgraded.db.connection() as conn:
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 5
+        for table in ("admin_token", "nonce_digests", "nonce_digest_seconds", "console_sessions"):
+            assert conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == 0
+    replayed = webtest.TestApp(walletsvc.create_app(upgraded)).get("/api/v1/wallets", headers=headers,
+                                                                   expect_errors=True)
+    error(replayed, "GA2013", 401)
 
 
 @pytest.mark.parametrize("version", [1, 2])
@@ -3777,7 +3883,8 @@ def test_every_mistake_in_a_scenario_file_names_the_file_line_and_field(tmp_path
     ("timestamp_tolerance", "100000000000000000", "from 1 to 86,400"), ("busy_timeout", "0", "0.001 to 600"),
     ("busy_timeout", "nan", "0.001 to 600"), ("max_body_bytes", "-1", "0 to 67,108,864"),
     ("journal_size", "10000000", "0 to 100,000"), ("nonce_records", "10", "1,000 to 100,000,000"),
-    ("settlement_delay", "inf", "0 to 31,622,400"), ("id_seed", "-1", "0 to 9,223,372,036,854,775,807")])
+    ("settlement_delay", "inf", "0 to 31,622,400"), ("id_seed", "-1", "0 to 9,223,372,036,854,775,807"),
+    ("admin_token", "", "1 to 256 characters"), ("admin_token", "t" * 257, "1 to 256 characters")])
 def test_every_setting_has_a_range_refused_where_given(tmp_path, make_service, setting: str, value: str,
                                                        range_: str) -> None:
     """The attack (docs/operations.md): timestamp_tolerance=10^17 was stored and made every signed request a
@@ -3823,6 +3930,44 @@ def test_a_latency_rule_slows_only_what_it_matches_under_serve(tmp_path) -> None
             thread.join(30)
     assert len(waits["slow"]) == 10 and min(waits["slow"]) >= 3
     assert len(waits["other"]) == 10 and max(waits["other"]) < 1.5, waits["other"]
+
+
+def test_past_the_sleepers_limit_a_latency_rule_never_makes_other_requests_wait(tmp_path) -> None:
+    """Defect: beyond 256 latency sleepers a request no rule matches waited (16 s with 320 sleepers), where
+    the docs say never. Past the limit a matched request answers S503 at once (docs/sandbox.md). Bounded:
+    the limit lowered to 4 (the shipped 256)."""
+    server = ServerProcess(str(tmp_path / "sleepers.db"), tmp_path / "sleepers.log", "--demo")
+    server.command = [sys.executable, "-c", ("import sys, walletsvc; walletsvc.MAX_SLEEPERS = 4;"
+                                             " sys.exit(walletsvc.main(sys.argv[1:]))")]
+    server.start()
+    try:
+        key, secret, admin, wallets = _demo_of(tmp_path / "sleepers.log")
+        slow_path, other_path = (f"/api/v1/wallets/{wallet}" for wallet in wallets[:2])
+        assert requests.post(server.url + "/_admin/faults", headers=admin, timeout=10, json={
+            "action": "latency", "method": "GET", "path": slow_path, "latency": 3}).status_code == 200
+        answers: dict[str, list] = {"slow": [], "other": []}
+
+        def get(kind: str, path: str) -> None:
+            started = time.monotonic()
+            answer = requests.get(server.url + path, headers=_signed("GET", path, key, secret), timeout=30)
+            answers[kind].append((answer.json()["code"], time.monotonic() - started))
+
+        sleepers = [threading.Thread(target=get, args=("slow", slow_path)) for _ in range(12)]
+        for thread in sleepers:
+            thread.start()
+        time.sleep(0.5)  # four sleep, each beside a thread of its own; eight more answered S503 at once
+        others = [threading.Thread(target=get, args=("other", other_path)) for _ in range(8)]
+        for thread in others:
+            thread.start()
+        for thread in sleepers + others:
+            thread.join(30)
+    finally:
+        server.stop()
+    held = sorted(answers["slow"], key=lambda answer: answer[1])
+    assert [code for code, _ in held] == ["S503"] * 8 + ["2000"] * 4
+    assert max(took for _, took in held[:8]) < 1.5 and min(took for _, took in held[8:]) >= 3
+    assert [code for code, _ in answers["other"]] == ["2000"] * 8
+    assert max(took for _, took in answers["other"]) < 1.5, answers["other"]
 
 
 def test_audit_sums_are_exact_however_large(tmp_path, capsys, make_service) -> None:
@@ -4220,6 +4365,41 @@ def test_the_ready_file_says_everything_a_suite_needs(tmp_path) -> None:
     finally:
         process.terminate()
         process.wait(timeout=30)
+
+
+def _served_admin_token(db_path: pathlib.Path, log: pathlib.Path, *options: str) -> str:
+    """The admin token ``serve`` prints (on a free port), after checking that /_admin/ takes it."""
+    server = ServerProcess(str(db_path), log, *options)
+    server.start()
+    try:
+        token = re.findall(r"WALLETSVC_ADMIN_TOKEN=(\S+)", log.read_text())[-1]
+        answer = requests.get(server.url + "/_admin/workspaces", timeout=10,
+                              headers={"Authorization": f"Bearer {token}"})
+        assert answer.status_code == 200, answer.text
+    finally:
+        server.stop()
+    return token
+
+
+def test_the_admin_token_is_random_per_database_and_kept_in_it(tmp_path) -> None:
+    """Defect: without --admin-token, serve derived the admin token from the first key's secret: every
+    --demo had the same token, and a scenario's first key holder could compute it (docs/sandbox.md, The
+    admin surface)."""
+    first = _served_admin_token(tmp_path / "one.db", tmp_path / "one.log", "--demo")
+    other = _served_admin_token(tmp_path / "two.db", tmp_path / "two.log", "--demo")
+    assert first != other and len(first) >= 32  # the same demo key, yet another token
+    derived = hmac.new(b"sk_demo", b"walletsvc demo admin token", hashlib.sha256).hexdigest()[:32]
+    assert derived not in (first, other)
+    # kept in the database: a restart, and every worker of --workers 2, take the same one
+    again = _served_admin_token(tmp_path / "one.db", tmp_path / "again.log", "--demo", "--workers", "2")
+    assert again == first
+    with sqlite3.connect(tmp_path / "one.db") as conn:
+        assert conn.execute("SELECT token FROM admin_token").fetchall() == [(first,)]
+    given = _served_admin_token(tmp_path / "one.db", tmp_path / "given.log", "--demo", "--admin-token",
+                                "mine")
+    assert given == "mine"  # given: it wins, and is not kept
+    with sqlite3.connect(tmp_path / "one.db") as conn:
+        assert conn.execute("SELECT token FROM admin_token").fetchall() == [(first,)]
 
 
 ###############################################################################
@@ -5259,6 +5439,19 @@ def test_ids_can_be_seeded_over_http(make_service) -> None:
     assert fresh != made[0][0]
 
 
+@pytest.mark.parametrize("seed", [-1, 2**63])
+def test_a_seed_out_of_the_settings_range_is_refused_naming_it(walletsvc_sandbox, seed: int) -> None:
+    """Defect: POST /_admin/ids {"seed": -1} answered 200 where id_seed=-1 is refused, and 2^63 said "is too
+    large" without the range. One range, 0 to 2^63 - 1, everywhere (docs/reference.md)."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    refused = app.post_json("/_admin/ids", {"seed": seed}, headers=ADMIN, expect_errors=True)
+    assert "9,223,372,036,854,775,807" in error(refused, "S012", 400)["detail"]
+    with pytest.raises(walletsvc.WalletError, match="0 to 9,223,372,036,854,775,807"):
+        walletsvc_sandbox.service.seed_ids(seed)
+    seeds = app.get("/openapi.json").json["components"]["schemas"]["SeedBody"]["properties"]["seed"]
+    assert (seeds["minimum"], seeds["maximum"]) == (0, 2**63 - 1)
+
+
 def test_seeding_again_on_a_used_database_never_collides(walletsvc_sandbox) -> None:
     """Defect: a second POST /_admin/ids {"seed": 42} made every create S500 (UNIQUE constraint)."""
     sandbox = walletsvc_sandbox
@@ -5675,6 +5868,18 @@ def test_a_journal_entry_is_bounded_whatever_the_request_carries(walletsvc_sandb
     assert len(json.dumps(entry)) <= 10 * 2048 * 2  # every field capped (JSON escapes at most double)
 
 
+def test_the_journal_caps_count_bytes_not_characters(walletsvc_sandbox) -> None:
+    """Defect: the journal's 2 KiB caps counted characters: 2,048 two-byte characters (or quotes, which JSON
+    escapes) kept 4 KB. Each cap is 2048 bytes as kept, in UTF-8 (docs/sandbox.md)."""
+    app = webtest.TestApp(walletsvc_sandbox.app)
+    app.get("/api/v1/wallets?" + "é" * 3000, headers={"X-Quotes": '"' * 3000}, expect_errors=True)
+    (entry,) = app.get("/_admin/journal", headers=ADMIN).json["data"]["content"]
+    assert 2048 <= len(entry["query"].encode()) <= 2048 + 32
+    assert entry["query"].endswith("é...[3952 more]")  # bytes cut, no character cut in two
+    kept = json.dumps(list(entry["headers"].items()), ensure_ascii=False, separators=(",", ":")).encode()
+    assert 2000 <= len(kept) <= 2048 + 64 and '"' * 500 in entry["headers"]["X-Quotes"]  # as kept, escaped
+
+
 def test_the_journal_is_bounded_whatever_the_requests_carry() -> None:
     import tracemalloc
 
@@ -5832,6 +6037,20 @@ def test_console_logout_ends_the_session(svc) -> None:
     # a copy of the cookie: logged out all the same
     copy = {"X-Console-Csrf": csrf, **console_cookie(session)}
     error(bare.get("/_admin/workspaces", headers=copy, expect_errors=True), "S401", 401)
+
+
+def test_console_logout_holds_in_every_process_on_the_file(tmp_path, make_service) -> None:
+    """Defect: logout ended the session in one worker only; under --workers 2 a copied cookie still worked
+    in about half the requests. Sessions are sandbox state, in the database (docs/sandbox.md)."""
+    path = str(tmp_path / "console.db")
+    one, two = (admin_app(make_service(path)) for _ in range(2))  # as two processes serving the file
+    csrf = console_session(one)
+    session = {"X-Console-Csrf": csrf, **console_cookie(one.cookies["walletsvc_console_80"].strip('"'))}
+    assert data(two.get("/_admin/workspaces", headers=session)) == []  # logged in: in every process
+    one.post("/_admin/console/logout", headers={"X-Console-Csrf": csrf})
+    error(two.get("/_admin/workspaces", headers=session, expect_errors=True), "S401", 401)
+    assert 'name="token"' in two.get("/_admin/console", headers=session).text
+    error(one.get("/_admin/workspaces", headers=session, expect_errors=True), "S401", 401)
 
 
 def test_console_sessions_expire(svc, monkeypatch) -> None:
@@ -6274,6 +6493,63 @@ def test_idle_and_slowloris_connections_do_not_keep_a_fresh_client_out(tmp_path)
         server.stop()
 
 
+def test_slow_senders_filling_the_connection_limit_never_keep_a_fresh_client_out(tmp_path) -> None:
+    """Defect: 1,000 slow senders (a header line every 10 s, so channel_timeout never closed them) filled
+    waitress's connection limit: fresh requests, /healthz and /_admin/ timed out. A request whose headers
+    are not complete within a bound is closed, and the limit leaves room for a fresh client
+    (docs/operations.md).
+    Bounded: the limit lowered to 40 connections and the bound to 2 s (the shipped 1000 and 10 s)."""
+    import socket
+
+    ready = tmp_path / "ready.json"
+    lowered = ("import sys, walletsvc; walletsvc.HEADERS_WITHIN = 2.0;"
+               " walletsvc.WAITRESS_LIMITS.update(connection_limit=40, cleanup_interval=1);"
+               " sys.exit(walletsvc.main(sys.argv[1:]))")
+    process = subprocess.Popen([sys.executable, "-c", lowered, "serve", "--demo", "--port", "0", "--db",
+                                str(tmp_path / "slow.db"), "--ready-file", str(ready)],
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    slow: list = []
+    stop = threading.Event()
+    try:
+        deadline = time.monotonic() + 30
+        while not ready.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        facts = json.loads(ready.read_text())
+        (key,) = facts["keys"]
+        for _ in range(60):  # more than the limit: the ones past it wait in the listen backlog
+            sock = socket.create_connection(("127.0.0.1", facts["port"]), timeout=5)
+            sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+            slow.append(sock)
+
+        def drip() -> None:  # one more header line every 0.3 s, never the end of the headers
+            while not stop.wait(0.3):
+                for number, sock in enumerate(slow):
+                    with contextlib.suppress(OSError):
+                        sock.sendall(f"X-Slow-{number}: {time.time()}\r\n".encode())
+
+        threading.Thread(target=drip, daemon=True).start()
+        time.sleep(1)
+        admin = {"Authorization": f"Bearer {facts['adminToken']}"}
+        signed = _signed("GET", "/api/v1/wallets", key["apiKey"], key["secret"])
+        for path, headers in (("/healthz", {}), ("/_admin/clock", admin), ("/api/v1/wallets", signed)):
+            started = time.monotonic()
+            answer = requests.get(facts["url"] + path, headers=headers, timeout=5)
+            assert answer.json()["success"] is True and time.monotonic() - started < 3, path
+        time.sleep(3)  # past the bound (and a cleanup): the slow senders accepted at first are closed
+        closed = 0
+        for sock in slow[:20]:
+            sock.settimeout(0.5)
+            with contextlib.suppress(OSError):
+                closed += sock.recv(1) == b""
+        assert closed == 20
+    finally:
+        stop.set()
+        for sock in slow:
+            sock.close()
+        process.terminate()
+        process.wait(timeout=30)
+
+
 def test_an_oversized_body_is_refused_without_being_read(tmp_path) -> None:
     import socket
 
@@ -6300,7 +6576,8 @@ def test_an_oversized_body_is_refused_without_being_read(tmp_path) -> None:
         server.stop()
 
 
-@pytest.mark.parametrize("header", [b"Content-Length;", b"Content-Length: abc", b"X-\x01: y"])
+@pytest.mark.parametrize("header", [b"Content-Length;", b"Content-Length: abc", b"X-\x01: y",
+                                    b"Transfer-Encoding: gzip"])  # (waitress's 501: a 4xx now)
 def test_what_the_http_server_cannot_parse_is_answered_with_the_envelope(tmp_path, header: bytes) -> None:
     """docs/contract.md: every answer is the envelope, even waitress's own to a request it cannot parse
     (which never reaches the app)."""
@@ -6344,6 +6621,12 @@ def test_the_waitress_internals_serving_leans_on_are_there() -> None:
     try:
         assert server.task_dispatcher is dispatcher and server.channel_class is HTTPChannel
         assert isinstance(server._map, dict) and callable(server.trigger.pull_trigger)
+        # guarding_slow_senders
+        assert callable(server.readable) and callable(server.maintenance) and server.accepting is True
+        assert isinstance(server.active_channels, dict) and server.adj.connection_limit > 0
+        assert {"will_close", "last_activity", "request"} <= set(dir(HTTPChannel))
+        assert "self.requests" in inspect.getsource(HTTPChannel.__init__)
+        assert "headers_finished" in dir(HTTPChannel.parser_class) and callable(HTTPChannel.received)
     finally:
         server.close()
         server.trigger.close()
@@ -6902,7 +7185,7 @@ def test_a_keys_forgotten_seconds_are_kept_as_runs_never_wider_than_what_was_for
     app = webtest.TestApp(walletsvc.create_app(svc, nonce_records=1000))
     key = world_["key"]
     first = int(clock())
-    for n in range(3000):
+    for n in range(14_000):  # past the records (1000) and their digests (10,000)
         if n % 100 == 0 and n:
             clock.advance(1 if n != 1000 else 2)  # one second skipped: no request was signed in it
         app.get("/api/v1/wallets", headers=walletsvc.sign_request(

@@ -530,12 +530,18 @@ _REASONS = {
                    "不能按 '{value}' 排序；可排序字段：{choices}"),
     "sort_direction": ("the direction must be asc or desc",
                        "排序方向必须是 asc 或 desc"),
+    "sort_keys": ("takes at most {maximum} sort keys",
+                  "最多接受 {maximum} 个排序键"),
     "currency": ("'{value}' is not an ISO 4217 currency code",
                  "'{value}' 不是 ISO 4217 币种代码"),
     "amount": ("must be a positive decimal string such as \"10.00\" (no sign, exponent or leading zero)",
                "必须是正的十进制字符串，例如 \"10.00\"（不带符号、指数或前导零）"),
     "decimals": ("{currency} allows at most {exponent} decimal places",
                  "{currency} 最多允许 {exponent} 位小数"),
+    "range": ("must be an integer from {minimum} to {maximum}",
+              "必须是 {minimum} 到 {maximum} 之间的整数"),
+    "mapping": ("must be a mapping of parameter names to values, such as {{\"size\": 5}}",
+                "必须是参数名到值的映射，例如 {{\"size\": 5}}"),
     "too_large": ("is too large",
                   "过大"),
     "time": ("must be RFC 3339 (2027-01-15T08:00:00Z, or a date) or epoch milliseconds",
@@ -676,11 +682,15 @@ def _boolean(value: Any) -> bool:
     return bool(value)
 
 
+ID_SEEDS = (0, 2**63 - 1)  # the seeds of deterministic ids: the id_seed setting's and POST /_admin/ids's
+
+
 def _optional_str(value: Any) -> str | None:
-    if value in (None, ""):
+    """None, or 1 to 256 characters: an empty string is refused, never taken for "unset"."""
+    if value is None:
         return None
-    if len(str(value)) > 256:
-        raise ValueError("must be at most 256 characters")
+    if not 1 <= len(str(value)) <= 256:
+        raise ValueError("must be 1 to 256 characters (leave it unset for none)")
     return str(value)
 
 
@@ -724,8 +734,8 @@ class Settings:
         "http", 60, _between(int, 1, 86400), "seconds X-Timestamp may differ from server time")
     nonce_records: int = _setting(
         "http", 100_000, _between(int, 1000, 100_000_000),
-        "nonce records kept, newest first, however the clock moves; past it the oldest are forgotten"
-        " (docs/contract.md, Replay protection)")
+        "nonce records kept exactly, however the clock moves; past it the oldest are kept as digests, ten"
+        " times as many, and only past those forgotten (docs/contract.md, Replay protection)")
     max_body_bytes: int = _setting(
         "http", 65536, _between(int, 0, 64 << 20), "largest request body accepted; larger answers S413")
     debug_signatures: bool = _setting(
@@ -748,7 +758,7 @@ class Settings:
     settlement_delay: float = _setting(
         "service", 5.0, _between(float, 0, 366 * 86400), "seconds a delayed-settlement order stays PENDING")
     id_seed: int | None = _setting(
-        "service", None, _between(int, 0, 2**63 - 1, optional=True),
+        "service", None, _between(int, *ID_SEEDS, optional=True),
         "seed for deterministic ids and secrets (tests only; never in production)")
     journal_size: int = _setting(
         "service", 0, _between(int, 0, 100_000),
@@ -859,15 +869,14 @@ def currency_exponent(currency: Any, field: str = "currency") -> int:
 def parse_amount(amount: Any, currency: str, field: str = "amount") -> int:
     """An amount (amount_pattern) as integer minor units; never rounds.
 
-    Accepts ``str`` (and, from Python, ``decimal.Decimal`` or ``int``); refuses
-    floats, exponents, signs, zero, leading zeros, more decimals than the currency
-    allows, and 10**18 minor units or more.
+    Accepts ``str`` (and, from Python, ``decimal.Decimal``), as every caller does;
+    refuses ints and floats (an amount is never a number), exponents, signs, zero,
+    leading zeros, more decimals than the currency allows, and 10**18 minor units
+    or more.
     """
     exponent = currency_exponent(currency)
     if isinstance(amount, decimal.Decimal) and amount.is_finite():
         amount = format(amount, "f")
-    elif isinstance(amount, int) and not isinstance(amount, bool) and amount >= 0:
-        amount = str(amount)
     if not isinstance(amount, str):
         raise invalid(field, "string")
     if _AMOUNTS[exponent].fullmatch(amount) is None:
@@ -1605,8 +1614,9 @@ def _body_mistakes(message: Callable[..., bytes], secret: str,
         return
     for dumped in {json.dumps(document), json.dumps(document, separators=(",", ":")),
                    json.dumps(document, sort_keys=True), json.dumps(document, ensure_ascii=False)}:
-        if dumped.encode("utf-8") != body:
-            yield (message(digest=body_hash(dumped.encode("utf-8"))), secret,
+        encoded = dumped.encode("utf-8", "surrogatepass")  # ("\ud800" unescaped: no client sends it, no 500)
+        if encoded != body:
+            yield (message(digest=body_hash(encoded)), secret,
                    "the body was re-serialised after hashing (sign the exact bytes sent)",
                    "哈希之后请求体被重新序列化（请对发送的原始字节签名）")
 
@@ -1651,29 +1661,49 @@ class Nonces:
     once the signature passed, and forgetting by count (docs/contract.md, Replay protection).
 
     Records are kept exactly, however the clock moves: a nonce recorded for a key is
-    refused for that key while its record is kept, at any time. Only past ``bound``
-    records are the oldest forgotten, a few hundred at a time; each forgotten record
-    leaves its key and second behind, and a request of that key signed in that very
-    second is refused (it may be a replay of the forgotten one). The forgotten seconds
-    of a key are kept as runs of consecutive seconds (lo, hi), so that a key under steady
-    load leaves one row, not one a second; a run never covers a second that held no
-    forgotten record. Nothing else names the nonce tables.
+    refused for that key while its record is kept, at any time. Past ``bound`` records
+    the oldest become digests, a few hundred at a time: 64 bits of BLAKE2b over (key,
+    nonce), still refused as used, a fraction of a record's size, kept up to
+    ``DIGESTS`` times the bound (a frozen clock puts every request in one second, and
+    must not turn fresh requests into refusals before that). Only past the digests'
+    bound is what they held forgotten: each batch of digests left its keys' seconds
+    behind, and a request of such a key signed in such a second is refused (it may be a
+    replay of a forgotten one). The forgotten seconds of a key are kept as runs of
+    consecutive seconds (lo, hi), so that a key under steady load leaves one row, not
+    one a second; a run never covers a second that held no forgotten record. Nothing
+    else names the nonce tables.
     """
 
-    # What step 1's key lookup reads for step 5 (``k`` the key's row; :nonce, :stamp the request's).
-    # A key's runs never overlap: the one that could hold :stamp is the last to start at or before it.
+    # What step 1's key lookup reads for step 5 (``k`` the key's row; :nonce, :digest, :stamp the
+    # request's, ``parameters`` gives them). A key's runs never overlap: the one that could hold
+    # :stamp is the last to start at or before it.
     _FORGOTTEN = ("EXISTS (SELECT 1 FROM nonces_forgotten f WHERE f.api_key IN ({key}, '*') AND f.lo = ("
                   "SELECT max(lo) FROM nonces_forgotten WHERE api_key = f.api_key AND lo <= :stamp)"
                   " AND f.hi >= :stamp)")
-    LOOKUP = ("EXISTS (SELECT 1 FROM nonce_records WHERE api_key = k.id AND nonce = :nonce) AS nonce_used, "
-              + _FORGOTTEN.format(key="k.id") + " AS nonce_forgotten")
-    # One statement, so that of two racing requests one wins; refused in a forgotten second.
+    _DIGESTED = "EXISTS (SELECT 1 FROM nonce_digests WHERE digest = :digest)"
+    LOOKUP = ("(EXISTS (SELECT 1 FROM nonce_records WHERE api_key = k.id AND nonce = :nonce)"
+              f" OR {_DIGESTED}) AS nonce_used, " + _FORGOTTEN.format(key="k.id") + " AS nonce_forgotten")
+    # One statement, so that of two racing requests one wins; refused when digested, or in a forgotten second.
     _RECORD = ("INSERT INTO nonce_records (api_key, nonce, ts) SELECT :api_key, :nonce, :stamp"
-               f" WHERE NOT {_FORGOTTEN.format(key=':api_key')} ON CONFLICT (api_key, nonce) DO NOTHING")
+               f" WHERE NOT {_DIGESTED} AND NOT {_FORGOTTEN.format(key=':api_key')}"
+               " ON CONFLICT (api_key, nonce) DO NOTHING")
     FORGET_EVERY = 256  # records between two forgettings (one DELETE of this many rows, ~0.3 ms)
+    DIGESTS = 10  # digests kept, in bounds (docs/contract.md: ten times the records' bound)
 
     def __init__(self, bound: int) -> None:
         self.bound = bound
+
+    @staticmethod
+    def digest(api_key: str, nonce: str) -> int:
+        """(key, nonce) in 64 bits, as SQLite keeps an integer: two of a million collide once in 10^7 years
+        of a request a second (a collision refuses one fresh request; it never lets a replay in)."""
+        value = hashlib.blake2b(f"{api_key}\n{nonce}".encode("utf-8", "replace"), digest_size=8).digest()
+        return int.from_bytes(value, "big", signed=True)
+
+    @classmethod
+    def parameters(cls, api_key: str, nonce: str, stamp: int) -> dict[str, Any]:
+        """The named parameters LOOKUP and the record read."""
+        return {"api_key": api_key, "nonce": nonce, "stamp": stamp, "digest": cls.digest(api_key, nonce)}
 
     @staticmethod
     def check(nonce: str, key: Mapping[str, Any]) -> None:
@@ -1689,20 +1719,41 @@ class Nonces:
     def record(self, conn: sqlite3.Connection, pending: PendingNonce) -> None:
         """Record ``pending`` in ``conn``'s transaction; GA2013 if another request recorded it
         first or its second was forgotten meanwhile."""
-        cursor = conn.execute(self._RECORD, pending._asdict())
+        cursor = conn.execute(self._RECORD, self.parameters(*pending))
         if cursor.rowcount != 1:
             raise _nonce_used()
         seq = cursor.lastrowid
         if seq > self.bound and seq % self.FORGET_EVERY == 0:
-            self._forget(conn, seq - self.bound)
+            self._digest(conn, seq - self.bound)
+
+    def _digest(self, conn: sqlite3.Connection, through: int) -> None:
+        """The records up to seq ``through`` become digests (numbered on from the newest digest), and
+        their keys' seconds are noted with the batch's last digest; past the digests' bound, the oldest
+        batches are forgotten."""
+        records = conn.execute("SELECT api_key, nonce FROM nonce_records WHERE seq <= ? ORDER BY seq",
+                               (through,)).fetchall()
+        conn.executemany("INSERT INTO nonce_digests (digest) VALUES (?)",
+                         [(self.digest(api_key, nonce),) for api_key, nonce in records])
+        oldest, newest = conn.execute("SELECT min(seq), max(seq) FROM nonce_digests").fetchone()
+        conn.execute("INSERT OR IGNORE INTO nonce_digest_seconds (upto, api_key, ts)"
+                     " SELECT DISTINCT ?, api_key, ts FROM nonce_records WHERE seq <= ?", (newest, through))
+        conn.execute("DELETE FROM nonce_records WHERE seq <= ?", (through,))
+        if newest is not None and newest - oldest + 1 > self.bound * self.DIGESTS:
+            self._forget(conn, newest - self.bound * self.DIGESTS)
 
     @staticmethod
-    def _forget(conn: sqlite3.Connection, through: int) -> None:
-        """Forget the records up to seq ``through``, each key's seconds joined to its runs: a run
-        grows only by a second next to it, and two runs that come to touch become one."""
-        seconds = conn.execute("SELECT DISTINCT api_key, ts FROM nonce_records WHERE seq <= ?"
+    def _forget(conn: sqlite3.Connection, before: int) -> None:
+        """Forget the digests of the batches that ended at or before digest ``before``, each key's
+        seconds joined to its runs: a run grows only by a second next to it, and two runs that come
+        to touch become one."""
+        (through,) = conn.execute("SELECT max(upto) FROM nonce_digest_seconds WHERE upto <= ?",
+                                  (before,)).fetchone()
+        if through is None:
+            return
+        seconds = conn.execute("SELECT DISTINCT api_key, ts FROM nonce_digest_seconds WHERE upto <= ?"
                                " ORDER BY api_key, ts", (through,)).fetchall()
-        conn.execute("DELETE FROM nonce_records WHERE seq <= ?", (through,))
+        conn.execute("DELETE FROM nonce_digest_seconds WHERE upto <= ?", (through,))
+        conn.execute("DELETE FROM nonce_digests WHERE seq <= ?", (through,))
         for api_key, ts in seconds:
             touching = conn.execute("SELECT rowid, lo, hi FROM nonces_forgotten WHERE api_key = ?"
                                     " AND lo <= ? AND hi >= ?", (api_key, ts + 1, ts - 1)).fetchall()
@@ -1714,16 +1765,16 @@ class Nonces:
 
     @staticmethod
     def clear(conn: sqlite3.Connection) -> None:
-        """Forget every record and every forgotten second (the sandbox's reset)."""
-        conn.execute("DELETE FROM nonce_records")
-        conn.execute("DELETE FROM nonces_forgotten")
+        """Forget every record, digest and forgotten second (the sandbox's reset)."""
+        for table in ("nonce_records", "nonce_digests", "nonce_digest_seconds", "nonces_forgotten"):
+            conn.execute(f"DELETE FROM {table}")
 
     @staticmethod
     def drop_keys(conn: sqlite3.Connection, api_keys: Sequence[str]) -> None:
-        """Forget what was recorded of keys that no longer exist."""
+        """Forget what was recorded of keys that no longer exist (their digests age out unread)."""
         marks = ", ".join("?" * len(api_keys))
-        conn.execute(f"DELETE FROM nonce_records WHERE api_key IN ({marks})", api_keys)
-        conn.execute(f"DELETE FROM nonces_forgotten WHERE api_key IN ({marks})", api_keys)
+        for table in ("nonce_records", "nonce_digest_seconds", "nonces_forgotten"):
+            conn.execute(f"DELETE FROM {table} WHERE api_key IN ({marks})", api_keys)
 
 
 def _nonce_used() -> RequestExpired:
@@ -1732,11 +1783,13 @@ def _nonce_used() -> RequestExpired:
 
 def _nonce_forgotten() -> RequestExpired:
     return expired(
-        "This key's nonce records of this X-Timestamp second were forgotten (only the newest are kept);"
-        " a request signed in that second may be a replay and is refused. Sign at another second"
-        " (or reset the sandbox).",
-        "该密钥在此 X-Timestamp 秒内的 nonce 记录已被清除（只保留最新的记录）；以该秒签名的请求可能是重放，"
-        "因此被拒绝。请以其他秒签名（或重置沙箱）。")
+        "This key's nonces of this X-Timestamp second were forgotten: at least eleven times nonce_records"
+        " requests were recorded since (a frozen clock puts every request in one second). A request"
+        " signed in that second may be a replay and is refused. Move the sandbox clock (POST /_admin/clock)"
+        " and sign at its new second, raise the nonce_records setting, or reset the sandbox.",
+        "该密钥在此 X-Timestamp 秒内的 nonce 已被遗忘：此后记录的请求已达到 nonce_records 的十一倍"
+        "（冻结的时钟让所有请求落在同一秒）。以该秒签名的请求可能是重放，因此被拒绝。请调整沙箱时钟"
+        "（POST /_admin/clock）并以新的秒签名，或调大 nonce_records 设置，或重置沙箱。")
 
 
 ###############################################################################
@@ -1745,6 +1798,7 @@ def _nonce_forgotten() -> RequestExpired:
 
 DEFAULT_PAGE_SIZE = 20
 MAX_PAGE_SIZE = 100
+MAX_SORT_KEYS = 10  # sort keys a list takes (each list has at most 6 sortable fields; SQLite stops at 2000)
 Query = Mapping[str, Sequence[str]]
 
 
@@ -1756,11 +1810,16 @@ def parse_query_string(query_string: str) -> dict[str, list[str]]:
 
 
 def normalize_query(query: Mapping[str, Any] | None) -> dict[str, list[str]]:
-    """Python callers may pass ``{"size": 5}``; HTTP passes lists of strings."""
+    """Python callers may pass ``{"size": 5}``; HTTP passes lists of strings. Anything else is S012."""
+    if query is not None and not isinstance(query, Mapping):
+        raise invalid("query", "mapping")
     normal = {}
     for name, value in (query or {}).items():
         values = value if isinstance(value, (list, tuple)) else [value]
-        normal[name] = [str(item) for item in values]
+        try:
+            normal[str(name)] = [str(item) for item in values]
+        except ValueError:  # an int of more digits than Python writes out (sys.get_int_max_str_digits)
+            raise invalid(str(name), "too_large") from None
     return normal
 
 
@@ -1815,6 +1874,8 @@ def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest
     """
     number, size = _page_and_size(query)
     order = []
+    if len(query.get("sort", ())) > MAX_SORT_KEYS:
+        raise invalid("sort", "sort_keys", maximum=MAX_SORT_KEYS)
     for text in query.get("sort", ()):
         field, comma, direction = text.partition(",")
         if field not in sortable:
@@ -2601,6 +2662,8 @@ class Ledger:
                         description: str | None = None) -> dict:
         """Move ``amount`` (a decimal string or Decimal, never rounded) between two
         wallets of a workspace; the order. Idempotent on ``biz_id`` (docs/contract.md)."""
+        if not isinstance(workspace_id, str):  # (as create_wallet answers: no such workspace, never a crash)
+            raise WorkspaceNotFound()
         return self.transfer(workspace_id, source_wallet_id, target_wallet_id, amount, currency,
                              biz_id=biz_id, description=description)[0]
 
@@ -3065,24 +3128,45 @@ class JournalEntry(NamedTuple):
     diagnosis: str | None  # the signing mistake a GA2012 matched
 
 
+def _utf8_size(value: str) -> int:
+    return len(value.encode("utf-8", "surrogatepass"))
+
+
+def _utf8_cut(value: str, limit: int) -> str:
+    """``value``'s first ``limit`` bytes as stored (UTF-8), no character cut in two."""
+    return value.encode("utf-8", "surrogatepass")[:max(limit, 0)].decode("utf-8", "ignore")
+
+
 def _capped(value: Any, limit: int) -> Any:
-    """``value`` (bytes or str) cut to ``limit``, marked with how much was cut."""
-    if isinstance(value, (bytes, str)) and len(value) > limit:
-        marker = f"...[{len(value) - limit} more]"
-        return value[:limit] + (marker.encode() if isinstance(value, bytes) else marker)
+    """``value`` (bytes or str) cut to ``limit`` bytes (a str's as stored, in UTF-8), marked with how
+    many bytes were cut."""
+    if isinstance(value, bytes) and len(value) > limit:
+        return value[:limit] + f"...[{len(value) - limit} more]".encode()
+    if isinstance(value, str) and _utf8_size(value) > limit:
+        cut = _utf8_cut(value, limit)
+        return f"{cut}...[{_utf8_size(value) - _utf8_size(cut)} more]"
     return value
 
 
 def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
-    """The headers as a JSON list of pairs, names and values together cut at ``limit`` characters."""
+    """The headers as a JSON list of pairs, names and values together cut at ``limit`` bytes of the
+    JSON kept (escapes and UTF-8 counted)."""
     kept, left, dropped = [], limit, 0
     for name, value in headers:
         if left <= 0:
             dropped += 1
             continue
-        name, value = name[:left], _capped(value, max(left - len(name), 0))
+        name = _utf8_cut(name, left)
+        value = _capped(value, left - _utf8_size(_JSON.encode([name, ""])))
+        if _utf8_size(_JSON.encode([name, value])) > left:  # escapes: the longest prefix that fits
+            low, high = 0, len(value)
+            while low < high:
+                middle = (low + high + 1) // 2
+                low, high = (middle, high) if _utf8_size(_JSON.encode([name, value[:middle]])) <= left \
+                    else (low, middle - 1)
+            value = value[:low]
         kept.append((name, value))
-        left -= len(name) + len(value)
+        left -= _utf8_size(_JSON.encode([name, value]))
     if dropped:
         kept.append(("X-Walletsvc-Cut", f"{dropped} more header(s)"))
     return _JSON.encode(kept)
@@ -3649,8 +3733,8 @@ class WalletService(Ledger):
         sorts after every id already issued in this database. Tests only."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise invalid("seed", "integer")
-        if seed is not None and not -2**63 <= seed < 2**63:
-            raise invalid("seed", "too_large")
+        if seed is not None and not ID_SEEDS[0] <= seed <= ID_SEEDS[1]:
+            raise invalid("seed", "range", minimum=f"{ID_SEEDS[0]:,}", maximum=f"{ID_SEEDS[1]:,}")
         self.db.write([lambda conn: conn.execute("UPDATE sandbox SET id_seed = ?, id_drawn = 0", (seed,))],
                       durable=False)
 
@@ -4165,7 +4249,8 @@ SCHEMAS: Mapping[str, dict] = {
                       "times": {"type": ["integer", "null"]}, "query": {"type": ["object", "null"]},
                       "headers": {"type": ["object", "null"]}, "body": {"type": ["object", "null"]},
                       "fired": {"type": "integer"}}),
-    "SeedBody": _object({"seed": {"type": ["integer", "null"], "minimum": -2**63, "maximum": 2**63 - 1}}),
+    "SeedBody": _object({"seed": {"type": ["integer", "null"], "minimum": ID_SEEDS[0],
+                                  "maximum": ID_SEEDS[1]}}),
     "ScenarioBody": {**_object({"scenario": _enum(("demo",)), "workspaces": {
                                     "type": "array", "items": _scenario_schema("workspaces")}}, []),
                      "not": {"required": ["scenario", "workspaces"]}},
@@ -4215,7 +4300,7 @@ _ANY_CASE_DIRECTION = "([aA][sS][cC]|[dD][eE][sS][cC])"
 def _filters(sortable: Mapping[str, str], filters: Mapping[str, ListFilter]) -> tuple:
     sort = {"name": "sort", "in": "query", "style": "form", "explode": True,
             "description": "field,asc|desc; repeatable",
-            "schema": {"type": "array",
+            "schema": {"type": "array", "maxItems": MAX_SORT_KEYS,
                        "items": {"type": "string",
                                  "pattern": f"^({'|'.join(sortable)})(,{_ANY_CASE_DIRECTION})?$"}}}
     return (*_PAGE_PARAMETERS, sort,
@@ -4695,7 +4780,7 @@ class Authenticator:
             f"      {Nonces.LOOKUP}"
             "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
             "                  JOIN members m ON m.id = k.member_id"
-            " WHERE k.id = :api_key", {"api_key": api_key, "nonce": nonce, "stamp": stamp})
+            " WHERE k.id = :api_key", Nonces.parameters(api_key, nonce, stamp))
 
     @staticmethod
     def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
@@ -5307,7 +5392,7 @@ class ConsoleSession(NamedTuple):
     """The console session a request's cookie names."""
 
     nonce: str  # the session's random part
-    valid: bool  # signed under this admin token, not expired, not logged out here
+    valid: bool  # signed under this admin token, not expired, not logged out
 
 
 class Console:
@@ -5315,7 +5400,9 @@ class Console:
 
     Logging in with the admin token sets an HttpOnly, SameSite=Strict cookie:
     a random nonce, its expiry and their HMAC under the admin token (a new
-    admin token ends every session; logging out ends one in this process).
+    admin token ends every session). The session is sandbox state: kept in the
+    database until it expires or logs out, so that a logout holds in every
+    process serving the file (``--workers``, a second server).
     The cookie alone authorizes nothing: a request must also carry the page's
     CSRF token (another HMAC of the nonce, readable only by a page of the same
     origin) and must not come from another site (``Sec-Fetch-Site``, ``Origin``).
@@ -5325,10 +5412,9 @@ class Console:
 
     SESSION_SECONDS = 12 * 3600
 
-    def __init__(self, admin_token: str) -> None:
+    def __init__(self, admin_token: str, db: Database) -> None:
         self.key = admin_token.encode("utf-8")
-        self._ended: dict[str, float] = {}  # nonce -> when its cookie expires anyway: logged out
-        self._lock = threading.Lock()
+        self.db = db
 
     def mac(self, purpose: str, nonce: str) -> str:
         digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
@@ -5352,18 +5438,23 @@ class Console:
         valid = (self.key and nonce and expires.isdigit() and int(expires) > time.time()
                  and hmac.compare_digest(value.encode("latin-1", "replace"),
                                          self.session_value(nonce, expires).encode())
-                 and nonce not in self._ended)
+                 and self.db.one("SELECT 1 FROM console_sessions WHERE nonce = ?", (nonce,)) is not None)
         return ConsoleSession(nonce, bool(valid))
 
     def session_value(self, nonce: str, expires: str) -> str:
         return f"{nonce}.{expires}.{self.mac('session', f'{nonce}.{expires}')}"
 
+    def begin(self, nonce: str, expires: int) -> None:
+        """Keep a new session (and forget those that expired)."""
+        def unit(conn: sqlite3.Connection) -> None:
+            conn.execute("DELETE FROM console_sessions WHERE expires <= ?", (int(time.time()),))
+            conn.execute("INSERT INTO console_sessions (nonce, expires) VALUES (?, ?)", (nonce, expires))
+        self.db.write([unit], durable=False)
+
     def end(self, nonce: str) -> None:
-        """Log a session out in this process (its cookie, copied, no longer works here)."""
-        now = time.time()
-        with self._lock:
-            self._ended = {ended: until for ended, until in self._ended.items() if until > now}
-            self._ended[nonce] = now + self.SESSION_SECONDS
+        """Log a session out in every process (its cookie, copied, no longer works anywhere)."""
+        self.db.write([lambda conn: conn.execute("DELETE FROM console_sessions WHERE nonce = ?", (nonce,))],
+                      durable=False)
 
     def same_origin(self, environ: Mapping[str, Any], nonce: str) -> bool:
         """The page's CSRF header is right and the browser does not say another site sent it."""
@@ -5398,6 +5489,7 @@ class Console:
         if not self.key or not hmac.compare_digest(token, self.key):
             return self.login_form("That is not the admin token.")._replace(status=401)
         nonce, expires = secrets.token_urlsafe(18), str(int(time.time()) + self.SESSION_SECONDS)
+        self.begin(nonce, int(expires))
         cookie = self.cookie(request, self.session_value(nonce, expires), self.SESSION_SECONDS)
         return Reply("", 303, (("Location", "console"), ("Set-Cookie", cookie)))
 
@@ -5731,7 +5823,7 @@ def create_app(svc: WalletService, **settings: Any) -> WalletApp:
     path is the full path the client sent, prefix included.
     """
     layer = svc.settings.replace("http", **settings)
-    http = HttpApi(svc, layer, Console(layer.admin_token or ""))
+    http = HttpApi(svc, layer, Console(layer.admin_token or "", svc.db))
     app = WalletApp(http)
     handler_sets = [WalletApi(svc, http)] + ([AdminApi(svc, http.console)] if http.settings.admin_token
                                              else [])
@@ -6067,6 +6159,9 @@ WAITRESS_LIMITS = {
     "max_request_header_size": 65536,
 }
 BODY_BUFFER_BYTES = 1 << 20  # the largest body waitress buffers; larger ones get its 413 unread
+# A request line and headers not complete this many seconds after their first byte close the connection
+# (checked every cleanup_interval): a slow sender's header line every 10 s keeps channel_timeout away.
+HEADERS_WITHIN = 10.0
 
 
 def _raise_file_limit(needed: int) -> None:
@@ -6085,7 +6180,7 @@ CONTROL_THREADS = 2  # waitress threads of their own for /_admin/** and the cons
 _CONTROL_PATH = re.compile(r"(/(?!api/)[^/]+)*/(_admin/.*|healthz)")  # below any mount prefix but /api/
 
 
-MAX_SLEEPERS = 256  # threads a process starts beside requests that a latency rule keeps waiting
+MAX_SLEEPERS = 256  # requests a latency rule keeps waiting at once, each with a thread started beside it
 
 # waitress's internals this section leans on, where waitress has no public API for the need (setup.cfg
 # pins waitress below 4; test_the_waitress_internals_serving_leans_on_are_there names each, so that a
@@ -6095,7 +6190,8 @@ MAX_SLEEPERS = 256  # threads a process starts beside requests that a latency ru
 # - HTTPChannel.error_task_class and ErrorTask.execute: waitress answers what it cannot parse itself,
 #   in text, before any app runs; subclassing them is the only way to answer in the envelope;
 # - server._map, server.trigger and wasyncore.close_all: closing a server's open connections from
-#   outside its loop (LiveServer.stop); server.close() closes only the listener.
+#   outside its loop (LiveServer.stop); server.close() closes only the listener;
+# - a server's readable, maintenance and active_channels, and a channel's parser state: below.
 
 
 def _control_dispatcher(threads: int) -> Any:
@@ -6122,18 +6218,23 @@ def _control_dispatcher(threads: int) -> Any:
                 self.control.add_task(task)
 
         def sleep(self, seconds: float) -> None:
-            """A request's latency rule: while it sleeps, one more worker thread (up to
-            MAX_SLEEPERS more) serves the others, so that a request no rule matches never
-            waits behind the sleepers."""
+            """A request's latency rule: while it sleeps, one more worker thread serves the
+            others, so that a request no rule matches never waits behind the sleepers. Past
+            MAX_SLEEPERS sleeping at once, the request is answered S503 at once instead
+            (docs/sandbox.md): a sleeper without a thread of its own would hold a worker."""
             with self.sleepers_lock:
+                if self.sleepers >= MAX_SLEEPERS:
+                    raise ServiceBusy(text=f"{MAX_SLEEPERS} requests are already held by latency fault rules"
+                                           " in this process; this one is answered at once instead of"
+                                           " waiting. Retry it, or hold fewer requests at a time.")
                 self.sleepers += 1
-                self.set_thread_count(threads + min(self.sleepers, MAX_SLEEPERS))
+                self.set_thread_count(threads + self.sleepers)
             try:
                 time.sleep(seconds)
             finally:
                 with self.sleepers_lock:
                     self.sleepers -= 1
-                    self.set_thread_count(threads + min(self.sleepers, MAX_SLEEPERS))
+                    self.set_thread_count(threads + self.sleepers)
 
         def shutdown(self, cancel_pending: bool = True, timeout: float = 5) -> bool:
             self.health.shutdown(cancel_pending, timeout)
@@ -6222,11 +6323,62 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
     dispatcher = _control_dispatcher(threads)
     app.http.sleep = dispatcher.sleep
-    return answering_in_envelopes(waitress.create_server(
+    return guarding_slow_senders(answering_in_envelopes(waitress.create_server(
         app, sockets=[listener], _dispatcher=dispatcher, ident="walletsvc",
         clear_untrusted_proxy_headers=False,
         max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1),
-        **WAITRESS_LIMITS), app.http.settings.max_body_bytes)
+        **WAITRESS_LIMITS), app.http.settings.max_body_bytes))
+
+
+def _make_room(channels: list) -> None:
+    """Close the stalest of ``channels`` that is not being answered (one at a time: it closes on the
+    event loop's next turn)."""
+    if not any(channel.will_close for channel in channels):
+        waiting = [channel for channel in channels if not channel.requests and hasattr(channel, "staleness")]
+        if waiting:
+            min(waiting, key=lambda channel: channel.staleness()).will_close = True
+
+
+def guarding_slow_senders(server: Any) -> Any:
+    """A waitress ``server`` that slow senders cannot fill (docs/operations.md): a connection whose
+    request line and headers are not complete HEADERS_WITHIN seconds after their first byte is closed,
+    and at the connection limit the stalest connection that is not being answered (the earliest
+    unfinished headers, else the longest idle) is closed to make room for the next one.
+
+    waitress's internals (no option does this: it bounds a connection's silence, not how long its
+    headers take, and stops accepting at its limit): the server's readable, maintenance and
+    active_channels; a channel's request (headers_finished), requests, last_activity and will_close."""
+    class GuardedChannel(server.channel_class):
+        headers_since: float | None = None  # when the first byte of unfinished headers came
+
+        def received(self, data: bytes) -> bool:
+            result = super().received(data)
+            unfinished = self.request is not None and not self.request.headers_finished
+            if not unfinished:
+                self.headers_since = None
+            elif self.headers_since is None:
+                self.headers_since = time.time()
+            elif time.time() - self.headers_since > HEADERS_WITHIN:
+                self.will_close = True
+            return result
+
+        def staleness(self) -> float:
+            return self.last_activity if self.headers_since is None else self.headers_since
+
+    def maintenance(now: float, closing_idle: Callable[[float], None] = server.maintenance) -> None:
+        closing_idle(now)
+        for channel in list(server.active_channels.values()):
+            if (getattr(channel, "headers_since", None) or now) < now - HEADERS_WITHIN:
+                channel.will_close = True
+
+    def readable(accepting: Callable[[], bool] = server.readable) -> bool:
+        if server.accepting and len(server._map) >= server.adj.connection_limit:
+            _make_room(list(server.active_channels.values()))
+        return accepting()
+
+    server.channel_class = GuardedChannel
+    server.maintenance, server.readable = maintenance, readable
+    return server
 
 
 def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
@@ -6246,7 +6398,8 @@ def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
             else:
                 error = invalid("request", "http", problem=str(refusal.body)[:200])
             body = to_json(error_envelope(error, LOCALES[0], int(time.time() * 1000)))
-            self.status = f"{refusal.code} {refusal.reason}"
+            # waitress's 501 is a Transfer-Encoding it does not take: the client's to change, so a 4xx
+            self.status = "400 Bad Request" if refusal.code == 501 else f"{refusal.code} {refusal.reason}"
             self.response_headers.extend([("Content-Type", JSON_CONTENT_TYPE),
                                           ("Content-Language", LOCALES[0]), ("Cache-Control", "no-store")])
             self.set_close_on_finish()
@@ -6559,9 +6712,15 @@ def __getattr__(name: str) -> Any:
 # Command line #################################################################
 ###############################################################################
 
-def demo_admin_token(secret: str) -> str:
-    """The demo's admin token, derived from its key so that a restart prints the same one."""
-    return hmac.new(secret.encode(), b"walletsvc demo admin token", hashlib.sha256).hexdigest()[:32]
+def stored_admin_token(db: Database) -> str:
+    """The admin token of a sandbox served without ``--admin-token``: random, drawn once per database
+    and kept in it, so that every worker, a second server on the file and a restart agree, and
+    nothing a key holder knows (a key's secret) leads to it (docs/sandbox.md)."""
+    def draw(conn: sqlite3.Connection) -> str:
+        conn.execute("INSERT INTO admin_token (token) SELECT ? WHERE NOT EXISTS (SELECT 1 FROM admin_token)",
+                     (secrets.token_hex(16),))
+        return conn.execute("SELECT token FROM admin_token").fetchone()[0]
+    return db.write([draw])[0]
 
 
 def _cell(value: Any) -> str:
@@ -6641,11 +6800,11 @@ def _serve_command(args: argparse.Namespace) -> int:
         raise
     if args.admin_token:
         settings["admin_token"] = args.admin_token
+    elif world is not None and "admin_token" not in settings:
+        settings["admin_token"] = stored_admin_token(svc.db)
     demo = _first_key(world) if world is not None else None
     if demo:
         settings.setdefault("debug_signatures", True)
-        if demo["secret"]:
-            settings.setdefault("admin_token", demo_admin_token(demo["secret"]))
     counts = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
                         " WHERE deleted_at IS NULL)")
     ready: list[str] = []
