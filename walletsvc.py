@@ -6105,6 +6105,18 @@ class Client:
 # Serving ######################################################################
 ###############################################################################
 
+# The banner's curl: the sandbox's time from /healthz's envelope (epoch ms, unsigned, never journaled), then
+# a GET signed at it. Tools found on Linux, macOS and WSL alike (no sha256sum, no /proc).
+CURL_SIGNED_GET = """\
+TS=$(curl -s "$WALLETSVC_URL/healthz" | sed -E 's/.*"timestamp":([0-9]+)[0-9]{3}.*/\\1/')
+NONCE=$(openssl rand -hex 16) P=/api/v1/wallets H=$(printf '' | openssl dgst -sha256 | sed 's/.* //')
+SIG=$(printf 'GET\\n%s\\n%s\\n%s\\n%s' "$P" "$TS" "$NONCE" "$H" \\
+  | openssl dgst -sha256 -hmac "$WALLETSVC_SECRET" -binary | base64)
+curl -s "$WALLETSVC_URL$P" -H "X-Api-Key: $WALLETSVC_KEY" -H "X-Timestamp: $TS" -H "X-Nonce: $NONCE" \\
+  -H "X-Signature: $SIG"
+"""
+
+
 def demo_instructions(base_url: str, demo: dict, admin_token: str | None, database: str) -> str:
     """What ``serve --demo`` (or ``--scenario``) prints: one export line with the names every
     example uses, and examples that paste as printed and sign at the sandbox's clock, whatever it
@@ -6131,18 +6143,6 @@ Signed by hand (openssl + curl), at the sandbox's clock (read from /healthz firs
 From Python:
 import walletsvc
 print(walletsvc.Client().list_wallets())
-"""
-
-
-# The banner's curl: the sandbox's time from /healthz's envelope (epoch ms, unsigned, never journaled), then
-# a GET signed at it. Tools found on Linux, macOS and WSL alike (no sha256sum, no /proc).
-CURL_SIGNED_GET = """\
-TS=$(curl -s "$WALLETSVC_URL/healthz" | sed -E 's/.*"timestamp":([0-9]+)[0-9]{3}.*/\\1/')
-NONCE=$(openssl rand -hex 16) P=/api/v1/wallets H=$(printf '' | openssl dgst -sha256 | sed 's/.* //')
-SIG=$(printf 'GET\\n%s\\n%s\\n%s\\n%s' "$P" "$TS" "$NONCE" "$H" \\
-  | openssl dgst -sha256 -hmac "$WALLETSVC_SECRET" -binary | base64)
-curl -s "$WALLETSVC_URL$P" -H "X-Api-Key: $WALLETSVC_KEY" -H "X-Timestamp: $TS" -H "X-Nonce: $NONCE" \\
-  -H "X-Signature: $SIG"
 """
 
 
@@ -6901,8 +6901,30 @@ def _setting_pair(text: str) -> tuple[str, str]:
     return name.strip(), value
 
 
-def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str]:
-    """The key and secret of ``request`` and ``sign``: given, else WALLETSVC_KEY and WALLETSVC_SECRET,
+def _target(given_url: str, args: argparse.Namespace,
+            parser: argparse.ArgumentParser) -> tuple[str, str, str]:
+    """(base URL, path, query) of ``request`` and ``sign``: the path starts with /, characters RFC 3986
+    does not allow in a URL are percent-encoded (what is sent is what is signed), a URL without a
+    scheme is http."""
+    if not args.path.startswith("/"):
+        parser.error(f"the path must start with / (e.g. /{args.path.lstrip('/')})")
+    path, _, query = args.path.partition("?")
+    url = given_url if "://" in given_url else f"http://{given_url}"
+    parts = urllib.parse.urlsplit(url)
+    try:
+        parts.port  # noqa: B018 - it checks the port
+    except ValueError:
+        parser.error(f"--url {given_url}: the port is not a number from 0 to 65535")
+    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
+        parser.error(f"--url {given_url}: give http(s)://HOST[:PORT][/PREFIX], without a query or fragment")
+    # A prefix is sent, and signed, encoded.
+    url = f"{parts.scheme}://{parts.netloc}{_rfc3986(parts.path, '/')}"
+    return url.rstrip("/"), _rfc3986(path, "/"), _rfc3986(query, "/?=&")
+
+
+def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
+    """The URL, key and secret of ``request`` and ``sign``: given, else WALLETSVC_URL, WALLETSVC_KEY and
+    WALLETSVC_SECRET,
     else the demo's, which is said on stderr with the URL: a folder without its variables must not
     quietly reach the demo in place of the app meant (docs/reference.md)."""
     given = {"url": args.url, "key": args.key, "secret": args.secret}
@@ -6918,35 +6940,14 @@ def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> t
     if fell_back:
         print(f"walletsvc: {', '.join(fell_back)} not set: the demo's {given['url']} with key {given['key']}"
               " (walletsvc serve --demo)", file=sys.stderr)
-    args.url = given["url"]
     if not given["key"] or not given["secret"]:
         parser.error("an API key and secret are needed: --key/--secret or WALLETSVC_KEY/WALLETSVC_SECRET")
-    return given["key"], given["secret"]
-
-
-def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
-    """(base URL, path, query) of ``request`` and ``sign``: the path starts with /, characters RFC 3986
-    does not allow in a URL are percent-encoded (what is sent is what is signed), a URL without a
-    scheme is http."""
-    if not args.path.startswith("/"):
-        parser.error(f"the path must start with / (e.g. /{args.path.lstrip('/')})")
-    path, _, query = args.path.partition("?")
-    url = args.url if "://" in args.url else f"http://{args.url}"
-    parts = urllib.parse.urlsplit(url)
-    try:
-        parts.port  # noqa: B018 - it checks the port
-    except ValueError:
-        parser.error(f"--url {args.url}: the port is not a number from 0 to 65535")
-    if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
-        parser.error(f"--url {args.url}: give http(s)://HOST[:PORT][/PREFIX], without a query or fragment")
-    # A prefix is sent, and signed, encoded.
-    url = f"{parts.scheme}://{parts.netloc}{_rfc3986(parts.path, '/')}"
-    return url.rstrip("/"), _rfc3986(path, "/"), _rfc3986(query, "/?=&")
+    return given["url"], given["key"], given["secret"]
 
 
 def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    key, secret = _credentials(args, parser)
-    url, path, query = _target(args, parser)
+    given_url, key, secret = _credentials(args, parser)
+    url, path, query = _target(given_url, args, parser)
     if args.method.upper() in ("POST", "PUT", "PATCH") and args.data is None:
         parser.error(f"{args.method.upper()} needs a JSON body: --data '{{...}}' (the exact bytes sent and"
                      " signed)")
@@ -6959,8 +6960,8 @@ def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def _sign_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    key, secret = _credentials(args, parser)
-    url, path, query = _target(args, parser)
+    given_url, key, secret = _credentials(args, parser)
+    url, path, query = _target(given_url, args, parser)
     prefix = urllib.parse.urlsplit(url).path  # signed too: it is part of the path sent
     method, body = args.method.upper(), (args.data or "").encode("utf-8")
     try:  # at the server's clock, as every client walletsvc ships (docs/signing.md)
