@@ -6941,6 +6941,74 @@ def test_after_a_swap_no_new_connection_opens_the_file_put_there(tmp_path, make_
     assert webtest.TestApp(app).get("/healthz", expect_errors=True).json["code"] == "S503"
 
 
+def _transactions(svc: walletsvc.WalletService) -> list[tuple[str, str]]:
+    """From now on, each BEGIN, COMMIT and ROLLBACK any connection of this thread writes through runs
+    (the one that syncs, and this thread's own), with the walletsvc function that ran it."""
+    seen: list[tuple[str, str]] = []
+    module = walletsvc.__file__
+
+    def trace(sql: str) -> None:
+        words = sql.upper().split()
+        word = words[0]
+        if word in ("BEGIN", "COMMIT") or words == ["ROLLBACK"]:  # (not a savepoint's ROLLBACK TO)
+            frame = sys._getframe(1)
+            while frame is not None and frame.f_code.co_filename != module:
+                frame = frame.f_back
+            seen.append((word, frame.f_code.co_qualname if frame else "?"))
+
+    for durable in (True, False):
+        svc.db.write([lambda conn: conn.set_trace_callback(trace)], durable=durable)
+    seen.clear()
+    return seen
+
+
+@pytest.mark.parametrize("journal_size", [0, 100])
+def test_every_request_and_python_write_begins_and_commits_once_through_one_function(
+        tmp_path, make_service, clock: FrozenClock, journal_size: int) -> None:
+    """DESIGN.md section 10: storage has one write entry point; a request writes once, at its end (its
+    nonce record, a transfer's rows and its journal entry together), and so does each Python API write."""
+    svc = make_service(str(tmp_path / "once.db"), clock=clock, journal_size=journal_size)
+    world_ = make_world(svc)
+    api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
+    seen = _transactions(svc)
+    actions = {
+        "signed GET": lambda: data(api.get(f"/api/v1/wallets/{world_['a']}")),
+        "signed create-transfer": lambda: data(api.transfer(transfer_body(world_, bizId="once-1"))),
+        "a refused transfer": lambda: error(api.transfer(transfer_body(world_, amount="999.00")), "T2001",
+                                            422),
+        "an idempotent replay": lambda: data(api.transfer(transfer_body(world_, bizId="once-1"))),
+        "create_wallet": lambda: svc.create_wallet(world_["ws"]["id"], "USD"),
+        "deposit": lambda: svc.deposit(world_["b"], "1.00"),
+        "create_transfer": lambda: svc.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "1.00",
+                                                       "USD"),
+    }
+    doors = set()
+    for name, action in actions.items():
+        seen.clear()
+        action()
+        assert [word for word, _ in seen] == ["BEGIN", "COMMIT"], name
+        doors.update(function for _, function in seen)
+    assert len(doors) == 2  # one function begins every write, one commits it: no second door
+
+
+def test_a_write_unit_cannot_write_through_the_door_it_runs_in(tmp_path, make_service) -> None:
+    """A unit that called Database.write would wait for the batch it is part of: it is refused at once,
+    and nothing of its caller's units is kept."""
+    svc = make_service(str(tmp_path / "nested.db"))
+    db = svc.db
+    db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER)")])
+
+    def nested(conn: sqlite3.Connection) -> None:
+        conn.execute("INSERT INTO probe VALUES (1)")
+        db.write([lambda inner: inner.execute("INSERT INTO probe VALUES (2)")])
+
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="write unit"):
+        db.write([nested])
+    assert time.monotonic() - started < 1
+    assert db.one("SELECT count(*) FROM probe")[0] == 0
+
+
 def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_service) -> None:
     """docs/contract.md: writes waiting together run in one transaction, each in its own savepoint, and
     commit once; the one that raises gets its own exception and leaves nothing; the others commit."""

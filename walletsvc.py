@@ -1152,6 +1152,7 @@ class Database:
         self._turn = threading.Condition(threading.Lock())
         self._writers: dict[bool, sqlite3.Connection] = {}  # durable or not: its connection
         self._writer_pid = os.getpid()
+        self._leader: int | None = None  # the thread running a batch's units, while it does
 
     @staticmethod
     def _identity(path: str) -> tuple[int, int] | None:
@@ -1269,7 +1270,9 @@ class Database:
         batch fails (a busy or missing database), nothing of it is kept and each caller gets a
         copy of that error. ``durable=False``: the commit need not wait for a disk sync (records
         whose loss in a power cut costs no money, docs/operations.md), unless another caller in
-        the batch needs one. A unit never writes through this door itself."""
+        the batch needs one. A unit never writes through this door itself (RuntimeError)."""
+        if self._leader == threading.get_ident():
+            raise RuntimeError("a write unit wrote through Database.write: give its writes to its own unit")
         write = _Write(units, durable)
         self._wait_for_turn(write)
         if not write.done:  # the leader: run the callers queued behind it
@@ -1312,6 +1315,7 @@ class Database:
         try:
             with self._lock:
                 conn = self._begin(any(write.durable for write in batch))
+                self._leader = threading.get_ident()
                 try:
                     for write in batch:
                         try:
@@ -1328,6 +1332,8 @@ class Database:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     raise
+                finally:
+                    self._leader = None
         except BaseException as exc:
             interrupted = sqlite3.OperationalError("the batch was interrupted")
             shared = exc if isinstance(exc, Exception) else interrupted
