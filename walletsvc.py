@@ -1692,7 +1692,7 @@ class Nonces:
     # One statement, so that of two racing requests one wins; refused when digested, or in a forgotten second.
     _RECORD = ("INSERT INTO nonce_records (api_key, nonce, ts) SELECT :api_key, :nonce, :stamp"
                f" WHERE NOT {_DIGESTED} AND NOT {_FORGOTTEN.format(key=':api_key')}"
-               " ON CONFLICT (api_key, nonce) DO NOTHING")
+               " ON CONFLICT (api_key, nonce) DO NOTHING RETURNING seq")
     FORGET_EVERY = 256  # records between two forgettings (one DELETE of this many rows, ~0.3 ms)
     DIGESTS = 10  # digests kept, in bounds (docs/contract.md: ten times the records' bound)
 
@@ -1725,10 +1725,10 @@ class Nonces:
     def record(self, conn: sqlite3.Connection, pending: PendingNonce) -> None:
         """Record ``pending`` in ``conn``'s transaction; GA2013 if another request recorded it
         first or its second was forgotten meanwhile."""
-        cursor = conn.execute(self._RECORD, self.parameters(*pending))
-        if cursor.rowcount != 1:
+        recorded = conn.execute(self._RECORD, self.parameters(*pending)).fetchone()
+        if recorded is None:
             raise _nonce_used()
-        seq = cursor.lastrowid
+        seq = recorded[0]
         if seq > self.bound and seq % self.FORGET_EVERY == 0:
             self._digest(conn, seq - self.bound)
 
@@ -1736,14 +1736,15 @@ class Nonces:
         """The records up to seq ``through`` become digests (numbered on from the newest digest), and
         their keys' seconds are noted with the batch's last digest; past the digests' bound, the oldest
         batches are forgotten."""
-        records = conn.execute("SELECT api_key, nonce FROM nonce_records WHERE seq <= ? ORDER BY seq",
+        records = conn.execute("DELETE FROM nonce_records WHERE seq <= ? RETURNING seq, api_key, nonce, ts",
                                (through,)).fetchall()
+        records = sorted(map(tuple, records))  # (RETURNING promises no order)
         conn.executemany("INSERT INTO nonce_digests (digest) VALUES (?)",
-                         [(self.digest(api_key, nonce),) for api_key, nonce in records])
+                         [(self.digest(api_key, nonce),) for _, api_key, nonce, _ in records])
         oldest, newest = conn.execute("SELECT min(seq), max(seq) FROM nonce_digests").fetchone()
-        conn.execute("INSERT OR IGNORE INTO nonce_digest_seconds (upto, api_key, ts)"
-                     " SELECT DISTINCT ?, api_key, ts FROM nonce_records WHERE seq <= ?", (newest, through))
-        conn.execute("DELETE FROM nonce_records WHERE seq <= ?", (through,))
+        conn.executemany("INSERT INTO nonce_digest_seconds (upto, api_key, ts) VALUES (?, ?, ?)"
+                         " ON CONFLICT (upto, api_key, ts) DO NOTHING",
+                         sorted({(newest, api_key, ts) for _, api_key, _, ts in records}))
         if newest is not None and newest - oldest + 1 > self.bound * self.DIGESTS:
             self._forget(conn, newest - self.bound * self.DIGESTS)
 
@@ -1756,17 +1757,14 @@ class Nonces:
                                   (before,)).fetchone()
         if through is None:
             return
-        seconds = conn.execute("SELECT DISTINCT api_key, ts FROM nonce_digest_seconds WHERE upto <= ?"
-                               " ORDER BY api_key, ts", (through,)).fetchall()
-        conn.execute("DELETE FROM nonce_digest_seconds WHERE upto <= ?", (through,))
+        seconds = sorted(set(map(tuple, conn.execute("DELETE FROM nonce_digest_seconds WHERE upto <= ?"
+                                                     " RETURNING api_key, ts", (through,)).fetchall())))
         conn.execute("DELETE FROM nonce_digests WHERE seq <= ?", (through,))
         for api_key, ts in seconds:
-            touching = conn.execute("SELECT rowid, lo, hi FROM nonces_forgotten WHERE api_key = ?"
-                                    " AND lo <= ? AND hi >= ?", (api_key, ts + 1, ts - 1)).fetchall()
-            for rowid, _, _ in touching:
-                conn.execute("DELETE FROM nonces_forgotten WHERE rowid = ?", (rowid,))
-            lo = min([ts, *(row[1] for row in touching)])
-            hi = max([ts, *(row[2] for row in touching)])
+            touching = conn.execute("DELETE FROM nonces_forgotten WHERE api_key = ? AND lo <= ? AND hi >= ?"
+                                    " RETURNING lo, hi", (api_key, ts + 1, ts - 1)).fetchall()
+            lo = min([ts, *(row[0] for row in touching)])
+            hi = max([ts, *(row[1] for row in touching)])
             conn.execute("INSERT INTO nonces_forgotten (api_key, lo, hi) VALUES (?, ?, ?)", (api_key, lo, hi))
 
     @staticmethod
