@@ -6965,7 +6965,7 @@ def _transactions(svc: walletsvc.WalletService) -> list[tuple[str, str]]:
 @pytest.mark.parametrize("journal_size", [0, 100])
 def test_every_request_and_python_write_begins_and_commits_once_through_one_function(
         tmp_path, make_service, clock: FrozenClock, journal_size: int) -> None:
-    """DESIGN.md section 10: storage has one write entry point; a request writes once, at its end (its
+    """docs/contributing.md: storage has one write entry point; a request writes once, at its end (its
     nonce record, a transfer's rows and its journal entry together), and so does each Python API write."""
     svc = make_service(str(tmp_path / "once.db"), clock=clock, journal_size=journal_size)
     world_ = make_world(svc)
