@@ -653,7 +653,8 @@ def test_list_wallets_shape(api: Api, world: dict) -> None:
 
 
 @pytest.mark.parametrize("path, code", [
-    ("/api/v1/transfer/query/orders/wallet/completed", "W1001"),  # orders of wallet "completed"
+    # the completion check of the order "wallet": "completed" is no wallet id (docs/contract.md, Endpoints)
+    ("/api/v1/transfer/query/orders/wallet/completed", "T1001"),
     ("/api/v1/transfer/query/orders/wallet", "T1001"),  # the order whose bizId is "wallet"
     ("/api/v1/transfer/query/orders/completed", "T1001"),
     ("/api/v1/wallets/balance", "W1001"),  # the wallet whose id is "balance"
@@ -1735,6 +1736,16 @@ def test_client_covers_the_nine_endpoints(svc, world, live, clock, target) -> No
     assert raised.value.code == "T1001"
 
 
+def camel_case(name: str) -> str:
+    """wallet_id -> walletId: a path parameter as the contract (and the document) writes it."""
+    return re.sub(r"_([a-z])", lambda letter: letter[1].upper(), name)
+
+
+def snake_case(name: str) -> str:
+    """walletId -> wallet_id: a name of the document (camelCase, as the contract writes it) in Python."""
+    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+
+
 def test_client_methods_match_the_declarations(make_service) -> None:
     """Client's methods are written out: each takes what its operation in the served /openapi.json takes
     (path parameters, then the body's required fields, its optional ones by keyword, then the query's as
@@ -1746,14 +1757,16 @@ def test_client_methods_match_the_declarations(make_service) -> None:
     checked = []
     for path, operations in document["paths"].items():
         for verb, operation in operations.items() if path.startswith("/api/") else ():
+            if verb == "head":  # HEAD is GET's, without the body: no method of its own
+                continue
             parameters = operation.get("parameters", [])
             expected = [("self", kind.POSITIONAL_OR_KEYWORD)]
-            expected += [(parameter["name"], kind.POSITIONAL_OR_KEYWORD) for parameter in parameters
-                         if parameter["in"] == "path"]
+            expected += [(snake_case(parameter["name"]), kind.POSITIONAL_OR_KEYWORD)
+                         for parameter in parameters if parameter["in"] == "path"]
             if "requestBody" in operation:
                 reference = operation["requestBody"]["content"]["application/json"]["schema"]["$ref"]
                 schema = document["components"]["schemas"][reference.rsplit("/", 1)[1]]
-                snake = {name: re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower() for name in schema["properties"]}
+                snake = {name: snake_case(name) for name in schema["properties"]}
                 expected += [(snake[name], kind.POSITIONAL_OR_KEYWORD) for name in schema["required"]]
                 expected += [(snake[name], kind.KEYWORD_ONLY) for name in schema["properties"]
                              if name not in schema["required"]]
@@ -1762,7 +1775,7 @@ def test_client_methods_match_the_declarations(make_service) -> None:
             method = getattr(walletsvc.Client, operation["operationId"])
             assert [(parameter.name, parameter.kind)
                     for parameter in inspect.signature(method).parameters.values()] == expected, method
-            declared = verb.upper() + " " + re.sub(r"{(\w+)}", r"<\1>", path)
+            declared = verb.upper() + " " + re.sub(r"{(\w+)}", lambda name: f"<{snake_case(name[1])}>", path)
             assert declared in " ".join(method.__doc__.split()), method
             checked.append(operation["operationId"])
     assert len(checked) == 9
@@ -2042,9 +2055,9 @@ def test_openapi_document_is_valid_and_covers_every_route(svc) -> None:
     validate(document)
     documented = {(method.upper(), path) for path, operations in document["paths"].items()
                   for method in operations}
-    served = {(route.method, re.sub(r"<(\w+)>", r"{\1}", route.rule)) for route in app.routes
-              if route.rule != "/api<rest:re:(/.*)?>"}
-    assert documented == served
+    served = {(route.method, re.sub(r"<(\w+)>", lambda name: "{" + camel_case(name[1]) + "}", route.rule))
+              for route in app.routes if route.rule != "/api<rest:re:(/.*)?>"}
+    assert documented == served | {("HEAD", path) for method, path in served if method == "GET"}
     create = document["paths"][TRANSFER_PATH]["post"]
     assert create["security"] == [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}]
     described = " ".join(response["description"] for operations in document["paths"].values()
@@ -2065,22 +2078,23 @@ def test_each_operation_states_every_error_it_answers(svc) -> None:
 
     def errors(path: str, method: str) -> dict:
         answers = document["paths"][path][method]["responses"]
-        return {status: sorted(answer["content"]["application/json"]["schema"]["allOf"][1]
-                               ["properties"]["code"]["enum"])
+        return {status: sorted(answer["content"]["application/json"]["examples"])
                 for status, answer in answers.items() if status != "200"}
 
     signed = {"401": ["GA2001", "GA2011", "GA2012", "GA2013"],
               "403": ["GA2021", "GA2022", "GA2024", "GA2034"]}
-    # any request: a Content-Length that is no number, an oversized body, a failure, the database
-    always = {"400": ["S012"], "413": ["S413"], "500": ["S500"], "503": ["S503"]}
+    # any request: a Content-Length that is no number, an oversized body, a failure, the database; and what
+    # the HTTP server refuses itself: headers over 64 KiB, an unsupported Transfer-Encoding
+    always = {"400": ["S012"], "413": ["S413"], "500": ["S500"], "503": ["S503"], "431": ["S012"],
+              "501": ["S012"]}
     assert errors(TRANSFER_PATH, "post") == {
         **signed, **always, "404": ["GA2032", "W1001"], "409": ["T2004"], "415": ["S415"],
         "422": ["T2001", "T2002", "T2003", "W1002"]}
-    assert errors("/api/v1/wallets/{wallet_id}", "get") == {**signed, **always, "404": ["GA2032", "W1001"]}
+    assert errors("/api/v1/wallets/{walletId}", "get") == {**signed, **always, "404": ["GA2032", "W1001"]}
     assert errors("/api/v1/wallets", "get") == {**signed, **always, "404": ["GA2032"]}
-    assert errors("/api/v1/transfer/query/orders/{biz_id}", "get") == {**signed, **always,
+    assert errors("/api/v1/transfer/query/orders/{bizId}", "get") == {**signed, **always,
                                                                        "404": ["GA2032", "T1001"]}
-    assert errors("/_admin/wallets/{wallet_id}/withdraw", "post") == {
+    assert errors("/_admin/wallets/{walletId}/withdraw", "post") == {
         **always, "401": ["S401"], "403": ["S403"], "404": ["W1001"], "422": ["T2001", "W1002"]}
     assert errors("/healthz", "get") == always
 
@@ -2097,6 +2111,9 @@ def test_openapi_command_prints_what_a_server_with_the_admin_surface_serves(caps
         "/openapi.json").json
     assert code == 0 and printed["openapi"] == "3.1.0"
     assert printed["servers"] == [{"url": "http://127.0.0.1:9999"}]
+    cookie = printed["components"]["securitySchemes"].pop("ConsoleSession")
+    assert cookie["name"] == "walletsvc_console_9999"  # as the console names it on that port
+    served["components"]["securitySchemes"].pop("ConsoleSession")
     assert {**printed, "servers": None} == {**served, "servers": None}
 
 
@@ -2106,15 +2123,21 @@ checks them."""
     document = webtest.TestApp(walletsvc_sandbox.app).get("/openapi.json").json
     schemas, paths = document["components"]["schemas"], document["paths"]
     transfer = schemas["CreateTransfer"]["properties"]
-    assert transfer["bizId"]["pattern"] == "^[A-Za-z0-9._:-]{1,64}$"
+    assert transfer["bizId"] == {"$ref": "#/components/schemas/BizId"}
+    assert schemas["BizId"]["pattern"] == "^[A-Za-z0-9._:-]{1,64}$"
     assert transfer["description"]["maxLength"] == 255
-    assert ({"USD", "JPY", "KWD"} <= set(transfer["currency"]["enum"])
-            and "ABC" not in transfer["currency"]["enum"])
+    assert transfer["currency"] == {"$ref": "#/components/schemas/Currency"}
+    currencies = schemas["Currency"]["enum"]
+    assert {"USD", "JPY", "KWD"} <= set(currencies) and "ABC" not in currencies
+
+    def resolved(schema: dict) -> dict:
+        return schemas[schema["$ref"].rsplit("/", 1)[1]] if "$ref" in schema else schema
 
     def query(path: str) -> dict:
-        return {p["name"]: p["schema"] for p in paths[path]["get"]["parameters"] if p["in"] == "query"}
+        return {p["name"]: resolved(p["schema"]) for p in paths[path]["get"]["parameters"]
+                if p["in"] == "query"}
     orders, flows, wallets = (query(path) for path in ("/api/v1/transfer/query/orders",
-                                                       "/api/v1/wallets/{wallet_id}/flows",
+                                                       "/api/v1/wallets/{walletId}/flows",
                                                        "/api/v1/wallets"))
     assert orders["status"]["enum"] == ["PENDING", "COMPLETED", "FAILED"]
     direction = "(,([aA][sS][cC]|[dD][eE][sS][cC]))?$"  # asc or desc, in any case (docs/contract.md)
@@ -2131,7 +2154,7 @@ checks them."""
     assert (fault["latency"]["minimum"], fault["latency"]["maximum"], fault["times"]["minimum"]) == (0, 60, 1)
     assert schemas["NewKeyBody"]["properties"]["scopes"]["minItems"] == 1
     assert paths["/_admin/workspaces"]["post"]["requestBody"]["required"] is True  # {"name"} is required
-    assert paths["/_admin/transfers/{biz_id}/complete"]["post"]["requestBody"]["required"] is False
+    assert paths["/_admin/transfers/{bizId}/complete"]["post"]["requestBody"]["required"] is False
 
 
 def _transfer_schema(document: dict) -> dict:
@@ -2148,8 +2171,9 @@ def test_the_document_states_each_currencys_amounts(app: webtest.TestApp, api: A
     """docs/reference.md: an amount the document's pattern for its currency allows is taken (the transfer then
     fails on its unknown wallets, W1001), and one it does not is S012 naming the amount."""
     document = app.get("/openapi.json").json
-    pattern = next(branch["properties"]["amount"]["pattern"] for branch in _transfer_schema(document)["anyOf"]
-                   if currency in branch["properties"]["currency"]["enum"])
+    pattern = next(rule["then"]["properties"]["amount"]["pattern"]
+                   for rule in _transfer_schema(document)["allOf"]
+                   if currency in rule["if"]["properties"]["currency"]["enum"])
     answer = api.transfer({"sourceWalletId": "wal_nope", "targetWalletId": "wal_nope2", "amount": amount,
                            "currency": currency}).json
     allowed = re.fullmatch(pattern.strip("^$"), amount) is not None
@@ -2172,15 +2196,15 @@ def test_the_document_links_answers_to_later_requests_and_states_the_console_log
              for source, operation in operations.items()
              for name, link in operation["responses"]["200"].get("links", {}).items()}
     assert links == {
-        ("create_transfer", "Order"): ("get_transfer", {"biz_id": "$response.body#/data/bizId"}),
-        ("create_transfer", "Completed"): ("transfer_completed", {"biz_id": "$response.body#/data/bizId"}),
-        ("get_wallet", "Balance"): ("get_balance", {"wallet_id": "$response.body#/data/id"}),
-        ("get_wallet", "Flows"): ("list_flows", {"wallet_id": "$response.body#/data/id"}),
-        ("list_wallets", "Wallet"): ("get_wallet", {"wallet_id": "$response.body#/data/content/0/id"}),
-        ("list_transfers", "Order"): ("get_transfer", {"biz_id": "$response.body#/data/content/0/bizId"}),
-        **{("admin_create_workspace", name): (f"admin_{name}", {"workspace_id": "$response.body#/data/id"})
+        ("create_transfer", "Order"): ("get_transfer", {"bizId": "$response.body#/data/bizId"}),
+        ("create_transfer", "Completed"): ("transfer_completed", {"bizId": "$response.body#/data/bizId"}),
+        ("get_wallet", "Balance"): ("get_balance", {"walletId": "$response.body#/data/id"}),
+        ("get_wallet", "Flows"): ("list_flows", {"walletId": "$response.body#/data/id"}),
+        ("list_wallets", "Wallet"): ("get_wallet", {"walletId": "$response.body#/data/content/0/id"}),
+        ("list_transfers", "Order"): ("get_transfer", {"bizId": "$response.body#/data/content/0/bizId"}),
+        **{("admin_create_workspace", name): (f"admin_{name}", {"workspaceId": "$response.body#/data/id"})
            for name in ("get_workspace", "list_members", "create_api_key", "create_wallet")},
-        **{("admin_create_wallet", name): (f"admin_{name}", {"wallet_id": "$response.body#/data/id"})
+        **{("admin_create_wallet", name): (f"admin_{name}", {"walletId": "$response.body#/data/id"})
            for name in ("get_wallet", "deposit", "withdraw", "set_wallet_status")}}
     for target, parameters in links.values():  # each names a real operation and its real parameters
         assert set(parameters) <= {p["name"] for p in operations[target]["parameters"]}
@@ -2240,9 +2264,9 @@ def test_the_document_states_the_rules_beyond_its_schemas(make_service) -> None:
     app = webtest.TestApp(walletsvc.create_app(make_service(), admin_token="t"))
     stated = stated_rules(app.get("/openapi.json").json)
     assert {"faults"} <= stated["POST /_admin/faults"]  # the 101st rule
-    assert {"status"} <= stated["POST /_admin/wallets/{wallet_id}/status"]  # CLOSED is final
+    assert {"status"} <= stated["POST /_admin/wallets/{walletId}/status"]  # CLOSED is final
     assert {"id", "member", "ipWhitelist"} <= stated["POST /_admin/scenarios"]
-    assert {"ipWhitelist"} <= stated["POST /_admin/workspaces/{workspace_id}/keys"]
+    assert {"ipWhitelist"} <= stated["POST /_admin/workspaces/{workspaceId}/keys"]
     assert {"Idempotency-Key"} <= stated["POST /api/v1/transfer/command/create"]
     admin = {"Authorization": "Bearer t"}
     twice = {"workspaces": [{"name": "w", "wallets": [{"id": "wal_x", "name": "a", "currency": "USD"},
@@ -2321,7 +2345,7 @@ values = ["0.01", "1.00", "10", "250.50", "999999999999999.99"]
 [parameters]
 "body.currency" = {{ dictionary = "currencies", probability = 1.0 }}
 "body.amount" = {{ dictionary = "amounts", probability = 1.0 }}
-"path.wallet_id" = {{ dictionary = "wallets", probability = 0.7 }}
+"path.walletId" = {{ dictionary = "wallets", probability = 0.7 }}
 "body.sourceWalletId" = {{ dictionary = "sources", probability = 0.8 }}
 "body.targetWalletId" = {{ dictionary = "targets", probability = 0.8 }}
 """)
@@ -2431,7 +2455,7 @@ def test_readme_adding_an_endpoint_block_serves_an_endpoint(svc, world, clock, m
         "walletId": world["a"], "largestTransfer": "100.00"}
     reader = Api(app, svc.create_api_key(world["ws"]["id"], ["transfer:read"]), clock)
     error(reader.get(f"/api/v1/wallets/{world['a']}/limits"), "GA2024", 403)
-    operation = app.get("/openapi.json").json["paths"]["/api/v1/wallets/{wallet_id}/limits"]["get"]
+    operation = app.get("/openapi.json").json["paths"]["/api/v1/wallets/{walletId}/limits"]["get"]
     assert operation["summary"] == "Get a wallet's limits"
     assert "largestTransfer" in json.dumps([operation, app.get("/openapi.json").json["components"]])
 
