@@ -5286,61 +5286,6 @@ def _error_examples(paths: Mapping[str, dict]) -> dict:
         for error in ERRORS if error.code in answered}
 
 
-def _operation(declared_endpoint: Endpoint, head: bool = False) -> dict:
-    """The declared endpoint as an OpenAPI operation (HEAD: a GET's, answered without a body)."""
-    surface = declared_endpoint.surface
-    media = (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]
-    data_schema = _schema_ref(declared_endpoint.response)
-    success = data_schema if declared_endpoint.media else {
-        "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
-        "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
-                       "success": {"const": True}, "code": {"const": SUCCESS_CODE},
-                       "message": {"const": "SUCCESS"}, "data": data_schema}}
-    name = ("head_" if head else "") + declared_endpoint.name
-    description = [(declared_endpoint.summary + ".") if not head else
-                   f"As GET (`{declared_endpoint.name}`), without the body: the same status and headers.",
-                   _SURFACE_AUTH[surface].format(scope=declared_endpoint.scope)]
-    if declared_endpoint.rules:  # what no JSON Schema can say, stated so that a client knows
-        description.append("Beyond the schema, S012 INVALID_PARAMETER names the field when:\n" + "\n".join(
-            f"- `{field}`: {rule}" for field, rule in declared_endpoint.rules))
-    ok: dict[str, Any] = {"description": "SUCCESS",
-                          "headers": _headers(*_HEADERS, *(_REPLAYED if name == "create_transfer" else ()))}
-    if not head:
-        example = _example(success) if success.get("type") != "string" else "<!doctype html>"
-        ok["content"] = {media: {"schema": success, "example": example}}
-    operation: dict[str, Any] = {
-        "operationId": name if surface is not Surface.ADMIN else f"admin_{name}",
-        "summary": declared_endpoint.summary + (" (HEAD)" if head else ""),
-        "description": "\n\n".join(description), "tags": [surface],
-        "parameters": [_path_parameter(name) for name in declared_endpoint.path_names]
-        + list(declared_endpoint.query) + _LANGUAGE_PARAMETERS,
-        "responses": {"200": ok, **_error_responses(declared_endpoint.errors_answered, head)}}
-    if surface is not Surface.CONSOLE:
-        operation["security"] = {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
-                                 Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}],
-                                 Surface.PUBLIC: []}[surface]
-    else:
-        operation["security"] = []
-    if declared_endpoint.links and not head:  # (to an operation of the same surface)
-        operation["responses"]["200"]["links"] = {
-            link: {"operationId": f"admin_{target}" if surface is Surface.ADMIN else target,
-                   "parameters": {PATH_PARAMETERS[parameter][0]: where
-                                  for parameter, where in parameters.items()}}
-            for link, target, parameters in declared_endpoint.links}
-    for status, answer in declared_endpoint.answers:
-        operation["responses"][str(status)] = {"description": answer,
-                                               "content": {media: {"schema": data_schema}}}
-    if declared_endpoint.form:
-        operation["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {
-            "schema": {"type": "object", "required": list(declared_endpoint.form),
-                       "properties": {field: _STRING for field in declared_endpoint.form}}}}}
-    if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
-        required = surface is Surface.API or bool(SCHEMAS[declared_endpoint.request]["required"])
-        operation["requestBody"] = {"required": required, "content": {"application/json": {
-            "schema": _ref(declared_endpoint.request), "example": _example(_ref(declared_endpoint.request))}}}
-    return operation
-
-
 def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
     """OpenAPI 3.1 of ``endpoints``, from their declarations, with ``base_url`` as the server."""
     paths: dict[str, dict] = {}
@@ -5397,6 +5342,61 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
             },
         },
     }
+
+
+def _operation(declared_endpoint: Endpoint, head: bool = False) -> dict:
+    """The declared endpoint as an OpenAPI operation (HEAD: a GET's, answered without a body)."""
+    surface = declared_endpoint.surface
+    media = (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]
+    data_schema = _schema_ref(declared_endpoint.response)
+    success = data_schema if declared_endpoint.media else {
+        "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
+        "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
+                       "success": {"const": True}, "code": {"const": SUCCESS_CODE},
+                       "message": {"const": "SUCCESS"}, "data": data_schema}}
+    name = ("head_" if head else "") + declared_endpoint.name
+    description = [(declared_endpoint.summary + ".") if not head else
+                   f"As GET (`{declared_endpoint.name}`), without the body: the same status and headers.",
+                   _SURFACE_AUTH[surface].format(scope=declared_endpoint.scope)]
+    if declared_endpoint.rules:  # what no JSON Schema can say, stated so that a client knows
+        description.append("Beyond the schema, S012 INVALID_PARAMETER names the field when:\n" + "\n".join(
+            f"- `{field}`: {rule}" for field, rule in declared_endpoint.rules))
+    ok: dict[str, Any] = {"description": "SUCCESS",
+                          "headers": _headers(*_HEADERS, *(_REPLAYED if name == "create_transfer" else ()))}
+    if not head:
+        example = _example(success) if success.get("type") != "string" else "<!doctype html>"
+        ok["content"] = {media: {"schema": success, "example": example}}
+    operation: dict[str, Any] = {
+        "operationId": name if surface is not Surface.ADMIN else f"admin_{name}",
+        "summary": declared_endpoint.summary + (" (HEAD)" if head else ""),
+        "description": "\n\n".join(description), "tags": [surface],
+        "parameters": [_path_parameter(name) for name in declared_endpoint.path_names]
+        + list(declared_endpoint.query) + _LANGUAGE_PARAMETERS,
+        "responses": {"200": ok, **_error_responses(declared_endpoint.errors_answered, head)}}
+    if surface is not Surface.CONSOLE:
+        operation["security"] = {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
+                                 Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}],
+                                 Surface.PUBLIC: []}[surface]
+    else:
+        operation["security"] = []
+    if declared_endpoint.links and not head:  # (to an operation of the same surface)
+        operation["responses"]["200"]["links"] = {
+            link: {"operationId": f"admin_{target}" if surface is Surface.ADMIN else target,
+                   "parameters": {PATH_PARAMETERS[parameter][0]: where
+                                  for parameter, where in parameters.items()}}
+            for link, target, parameters in declared_endpoint.links}
+    for status, answer in declared_endpoint.answers:
+        operation["responses"][str(status)] = {"description": answer,
+                                               "content": {media: {"schema": data_schema}}}
+    if declared_endpoint.form:
+        operation["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {
+            "schema": {"type": "object", "required": list(declared_endpoint.form),
+                       "properties": {field: _STRING for field in declared_endpoint.form}}}}}
+    if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
+        required = surface is Surface.API or bool(SCHEMAS[declared_endpoint.request]["required"])
+        operation["requestBody"] = {"required": required, "content": {"application/json": {
+            "schema": _ref(declared_endpoint.request), "example": _example(_ref(declared_endpoint.request))}}}
+    return operation
 
 
 # Rules a schema cannot state, shared by several operations (Endpoint.rules).
