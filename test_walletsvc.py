@@ -2370,6 +2370,293 @@ values = ["0.01", "1.00", "10", "250.50", "999999999999999.99"]
     sandbox.audit()  # and the money held
 
 
+# The document as client generators and validators read it (docs/reference.md, "The OpenAPI document").
+
+
+def _served_document(svc) -> dict:
+    return webtest.TestApp(walletsvc.create_app(svc, admin_token="t")).get("/openapi.json").json
+
+
+def _schemas_in(node: Any, where: str = "#") -> Any:
+    """Every (where, schema) of the document: each object under a schema keyword, recursively."""
+    if isinstance(node, dict):
+        if "type" in node or "$ref" in node or "enum" in node:
+            yield where, node
+        for key, value in node.items():
+            yield from _schemas_in(value, f"{where}/{key}")
+    elif isinstance(node, list):
+        for index, value in enumerate(node):
+            yield from _schemas_in(value, f"{where}/{index}")
+
+
+def _operations(document: dict) -> list[tuple[str, str, dict]]:
+    return [(method, path, operation) for path, methods in document["paths"].items()
+            for method, operation in methods.items()]
+
+
+def test_orders_wallet_completed_is_the_completion_check_of_the_order_wallet(walletsvc_sandbox) -> None:
+    """Issue 37, item 1: /orders/wallet/completed was the wallet "completed"'s orders (404 W1001, a code the
+    operation does not list). A wallet id starts wal_ (the document's WalletId), so "completed" is none:
+    the path is the completion check of the order whose bizId is "wallet" (docs/contract.md, Endpoints)."""
+    sandbox = walletsvc_sandbox
+    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
+    sandbox.client.create_transfer(alice, bob, "1.00", "USD", biz_id="wallet")
+    api = Api(webtest.TestApp(sandbox.app), sandbox.key, lambda: sandbox.clock())
+    orders = "/api/v1/transfer/query/orders"
+    assert data(api.get(f"{orders}/wallet/completed")) == {
+        "bizId": "wallet", "transferId": data(api.get(f"{orders}/wallet"))["transferId"],
+        "status": "COMPLETED", "completed": True}
+    assert [order["bizId"] for order in data(api.get(f"{orders}/wallet/{alice}"))["content"]] == ["wallet"]
+    schemas = webtest.TestApp(sandbox.app).get("/openapi.json").json["components"]["schemas"]
+    assert not re.search(schemas["WalletId"]["pattern"], "completed")
+    assert re.search(schemas["BizId"]["pattern"], "wallet")
+    assert re.search(schemas["WalletId"]["pattern"], alice)
+
+
+def test_a_body_is_one_object_schema_with_its_currency_rule_as_if_then(svc) -> None:
+    """Issue 37, item 2: anyOf branches that each listed part of the transfer body made generators lose its
+    fields. Each body is one object with every field; the amount's decimals follow the currency through
+    allOf of if/then, which a validator still applies (JPY 1.5 refused, 15 taken)."""
+    import jsonschema
+    import referencing
+
+    document = _served_document(svc)
+    schemas = document["components"]["schemas"]
+    registry = referencing.Registry().with_resource(
+        "urn:walletsvc", referencing.Resource.from_contents(document, referencing.jsonschema.DRAFT202012))
+    for name in ("CreateTransfer", "FaultBody", "ScenarioBody", "AmountBody"):
+        assert "anyOf" not in json.dumps(schemas[name]), name
+    transfer = schemas["CreateTransfer"]
+    assert set(transfer["properties"]) == {"sourceWalletId", "targetWalletId", "amount", "currency", "bizId",
+                                           "description"}
+    assert all(set(rule) == {"if", "then"} for rule in transfer["allOf"])
+
+    def valid(amount: str, currency: str) -> bool:
+        body = {"sourceWalletId": "wal_a", "targetWalletId": "wal_b", "amount": amount, "currency": currency}
+        validator = jsonschema.Draft202012Validator(
+            {"$ref": "urn:walletsvc#/components/schemas/CreateTransfer"}, registry=registry)
+        return validator.is_valid(body)
+    assert (valid("15", "JPY"), valid("1.5", "JPY"), valid("1.50", "USD"), valid("1.500", "KWD")) == (
+        True, False, True, True)
+    wallet = schemas["ScenarioBody"]["properties"]["workspaces"]["items"]["properties"]["wallets"]["items"]
+    assert {"id", "name", "currency", "balance"} <= set(wallet["properties"]) and "allOf" in wallet
+
+
+def test_shared_things_are_named_once(svc) -> None:
+    """Issue 37, item 3: every error answer was an inline allOf with its own enums (335 error classes, six
+    Currency enums in the generated client). One Error, one Currency, one of each status, referenced."""
+    document = _served_document(svc)
+    enums = [json.dumps(sorted(schema["enum"])) for _, schema in _schemas_in(document) if "enum" in schema]
+    for values in (["USD", "JPY"], ["ACTIVE", "FROZEN", "CLOSED"], ["PENDING", "COMPLETED", "FAILED"],
+                   ["DEPOSIT", "WITHDRAWAL", "TRANSFER_OUT", "TRANSFER_IN"], ["DEBIT", "CREDIT"]):
+        holding = [enum for enum in enums if set(values) <= set(json.loads(enum))]
+        assert len(holding) == 1, (values, len(holding))
+    errors = [answer["content"]["application/json"]["schema"] for _, _, operation in _operations(document)
+              for status, answer in operation["responses"].items()
+              if status >= "400" and "content" in answer and "text/html" not in answer["content"]]
+    assert errors and all(schema == {"$ref": "#/components/schemas/Error"} for schema in errors)
+    assert {"Error", "Currency", "WalletStatus", "TransferStatus", "FlowType", "FlowDirection", "Scope",
+            "BizId", "WalletId"} <= set(document["components"]["schemas"])
+
+
+def test_path_parameters_are_named_as_the_contract_writes_them_and_refuse_an_empty_id(svc) -> None:
+    """Issue 37, items 4 and 11: path parameters were {wallet_id}, {biz_id}, any string (so an empty id,
+    which answers 403 50090201 or 404 S404, was allowed). They are {walletId}, {bizId}... each with its
+    id's pattern."""
+    document = _served_document(svc)
+    schemas = document["components"]["schemas"]
+    assert "/api/v1/wallets/{walletId}/balance" in document["paths"]
+    assert "/api/v1/transfer/query/orders/{bizId}/completed" in document["paths"]
+    named = set()
+    for _, path, operation in _operations(document):
+        for parameter in operation["parameters"]:
+            if parameter["in"] == "path":
+                schema = schemas[parameter["schema"]["$ref"].rsplit("/", 1)[1]]
+                assert not re.search(schema["pattern"], ""), (path, parameter["name"])
+                assert "{" + parameter["name"] + "}" in path and "_" not in parameter["name"]
+                named.add(parameter["name"])
+    assert named == {"walletId", "bizId", "workspaceId", "memberId", "apiKey", "faultId"}
+
+
+def test_a_fault_rule_with_an_empty_code_is_s012_whatever_its_action(walletsvc_sandbox) -> None:
+    """Issue 37, item 5: {"code": ""} (the document: minLength 1) was taken unless the action was error."""
+    sandbox = walletsvc_sandbox
+    admin = webtest.TestApp(sandbox.app)
+    for action in ("latency", "error", "commit_then_fail"):
+        answer = admin.post_json("/_admin/faults", {"action": action, "code": ""}, expect_errors=True,
+                                 headers={"Authorization": f"Bearer {sandbox.admin_token}"})
+        assert (answer.status_int, answer.json["code"], "'code'" in answer.json["detail"]) == (
+            400, "S012", True)
+    assert sandbox.service.faults.rules() == []
+
+
+def test_every_header_a_client_sends_or_receives_is_declared(walletsvc_sandbox) -> None:
+    """Issue 37, item 6: X-LOCALE (the contract's) and Accept-Language on every operation; Content-Language
+    and Cache-Control on every answer, Idempotent-Replayed on a created transfer; and a real answer
+    carries no header its operation does not declare."""
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    document = app.get("/openapi.json").json
+    for method, path, operation in _operations(document):
+        assert {("X-LOCALE", "header"), ("Accept-Language", "header")} <= {
+            (parameter["name"], parameter["in"]) for parameter in operation["parameters"]}, (method, path)
+        for status, answer in operation["responses"].items():
+            if status in ("200", "400", "401", "404"):
+                assert {"Content-Language", "Cache-Control"} <= set(answer["headers"]), (method, path, status)
+    create = document["paths"][TRANSFER_PATH]["post"]["responses"]["200"]["headers"]
+    assert "Idempotent-Replayed" in create
+    declared = {name.lower() for name in create} | {"content-type", "content-length"}
+    api = Api(app, sandbox.key, lambda: sandbox.clock())
+    body = {"sourceWalletId": sandbox.wallets["alice"]["id"], "targetWalletId": sandbox.wallets["bob"]["id"],
+            "amount": "1.00", "currency": "USD", "bizId": "declared-headers"}
+    api.transfer(body)
+    again = api.transfer(body, **{"X-LOCALE": "zh-CN"})
+    assert again.headers["Idempotent-Replayed"] == "true" and again.headers["Content-Language"] == "zh-CN"
+    assert {name.lower() for name in again.headers} <= declared
+    assert "Allow" in document["info"]["description"]  # a 405's, outside /api/ (see the next test)
+
+
+def test_every_status_the_server_answers_is_listed(demo_server) -> None:
+    """Issue 37, item 7: headers over 64 KiB and an unsupported Transfer-Encoding, which serve's HTTP server
+    refuses itself; HEAD, answered wherever GET is; and 405 with Allow outside /api/ (info says so)."""
+    import http.client
+
+    server, _ = demo_server
+    document = requests.get(server.url + "/openapi.json", timeout=10).json()
+
+    def raw(method: str, path: str, **headers: str) -> tuple[int, dict]:
+        connection = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+        connection.putrequest(method, path, skip_accept_encoding=True)
+        for name, value in headers.items():
+            connection.putheader(name, value)
+        connection.endheaders()
+        answer = connection.getresponse()
+        payload = answer.read()
+        connection.close()
+        return answer.status, json.loads(payload) if payload else {}
+
+    seen = set()
+    for path, method in (("/healthz", "get"), (TRANSFER_PATH, "post")):
+        answers = document["paths"][path][method]["responses"]
+        for status, envelope in (raw(method.upper(), path, **{"X-Big": "x" * 70000}),
+                                 raw(method.upper(), path, **{"Transfer-Encoding": "gzip"})):
+            assert envelope["code"] in answers[str(status)]["content"]["application/json"]["examples"], (
+                path, status)
+            seen.add(status)
+    assert 431 in seen and len(seen) == 2  # (the other: the Transfer-Encoding's, whichever it is)
+    status, _ = raw("HEAD", "/healthz")
+    assert status == 200 and "200" in document["paths"]["/healthz"]["head"]["responses"]
+    refused = requests.delete(server.url + "/healthz", timeout=10)
+    assert (refused.status_code, refused.json()["code"], refused.headers["Allow"]) == (405, "S405", "GET")
+    assert "405 S405 METHOD_NOT_ALLOWED with an Allow header" in document["info"]["description"]
+
+
+def test_the_document_alone_says_how_to_sign_and_names_the_console_cookie_as_sent(walletsvc_sandbox) -> None:
+    """Issue 37, item 8: the recipe was one line, and the cookie was named walletsvc_console_PORT. The
+    Signature scheme says all that docs/signing.md says a signer needs; the cookie is named as sent."""
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app, extra_environ={"HTTP_HOST": "127.0.0.1:57437"})
+    document = app.get("/openapi.json").json
+    recipe = document["components"]["securitySchemes"]["Signature"]["description"]
+    for fact in ("without the query string", "mounted under", "/payments/api/v1/wallets",
+                 hashlib.sha256(b"").hexdigest(), "joined with LF", "no trailing LF", "Base64",
+                 "standard alphabet", "UTF-8", "upper case", "lowercase hex", "service's time",
+                 "`timestamp`", "unique per key"):
+        assert fact in recipe, fact
+    assert document["externalDocs"]["url"]
+    login = app.post("/_admin/console", {"token": sandbox.admin_token})
+    cookie = login.headers["Set-Cookie"].split("=", 1)[0]
+    assert cookie == document["components"]["securitySchemes"]["ConsoleSession"]["name"] == (
+        "walletsvc_console_57437")
+
+
+def test_free_form_objects_say_what_they_hold(svc) -> None:
+    """Issue 37, item 9: an object schema with neither properties nor additionalProperties (the journal's
+    headers, a fault rule's query, headers and body, a violation's rows) is Record<string, never> to
+    openapi-typescript: each says what it holds."""
+    document = _served_document(svc)
+    def objects(schema: dict) -> bool:
+        kinds = schema.get("type")
+        return "object" in (kinds if isinstance(kinds, list) else [kinds])
+
+    silent = [where for where, schema in _schemas_in(document)
+              if objects(schema) and "properties" not in schema and "additionalProperties" not in schema]
+    assert silent == []
+    entry = document["components"]["schemas"]["JournalEntry"]["properties"]["headers"]
+    assert entry["additionalProperties"] == {"type": "string"}
+
+
+def test_the_journals_query_and_header_filters_are_declared_and_work(walletsvc_sandbox) -> None:
+    """Issue 37, item 10: query.NAME and header.NAME worked but were not declared. They are the declared
+    deepObject parameters query and header (query[NAME]=VALUE); the dotted form still works."""
+    sandbox = walletsvc_sandbox
+    app = webtest.TestApp(sandbox.app)
+    admin = {"Authorization": f"Bearer {sandbox.admin_token}"}
+    journal = app.get("/openapi.json").json["paths"]["/_admin/journal"]["get"]
+    parameters = {parameter["name"]: parameter for parameter in journal["parameters"]}
+    assert {parameters[name]["style"] for name in ("query", "header")} == {"deepObject"}
+    sandbox.client.list_wallets(size="1")
+    sandbox.client.list_wallets(size="2")
+    for query in ("query[size]=2", "query.size=2", f"header[X-Api-Key]={sandbox.key['apiKey']}&query[size]=2"):
+        entries = data(app.get(f"/_admin/journal?{query}", headers=admin))["content"]
+        assert [entry["query"] for entry in entries] == ["size=2"], query
+
+
+def test_every_operation_is_described_tagged_and_licensed(svc) -> None:
+    """Issue 37, item 11: 41 of 51 operations and 70 of 89 parameters had no description, no schema one,
+    tags were not declared, no license or contact."""
+    document = _served_document(svc)
+    assert document["info"]["license"]["identifier"] == "MIT" and document["info"]["contact"]
+    used = {tag for _, _, operation in _operations(document) for tag in operation["tags"]}
+    assert used == {tag["name"] for tag in document["tags"]}
+    assert all(tag["description"] for tag in document["tags"])
+    for method, path, operation in _operations(document):
+        assert operation["description"] and all(parameter.get("description")
+                                                 for parameter in operation["parameters"]), (method, path)
+        ok = operation["responses"]["200"]
+        assert method == "head" or "example" in next(iter(ok["content"].values())), (method, path)
+        if "requestBody" in operation and "application/json" in operation["requestBody"]["content"]:
+            assert "example" in operation["requestBody"]["content"]["application/json"], (method, path)
+    assert all(schema.get("description") for schema in document["components"]["schemas"].values())
+
+
+def test_every_example_validates_against_its_schema(svc) -> None:
+    """docs/reference.md: each example of the document (request and response bodies, each error's, each
+    schema's own) is valid against its schema."""
+    import jsonschema
+    import referencing
+
+    document = _served_document(svc)
+    registry = referencing.Registry().with_resource(
+        "urn:walletsvc", referencing.Resource.from_contents(document, referencing.jsonschema.DRAFT202012))
+
+    def check(schema: dict, value: Any, where: str) -> None:
+        pointer = json.dumps(schema)
+        resolved = json.loads(pointer.replace('"#/components', '"urn:walletsvc#/components'))
+        errors = list(jsonschema.Draft202012Validator(resolved, registry=registry,
+                                                      format_checker=jsonschema.FormatChecker()).iter_errors(value))
+        assert not errors, (where, value, errors[0].message)
+
+    checked = 0
+    for method, path, operation in _operations(document):
+        bodies = [("request", operation.get("requestBody", {}).get("content", {}))]
+        bodies += [(status, answer.get("content", {})) for status, answer in operation["responses"].items()]
+        for status, content in bodies:
+            for media in content.values():
+                if "example" in media:
+                    check(media["schema"], media["example"], f"{method} {path} {status}")
+                    checked += 1
+                for example in media.get("examples", {}).values():
+                    value = document["components"]["examples"][example["$ref"].rsplit("/", 1)[1]]["value"]
+                    check(media["schema"], value, f"{method} {path} {status}")
+                    checked += 1
+    for where, schema in _schemas_in(document["components"]["schemas"]):
+        for value in schema.get("examples", []):
+            check(schema, value, where)
+            checked += 1
+    assert checked > 500
+
+
 ###############################################################################
 # HTTP surfaces: one request path, whatever hosts the app (docs/reference.md) ###
 ###############################################################################

@@ -3964,7 +3964,8 @@ SHARED_SCHEMAS: Mapping[str, dict] = {
     "Scope": {**_enum(SCOPES), "description": "what an API key may call (docs/contract.md, Scopes)"},
     "BizId": {"type": "string", "pattern": f"^{_ID.pattern}$", "examples": ["order-1001"],
               "description": "the caller's id of a transfer order (an order without one: its transferId)"},
-    "WalletId": {"type": "string", "pattern": _id_pattern("wal_"), "examples": ["wal_demo_alice_usd"],
+    "WalletId": {"type": "string", "pattern": _id_pattern("wal_"),
+                 "examples": ["wal_0190c2d5a1b2c3d4e5f6a7b8c9d0e1f2"],
                  "description": "a wallet's id"},
     "WorkspaceId": {"type": "string", "pattern": _id_pattern("ws_"), "description": "a workspace's id"},
     "MemberId": {"type": "string", "pattern": _id_pattern("mem_"), "description": "a member's id"},
@@ -4111,7 +4112,7 @@ SCHEMAS: Mapping[str, dict] = {
                                     "type": "array", "items": _scenario_schema("workspaces")}}, [],
                                description="A scenario: the built-in demo, or workspaces (docs/sandbox.md);"
                                            " neither: the scenario the sandbox started from"),
-                     "not": {"properties": {"scenario": True, "workspaces": True},
+                     "not": {"properties": {"scenario": {}, "workspaces": {}},
                              "required": ["scenario", "workspaces"]}},
     "WorldWorkspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME,
                                "members": _array("Member"), "keys": _array("ApiKey"),
@@ -5386,7 +5387,7 @@ def _operation(declared_endpoint: Endpoint, head: bool = False) -> dict:
                                   for parameter, where in parameters.items()}}
             for link, target, parameters in declared_endpoint.links}
     for status, answer in declared_endpoint.answers:
-        operation["responses"][str(status)] = {"description": answer,
+        operation["responses"][str(status)] = {"description": answer, "headers": _headers(*_HEADERS),
                                                "content": {media: {"schema": data_schema}}}
     if declared_endpoint.form:
         operation["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {
@@ -5504,7 +5505,9 @@ class WalletApi:
         return {"status": "ok", "version": __version__}
 
     @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)",
-              response={"type": "object"}, media=JSON_CONTENT_TYPE)
+              response={"type": "object", "additionalProperties": True,
+                        "description": "an OpenAPI 3.1 document"},
+              media=JSON_CONTENT_TYPE)
     def openapi(self, call: Call) -> dict:
         environ = call.request.environ
         host = (environ.get("HTTP_HOST")
