@@ -2597,7 +2597,8 @@ def test_the_journals_query_and_header_filters_are_declared_and_work(walletsvc_s
     assert {parameters[name]["style"] for name in ("query", "header")} == {"deepObject"}
     sandbox.client.list_wallets(size="1")
     sandbox.client.list_wallets(size="2")
-    for query in ("query[size]=2", "query.size=2", f"header[X-Api-Key]={sandbox.key['apiKey']}&query[size]=2"):
+    key = sandbox.key["apiKey"]
+    for query in ("query[size]=2", "query.size=2", f"header[X-Api-Key]={key}&query[size]=2"):
         entries = data(app.get(f"/_admin/journal?{query}", headers=admin))["content"]
         assert [entry["query"] for entry in entries] == ["size=2"], query
 
