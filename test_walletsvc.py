@@ -29,6 +29,7 @@ import os
 import pathlib
 import re
 import shlex
+import shutil
 import sqlite3
 import subprocess
 import sys
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from typing import Any
 
 import bottle
+import httpx
 import hypothesis
 import hypothesis.strategies as st
 import pytest
@@ -2294,6 +2296,22 @@ def positive_data_accepted_or_a_stated_rule(ctx: Any, response: Any, case: Any) 
                              f"{detail}")
 
 
+def error_code_listed(ctx: Any, response: Any, case: Any) -> None:
+    """An error answer's code is one its operation lists for that status (docs/reference.md: the one Error
+    schema, the codes of each operation as its examples)."""
+    if response.status_code < 400 or case.method.upper() != case.operation.method.upper():
+        return  # (a method the path does not serve: Schemathesis's own check wants its 405 and Allow)
+    try:
+        code = response.json().get("code")
+    except (ValueError, AttributeError):
+        return
+    answer = case.operation.definition.raw["responses"].get(str(response.status_code), {})
+    listed = answer.get("content", {}).get("application/json", {}).get("examples", {})
+    if code not in listed:
+        raise AssertionError(f"{response.status_code} {code}: not listed by {case.operation.label} "
+                             f"(it lists {', '.join(listed) or 'none'})")
+
+
 # Examples per operation (the API's 11 get more than the admin surface's 40), and a fixed seed, so that
 # CI is repeatable: about 30 s together.
 SCHEMATHESIS_EXAMPLES, SCHEMATHESIS_SEED = {"api": 25, "admin": 6}, 1
@@ -2302,15 +2320,17 @@ SCHEMATHESIS_EXAMPLES, SCHEMATHESIS_SEED = {"api": 25, "admin": 6}, 1
 @pytest.mark.parametrize("surface", ["api", "admin"])
 def test_schemathesis_finds_no_gap_between_the_document_and_the_server(tmp_path, surface: str) -> None:
     """docs/reference.md, judged by Schemathesis (all its phases and checks): every response matches the
-    document (statuses, error codes, headers, bodies), and the server refuses nothing the document
-    allows but BUSINESS_RULES and the rules the document states. The admin surface runs on a sandbox
+    document (statuses, headers, bodies: no ST108; each error's code one its operation lists:
+    error_code_listed), the server refuses nothing the document allows but BUSINESS_RULES and the rules
+    the document states, and accepts nothing it forbids (no ST201: empty ids, an empty fault code). The admin surface runs on a sandbox
     of its own: its fault rules and clock would otherwise reach the API's requests."""
     import click.testing
     import schemathesis
     import schemathesis.cli
 
-    if positive_data_accepted_or_a_stated_rule.__name__ not in schemathesis.checks.CHECKS.get_all_names():
-        schemathesis.check(positive_data_accepted_or_a_stated_rule)
+    for check in (positive_data_accepted_or_a_stated_rule, error_code_listed):
+        if check.__name__ not in schemathesis.checks.CHECKS.get_all_names():
+            schemathesis.check(check)
     sandbox = walletsvc.Sandbox.create()
     server = walletsvc.LiveServer(SchemathesisSigner(sandbox.app, sandbox.key, sandbox.clock))
     STATED_RULES.update(stated_rules(requests.get(server.url + "/openapi.json", timeout=10).json()))
@@ -2656,6 +2676,202 @@ def test_every_example_validates_against_its_schema(svc) -> None:
             check(schema, value, where)
             checked += 1
     assert checked > 500
+
+
+# The outsiders' tools, run on the served document: pinned, installed once into a cache folder this suite
+# owns (WALLETSVC_TOOLS_CACHE, else ~/.cache/walletsvc), and required where WALLETSVC_LANGUAGES=required.
+NPM_TOOLS = {"openapi-typescript": "7.13.0", "typescript": "5.9.3", "@redocly/cli": "2.77.0"}
+# Redocly's recommended rules, but two that cannot read this document: no-ambiguous-paths compares path
+# templates, not the patterns of their parameters (/orders/wallet/{walletId} and /orders/{bizId}/completed
+# meet only where walletId is "completed", which WalletId's pattern refuses: docs/contract.md, Endpoints);
+# and its example check would add additionalProperties: false to the if/then of a body, which are not
+# objects of their own (every body schema states additionalProperties itself).
+REDOCLY_CONFIG = """\
+extends:
+  - recommended
+rules:
+  no-ambiguous-paths: off
+  no-invalid-media-type-examples:
+    severity: warn
+    allowAdditionalProperties: true
+"""
+
+
+def _required_tool(*names: str) -> None:
+    missing = [name for name in names if not shutil.which(name)]
+    if missing:
+        if os.environ.get("WALLETSVC_LANGUAGES") == "required":
+            raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
+        pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
+
+
+@pytest.fixture(scope="session")
+def npm_tools() -> pathlib.Path:
+    """The folder of NPM_TOOLS' commands, installed on first use (about 10 s), then reused."""
+    _required_tool("node", "npm")
+    pins = sorted(f"{name}@{version}" for name, version in NPM_TOOLS.items())
+    cache = pathlib.Path(os.environ.get("WALLETSVC_TOOLS_CACHE") or pathlib.Path.home() / ".cache" / "walletsvc")
+    folder = cache / ("npm-" + hashlib.sha256(" ".join(pins).encode()).hexdigest()[:12])
+    if not (folder / "node_modules" / ".bin" / "tsc").exists():
+        building = cache / f"{folder.name}.{os.getpid()}"  # then renamed: a parallel worker sees all or nothing
+        subprocess.run(["npm", "install", "--no-audit", "--no-fund", "--no-save", "--prefix", str(building), *pins],
+                       check=True, capture_output=True, timeout=600)
+        with contextlib.suppress(OSError):  # (another worker got there first)
+            building.rename(folder)
+    return folder / "node_modules" / ".bin"
+
+
+class DocumentSigner(httpx.Auth):
+    """An httpx.Auth written from the served document's Signature scheme alone: the raw path without the
+    query, the exact body (b"" when none), LF-joined, Base64 HMAC-SHA256, at the service's time (an
+    envelope's timestamp)."""
+
+    requires_request_body = True
+
+    def __init__(self, key: dict, service_ms: int) -> None:
+        self.key, self.offset = key, service_ms / 1000 - time.time()
+
+    def auth_flow(self, request: Any) -> Any:
+        timestamp, nonce = str(int(time.time() + self.offset)), str(uuid.uuid4())
+        path = request.url.raw_path.split(b"?", 1)[0].decode("ascii")
+        request.headers.update({
+            "X-Api-Key": self.key["apiKey"], "X-Timestamp": timestamp, "X-Nonce": nonce,
+            "X-Signature": spec_signature(self.key["secret"], request.method, path, timestamp, nonce,
+                                          request.content)})
+        yield request
+
+
+def test_openapi_python_client_makes_one_transfer_model_and_parses_every_real_answer(tmp_path,
+                                                                                     monkeypatch) -> None:
+    """Issue 37: the transfer body is one model with its six fields, and a client generated from the served
+    document (signed by DocumentSigner) creates a transfer and parses the real answers of the nine API
+    operations, their errors into the one Error model."""
+    import importlib
+
+    generator = shutil.which("openapi-python-client", path=os.path.dirname(sys.executable)) or shutil.which(
+        "openapi-python-client")
+    assert generator, "openapi-python-client is a test dependency (setup.cfg)"
+    sandbox = walletsvc.Sandbox.create()
+    server = walletsvc.LiveServer(sandbox.app)
+    try:
+        made = subprocess.run([generator, "generate", "--url", server.url + "/openapi.json", "--meta", "none",
+                               "--output-path", str(tmp_path / "walletsvc_client")],
+                              capture_output=True, text=True, timeout=120)
+        assert made.returncode == 0 and "Warning" not in made.stdout, made.stdout + made.stderr
+        monkeypatch.syspath_prepend(str(tmp_path))
+        for name in [name for name in sys.modules if name.startswith("walletsvc_client")]:
+            monkeypatch.delitem(sys.modules, name)
+        generated = importlib.import_module("walletsvc_client")
+        models = importlib.import_module("walletsvc_client.models")
+        api = {name: importlib.import_module(f"walletsvc_client.api.api.{name}") for name in (
+            "list_wallets", "get_wallet", "get_balance", "list_flows", "create_transfer", "list_transfers",
+            "list_wallet_transfers", "get_transfer", "transfer_completed")}
+        fields = {field.name for field in __import__("attrs").fields(models.CreateTransfer)}
+        assert fields == {"source_wallet_id", "target_wallet_id", "amount", "currency", "biz_id", "description"}
+        assert not [name for name in dir(models) if name.startswith("CreateTransferType")]
+
+        service_ms = httpx.get(server.url + "/healthz").json()["timestamp"]
+        client = generated.Client(base_url=server.url, raise_on_unexpected_status=True,
+                                  httpx_args={"auth": DocumentSigner(sandbox.key, service_ms)})
+        alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
+        body = models.CreateTransfer(source_wallet_id=alice, target_wallet_id=bob, amount="2.50",
+                                     currency=models.Currency.USD, biz_id="wallet", description="generated")
+        created = api["create_transfer"].sync(client=client, body=body).data
+        assert (created.status, created.amount, created.biz_id) == (models.TransferStatus.COMPLETED, "2.50",
+                                                                    "wallet")
+        answers = {
+            "list_wallets": api["list_wallets"].sync(client=client, sort=["name,asc"]).data.content[0].name,
+            "get_wallet": api["get_wallet"].sync(alice, client=client).data.status,
+            "get_balance": api["get_balance"].sync(alice, client=client).data.available,
+            "list_flows": api["list_flows"].sync(alice, client=client).data.content[0].direction,
+            "list_transfers": api["list_transfers"].sync(client=client).data.page.total_elements,
+            "list_wallet_transfers": api["list_wallet_transfers"].sync(bob, client=client).data.content[0].biz_id,
+            "get_transfer": api["get_transfer"].sync("wallet", client=client).data.description,
+            "transfer_completed": api["transfer_completed"].sync("wallet", client=client).data.completed}
+        assert answers == {"list_wallets": "alice", "get_wallet": models.WalletStatus.ACTIVE,
+                           "get_balance": "997.50", "list_flows": models.FlowDirection.DEBIT,
+                           "list_transfers": 1, "list_wallet_transfers": "wallet", "get_transfer": "generated",
+                           "transfer_completed": True}
+        missing = api["get_wallet"].sync("wal_missing", client=client, x_locale="zh-CN")
+        assert (type(missing), missing.code, missing.message) == (models.Error, "W1001", "WALLET_NOT_FOUND")
+        replayed = api["create_transfer"].sync_detailed(client=client, body=body)
+        assert replayed.headers["Idempotent-Replayed"] == "true" and replayed.parsed.data.biz_id == "wallet"
+    finally:
+        server.stop()
+
+
+def _recorded_answers(sandbox: walletsvc.Sandbox) -> dict[str, tuple[str, str, int, Any]]:
+    """Real answers of the nine API operations (successes and an error each), and of the journal."""
+    app = webtest.TestApp(sandbox.app)
+    api = Api(app, sandbox.key, lambda: sandbox.clock())
+    alice, bob = sandbox.wallets["alice"]["id"], sandbox.wallets["bob"]["id"]
+    orders = "/api/v1/transfer/query/orders"
+    created = api.transfer({"sourceWalletId": alice, "targetWalletId": bob, "amount": "3.00",
+                            "currency": "USD", "bizId": "typed"})
+    calls = {
+        "create_transfer": ("post", TRANSFER_PATH, created),
+        "list_wallets": ("get", "/api/v1/wallets", api.get("/api/v1/wallets")),
+        "get_wallet": ("get", "/api/v1/wallets/{walletId}", api.get(f"/api/v1/wallets/{alice}")),
+        "get_balance": ("get", "/api/v1/wallets/{walletId}/balance", api.get(f"/api/v1/wallets/{alice}/balance")),
+        "list_flows": ("get", "/api/v1/wallets/{walletId}/flows", api.get(f"/api/v1/wallets/{alice}/flows")),
+        "list_transfers": ("get", orders, api.get(orders)),
+        "list_wallet_transfers": ("get", orders + "/wallet/{walletId}", api.get(f"{orders}/wallet/{bob}")),
+        "get_transfer": ("get", orders + "/{bizId}", api.get(f"{orders}/typed")),
+        "transfer_completed": ("get", orders + "/{bizId}/completed", api.get(f"{orders}/typed/completed")),
+        "get_wallet (W1001)": ("get", "/api/v1/wallets/{walletId}", api.get("/api/v1/wallets/wal_gone")),
+        "get_transfer (T1001)": ("get", orders + "/{bizId}", api.get(f"{orders}/gone")),
+        "create_transfer (T2001)": ("post", TRANSFER_PATH, api.transfer({
+            "sourceWalletId": alice, "targetWalletId": bob, "amount": "99999.00", "currency": "USD"})),
+        "journal": ("get", "/_admin/journal", app.get("/_admin/journal", headers={
+            "Authorization": f"Bearer {sandbox.admin_token}"})),
+    }
+    return {name: (method, path, answer.status_int, answer.json) for name, (method, path, answer) in calls.items()}
+
+
+def test_openapi_typescript_types_every_recorded_answer(walletsvc_sandbox, npm_tools, tmp_path) -> None:
+    """Issue 37: the types openapi-typescript makes of the served document hold real answers (the nine API
+    operations, errors, the journal's entries with their headers): tsc --strict finds 0 errors, and an
+    answer with a field the document lacks is one."""
+    sandbox = walletsvc_sandbox
+    (tmp_path / "openapi.json").write_text(json.dumps(webtest.TestApp(sandbox.app).get("/openapi.json").json))
+    subprocess.run([str(npm_tools / "openapi-typescript"), "openapi.json", "-o", "schema.d.ts"], cwd=tmp_path,
+                   check=True, capture_output=True, timeout=120)
+    answers = _recorded_answers(sandbox)
+    lines = ['import type { paths } from "./schema";']
+    for number, (method, path, status, body) in enumerate(answers.values()):
+        lines.append(f'export const answer{number}: paths["{path}"]["{method}"]["responses"][{status}]'
+                     f'["content"]["application/json"] = {json.dumps(body)};')
+    (tmp_path / "answers.ts").write_text("\n".join(lines) + "\n")
+    broken = dict(answers["get_wallet"][3], data={**answers["get_wallet"][3]["data"], "colour": "red"})
+    (tmp_path / "broken.ts").write_text(
+        'import type { paths } from "./schema";\nexport const wrong: paths["/api/v1/wallets/{walletId}"]["get"]'
+        f'["responses"][200]["content"]["application/json"] = {json.dumps(broken)};\n')
+    options = ["--noEmit", "--strict", "--target", "es2022", "--module", "esnext", "--moduleResolution", "bundler"]
+    typed = subprocess.run([str(npm_tools / "tsc"), *options, "answers.ts"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert typed.returncode == 0, typed.stdout[-5000:]
+    wrong = subprocess.run([str(npm_tools / "tsc"), *options, "broken.ts"], cwd=tmp_path, capture_output=True,
+                           text=True, timeout=120)
+    assert "TS2353" in wrong.stdout and "colour" in wrong.stdout  # an unknown property
+    assert len(answers) == 13 and answers["journal"][3]["data"]["content"][0]["headers"]
+
+
+def test_redocly_lint_finds_nothing_in_the_served_document(npm_tools, tmp_path) -> None:
+    """Issue 37: @redocly/cli lint (its recommended rules, REDOCLY_CONFIG) reports 0 errors and 0 warnings
+    on the document a server serves (both surfaces)."""
+    sandbox = walletsvc.Sandbox.create()
+    server = walletsvc.LiveServer(sandbox.app)
+    try:
+        (tmp_path / "openapi.json").write_text(requests.get(server.url + "/openapi.json", timeout=10).text)
+    finally:
+        server.stop()
+    (tmp_path / "redocly.yaml").write_text(REDOCLY_CONFIG)
+    linted = subprocess.run([str(npm_tools / "redocly"), "lint", "openapi.json", "--config", "redocly.yaml",
+                             "--format", "json"], cwd=tmp_path, capture_output=True, text=True, timeout=120,
+                            env={**os.environ, "REDOCLY_TELEMETRY": "off", "REDOCLY_SUPPRESS_UPDATE_NOTICE": "true"})
+    report = json.loads(linted.stdout)
+    assert report["totals"] == {"errors": 0, "warnings": 0, "ignored": 0}, [
+        (problem["ruleId"], problem["message"][:200]) for problem in report["problems"]][:20]
 
 
 ###############################################################################
