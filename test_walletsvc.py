@@ -349,6 +349,16 @@ def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     return code, captured.out, captured.err
 
 
+def required_tools(*names: str) -> None:
+    """Skip the test when a program it runs is missing; fail instead under WALLETSVC_LANGUAGES=required
+    (.ci/run installs them all)."""
+    missing = [name for name in names if not shutil.which(name)]
+    if missing:
+        if os.environ.get("WALLETSVC_LANGUAGES") == "required":
+            raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
+        pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
+
+
 def _cli(*argv: str, cwd: pathlib.Path | None = None, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "walletsvc", *argv], capture_output=True, text=True,
                           timeout=60, check=False, cwd=cwd, env=env)
@@ -1487,11 +1497,13 @@ def test_readme_two_commands_are_what_ci_and_this_suite_run() -> None:
     assert serve.strip() == "pip install . && walletsvc serve --demo"  # demo_server: serve --demo
     (serving,) = doc_blocks("Serving the sandbox", "sh")
     assert serving.strip() == "walletsvc serve --demo"
-    # "Three tests skip when their tools are missing": two browser tests, one JavaScript and Java test
+    # "Five tests skip when their tools are missing": two browser tests, one JavaScript and Java test, and
+    # the two OpenAPI tests that run npm's tools
     source = pathlib.Path(__file__).read_text(encoding="utf-8")
     assert len(re.findall(r"^def test_\w+\(browser\b", source, flags=re.MULTILINE)) == 2
     assert source.count('pytest.skip(f"{\', \'.join(missing)} not installed') == 1
-    assert "Three tests skip" in doc_section("The two commands")
+    assert len(re.findall(r"^def test_\w+\([^)]*\bnpm_tools\b", source, flags=re.MULTILINE)) == 2
+    assert "Five tests skip" in doc_section("The two commands")
 
 
 def test_readme_first_request_needs_nothing_filled_in(tmp_path) -> None:
@@ -2698,18 +2710,11 @@ rules:
 """
 
 
-def _required_tool(*names: str) -> None:
-    missing = [name for name in names if not shutil.which(name)]
-    if missing:
-        if os.environ.get("WALLETSVC_LANGUAGES") == "required":
-            raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
-        pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
-
 
 @pytest.fixture(scope="session")
 def npm_tools() -> pathlib.Path:
     """The folder of NPM_TOOLS' commands, installed on first use (about 10 s), then reused."""
-    _required_tool("node", "npm")
+    required_tools("node", "npm")
     pins = sorted(f"{name}@{version}" for name, version in NPM_TOOLS.items())
     cache = pathlib.Path(os.environ.get("WALLETSVC_TOOLS_CACHE")
                          or pathlib.Path.home() / ".cache" / "walletsvc")
@@ -5375,13 +5380,7 @@ def test_a_world_in_python_resets_alone(walletsvc_sandbox) -> None:
 def test_javascript_and_java_blocks_run_as_printed(tmp_path) -> None:
     """Two suites in other languages, from the ready file, each in a world of its own, at the same time;
     then the signing pages' JavaScript and Java."""
-    import shutil
-
-    missing = [tool for tool in ("node", "java") if not shutil.which(tool)]
-    if missing:
-        if os.environ.get("WALLETSVC_LANGUAGES") == "required":
-            raise AssertionError(f"{', '.join(missing)} not installed (WALLETSVC_LANGUAGES=required)")
-        pytest.skip(f"{', '.join(missing)} not installed; .ci/run installs them")
+    required_tools("node", "java")
     section = "Other languages"
     (start,), (js,), (java,) = (doc_blocks(section, language) for language in ("sh", "js", "java"))
     assert start.strip() == "walletsvc serve --scenario shop.toml --ready-file walletsvc-ready.json"
