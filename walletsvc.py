@@ -3914,6 +3914,12 @@ _MATCH = {"query": {"type": "object", "additionalProperties": _MATCHED_VALUE,
                    "description": "fields the request's JSON body must hold (a subset of it)"}}
 
 
+def _part(schema: dict) -> dict:
+    """A condition on some fields of a body (its if, then or not): open, as JSON Schema has it, and said
+    so, that no tool (Redocly's example check) closes it as if it were a body of its own."""
+    return {**schema, "additionalProperties": True}
+
+
 def _amount_rules(currencies: Sequence[str], field: str = "amount") -> dict:
     """The rule tying an amount's decimals to its currency, as one object schema's ``allOf`` of
     ``if``/``then`` (one per exponent): generators still see one body with all its fields."""
@@ -3921,8 +3927,8 @@ def _amount_rules(currencies: Sequence[str], field: str = "amount") -> dict:
     for code in currencies:
         by_exponent.setdefault(CURRENCY_EXPONENTS[code], []).append(code)
     return {"allOf": [
-        {"if": {"properties": {"currency": {"enum": codes}}, "required": ["currency"]},
-         "then": {"properties": {field: {"pattern": amount_pattern(exponent)}}}}
+        {"if": _part({"properties": {"currency": {"enum": codes}}, "required": ["currency"]}),
+         "then": _part({"properties": {field: {"pattern": amount_pattern(exponent)}}})}
         for exponent, codes in sorted(by_exponent.items())]}
 
 
@@ -4005,9 +4011,9 @@ def _scenario_schema(kind: str) -> dict:
 
 _NULLABLE_STRING = {"type": ["string", "null"]}
 _ERROR_RULE = {  # an error rule names its status, unless its code (S500 by default) is the catalog's
-    "if": {"properties": {"action": {"const": FaultAction.ERROR},
-                          "code": {"not": {"enum": list(ERRORS_BY_CODE)}}}, "required": ["code"]},
-    "then": {"properties": {"status": {"type": "integer"}}, "required": ["status"]}}
+    "if": _part({"properties": {"action": {"const": FaultAction.ERROR},
+                                "code": {"not": {"enum": list(ERRORS_BY_CODE)}}}, "required": ["code"]}),
+    "then": _part({"properties": {"status": {"type": "integer"}}, "required": ["status"]})}
 
 SCHEMAS: Mapping[str, dict] = {
     **SHARED_SCHEMAS,
@@ -4112,8 +4118,8 @@ SCHEMAS: Mapping[str, dict] = {
                                     "type": "array", "items": _scenario_schema("workspaces")}}, [],
                                description="A scenario: the built-in demo, or workspaces (docs/sandbox.md);"
                                            " neither: the scenario the sandbox started from"),
-                     "not": {"properties": {"scenario": {}, "workspaces": {}},
-                             "required": ["scenario", "workspaces"]}},
+                     "not": _part({"properties": {"scenario": {}, "workspaces": {}},
+                                   "required": ["scenario", "workspaces"]})},
     "WorldWorkspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME,
                                "members": _array("Member"), "keys": _array("ApiKey"),
                                "wallets": _array("Wallet")},
