@@ -2941,6 +2941,9 @@ def test_an_incomplete_declaration_fails_when_the_app_is_created(svc, monkeypatc
          "'Walet'"),
         (walletsvc.endpoint("GET", "/api/v1/thing/<thing_id>", "A thing", scope="wallet:read", response=None),
          "path names ['thing_id']"),
+
+        (walletsvc.endpoint("GET", "/api/v1/thing/<thing_id>", "A thing", scope="wallet:read", response=None),
+         "'thing_id' is not in PATH_PARAMETERS"),  # the document names it and gives its schema
     ]:
         monkeypatch.setattr(walletsvc.WalletApi, "thing", declaration(handler), raising=False)
         with pytest.raises(ValueError, match=re.escape(complaint)):

@@ -4204,6 +4204,17 @@ def _check_type(name: str, value: Any, schema: Mapping[str, Any]) -> None:
             _check_type(name, item, schema["additionalProperties"])
 
 
+# Each path parameter of the declarations (a bottle rule's name): its name in the document, as the
+# contract writes it, its schema (the id's pattern: no empty segment) and what it is.
+PATH_PARAMETERS = {
+    "wallet_id": ("walletId", "WalletId", "the wallet's id"),
+    "biz_id": ("bizId", "BizId", "the order's bizId (an order made without one: its transferId)"),
+    "workspace_id": ("workspaceId", "WorkspaceId", "the workspace's id"),
+    "member_id": ("memberId", "MemberId", "the member's id"),
+    "api_key": ("apiKey", "ApiKeyId", "the API key"),
+    "fault_id": ("faultId", "FaultId", "the fault rule's id"),
+}
+
 _PAGE_PARAMETERS = (
     {"name": "page", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0},
      "description": "the page's number, from 0; past the last page: no content"},
@@ -4359,6 +4370,9 @@ def check_declaration(declaration: Endpoint, handler: Callable) -> None:
     for schema in (declaration.response, declaration.request):
         if isinstance(schema, str) and schema not in SCHEMAS:
             problems.append(f"schema {schema!r} is not in SCHEMAS")
+    for name in declaration.path_names:
+        if name not in PATH_PARAMETERS:
+            problems.append(f"its path parameter {name!r} is not in PATH_PARAMETERS (its name and schema)")
     parameters = list(inspect.signature(handler).parameters)[1:]  # after the Call
     if parameters != declaration.path_names:
         problems.append(f"the handler takes {parameters} after the call,"
@@ -5160,16 +5174,6 @@ def _schema_ref(schema: str | dict | None) -> dict:
     return _ref(schema) if isinstance(schema, str) else schema
 
 
-# Each path parameter of the declarations (a bottle rule's name): its name in the document, as the
-# contract writes it, its schema (the id's pattern: no empty segment) and what it is.
-PATH_PARAMETERS = {
-    "wallet_id": ("walletId", "WalletId", "the wallet's id"),
-    "biz_id": ("bizId", "BizId", "the order's bizId (an order made without one: its transferId)"),
-    "workspace_id": ("workspaceId", "WorkspaceId", "the workspace's id"),
-    "member_id": ("memberId", "MemberId", "the member's id"),
-    "api_key": ("apiKey", "ApiKeyId", "the API key"),
-    "fault_id": ("faultId", "FaultId", "the fault rule's id"),
-}
 SURFACE_TAGS = {
     Surface.API: ("The contract's nine endpoints, each request signed (see the security scheme Signature)"),
     Surface.ADMIN: "The sandbox's control surface: only with an admin token, sent as Authorization: Bearer",
