@@ -20,13 +20,16 @@ from __future__ import annotations
 
 import argparse
 import base64
+import bisect
 import contextlib
 import ctypes
+import functools
 import hashlib
 import hmac
 import http.client
 import importlib.util
 import io
+import itertools
 import json
 import logging
 import multiprocessing
@@ -392,6 +395,76 @@ def in_process(tmp: str, calls: int, rounds: int) -> list:
         rows.append((f"in-process {name} vs bare", f"{s:.0f} us", f"bare {b:.0f} us", s / b, "report"))
     svc.close()
     return rows
+
+
+###############################################################################
+# The request path's shape: a call trace of one warmed-up request ###############
+###############################################################################
+
+
+def module_sections() -> list[tuple[int, str]]:
+    """walletsvc.py's sections (a banner "# Name ####" between two rules of #), by first line."""
+    lines = pathlib.Path(walletsvc.__file__).read_text(encoding="utf-8").splitlines()
+    return [(number + 1, re.sub(r"\s*#+$", "", line[2:]).strip()) for number, line in enumerate(lines)
+            if re.fullmatch(r"# [A-Za-z].* #{4,}", line) and number and lines[number - 1].startswith("####")]
+
+
+def call_trace(run) -> list[str]:
+    """The section of each walletsvc function ``run`` calls, in call order (generator expressions,
+    comprehensions and lambdas are part of the function they are written in)."""
+    sections = module_sections()
+    starts = [line for line, _ in sections]
+    module = walletsvc.__file__
+    seen: list[str] = []
+
+    def profile(frame, event, arg) -> None:
+        code = frame.f_code
+        if event == "call" and code.co_filename == module and not code.co_name.startswith("<"):
+            seen.append(sections[bisect.bisect_right(starts, code.co_firstlineno) - 1][1])
+
+    sys.setprofile(profile)
+    try:
+        run()
+    finally:
+        sys.setprofile(None)
+    return seen
+
+
+SHAPE_TARGETS = {"signed GET": (9, 18), "signed create-transfer": (10, 25)}  # sections, changes of section
+
+
+def request_shape(tmp: str) -> list:
+    """How many sections one signed request runs through, and how often it changes section: an
+    embedded service at its defaults, and with the sandbox's journal (report)."""
+    rows = []
+    for journal in (0, 1000):
+        svc, _, key, wallets = seeded(os.path.join(tmp, f"shape-{journal}.db"), journal_size=journal)
+        app = walletsvc.create_app(svc)
+        path = f"/api/v1/wallets/{wallets[0]}"
+        body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "0.01",
+                           "currency": "USD"}).encode()
+        for name, (method, target, payload) in {"signed GET": ("GET", path, b""),
+                                                "signed create-transfer": ("POST", TRANSFER, body)}.items():
+            for _ in range(20):  # warmed up: caches filled, connections open
+                call_wsgi(app, method, target, payload,
+                          walletsvc.sign_request(method, target, payload, key["apiKey"], key["secret"]))
+            headers = walletsvc.sign_request(method, target, payload, key["apiKey"], key["secret"])
+            trace = call_trace(functools.partial(call_wsgi, app, method, target, payload, headers))
+            changes = sum(1 for before, after in itertools.pairwise(trace) if before != after)
+            most_sections, most_changes = SHAPE_TARGETS[name]
+            label = f"{name}{' (journal on)' if journal else ''}"
+            rows.append((f"{label}: sections / changes of section", f"{len(set(trace))} / {changes}",
+                         f"{len(trace)} calls", None,
+                         "report" if journal else f"<= {most_sections} / <= {most_changes}"))
+            if not journal:
+                rows.append((f"{name}: its path", " > ".join(_runs(trace)), "", None, "report"))
+        svc.close()
+    return rows
+
+
+def _runs(trace: list[str]) -> list[str]:
+    """The sections in order, each run of calls in one section once."""
+    return [section for index, section in enumerate(trace) if not index or trace[index - 1] != section]
 
 
 ###############################################################################
@@ -1139,7 +1212,7 @@ def scenario_load(tmp: str, wallets: int, limit: float) -> list:
 ###############################################################################
 
 
-SECTIONS = ("startup", "in_process", "previous", "http", "workers", "fsync", "isolation", "nonce",
+SECTIONS = ("shape", "startup", "in_process", "previous", "http", "workers", "fsync", "isolation", "nonce",
             "scenario", "scale")
 
 
@@ -1156,7 +1229,8 @@ def main() -> int:
     rows = []
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
-        sections = {"startup": lambda: startup(rounds),
+        sections = {"shape": lambda: request_shape(tmp),
+                    "startup": lambda: startup(rounds),
                     "in_process": lambda: in_process(tmp, 200 if quick else 1000, rounds),
                     "previous": lambda: previous_rows(tmp, args.previous, 200 if quick else 1000, rounds,
                                                       seconds, http_rounds),

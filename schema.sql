@@ -7,7 +7,7 @@ CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
 );
 INSERT INTO schema_version (version)
-    SELECT 4 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
+    SELECT 5 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
 
 -- The ledger's clock (docs/contract.md): the time of the last write transaction,
 -- so that times never go backwards within a database (a write waiting for the
@@ -55,11 +55,11 @@ CREATE TABLE IF NOT EXISTS api_keys (
 );
 CREATE INDEX IF NOT EXISTS api_keys_by_workspace ON api_keys (workspace_id, created_at);
 
--- Replay protection (README, "Replay protection"): every nonce recorded, per key, with the
--- second it was signed in (its X-Timestamp), in the order recorded (seq). Records are kept
+-- Replay protection (docs/contract.md, "Replay protection"): every nonce recorded, per key, with
+-- the second it was signed in (its X-Timestamp), in the order recorded (seq). Records are kept
 -- exactly, whatever the clock does, up to a count (the newest 100,000 by default); past it
--- the oldest are forgotten, and each forgotten record's key and second go to
--- nonces_forgotten, as runs of consecutive seconds: a request of that key signed in such a
+-- the oldest become digests (nonce_digests), and past those each forgotten record's key and
+-- second go to nonces_forgotten, as runs of consecutive seconds: a request of that key signed in such a
 -- second may be a replay and is refused. api_key '*' stands for every key (spans kept by schema
 -- version 3). (Version 4.)
 CREATE TABLE IF NOT EXISTS nonce_records (
@@ -76,6 +76,23 @@ CREATE TABLE IF NOT EXISTS nonces_forgotten (
     CHECK (lo <= hi)
 );
 CREATE INDEX IF NOT EXISTS nonces_forgotten_by_key ON nonces_forgotten (api_key, lo);
+
+-- Past the count, the oldest records become digests before they are forgotten (a frozen clock
+-- puts every request in one second: forgetting its records at once would refuse every fresh
+-- request of that second): 64 bits of (key, nonce), still refused as used, kept in record order
+-- (seq) up to ten times the count. Each batch made digests notes its keys' seconds (upto: the
+-- batch's last digest); they join nonces_forgotten when the batch's digests are dropped. (Version 5.)
+CREATE TABLE IF NOT EXISTS nonce_digests (
+    seq     INTEGER PRIMARY KEY,
+    digest  INTEGER NOT NULL
+);
+CREATE INDEX IF NOT EXISTS nonce_digests_by_digest ON nonce_digests (digest);
+CREATE TABLE IF NOT EXISTS nonce_digest_seconds (
+    upto     INTEGER NOT NULL,
+    api_key  TEXT NOT NULL,
+    ts       INTEGER NOT NULL,
+    PRIMARY KEY (upto, api_key, ts)
+) WITHOUT ROWID;
 
 -- What controls the sandbox (docs/sandbox.md), shared by every process on this
 -- file: the clock (frozen at an epoch second, or real time plus an offset),
@@ -97,6 +114,22 @@ CREATE TABLE IF NOT EXISTS sandbox (
 INSERT INTO sandbox (clock_frozen_at, clock_offset, id_seed, id_drawn, fault_rules, fault_version,
                      fault_next, has_start, journal_floor, nonce_tolerance)
     SELECT NULL, 0, NULL, 0, 0, 0, 0, 0, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM sandbox);
+
+-- The admin token of a sandbox served from a scenario without --admin-token
+-- (docs/sandbox.md): drawn at random once per database, never derived from
+-- anything a key holder knows, so that every process and restart on this file
+-- agrees. One row at most. (Version 5.)
+CREATE TABLE IF NOT EXISTS admin_token (
+    token  TEXT NOT NULL CHECK (length(token) BETWEEN 1 AND 256)
+);
+
+-- The console's sessions (docs/sandbox.md, The console), until they expire or log
+-- out: kept here, so that a logout holds in every process serving the file.
+-- (Version 5.)
+CREATE TABLE IF NOT EXISTS console_sessions (
+    nonce    TEXT PRIMARY KEY,
+    expires  INTEGER NOT NULL
+) WITHOUT ROWID;
 
 -- Fault rules in force, in the order they are tried; rule is the rule as JSON.
 CREATE TABLE IF NOT EXISTS fault_rules (
