@@ -7203,25 +7203,27 @@ def _setting_pair(text: str) -> tuple[str, str]:
     return name.strip(), value
 
 
-def _target(given_url: str, args: argparse.Namespace,
-            parser: argparse.ArgumentParser) -> tuple[str, str, str]:
-    """(base URL, path, query) of ``request`` and ``sign``: the path starts with /, characters RFC 3986
-    does not allow in a URL are percent-encoded (what is sent is what is signed), a URL without a
-    scheme is http."""
-    if not args.path.startswith("/"):
-        parser.error(f"the path must start with / (e.g. /{args.path.lstrip('/')})")
-    path, _, query = args.path.partition("?")
-    url = given_url if "://" in given_url else f"http://{given_url}"
-    parts = urllib.parse.urlsplit(url)
+def _base_url(given_url: str, parser: argparse.ArgumentParser) -> str:
+    """The server's URL of ``request`` and ``sign``: http if it names no scheme, its path prefix
+    percent-encoded where RFC 3986 requires (a prefix is sent, and signed, encoded)."""
+    parts = urllib.parse.urlsplit(given_url if "://" in given_url else f"http://{given_url}")
     try:
         parts.port  # noqa: B018 - it checks the port
     except ValueError:
         parser.error(f"--url {given_url}: the port is not a number from 0 to 65535")
     if parts.scheme not in ("http", "https") or not parts.hostname or parts.query or parts.fragment:
         parser.error(f"--url {given_url}: give http(s)://HOST[:PORT][/PREFIX], without a query or fragment")
-    # A prefix is sent, and signed, encoded.
-    url = f"{parts.scheme}://{parts.netloc}{_rfc3986(parts.path, '/')}"
-    return url.rstrip("/"), _rfc3986(path, "/"), _rfc3986(query, "/?=&")
+    return f"{parts.scheme}://{parts.netloc}{_rfc3986(parts.path, '/')}".rstrip("/")
+
+
+def _target(given_url: str, args: argparse.Namespace,
+            parser: argparse.ArgumentParser) -> tuple[str, str, str]:
+    """(base URL, path, query) of ``request`` and ``sign``: the path starts with /, characters RFC 3986
+    does not allow in a URL are percent-encoded (what is sent is what is signed)."""
+    if not args.path.startswith("/"):
+        parser.error(f"the path must start with / (e.g. /{args.path.lstrip('/')})")
+    path, _, query = args.path.partition("?")
+    return _base_url(given_url, parser), _rfc3986(path, "/"), _rfc3986(query, "/?=&")
 
 
 def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
