@@ -5358,8 +5358,9 @@ RFC 3986 requires it.
 - The five lines are joined with LF (\\n), with no trailing LF; the HMAC's key is the secret's UTF-8 bytes; \
 Base64 is the standard alphabet with padding (not hex, not URL-safe).
 - The clock: sign at the service's time. A timestamp more than {tolerance} s from it is GA2013; every \
-answer's envelope carries the service's time (`timestamp`, epoch milliseconds): a client whose clock \
-differs signs at that time (in a sandbox, the service clock may be frozen or moved).
+answer's envelope carries the service's time (`timestamp`, epoch milliseconds; GET /healthz answers it \
+unsigned): a client whose clock differs signs at that time (in a sandbox, the service clock may be \
+frozen or moved).
 - A nonce is refused (GA2013) once used with that key; a failed signature does not use it up.
 """
 
