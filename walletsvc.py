@@ -3404,6 +3404,8 @@ class Faults:
         ``headers`` and ``body`` match as in ``request_misses``."""
         if action not in tuple(FaultAction):
             raise invalid("action", "one_of", choices=", ".join(FaultAction))
+        if isinstance(code, str) and not 1 <= len(code) <= 64:  # whatever the action (/openapi.json)
+            raise invalid("code", "length", maximum=64)
         if action == FaultAction.ERROR:
             code, status = self._error(code, status)
         for name, value in (("method", method), ("path", path), ("code", code)):
@@ -3431,8 +3433,6 @@ class Faults:
     @staticmethod
     def _error(code: Any, status: Any) -> tuple[Any, Any]:
         """An error rule's code (S500 if none) and status (the catalog's for a code it has)."""
-        if isinstance(code, str) and not 1 <= len(code) <= 64:
-            raise invalid("code", "length", maximum=64)
         code = code or "S500"
         known = ERRORS_BY_CODE.get(code)
         if known is None and status is None:
@@ -4055,15 +4055,27 @@ def _first_key(world: list[dict]) -> dict:
 # against its endpoint's schema (fields and JSON types) before a handler runs.
 
 _STRING = {"type": "string"}
-_BIZ_ID_SCHEMA = {"type": "string", "pattern": f"^{_ID.pattern}$"}
+
+
+def _ref(name: str) -> dict:
+    """A reference to the named schema (SCHEMAS): generators make one type of it, shared."""
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _id_pattern(prefix: str) -> str:
+    """An id with its type prefix (docs/reference.md): 1-64 of A-Z a-z 0-9 _ . : -, prefix included."""
+    return f"^{prefix}[A-Za-z0-9._:-]{{0,{ID_MAX - len(prefix)}}}$"
+
+
+_BIZ_ID_SCHEMA = _ref("BizId")
 _ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": ID_MAX, "pattern": "^[^\\x00]*$"}  # no NUL
 _NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": NAME_MAX, "pattern": "^[^\\x00]*$"}
-_CURRENCY_SCHEMA = {"type": "string", "enum": sorted(CURRENCY_EXPONENTS)}
+_CURRENCY_SCHEMA = _ref("Currency")
 _TIME = {"type": "string", "format": "date-time"}
 _NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
 # An amount as answered (a balance may be 0.00); amounts a request sends are amount_pattern's.
 _AMOUNT_SCHEMA = {"type": "string", "pattern": r"^(0|[1-9][0-9]*)(\.[0-9]+)?$", "examples": ["10.00"]}
-_NETWORK_SCHEMA = {"type": "string", "pattern": f"^{NETWORK_PATTERN}$"}
+_NETWORK_SCHEMA = {"type": "string", "pattern": f"^{NETWORK_PATTERN}$", "examples": ["10.0.0.0/8"]}
 _TIME_FILTER = {"anyOf": [
     {"type": "string", "pattern": f"^{EPOCH_MS_PATTERN}$", "description": "epoch milliseconds"},
     {"type": "string", "format": "date-time"}, {"type": "string", "format": "date"}]}
@@ -4071,28 +4083,48 @@ _TIME_FILTER = {"anyOf": [
 _CLOCK_AT_SCHEMA = {"anyOf": [
     {"type": "number", "minimum": 0, "exclusiveMaximum": MILLISECONDS_FROM, "description": "epoch seconds"},
     *({"type": "string", "format": form, "pattern": "^(19[7-9][0-9]|[2-9][0-9]{3})-"}  # CLOCK_RANGE's years
-      for form in ("date-time", "date"))]}
+      for form in ("date-time", "date"))],
+    "description": "epoch seconds (a number) or RFC 3339 (a date-time or a date), 1970 to 9999 UTC"}
+# What a request's query, headers and JSON body are matched on (request_misses): a value compared as text.
+_MATCHED_VALUE = {"type": ["string", "number", "integer", "boolean"]}
+_MATCH = {"query": {"type": "object", "additionalProperties": _MATCHED_VALUE,
+                    "description": "query parameters the request must carry (name: value)"},
+          "headers": {"type": "object", "additionalProperties": _MATCHED_VALUE,
+                      "description": "headers the request must carry (name in any case: value)"},
+          "body": {"type": "object", "additionalProperties": True,
+                   "description": "fields the request's JSON body must hold (a subset of it)"}}
 
 
-def _currency_amount(currencies: Sequence[str] | None = None, field: str = "amount") -> dict:
-    """An amount in one of ``currencies`` (None: in a wallet's currency, not named in the body): with
-    the currency, amount_pattern of its exponent (a schema per exponent); without, any of them."""
-    if currencies is None:
-        return {"type": "string", "anyOf": [{"pattern": amount_pattern(exponent)}
-                                            for exponent in sorted(set(CURRENCY_EXPONENTS.values()))],
-                "description": "as the wallet's currency allows", "examples": ["10.00"]}
+def _part(schema: dict) -> dict:
+    """A condition on some fields of a body (its if, then or not): open, as JSON Schema has it, and said
+    so, that no tool (Redocly's example check) closes it as if it were a body of its own."""
+    return {**schema, "additionalProperties": True}
+
+
+def _amount_rules(currencies: Sequence[str], field: str = "amount") -> dict:
+    """The rule tying an amount's decimals to its currency, as one object schema's ``allOf`` of
+    ``if``/``then`` (one per exponent): generators still see one body with all its fields."""
     by_exponent: dict[int, list] = {}
     for code in currencies:
         by_exponent.setdefault(CURRENCY_EXPONENTS[code], []).append(code)
-    return {"anyOf": [
-        {"properties": {"currency": {"enum": codes}, field: {"pattern": amount_pattern(exponent)}}}
+    return {"allOf": [
+        {"if": _part({"properties": {"currency": {"enum": codes}}, "required": ["currency"]}),
+         "then": _part({"properties": {field: {"pattern": amount_pattern(exponent)}}})}
         for exponent, codes in sorted(by_exponent.items())]}
 
 
-def _object(properties: dict, required: Sequence[str] | None = None) -> dict:
+def _any_amount() -> dict:
+    """An amount in a wallet's currency, not named in the body: any exponent's, one pattern."""
+    exponents = sorted(set(CURRENCY_EXPONENTS.values()))
+    branches = "|".join(amount_pattern(exponent)[1:-1] for exponent in exponents)
+    return {"type": "string", "pattern": f"^({branches})$", "examples": ["10.00"],
+            "description": "as the wallet's currency allows: at most its decimals"}
+
+
+def _object(properties: dict, required: Sequence[str] | None = None, description: str = "") -> dict:
     return {"type": "object", "properties": properties,
             "required": list(properties) if required is None else list(required),
-            "additionalProperties": False}
+            "additionalProperties": False, **({"description": description} if description else {})}
 
 
 def _enum(values: Sequence[str]) -> dict:
@@ -4104,33 +4136,205 @@ def _array(item: str | dict) -> dict:
             "items": {"$ref": f"#/components/schemas/{item}"} if isinstance(item, str) else item}
 
 
+# The components several schemas share, named once (SCHEMAS holds them too): enums, and ids with their
+# patterns (a path parameter's too: no empty segment).
+SHARED_SCHEMAS: Mapping[str, dict] = {
+    "Currency": {**_enum(sorted(CURRENCY_EXPONENTS)),
+                 "description": "an ISO 4217 code; an amount has at most its decimals (USD 10.00, JPY 10)"},
+    "WalletStatus": {**_enum(WALLET_STATUSES),
+                     "description": "ACTIVE and FROZEN go back and forth; CLOSED is final"},
+    "TransferStatus": {**_enum(TRANSFER_STATUSES),
+                       "description": "PENDING until the order is completed or failed"},
+    "FlowType": {**_enum(FLOW_TYPES), "description": "what moved the money"},
+    "FlowDirection": {**_enum(FLOW_DIRECTIONS),
+                      "description": "DEBIT takes from the wallet, CREDIT adds to it"},
+    "Scope": {**_enum(SCOPES), "description": "what an API key may call (docs/contract.md, Scopes)"},
+    "BizId": {"type": "string", "pattern": f"^{_ID.pattern}$", "examples": ["order-1001"],
+              "description": "the caller's id of a transfer order (an order without one: its transferId)"},
+    "WalletId": {"type": "string", "pattern": _id_pattern("wal_"),
+                 "examples": ["wal_0190c2d5a1b2c3d4e5f6a7b8c9d0e1f2"],
+                 "description": "a wallet's id"},
+    "WorkspaceId": {"type": "string", "pattern": _id_pattern("ws_"), "description": "a workspace's id"},
+    "MemberId": {"type": "string", "pattern": _id_pattern("mem_"), "description": "a member's id"},
+    "ApiKeyId": {"type": "string", "pattern": _id_pattern("ak_"), "description": "an API key (X-Api-Key)"},
+    "FaultId": {"type": "string", "pattern": "^fault_[0-9]{1,18}$", "description": "a fault rule's id"},
+    "FaultAction": {**_enum(FaultAction), "description": "what a fault rule does to a request it matches"},
+}
+
+
 def _scenario_schema(kind: str) -> dict:
     """The schema of a scenario's object of this kind, from _SCENARIO_OBJECTS (what check_scenario checks)."""
     kinds = {"name": _NAME_SCHEMA, "wallet_name": {**_NAME_SCHEMA, "minLength": 0}, "string": _STRING,
              "boolean": {"type": "boolean"}, "secret": {"type": "string", "pattern": f"^{_NONCE.pattern}$"},
-             "scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1},
+             "scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1},
              "networks": {"type": "array", "items": _NETWORK_SCHEMA, "minItems": 1},
              "currency": _CURRENCY_SCHEMA,
-             "amount": _STRING, "status": _enum(WALLET_STATUSES),
-             "time": _CLOCK_AT_SCHEMA, "settings": {"type": "object"}}
+             "amount": _STRING, "status": _ref("WalletStatus"), "time": _CLOCK_AT_SCHEMA,
+             "settings": {"type": "object", "additionalProperties": True,
+                          "description": "settings of the service, by name (docs/reference.md)"}}
     fields = {}
     for name, field_kind in _SCENARIO_OBJECTS[kind].items():
         if field_kind == "list":
             fields[name] = {"type": "array", "items": _scenario_schema(name)}
         elif field_kind == "object":
-            fields[name] = _scenario_schema(name) if name in _SCENARIO_OBJECTS else {"type": "object"}
+            fields[name] = _scenario_schema(name) if name in _SCENARIO_OBJECTS else kinds["settings"]
         elif field_kind.endswith("_"):  # an id with its type prefix
-            rest = ID_MAX - len(field_kind)
-            fields[name] = {"type": "string", "pattern": f"^{field_kind}[A-Za-z0-9_.:-]{{0,{rest}}}$"}
+            fields[name] = {"type": "string", "pattern": _id_pattern(field_kind)}
         else:
             fields[name] = kinds[field_kind]
     if kind == "members":
         fields["name"] = {**_NAME_SCHEMA, "not": {"const": OWNER_NAME}}  # made with the workspace
     schema = _object(fields, _SCENARIO_REQUIRED.get(kind, ()))
     if kind == "wallets":
-        schema.update(_currency_amount(sorted(CURRENCY_EXPONENTS), "balance"))
+        schema.update(_amount_rules(sorted(CURRENCY_EXPONENTS), "balance"))
     return schema
 
+
+_NULLABLE_STRING = {"type": ["string", "null"]}
+_ERROR_RULE = {  # an error rule names its status, unless its code (S500 by default) is the catalog's
+    "if": _part({"properties": {"action": {"const": FaultAction.ERROR},
+                                "code": {"not": {"enum": list(ERRORS_BY_CODE)}}}, "required": ["code"]}),
+    "then": _part({"properties": {"status": {"type": "integer"}}, "required": ["status"]})}
+
+SCHEMAS: Mapping[str, dict] = {
+    **SHARED_SCHEMAS,
+    "Wallet": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING,
+                       "currency": _CURRENCY_SCHEMA, "status": _ref("WalletStatus"),
+                       "balance": _AMOUNT_SCHEMA, "createdAt": _TIME, "updatedAt": _TIME},
+                      description="A wallet: money in one currency"),
+    "Balance": _object({"walletId": _STRING, "currency": _CURRENCY_SCHEMA, "balance": _AMOUNT_SCHEMA,
+                        "available": _AMOUNT_SCHEMA, "pending": _AMOUNT_SCHEMA, "updatedAt": _TIME},
+                       description="A wallet's balance: posted money; pending, held by PENDING outgoing"
+                                   " transfers; available = balance - pending"),
+    "Flow": _object({"id": _STRING, "walletId": _STRING, "type": _ref("FlowType"),
+                     "direction": _ref("FlowDirection"), "amount": _AMOUNT_SCHEMA,
+                     "balanceAfter": _AMOUNT_SCHEMA, "transferId": _NULLABLE_STRING,
+                     "bizId": _NULLABLE_STRING,
+                     "counterpartyWalletId": _NULLABLE_STRING, "createdAt": _TIME},
+                    description="An immutable ledger entry: every balance change writes one"),
+    "TransferOrder": _object({
+        "transferId": _STRING, "bizId": _STRING, "sourceWalletId": _STRING,
+        "targetWalletId": _STRING, "amount": _AMOUNT_SCHEMA, "currency": _CURRENCY_SCHEMA,
+        "status": _ref("TransferStatus"), "description": _NULLABLE_STRING,
+        "createdAt": _TIME, "updatedAt": _TIME, "completedAt": _NULLABLE_TIME},
+        description="A transfer order between two wallets of one workspace"),
+    "Completion": _object({"bizId": _STRING, "transferId": _STRING,
+                           "status": _ref("TransferStatus"), "completed": {"type": "boolean"}},
+                          description="Whether a transfer order is completed"),
+    "CreateTransfer": {**_object({
+        "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA,
+        "amount": {"type": "string", "examples": ["10.00"],
+                   "description": "a positive decimal string with at most the currency's decimals"},
+        "currency": _CURRENCY_SCHEMA, "bizId": _BIZ_ID_SCHEMA,
+        "description": {"type": "string", "maxLength": DESCRIPTION_MAX}},
+        ["sourceWalletId", "targetWalletId", "amount", "currency"],
+        description="A transfer to make; a bizId makes it idempotent (the same body again answers the same"
+                    " order, another body T2004)"),
+        **_amount_rules(sorted(CURRENCY_EXPONENTS))},
+    "PageInfo": _object({"size": {"type": "integer"}, "number": {"type": "integer"},
+                         "totalElements": {"type": "integer"}, "totalPages": {"type": "integer"}},
+                        description="The page answered: its size and number (from 0), and the totals"),
+    "Workspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME},
+                         description="A workspace: its members, keys and wallets"),
+    "Member": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING,
+                       "role": _enum(Role), "createdAt": _TIME}, description="A member of a workspace"),
+    "ApiKey": _object({"apiKey": _STRING, "secret": {"type": "string", "description": "at creation only"},
+                       "workspaceId": _STRING, "memberId": _STRING,
+                       "scopes": {"type": "array", "items": _ref("Scope")}, "enabled": {"type": "boolean"},
+                       "ipWhitelist": {"type": ["array", "null"], "items": _STRING}, "createdAt": _TIME},
+                      ["apiKey", "workspaceId", "memberId", "scopes", "enabled", "createdAt"],
+                      description="An API key of a member; its secret is shown once, when it is made"),
+    "Health": _object({"status": _STRING, "version": _STRING}, description="The service is up"),
+    "Error": _object({"version": _STRING, "timestamp": {"type": "integer"},
+                      "success": {"const": False},
+                      "code": {"type": "string", "examples": ["W1001"],
+                               "description": "the error's code: each operation lists those it answers"},
+                      "message": {"type": "string", "examples": ["WALLET_NOT_FOUND"],
+                                  "description": "the error's name"},
+                      "data": {"type": "null"},
+                      "detail": {"type": "string", "description": "a sentence in the language of"
+                                                                  " Content-Language"}},
+                     description="The error envelope of every error answer"),
+    "NameBody": _object({"name": _NAME_SCHEMA}, description="A name"),
+    "NewKeyBody": _object({"scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1},
+                           "memberId": _STRING,
+                           "ipWhitelist": {"type": ["array", "null"], "items": _NETWORK_SCHEMA, "minItems": 1,
+                                           "description": "addresses or CIDR blocks without host bits"
+                                                          " (10.0.0.1/8 is S012); null: no whitelist"}},
+                          [], description="A key to make: every scope and the owner's unless given"),
+    "NewWalletBody": _object({"currency": _CURRENCY_SCHEMA, "name": {**_NAME_SCHEMA, "minLength": 0}},
+                             ["currency"], description="A wallet to make"),
+    "StatusBody": _object({"status": _ref("WalletStatus")}, description="A wallet's new status"),
+    "AmountBody": _object({"amount": _any_amount()}, description="An amount in the wallet's currency"),
+    "DecisionBody": _object({"workspaceId": _STRING}, [],
+                            description="The order's workspace, where a bizId is in more than one"),
+    "FaultBody": {**_object({"action": _ref("FaultAction"), "method": _STRING, "path": _STRING,
+                             "workspaceId": _STRING,
+                             "code": {"type": "string", "minLength": 1, "maxLength": 64},
+                             "status": {"type": "integer", "minimum": Faults.STATUSES[0],
+                                        "maximum": Faults.STATUSES[1]},
+                             "latency": {"type": "number", "minimum": 0, "maximum": Faults.MAX_LATENCY},
+                             "times": {"type": "integer", "minimum": 1, "maximum": Faults.MAX_TIMES},
+                             **_MATCH}, [],
+                            description="A fault rule: the requests it matches (method, path glob, workspace,"
+                                        " query, headers, body) and what it does to them"),
+                  "allOf": [_ERROR_RULE]},
+    "JournalAssertBody": _object({"method": _STRING, "path": _STRING, **_MATCH, "code": _STRING,
+                                  "times": {"type": "integer"}, "atLeast": {"type": "integer"},
+                                  "never": {"type": "boolean"}}, [],
+                                 description="What the journal must hold: the requests (as a fault rule"
+                                             " matches them) and how many"),
+    "JournalVerdict": _object({"passed": {"type": "boolean"}, "count": {"type": "integer"},
+                               "message": _NULLABLE_STRING}, description="An assertion's verdict"),
+    "Fault": _object({"id": _STRING, "action": _ref("FaultAction"), "method": _STRING, "path": _STRING,
+                      "workspaceId": _NULLABLE_STRING, "code": _NULLABLE_STRING,
+                      "status": {"type": ["integer", "null"]}, "latency": {"type": "number"},
+                      "times": {"type": ["integer", "null"]},
+                      **{name: {**schema, "type": ["object", "null"]} for name, schema in _MATCH.items()},
+                      "fired": {"type": "integer"}},
+                     description="A fault rule in force, and how often it fired"),
+    "SeedBody": _object({"seed": {"type": ["integer", "null"], "minimum": ID_SEEDS[0],
+                                  "maximum": ID_SEEDS[1]}},
+                        description="A seed for the ids and secrets that follow (null: random again)"),
+    "ScenarioBody": {**_object({"scenario": _enum(("demo",)), "workspaces": {
+                                    "type": "array", "items": _scenario_schema("workspaces")}}, [],
+                               description="A scenario: the built-in demo, or workspaces (docs/sandbox.md);"
+                                           " neither: the scenario the sandbox started from"),
+                     "not": _part({"properties": {"scenario": {}, "workspaces": {}},
+                                   "required": ["scenario", "workspaces"]})},
+    "WorldWorkspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME,
+                               "members": _array("Member"), "keys": _array("ApiKey"),
+                               "wallets": _array("Wallet")},
+                              description="A workspace with its members, keys (with secrets) and wallets"),
+    "World": _object({"workspaces": _array("WorldWorkspace")}, description="The workspaces a scenario made"),
+    "ClockBody": _object({
+        "freeze": {"type": "boolean"},
+        "at": _CLOCK_AT_SCHEMA,
+        "advance": {"type": "number", "minimum": -CLOCK_RANGE[1], "maximum": CLOCK_RANGE[1],
+                    "description": "seconds; the clock stays between 1970-01-01 and 9999-12-31"}}, [],
+        description="Freeze or unfreeze the service clock, set it (at) or move it (advance)"),
+    "Violation": _object({"check": _STRING, "detail": _STRING,
+                          "rows": {"type": "object",
+                                   "additionalProperties": {"type": ["string", "integer", "number", "null"]},
+                                   "description": "the row that breaks the invariant, by column"}},
+                         description="An invariant of the ledger that does not hold"),
+    "ClockState": _object({"now": _TIME, "epochMillis": {"type": "integer"}, "frozen": {"type": "boolean"},
+                           "controllable": {"type": "boolean"}}, description="The service clock"),
+    "JournalEntry": _object({"seq": {"type": "integer"}, "at": _TIME, "method": _STRING, "path": _STRING,
+                             "query": _STRING, "apiKey": _NULLABLE_STRING,
+                             "status": {"type": "integer"}, "code": _NULLABLE_STRING,
+                             "canonicalMessage": _NULLABLE_STRING,
+                             "signature": _enum(Verdict),
+                             "replayed": {"type": "boolean"},
+                             "headers": {"type": "object", "additionalProperties": {"type": "string"},
+                                         "description": "the request's headers, by name"},
+                             "body": _STRING, "responseBody": _STRING, "elapsedMs": {"type": "number"},
+                             "diagnosis": _NULLABLE_STRING},
+                            description="A request the API received, and what it answered"),
+    **{item + "Page": _object({"content": _array(item), "page": _ref("PageInfo")},
+                              description=f"A page of {item} items")
+       for item in ("Wallet", "Balance", "Flow", "TransferOrder", "JournalEntry")},
+}
 
 def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
     """S012 unless ``body`` has only the schema's fields, every required one
@@ -4155,7 +4359,9 @@ def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
 
 
 def _type_names(schema: Mapping[str, Any]) -> list[str]:
-    """The JSON types a schema allows (of each branch, for an anyOf)."""
+    """The JSON types a schema allows (of each branch, for an anyOf; of the schema named, for a $ref)."""
+    if "$ref" in schema:
+        return _type_names(SHARED_SCHEMAS[schema["$ref"].rsplit("/", 1)[1]])
     kinds = schema.get("type", ())
     if not kinds and "anyOf" in schema:
         return [kind for branch in schema["anyOf"] for kind in _type_names(branch)]
@@ -4175,117 +4381,27 @@ def _check_type(name: str, value: Any, schema: Mapping[str, Any]) -> None:
     if isinstance(value, list) and "items" in schema:
         for item in value:
             _check_type(name, item, schema["items"])
+    if isinstance(value, dict) and isinstance(schema.get("additionalProperties"), dict):  # a map's values
+        for item in value.values():
+            _check_type(name, item, schema["additionalProperties"])
 
 
-SCHEMAS: Mapping[str, dict] = {
-    "Wallet": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING,
-                       "currency": _STRING, "status": _enum(WALLET_STATUSES), "balance": _AMOUNT_SCHEMA,
-                       "createdAt": _TIME, "updatedAt": _TIME}),
-    "Balance": _object({"walletId": _STRING, "currency": _STRING, "balance": _AMOUNT_SCHEMA,
-                        "available": _AMOUNT_SCHEMA, "pending": _AMOUNT_SCHEMA, "updatedAt": _TIME}),
-    "Flow": _object({"id": _STRING, "walletId": _STRING, "type": _enum(FLOW_TYPES),
-                     "direction": _enum(FLOW_DIRECTIONS), "amount": _AMOUNT_SCHEMA,
-                     "balanceAfter": _AMOUNT_SCHEMA, "transferId": {"type": ["string", "null"]},
-                     "bizId": {"type": ["string", "null"]},
-                     "counterpartyWalletId": {"type": ["string", "null"]}, "createdAt": _TIME}),
-    "TransferOrder": _object({
-        "transferId": _STRING, "bizId": _STRING, "sourceWalletId": _STRING,
-        "targetWalletId": _STRING, "amount": _AMOUNT_SCHEMA, "currency": _STRING,
-        "status": _enum(TRANSFER_STATUSES), "description": {"type": ["string", "null"]},
-        "createdAt": _TIME, "updatedAt": _TIME, "completedAt": _NULLABLE_TIME}),
-    "Completion": _object({"bizId": _STRING, "transferId": _STRING,
-                           "status": _enum(TRANSFER_STATUSES), "completed": {"type": "boolean"}}),
-    "CreateTransfer": {**_object({
-        "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA,
-        "amount": {"type": "string", "examples": ["10.00"]}, "currency": _CURRENCY_SCHEMA,
-        "bizId": _BIZ_ID_SCHEMA, "description": {"type": "string", "maxLength": DESCRIPTION_MAX}},
-        ["sourceWalletId", "targetWalletId", "amount", "currency"]),
-        **_currency_amount(sorted(CURRENCY_EXPONENTS))},
-    "PageInfo": _object({"size": {"type": "integer"}, "number": {"type": "integer"},
-                         "totalElements": {"type": "integer"}, "totalPages": {"type": "integer"}}),
-    "Workspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}),
-    "Member": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING,
-                       "role": _enum(Role), "createdAt": _TIME}),
-    "ApiKey": _object({"apiKey": _STRING, "secret": {"type": "string", "description": "at creation only"},
-                       "workspaceId": _STRING, "memberId": _STRING,
-                       "scopes": {"type": "array", "items": _enum(SCOPES)}, "enabled": {"type": "boolean"},
-                       "ipWhitelist": {"type": ["array", "null"], "items": _STRING}, "createdAt": _TIME},
-                      ["apiKey", "workspaceId", "memberId", "scopes", "enabled", "createdAt"]),
-    "Health": _object({"status": _STRING, "version": _STRING}),
-    "Error": _object({"version": _STRING, "timestamp": {"type": "integer"},
-                      "success": {"const": False}, "code": _enum([e.code for e in ERRORS]),
-                      "message": _enum([e.name for e in ERRORS]), "data": {"type": "null"},
-                      "detail": _STRING}),
-    "NameBody": _object({"name": _NAME_SCHEMA}),
-    "NewKeyBody": _object({"scopes": {"type": "array", "items": _enum(SCOPES), "minItems": 1},
-                           "memberId": _STRING,
-                           "ipWhitelist": {"type": ["array", "null"], "items": _NETWORK_SCHEMA, "minItems": 1,
-                                           "description": "addresses or CIDR blocks without host bits"
-                                                          " (10.0.0.1/8 is S012); null: no whitelist"}},
-                          []),
-    "NewWalletBody": _object({"currency": _CURRENCY_SCHEMA, "name": {**_NAME_SCHEMA, "minLength": 0}},
-                             ["currency"]),
-    "StatusBody": _object({"status": _enum(WALLET_STATUSES)}),
-    "AmountBody": _object({"amount": _currency_amount()}),
-    "DecisionBody": _object({"workspaceId": _STRING}, []),
-    "FaultBody": {**_object({"action": _enum(FaultAction), "method": _STRING, "path": _STRING,
-                          "workspaceId": _STRING, "code": {"type": "string", "minLength": 1, "maxLength": 64},
-                          "status": {"type": "integer", "minimum": Faults.STATUSES[0],
-                                     "maximum": Faults.STATUSES[1]},
-                          "latency": {"type": "number", "minimum": 0, "maximum": Faults.MAX_LATENCY},
-                          "times": {"type": "integer", "minimum": 1, "maximum": Faults.MAX_TIMES},
-                          "query": {"type": "object"}, "headers": {"type": "object"},
-                          "body": {"type": "object"}}, []),
-                  # an error rule names its status, unless its code (S500 by default) is the catalog's
-                  "anyOf": [{"required": ["status"]}, {"not": {"required": ["code"]}},
-                            {"properties": {"code": {"enum": list(ERRORS_BY_CODE)}}},
-                            {"required": ["action"],
-                             "properties": {"action": {"not": {"const": FaultAction.ERROR}}}}]},
-    "JournalAssertBody": _object({"method": _STRING, "path": _STRING, "query": {"type": "object"},
-                                  "headers": {"type": "object"}, "body": {"type": "object"}, "code": _STRING,
-                                  "times": {"type": "integer"}, "atLeast": {"type": "integer"},
-                                  "never": {"type": "boolean"}}, []),
-    "JournalVerdict": _object({"passed": {"type": "boolean"}, "count": {"type": "integer"},
-                               "message": {"type": ["string", "null"]}}),
-    "Fault": _object({"id": _STRING, "action": _enum(FaultAction), "method": _STRING, "path": _STRING,
-                      "workspaceId": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]},
-                      "status": {"type": ["integer", "null"]}, "latency": {"type": "number"},
-                      "times": {"type": ["integer", "null"]}, "query": {"type": ["object", "null"]},
-                      "headers": {"type": ["object", "null"]}, "body": {"type": ["object", "null"]},
-                      "fired": {"type": "integer"}}),
-    "SeedBody": _object({"seed": {"type": ["integer", "null"], "minimum": ID_SEEDS[0],
-                                  "maximum": ID_SEEDS[1]}}),
-    "ScenarioBody": {**_object({"scenario": _enum(("demo",)), "workspaces": {
-                                    "type": "array", "items": _scenario_schema("workspaces")}}, []),
-                     "not": {"required": ["scenario", "workspaces"]}},
-    "WorldWorkspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME,
-                               "members": _array("Member"), "keys": _array("ApiKey"),
-                               "wallets": _array("Wallet")}),
-    "World": _object({"workspaces": _array("WorldWorkspace")}),
-    "ClockBody": _object({
-        "freeze": {"type": "boolean"},
-        "at": _CLOCK_AT_SCHEMA,
-        "advance": {"type": "number", "minimum": -CLOCK_RANGE[1], "maximum": CLOCK_RANGE[1],
-                    "description": "seconds; the clock stays between 1970-01-01 and 9999-12-31"}}, []),
-    "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {"type": "object"}}),
-    "ClockState": _object({"now": _TIME, "epochMillis": {"type": "integer"}, "frozen": {"type": "boolean"},
-                           "controllable": {"type": "boolean"}}),
-    "JournalEntry": _object({"seq": {"type": "integer"}, "at": _TIME, "method": _STRING, "path": _STRING,
-                             "query": _STRING, "apiKey": {"type": ["string", "null"]},
-                             "status": {"type": "integer"}, "code": {"type": ["string", "null"]},
-                             "canonicalMessage": {"type": ["string", "null"]},
-                             "signature": _enum(Verdict),
-                             "replayed": {"type": "boolean"}, "headers": {"type": "object"}, "body": _STRING,
-                             "responseBody": _STRING, "elapsedMs": {"type": "number"},
-                             "diagnosis": {"type": ["string", "null"]}}),
-    **{item + "Page": _object({"content": _array(item), "page": {"$ref": "#/components/schemas/PageInfo"}})
-       for item in ("Wallet", "Balance", "Flow", "TransferOrder", "JournalEntry")},
+# Each path parameter of the declarations (a bottle rule's name): its name in the document, as the
+# contract writes it, its schema (the id's pattern: no empty segment) and what it is.
+PATH_PARAMETERS = {
+    "wallet_id": ("walletId", "WalletId", "the wallet's id"),
+    "biz_id": ("bizId", "BizId", "the order's bizId (an order made without one: its transferId)"),
+    "workspace_id": ("workspaceId", "WorkspaceId", "the workspace's id"),
+    "member_id": ("memberId", "MemberId", "the member's id"),
+    "api_key": ("apiKey", "ApiKeyId", "the API key"),
+    "fault_id": ("faultId", "FaultId", "the fault rule's id"),
 }
 
 _PAGE_PARAMETERS = (
-    {"name": "page", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0}},
+    {"name": "page", "in": "query", "schema": {"type": "integer", "minimum": 0, "default": 0},
+     "description": "the page's number, from 0; past the last page: no content"},
     {"name": "size", "in": "query", "schema": {"type": "integer", "minimum": 1, "default": DEFAULT_PAGE_SIZE},
-     "description": f"values above {MAX_PAGE_SIZE} are capped at {MAX_PAGE_SIZE}"},
+     "description": f"items per page; values above {MAX_PAGE_SIZE} are capped at {MAX_PAGE_SIZE}"},
 )
 
 
@@ -4296,6 +4412,16 @@ _FILTER_SCHEMAS = {
     "createdFrom": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (inclusive)"},
     "createdTo": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (exclusive)"},
 }
+_FILTER_DESCRIPTIONS = {"currency": "only in this currency",
+                        "bizIdPrefix": "only orders whose bizId starts so",
+                        "createdFrom": "only created at or after this time",
+                        "createdTo": "only created before this time"}
+
+
+def _choice(values: Sequence[str]) -> dict:
+    """The named enum (SCHEMAS) of exactly these values, else an inline one."""
+    named = [name for name, schema in SHARED_SCHEMAS.items() if schema.get("enum") == list(values)]
+    return _ref(named[0]) if named else _enum(values)
 
 
 _ANY_CASE_DIRECTION = "([aA][sS][cC]|[dD][eE][sS][cC])"
@@ -4303,13 +4429,15 @@ _ANY_CASE_DIRECTION = "([aA][sS][cC]|[dD][eE][sS][cC])"
 
 def _filters(sortable: Mapping[str, str], filters: Mapping[str, ListFilter]) -> tuple:
     sort = {"name": "sort", "in": "query", "style": "form", "explode": True,
-            "description": "field,asc|desc; repeatable",
+            "description": f"field,asc|desc (asc if left out; any case); repeatable, the first sorts first;"
+                           f" fields: {', '.join(sortable)}",
             "schema": {"type": "array", "maxItems": MAX_SORT_KEYS,
                        "items": {"type": "string",
                                  "pattern": f"^({'|'.join(sortable)})(,{_ANY_CASE_DIRECTION})?$"}}}
     return (*_PAGE_PARAMETERS, sort,
             *({"name": name, "in": "query",
-               "schema": _enum(list_filter.choices) if list_filter.choices else _FILTER_SCHEMAS[name]}
+               "schema": _choice(list_filter.choices) if list_filter.choices else _FILTER_SCHEMAS[name],
+               "description": _FILTER_DESCRIPTIONS.get(name, f"only those whose {name} is this")}
               for name, list_filter in filters.items()))
 
 
@@ -4327,10 +4455,26 @@ HTML_CONTENT_TYPE = "text/html; charset=utf-8"
 CONSOLE_PATH = "/_admin/console"  # the sandbox console's page (Console)
 CONSOLE_COOKIE = "walletsvc_console"
 _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in HTTPStatus}
+
+
+def console_cookie(environ: Mapping[str, Any]) -> str:
+    """The name of the console's session cookie for the port the request came to (Console;
+    /openapi.json names it so too)."""
+    port = (environ.get("HTTP_HOST") or "").rpartition(":")[2]
+    if not port.isdigit():
+        port = "443" if environ.get("wsgi.url_scheme") == "https" else "80"
+    return f"{CONSOLE_COOKIE}_{port}"
+
+
 # The errors any request can meet (a Content-Length that is no number, an oversized body, a failure,
 # a busy or missing database), and those of each surface (the contract's pipeline; the admin token or
 # console session); see Endpoint.
 ANY_REQUEST_ERRORS = (InvalidParameter, PayloadTooLarge, InternalError, ServiceBusy)
+# What serve's HTTP server (waitress) refuses itself, before the app sees the request: the status it
+# answers, with S012 in the envelope (answering_in_envelopes; any other refusal of its is a 400), and
+# when. /openapi.json lists them on every operation.
+HOST_REFUSALS = {400: "a request line or header it cannot parse, or a Transfer-Encoding other than chunked",
+                 431: "headers over 64 KiB (waitress's max_request_header_size)"}
 SURFACE_ERRORS = {
     Surface.API: (ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember,
                   RequestExpired, SignatureInvalid, IpNotWhitelisted, ScopeRequired),
@@ -4418,6 +4562,9 @@ def check_declaration(declaration: Endpoint, handler: Callable) -> None:
     for schema in (declaration.response, declaration.request):
         if isinstance(schema, str) and schema not in SCHEMAS:
             problems.append(f"schema {schema!r} is not in SCHEMAS")
+    for name in declaration.path_names:
+        if name not in PATH_PARAMETERS:
+            problems.append(f"its path parameter {name!r} is not in PATH_PARAMETERS (its name and schema)")
     parameters = list(inspect.signature(handler).parameters)[1:]  # after the Call
     if parameters != declaration.path_names:
         problems.append(f"the handler takes {parameters} after the call,"
@@ -5180,98 +5327,244 @@ class WalletApp(bottle.Bottle):
 def _schema_ref(schema: str | dict | None) -> dict:
     if schema is None:
         return {"type": "null"}
-    return {"$ref": f"#/components/schemas/{schema}"} if isinstance(schema, str) else schema
+    return _ref(schema) if isinstance(schema, str) else schema
 
 
-def _error_responses(errors: Iterable[type[WalletError]]) -> dict:
-    """An operation's error answers by status, each with the codes it can carry."""
+SURFACE_TAGS = {
+    Surface.API: ("The contract's nine endpoints, each request signed (see the security scheme Signature)"),
+    Surface.ADMIN: "The sandbox's control surface: only with an admin token, sent as Authorization: Bearer",
+    Surface.CONSOLE: "The sandbox console, an HTML page behind a login form",
+    Surface.PUBLIC: "Health and this document, without authentication",
+}
+_SURFACE_AUTH = {
+    Surface.API: "Signed (the security scheme Signature says how); the key needs the scope `{scope}`.",
+    Surface.ADMIN: "Needs the admin token (Authorization: Bearer) or the console's session.",
+    Surface.CONSOLE: "Open: the page asks for the admin token.",
+    Surface.PUBLIC: "Open: no authentication.",
+}
+# The recipe of docs/signing.md, complete: a reader of the document alone can sign.
+SIGNING_RECIPE = """\
+Every /api/ request carries four headers: X-Api-Key (the key), X-Timestamp (Unix seconds, as a decimal \
+integer of 1-12 digits), X-Nonce (1-128 printable ASCII characters without whitespace, unique per key; \
+UUID v4 recommended) and X-Signature:
+
+    X-Signature = Base64( HMAC-SHA256( secret, canonical ) )
+    canonical   = METHOD + "\\n" + PATH + "\\n" + TIMESTAMP + "\\n" + NONCE + "\\n" + SHA256_HEX(body)
+
+- METHOD: the HTTP method in upper case (GET, POST).
+- PATH: the path exactly as sent, without the query string (query parameters are not signed) and with \
+any prefix the service is mounted under (the path of this document's server URL comes first): \
+`/payments/api/v1/wallets` for a server `http://host/payments`. Percent-encode a path segment only where \
+RFC 3986 requires it.
+- TIMESTAMP and NONCE: the X-Timestamp and X-Nonce header values.
+- SHA256_HEX(body): the lowercase hex SHA-256 of the exact body bytes sent; for an empty body (every GET) \
+`e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855`.
+- The five lines are joined with LF (\\n), with no trailing LF; the HMAC's key is the secret's UTF-8 bytes; \
+Base64 is the standard alphabet with padding (not hex, not URL-safe).
+- The clock: sign at the service's time. A timestamp more than {tolerance} s from it is GA2013; every \
+answer's envelope carries the service's time (`timestamp`, epoch milliseconds; GET /healthz answers it \
+unsigned): a client whose clock differs signs at that time (in a sandbox, the service clock may be \
+frozen or moved).
+- A nonce is refused (GA2013) once used with that key; a failed signature does not use it up.
+"""
+
+
+def _path_parameter(name: str) -> dict:
+    public, schema, description = PATH_PARAMETERS[name]
+    return {"name": public, "in": "path", "required": True, "schema": _ref(schema),
+            "description": description}
+
+
+def _example(schema: Any) -> Any:
+    """A value valid against ``schema`` (SCHEMAS'), for the document's examples: its own example
+    where it gives one (patterns need one), else built from its type."""
+    if "$ref" in schema:
+        return _example(SCHEMAS[schema["$ref"].rsplit("/", 1)[1]])
+    for keyword, pick in (("examples", 0), ("const", None), ("default", None), ("enum", 0)):
+        if keyword in schema:
+            return schema[keyword] if pick is None else schema[keyword][pick]
+    if "anyOf" in schema:
+        return _example(schema["anyOf"][0])
+    kind = next((kind for kind in _type_names(schema) if kind != "null"), "null")
+    if kind == "object":
+        wanted = schema["required"] if "not" in schema else schema.get("properties", {})
+        return {name: _example(schema["properties"][name]) for name in wanted}
+    if kind == "array":
+        return [_example(schema["items"])]
+    if kind == "string":
+        formats = {"date-time": "2024-05-01T12:00:00.000Z", "date": "2024-05-01"}
+        return formats.get(schema.get("format"), "text")
+    return {"integer": schema.get("minimum", 0), "number": schema.get("minimum", 0), "boolean": True,
+            "null": None}[kind]
+
+
+_HEADERS = {
+    "Content-Language": {"description": "the language of an error's detail (from X-LOCALE, then"
+                                        " Accept-Language)", "schema": _enum(LOCALES)},
+    "Cache-Control": {"description": "answers are never cached", "schema": {"const": "no-store"}},
+}
+_REPLAYED = {"Idempotent-Replayed": {"description": "true: the same request came before, and this is its"
+                                                   " order, unchanged (docs/contract.md)",
+                                    "schema": {"const": "true"}}}
+_LANGUAGE_PARAMETERS = [
+    {"name": "X-LOCALE", "in": "header", "required": False,
+     "schema": {"type": "string", "examples": ["zh-CN"]},
+     "description": "the language of an error's detail: en-US (default) or zh-CN (zh, zh_CN understood;"
+                    " any other: en-US). Not signed"},
+    {"name": "Accept-Language", "in": "header", "required": False,
+     "schema": {"type": "string", "examples": ["zh-CN,zh;q=0.9"]},
+     "description": "used when X-LOCALE is absent; not signed"}]
+
+
+def _headers(*names: str) -> dict:
+    return {name: {"$ref": f"#/components/headers/{name}"} for name in names}
+
+
+def _error_responses(errors: Iterable[type[WalletError]], head: bool = False) -> dict:
+    """An operation's error answers by status: the one Error envelope, with the codes this operation can
+    answer (examples, one per code; their list in the description). Every operation also lists what
+    serve's HTTP server refuses before the app (HOST_REFUSALS). A HEAD answer has no body."""
     statuses: dict[int, list] = {}
     for error in errors:
         statuses.setdefault(error.status, []).append(error)
-    return {str(status): {
-        "description": "; ".join(f"{error.code} {error.name}" for error in errors),
-        "content": {"application/json": {"schema": {"allOf": [
-            {"$ref": "#/components/schemas/Error"},
-            {"properties": {"code": {"enum": [error.code for error in errors]},
-                            "message": {"enum": [error.name for error in errors]}}}]}}}}
-        for status, errors in sorted(statuses.items())}
+    for status in HOST_REFUSALS:
+        if InvalidParameter not in statuses.setdefault(status, []):
+            statuses[status].append(InvalidParameter)
+    answers = {}
+    for status, answered in sorted(statuses.items()):
+        answer: dict[str, Any] = {"description": "; ".join(f"{error.code} {error.name}" for error in answered)
+                                  + (f" ({HOST_REFUSALS[status]})" if status in HOST_REFUSALS else ""),
+                                  "headers": _headers(*_HEADERS)}
+        if not head:
+            answer["content"] = {"application/json": {"schema": _ref("Error"), "examples": {
+                error.code: {"$ref": f"#/components/examples/{error.code}"} for error in answered}}}
+        answers[str(status)] = answer
+    return answers
+
+
+def _error_examples(paths: Mapping[str, dict]) -> dict:
+    """An example of each error the operations of ``paths`` answer (components/examples)."""
+    answered = {reference["$ref"].rsplit("/", 1)[1] for operations in paths.values()
+                for operation in operations.values() for answer in operation["responses"].values()
+                for reference in answer.get("content", {}).get("application/json", {}).get("examples",
+                                                                                             {}).values()}
+    return {error.code: {"summary": error.name, "value": {
+        "version": API_VERSION, "timestamp": 1714564800000, "success": False, "code": error.code,
+        "message": error.name, "data": None, "detail": re.sub(r"\{\w*\}", "...", error.messages[0])}}
+        for error in ERRORS if error.code in answered}
 
 
 def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
     """OpenAPI 3.1 of ``endpoints``, from their declarations, with ``base_url`` as the server."""
-    security = {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
-                Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}],
-                Surface.CONSOLE: [], Surface.PUBLIC: []}
     paths: dict[str, dict] = {}
+    surfaces = []
     for declared_endpoint in endpoints:
-        surface = declared_endpoint.surface
-        data_schema = _schema_ref(declared_endpoint.response)
-        success = data_schema if declared_endpoint.media else {
-            "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
-            "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
-                           "success": {"const": True}, "code": {"const": SUCCESS_CODE},
-                           "message": {"const": "SUCCESS"}, "data": data_schema}}
-        operation: dict[str, Any] = {
-            "operationId": declared_endpoint.name if surface is not Surface.ADMIN
-                           else f"admin_{declared_endpoint.name}",
-            "summary": declared_endpoint.summary, "tags": [surface],
-            "parameters": [{"name": name, "in": "path", "required": True, "schema": _STRING}
-                           for name in declared_endpoint.path_names] + list(declared_endpoint.query),
-            "responses": {"200": {"description": "SUCCESS",
-                                  "content": {(declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]:
-                                              {"schema": success}}},
-                          **_error_responses(declared_endpoint.errors_answered)},
-            "security": security[surface]}
-        if declared_endpoint.rules:  # what no JSON Schema can say, stated so that a client knows
-            operation["description"] = "Beyond the schema, S012 INVALID_PARAMETER names the field when:\n" + \
-                "\n".join(f"- `{field}`: {rule}" for field, rule in declared_endpoint.rules)
-        if declared_endpoint.links:  # (to an operation of the same surface)
-            operation["responses"]["200"]["links"] = {
-                name: {"operationId": f"admin_{target}" if surface is Surface.ADMIN else target,
-                       "parameters": parameters}
-                for name, target, parameters in declared_endpoint.links}
-        for status, description in declared_endpoint.answers:
-            operation["responses"][str(status)] = {"description": description, "content": {
-                (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]: {"schema": data_schema}}}
-        if declared_endpoint.form:
-            operation["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {
-                "schema": {"type": "object", "required": list(declared_endpoint.form),
-                           "properties": {field: _STRING for field in declared_endpoint.form}}}}}
-        if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
-            required = surface is Surface.API or bool(SCHEMAS[declared_endpoint.request]["required"])
-            operation["requestBody"] = {"required": required, "content": {
-                "application/json": {"schema": _schema_ref(declared_endpoint.request)}}}
-        openapi_path = re.sub(r"<(\w+)>", r"{\1}", declared_endpoint.path)
-        paths.setdefault(openapi_path, {})[declared_endpoint.method.lower()] = operation
+        openapi_path = re.sub(r"<(\w+)>", lambda name: "{" + PATH_PARAMETERS[name[1]][0] + "}",
+                              declared_endpoint.path)
+        operations = paths.setdefault(openapi_path, {})
+        operations[declared_endpoint.method.lower()] = _operation(declared_endpoint)
+        if declared_endpoint.method == "GET":  # bottle answers HEAD wherever GET is served
+            operations["head"] = _operation(declared_endpoint, head=True)
+        surfaces.append(declared_endpoint.surface)
     header = {"type": "apiKey", "in": "header"}
+    see_signature = "one of the four signing headers: see the scheme Signature"
     return {
         "openapi": "3.1.0",
         "info": {"title": "walletsvc", "version": __version__,
-                 "description": "Wallet and Transfer Service. Every /api/ request is signed: X-Signature ="
-                                " Base64(HMAC-SHA256(secret,"
-                                " METHOD\\nPATH\\nTIMESTAMP\\nNONCE\\nSHA256_HEX(body)))."
-                                " /_admin/ exists only when an admin token is set. Each operation lists every"
-                                " error it answers; in a sandbox, a fault rule (/_admin/faults) can also make"
-                                " an /api/ operation answer any error, wait, or drop the connection."},
+                 "summary": "A wallet-and-transfer service: signed HTTP API, SQLite ledger, sandbox",
+                 "description": "Wallet and Transfer Service. Every /api/ request is signed (the security"
+                                " scheme Signature says how). /_admin/ exists only when an admin token is"
+                                " set."
+                                " Each operation lists every status and error it answers; in a sandbox, a"
+                                " fault rule (/_admin/faults) can also make an /api/ operation answer any"
+                                " error, wait, or drop the connection. A method a path does not list answers"
+                                " 405 S405 METHOD_NOT_ALLOWED with an Allow header naming those it does"
+                                " (under /api/: 403 50090201, deny by default).",
+                 "license": {"name": "MIT", "identifier": "MIT"},
+                 "contact": {"name": "walletsvc"}},
+        "externalDocs": {"description": "docs/signing.md and docs/reference.md of walletsvc's source",
+                         "url": "docs/reference.md"},
         "servers": [{"url": base_url}],
+        "tags": [{"name": surface, "description": SURFACE_TAGS[surface]}
+                 for surface in dict.fromkeys(surfaces)],
         "paths": paths,
         "components": {
             "schemas": dict(SCHEMAS),
+            "headers": {**_HEADERS, **_REPLAYED},
+            "examples": _error_examples(paths),
             "securitySchemes": {
-                "ApiKey": {**header, "name": "X-Api-Key"},
+                "ApiKey": {**header, "name": "X-Api-Key", "description": f"the API key; {see_signature}"},
                 "Timestamp": {**header, "name": "X-Timestamp",
-                              "description": "Unix seconds, within the server's timestamp_tolerance of its"
-                                             f" clock ({Settings().timestamp_tolerance} s by default)"},
-                "Nonce": {**header, "name": "X-Nonce", "description": "unique per key; UUID v4 recommended"},
-                "Signature": {**header, "name": "X-Signature",
-                              "description": "Base64 HMAC-SHA256 of the canonical message"},
-                "AdminToken": {"type": "http", "scheme": "bearer"},
-                "ConsoleSession": {"type": "apiKey", "in": "cookie", "name": CONSOLE_COOKIE + "_PORT",
-                                   "description": "the console's session (PORT: the server's), "
-                                                  "with the page's X-Console-Csrf header"},
+                              "description": f"Unix seconds at the service's clock; {see_signature}"},
+                "Nonce": {**header, "name": "X-Nonce",
+                          "description": f"unique per key; UUID v4 recommended; {see_signature}"},
+                "Signature": {**header, "name": "X-Signature", "description": SIGNING_RECIPE.format(
+                    tolerance=Settings().timestamp_tolerance)},
+                "AdminToken": {"type": "http", "scheme": "bearer",
+                               "description": "the admin token (serve prints it; --admin-token sets it)"},
+                "ConsoleSession": {"type": "apiKey", "in": "cookie", "name": console_cookie(
+                    {"HTTP_HOST": urllib.parse.urlsplit(base_url).netloc,
+                     "wsgi.url_scheme": urllib.parse.urlsplit(base_url).scheme}),
+                                   "description": "the console's session, set by its login form; with it,"
+                                                  " the page's X-Console-Csrf header on a write"},
             },
         },
     }
+
+
+def _operation(declared_endpoint: Endpoint, head: bool = False) -> dict:
+    """The declared endpoint as an OpenAPI operation (HEAD: a GET's, answered without a body)."""
+    surface = declared_endpoint.surface
+    media = (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]
+    data_schema = _schema_ref(declared_endpoint.response)
+    success = data_schema if declared_endpoint.media else {
+        "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
+        "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
+                       "success": {"const": True}, "code": {"const": SUCCESS_CODE},
+                       "message": {"const": "SUCCESS"}, "data": data_schema}}
+    name = ("head_" if head else "") + declared_endpoint.name
+    description = [(declared_endpoint.summary + ".") if not head else
+                   f"As GET (`{declared_endpoint.name}`), without the body: the same status and headers.",
+                   _SURFACE_AUTH[surface].format(scope=declared_endpoint.scope)]
+    if declared_endpoint.rules:  # what no JSON Schema can say, stated so that a client knows
+        description.append("Beyond the schema, S012 INVALID_PARAMETER names the field when:\n" + "\n".join(
+            f"- `{field}`: {rule}" for field, rule in declared_endpoint.rules))
+    ok: dict[str, Any] = {"description": "SUCCESS",
+                          "headers": _headers(*_HEADERS, *(_REPLAYED if name == "create_transfer" else ()))}
+    if not head:
+        example = _example(success) if success.get("type") != "string" else "<!doctype html>"
+        ok["content"] = {media: {"schema": success, "example": example}}
+    operation: dict[str, Any] = {
+        "operationId": name if surface is not Surface.ADMIN else f"admin_{name}",
+        "summary": declared_endpoint.summary + (" (HEAD)" if head else ""),
+        "description": "\n\n".join(description), "tags": [surface],
+        "parameters": [_path_parameter(name) for name in declared_endpoint.path_names]
+        + list(declared_endpoint.query) + _LANGUAGE_PARAMETERS,
+        "responses": {"200": ok, **_error_responses(declared_endpoint.errors_answered, head)}}
+    if surface is not Surface.CONSOLE:
+        operation["security"] = {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
+                                 Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}],
+                                 Surface.PUBLIC: []}[surface]
+    else:
+        operation["security"] = []
+    if declared_endpoint.links and not head:  # (to an operation of the same surface)
+        operation["responses"]["200"]["links"] = {
+            link: {"operationId": f"admin_{target}" if surface is Surface.ADMIN else target,
+                   "parameters": {PATH_PARAMETERS[parameter][0]: where
+                                  for parameter, where in parameters.items()}}
+            for link, target, parameters in declared_endpoint.links}
+    for status, answer in declared_endpoint.answers:
+        operation["responses"][str(status)] = {"description": answer, "headers": _headers(*_HEADERS),
+                                               "content": {media: {"schema": data_schema}}}
+    if declared_endpoint.form:
+        operation["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {
+            "schema": {"type": "object", "required": list(declared_endpoint.form),
+                       "properties": {field: _STRING for field in declared_endpoint.form}}}}}
+    if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
+        required = surface is Surface.API or bool(SCHEMAS[declared_endpoint.request]["required"])
+        operation["requestBody"] = {"required": required, "content": {"application/json": {
+            "schema": _ref(declared_endpoint.request), "example": _example(_ref(declared_endpoint.request))}}}
+    return operation
 
 
 # Rules a schema cannot state, shared by several operations (Endpoint.rules).
@@ -5325,13 +5618,6 @@ class WalletApi:
     def list_transfers(self, request: Received) -> dict:
         return self.svc.list_transfers(request.principal.workspace_id, request.query)
 
-    @endpoint("GET", "/api/v1/transfer/query/orders/wallet/<wallet_id>", "List a wallet's transfer orders",
-              scope="transfer:read", response="TransferOrderPage", query=_TRANSFER_PARAMETERS,
-              errors=(WalletNotFound,))
-    def list_wallet_transfers(self, request: Received, wallet_id: str) -> dict:
-        return self.svc.list_transfers(request.principal.workspace_id, request.query,
-                                       wallet_id=wallet_id)
-
     @endpoint("GET", "/api/v1/transfer/query/orders/<biz_id>", "Get a transfer order", scope="transfer:read",
               response="TransferOrder", errors=(TransferNotFound,))
     def get_transfer(self, request: Received, biz_id: str) -> dict:
@@ -5342,6 +5628,15 @@ class WalletApi:
               errors=(TransferNotFound,))
     def transfer_completed(self, request: Received, biz_id: str) -> dict:
         return self.svc.transfer_completion(request.principal.workspace_id, biz_id)
+
+    # After the order's completion check: /orders/wallet/completed is the order "wallet"'s check, as
+    # "completed" is no wallet id (WalletId); docs/contract.md, Endpoints.
+    @endpoint("GET", "/api/v1/transfer/query/orders/wallet/<wallet_id>", "List a wallet's transfer orders",
+              scope="transfer:read", response="TransferOrderPage", query=_TRANSFER_PARAMETERS,
+              errors=(WalletNotFound,))
+    def list_wallet_transfers(self, request: Received, wallet_id: str) -> dict:
+        return self.svc.list_transfers(request.principal.workspace_id, request.query,
+                                       wallet_id=wallet_id)
 
     @endpoint("POST", "/api/v1/transfer/command/create", "Create a transfer order", scope="transfer:create",
               request="CreateTransfer", response="TransferOrder",
@@ -5374,7 +5669,9 @@ class WalletApi:
         return {"status": "ok", "version": __version__}
 
     @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)",
-              response={"type": "object"}, media=JSON_CONTENT_TYPE)
+              response={"type": "object", "additionalProperties": True,
+                        "description": "an OpenAPI 3.1 document"},
+              media=JSON_CONTENT_TYPE)
     def openapi(self, request: Received) -> dict:
         environ = request.environ
         host = (environ.get("HTTP_HOST")
@@ -5424,12 +5721,7 @@ class Console:
         digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
-    @staticmethod
-    def cookie_name(environ: Mapping[str, Any]) -> str:
-        port = (environ.get("HTTP_HOST") or "").rpartition(":")[2]
-        if not port.isdigit():
-            port = "443" if environ.get("wsgi.url_scheme") == "https" else "80"
-        return f"{CONSOLE_COOKIE}_{port}"
+    cookie_name = staticmethod(console_cookie)
 
     def session(self, environ: Mapping[str, Any]) -> ConsoleSession | None:
         """The session the request's cookie names (None: no cookie), valid or not."""
@@ -5712,15 +6004,25 @@ class AdminApi:
     @endpoint("GET", "/_admin/journal", "The request journal, oldest first, a page at a time",
               response="JournalEntryPage",
               query=[*_PAGE_PARAMETERS[:2],
-                     *({"name": name, "in": "query", "schema": _STRING}
-                       for name in ("method", "path", "code")),
+                     *({"name": name, "in": "query", "schema": _STRING, "description": description}
+                       for name, description in (("method", "only requests of this method"),
+                                                 ("path", "only requests whose path matches this glob"),
+                                                 ("code", "only answers of this code"))),
+                     *({"name": name, "in": "query", "style": "deepObject", "explode": True,
+                        "schema": {"type": "object", "additionalProperties": {"type": "string"}},
+                        "description": f"only requests with these {what} ({name}[NAME]=VALUE;"
+                                       f" {name}.NAME=VALUE works too)"}
+                       for name, what in (("query", "query parameters"), ("header", "headers"))),
                      {"name": "body", "in": "query",
                       "description": "body fields the entries must have (JSON)",
-                      "content": {"application/json": {"schema": {"type": "object"}}}},
-                     *({"name": name, "in": "query", "schema": {"type": "integer", "minimum": 0}}
-                       for name in ("after", "last"))])
+                      "content": {"application/json": {"schema": _MATCH["body"]}}},
+                     *({"name": name, "in": "query", "schema": {"type": "integer", "minimum": 0},
+                        "description": description}
+                       for name, description in (("after", "only entries whose seq is greater"),
+                                                 ("last", "only the newest so many matching entries")))])
     def journal(self, request: Received) -> dict:
-        """Query parameters ``method``, ``path``, ``code``, ``query.NAME``, ``header.NAME``, ``body``
+        """Query parameters ``method``, ``path``, ``code``, ``query.NAME`` or ``query[NAME]``,
+        ``header.NAME`` or ``header[NAME]``, ``body``
         (JSON); ``after``: only entries whose seq is greater (what is new since a poll);
         ``last``: only the newest so many of the matching entries; ``page`` and ``size`` as
         the API's lists take them."""
@@ -5728,9 +6030,9 @@ class AdminApi:
         after, last = (_page_integer(query, name, -1, 0) for name in ("after", "last"))
         number, size = _page_and_size(query)
         criteria: dict[str, Any] = {name: first(query, name) for name in ("method", "path", "code")}
-        for kind, field in (("query.", "query"), ("header.", "headers")):
-            criteria[field] = {name[len(kind):]: values[0] for name, values in query.items()
-                               if name.startswith(kind)}
+        for kind, field in (("query", "query"), ("header", "headers")):
+            criteria[field] = {match[1] or match[2]: values[0] for name, values in query.items()
+                               if (match := re.fullmatch(kind + r"(?:\.(.+)|\[(.+)\])", name, re.DOTALL))}
         if first(query, "body") is not None:
             criteria["body"] = json_object(first(query, "body").encode("utf-8"))
         entries = self.svc.journal.entries(after=max(after, 0), **criteria)
@@ -6389,7 +6691,8 @@ def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
     """A waitress ``server`` whose own answers to what it cannot parse (a malformed header, a body or
     headers over its limits), which never reach the app, are the error envelope too (docs/contract.md),
     not waitress's text: S413 for a body over its limit (saying the app's ``limit``, not the size
-    waitress buffers), S012 otherwise, with waitress's status."""
+    waitress buffers), S012 otherwise, with waitress's status where HOST_REFUSALS lists it, else 400
+    (its 501 for a Transfer-Encoding it does not take: the client's to change, so a 4xx)."""
     from waitress.channel import HTTPChannel
     from waitress.task import ErrorTask
 
@@ -6401,9 +6704,9 @@ def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
                     limit=limit or self.channel.server.adj.max_request_body_size)
             else:
                 error = invalid("request", "http", problem=str(refusal.body)[:200])
+            status = refusal.code if refusal.code in HOST_REFUSALS or refusal.code == 413 else 400
             body = to_json(error_envelope(error, LOCALES[0], int(time.time() * 1000)))
-            # waitress's 501 is a Transfer-Encoding it does not take: the client's to change, so a 4xx
-            self.status = "400 Bad Request" if refusal.code == 501 else f"{refusal.code} {refusal.reason}"
+            self.status = _STATUS_LINES[status]
             self.response_headers.extend([("Content-Type", JSON_CONTENT_TYPE),
                                           ("Content-Language", LOCALES[0]), ("Cache-Control", "no-store")])
             self.set_close_on_finish()
