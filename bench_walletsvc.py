@@ -729,7 +729,7 @@ def http_rows(method: str, plan: dict, ports: dict, peer: dict | None, threads: 
         if peer:
             their_plan = {**plan, **{name: value for name, value in peer.items() if name != "process"}}
             measured["localstripe"].append(requests_per_second(peer["port"], their_plan, seconds))
-    (bare, bare_p99), (floor, floor_p99), (ours, p99) = (_median_pair(measured[kind])
+    (bare, _), (floor, floor_p99), (ours, p99) = (_median_pair(measured[kind])
                                                          for kind in ("bare", "floor", "walletsvc"))
     short = name.split(",")[0]
     rows = [(name, f"{ours:.0f} req/s", f"floor {floor:.0f} req/s ({threads} threads, {load_tool()})",

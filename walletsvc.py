@@ -540,6 +540,8 @@ _REASONS = {
                  "{currency} 最多允许 {exponent} 位小数"),
     "range": ("must be an integer from {minimum} to {maximum}",
               "必须是 {minimum} 到 {maximum} 之间的整数"),
+    "one_name": ("takes one name in its brackets ({kind}[NAME]=VALUE), not a nested one",
+                 "方括号中只能有一个名称（{kind}[NAME]=VALUE），不能嵌套"),
     "mapping": ("must be a mapping of parameter names to values, such as {{\"size\": 5}}",
                 "必须是参数名到值的映射，例如 {{\"size\": 5}}"),
     "too_large": ("is too large",
@@ -6009,7 +6011,10 @@ class AdminApi:
                                                  ("path", "only requests whose path matches this glob"),
                                                  ("code", "only answers of this code"))),
                      *({"name": name, "in": "query", "style": "deepObject", "explode": True,
-                        "schema": {"type": "object", "additionalProperties": {"type": "string"}},
+                        # (a query string carries text only: true, 1 or null are the text they spell)
+                        "schema": {"type": "object", "additionalProperties": {
+                            "type": ["string", "number", "boolean", "null"],
+                            "description": "compared as text"}},
                         "description": f"only requests with these {what} ({name}[NAME]=VALUE;"
                                        f" {name}.NAME=VALUE works too)"}
                        for name, what in (("query", "query parameters"), ("header", "headers"))),
@@ -6031,8 +6036,13 @@ class AdminApi:
         number, size = _page_and_size(query)
         criteria: dict[str, Any] = {name: first(query, name) for name in ("method", "path", "code")}
         for kind, field in (("query", "query"), ("header", "headers")):
-            criteria[field] = {match[1] or match[2]: values[0] for name, values in query.items()
-                               if (match := re.fullmatch(kind + r"(?:\.(.+)|\[(.+)\])", name, re.DOTALL))}
+            criteria[field] = {}
+            for name, values in query.items():
+                match = re.fullmatch(kind + r"(?:\.(.+)|\[(.+)\])", name, re.DOTALL)
+                if match and match[2] and re.search(r"[][]", match[2]):  # deepObject: a[b][c] is nested
+                    raise invalid(name[:64], "one_name", kind=kind)
+                if match:
+                    criteria[field][match[1] or match[2]] = values[0]
         if first(query, "body") is not None:
             criteria["body"] = json_object(first(query, "body").encode("utf-8"))
         entries = self.svc.journal.entries(after=max(after, 0), **criteria)
