@@ -7373,8 +7373,55 @@ def _replace_wal(path: pathlib.Path) -> None:
     os.replace(f"{path}-wal.other", f"{path}-wal")
 
 
-SWAPS = [_delete, _replace, _delete_wal, _replace_wal]
-SWAP_NAMES = ["deleted", "replaced", "wal-deleted", "wal-replaced"]
+def _delete_shm(path: pathlib.Path) -> None:
+    os.remove(f"{path}-shm")
+
+
+SWAPS = [_delete, _replace, _delete_wal, _replace_wal, _delete_shm]
+SWAP_NAMES = ["deleted", "replaced", "wal-deleted", "wal-replaced", "shm-deleted"]
+
+
+def test_no_process_joins_a_file_whose_shm_a_running_server_lost(tmp_path) -> None:
+    """Issue 36, item 2: with -shm deleted under a running server, a second process on the file (a restart,
+    a respawned worker, a second serve) made a new -shm, the two stopped coordinating, and 415-941
+    acknowledged transfers were lost in a malformed file. Now the second one is refused, naming the first."""
+    path = tmp_path / "sandbox.db"
+    with demo_process(tmp_path, "sandbox") as (server, _):
+        _delete_shm(path)
+        with pytest.raises(sqlite3.OperationalError, match=rf"process {server.process.pid} still serves it"
+                                                           r" through a -shm that was deleted"):
+            walletsvc.WalletService(str(path))
+        second = _cli("serve", "--db", str(path), "--port", "0")
+        assert second.returncode != 0 and "-shm that was deleted" in second.stderr
+        assert "Traceback" not in second.stderr
+    walletsvc.WalletService(str(path)).close()  # once that process is gone, the file serves again
+
+
+def test_a_malformed_database_is_s503_saying_what_to_do_and_healthz_503(tmp_path, clock) -> None:
+    """Issue 36, item 4: a malformed or truncated file answered S500 ("a bug") to every request, with
+    tracebacks, while /healthz said ok."""
+    path = tmp_path / "broken.db"
+    svc = walletsvc.WalletService(str(path), clock=clock)
+    world_ = make_world(svc)
+    for n in range(40):
+        svc.create_wallet(world_["ws"]["id"], "USD", name=f"filler-{n}")
+    svc.close()  # (the last connection moves everything into the file)
+    svc = walletsvc.WalletService(str(path), clock=clock)
+    try:
+        app = webtest.TestApp(walletsvc.create_app(svc))
+        api = Api(app, world_["key"], clock)
+        size = path.stat().st_size
+        with open(path, "r+b") as handle:  # under the running service: every page but the first, overwritten
+            handle.seek(4096)
+            handle.write(os.urandom(size - 4096))
+        for answer in (api.get(f"/api/v1/wallets/{world_['a']}"), api.transfer(transfer_body(world_)),
+                       app.get("/healthz", expect_errors=True)):
+            body = error(answer, "S503", 503)
+            assert "malformed" in body["detail"] and "Restore it from a copy" in body["detail"]
+    finally:
+        svc.close()
+    started = _cli("serve", "--db", str(path), "--port", "0")  # and a start on it says so, in one line
+    assert started.returncode != 0 and "malformed" in started.stderr and "Traceback" not in started.stderr
 
 
 @pytest.mark.parametrize("swap", SWAPS, ids=SWAP_NAMES)

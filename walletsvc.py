@@ -1020,6 +1020,23 @@ _LOCKED = ("SQLITE_BUSY", "SQLITE_LOCKED")
 _UNAVAILABLE = (*_LOCKED, "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR", "SQLITE_FULL")
 
 
+_CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+
+
+def _lost_shm_holders(path: str) -> list[int]:
+    """The processes that map ``path``'s -shm though it was deleted (Linux's /proc; elsewhere none is
+    found): they coordinate through a file no other process can open any more."""
+    lost = f"{os.path.abspath(path)}-shm (deleted)\n"
+    holders = []
+    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError), open(f"/proc/{entry.name}/maps", encoding="utf-8",
+                                                   errors="replace") as maps:
+                if any(line.endswith(lost) for line in maps):
+                    holders.append(int(entry.name))
+    return holders
+
+
 def _is_locked(exc: sqlite3.Error) -> bool:
     """Whether SQLite refused because another connection holds the lock (try again later)."""
     return (getattr(exc, "sqlite_errorname", None) or "").startswith(_LOCKED)
@@ -1126,7 +1143,7 @@ class Database:
         self._lock = threading.RLock() if self.memory else contextlib.nullcontext()
         self._shared: _Held | None = None
         self._file: tuple[int, int] | None = None  # (device, inode) of the file this database opened
-        self._wal: tuple[int, int] | None = None  # and of its -wal, once seen
+        self._companions: dict[str, tuple[int, int]] = {}  # and of its -wal and -shm, once seen
         self._gone: FileGone | None = None  # once either was seen swapped: every use of the database fails
         self._writer_state()
         _DATABASES.add(self)
@@ -1135,6 +1152,11 @@ class Database:
                 raise RuntimeError(f"{path} is a symbolic link to nothing: no database is made through it")
             with contextlib.suppress(OSError):  # (there already, or not makeable: SQLite says what is wrong)
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o600))
+            lost = _lost_shm_holders(path)
+            if lost:
+                raise FileGone(f"{path}: process {', '.join(map(str, lost))} still serves it through a -shm"
+                               " that was deleted; a process that joined it now would no longer coordinate"
+                               " with that one, and both would corrupt the file. Stop that process first.")
         deadline = time.monotonic() + busy_timeout
         while True:  # two servers starting on one new file: the loser waits its turn (docs/operations.md)
             try:
@@ -1164,17 +1186,40 @@ class Database:
             return None
         return status.st_dev, status.st_ino
 
+    @property
+    def gone(self) -> FileGone | None:
+        """Why nothing more is read from or written to this database, once that is so."""
+        return self._gone
+
+    def trouble(self, exc: sqlite3.Error) -> str | None:
+        """What a storage error means for a request, in one place: "gone" (the file deleted or
+        replaced: ``check_file``), "corrupt" (the file is malformed: every later use fails too, with
+        what to do), "busy" (locked, read-only, full, an I/O error: try again) or None (a bug)."""
+        if self._gone is None and (getattr(exc, "sqlite_errorname", None) or "").startswith(_CORRUPT):
+            self._gone = FileGone(
+                f"The database file {self.path} is malformed ({exc}): nothing more is read from or written"
+                " to it. Restore it from a copy, or serve a new file (--db); walletsvc audit and sqlite3's"
+                " PRAGMA integrity_check say what is wrong.")
+        try:
+            self.check_file()
+        except FileGone:
+            return "gone"
+        return "busy" if _is_busy(exc) else None
+
     def check_file(self) -> None:
         """FileGone unless the file this database opened, and its -wal, are still at their
         paths (docs/operations.md): a write into a deleted or replaced file would be acknowledged
         and then lost. Checked inside every batch's lock, before its COMMIT."""
         if self._file is None:
             return
-        wal, known = self._identity(self.path + "-wal"), self._wal
-        if known is None and wal is not None:
-            self._wal = known = wal
-        if self._gone is None and (self._identity(self.path) != self._file or wal != known):
-            what = "file" if self._identity(self.path) != self._file else "file's -wal"
+        what = "file" if self._identity(self.path) != self._file else None
+        for suffix in ("-wal", "-shm"):  # (made with the first connection, removed with the last)
+            now = self._identity(self.path + suffix)
+            known = self._companions.setdefault(suffix, now) if now is not None \
+                else self._companions.get(suffix)
+            if what is None and now != known:
+                what = f"file's {suffix}"
+        if self._gone is None and what is not None:
             self._gone = FileGone(f"The database {what} {self.path} was deleted or replaced while the server"
                                   " ran; nothing more is read from or written to it. Restart the server.")
         if self._gone is not None:
@@ -1467,7 +1512,7 @@ class Database:
                 for conn in self._writers.values():
                     conn.close()
                 self._writers.clear()
-                self._wal = None  # (SQLite removes the -wal when the last connection closes)
+                self._companions.clear()  # (SQLite removes the -wal and -shm when the last connection closes)
 
 
 _DATABASES: weakref.WeakSet[Database] = weakref.WeakSet()
@@ -5252,12 +5297,12 @@ class HttpApi:
         if isinstance(exc, WalletError):
             return exc
         if isinstance(exc, sqlite3.Error):
-            try:
-                self.svc.db.check_file()  # the file gone says so, rather than "busy" or "malformed"
-            except FileGone as gone:
-                return ServiceBusy(str(gone), zh_extra=f"服务器运行期间数据库文件 {self.svc.db.path}"
-                                   "（或其 -wal）被删除或替换；不再向其写入。请重启服务器。")
-            if _is_busy(exc):
+            trouble = self.svc.db.trouble(exc)
+            if trouble == "gone":  # the file gone or malformed says so, rather than "busy"
+                return ServiceBusy(str(self.svc.db.gone),
+                                   zh_extra=f"数据库文件 {self.svc.db.path}（或其 -wal、-shm）"
+                                   "已被删除、替换或损坏；不再读写。请重启服务器，或从副本恢复。")
+            if trouble == "busy":
                 return ServiceBusy()
         log.error("unexpected error while serving a request", exc_info=exc)
         return InternalError()
@@ -5672,6 +5717,7 @@ class WalletApi:
               response="Health")
     def healthz(self, request: Received) -> dict:
         self.svc.db.check_file()
+        self.svc.db.one("SELECT version FROM schema_version")  # (a malformed file fails here: S503)
         return {"status": "ok", "version": __version__}
 
     @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)",
@@ -7113,10 +7159,17 @@ def _serve_command(args: argparse.Namespace) -> int:
     try:  # every request records its nonce: refuse to start on storage that cannot be written
         svc = WalletService(args.db, clock=Clock(), **service_settings)  # controllable over /_admin/clock
         svc.db.check_writable()
+    except FileGone as exc:
+        _undo_start(svc, made)
+        raise RuntimeError(f"cannot serve {exc}") from exc
     except sqlite3.OperationalError as exc:
         _undo_start(svc, made)
         raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be"
                            " writable)") from exc
+    except sqlite3.DatabaseError as exc:  # (not a database, or a malformed one)
+        _undo_start(svc, made)
+        raise RuntimeError(f"cannot serve {args.db}: {exc}: restore it from a copy, or serve a new file"
+                           " (--db)") from exc
     try:
         world = start_world(svc, scenario) if scenario else None
     except BaseException:
