@@ -1114,6 +1114,10 @@ class _Probed(Exception):
     """``Database.check_writable``'s probe, undone."""
 
 
+# The most time between two checkpoints of a process (Database._checkpoint_when_due): a quarter of a
+# second of writes in the -wal at most, and four checkpoints a second at most.
+CHECKPOINT_SECONDS = 0.25
+
 # Units one leader takes into one transaction: enough to share a commit among every request
 # thread, small enough that a batch holds the lock for a few milliseconds at most.
 MAX_BATCH = 64
@@ -1177,6 +1181,7 @@ class Database:
         self._writers: dict[bool, sqlite3.Connection] = {}  # durable or not: its connection
         self._writer_pid = os.getpid()
         self._leader: int | None = None  # the thread running a batch's units, while it does
+        self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
 
     @staticmethod
     def _identity(path: str) -> tuple[int, int] | None:
@@ -1246,6 +1251,7 @@ class Database:
         if not self.memory:
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")  # (the durable writer's is set in _writer)
+            conn.execute("PRAGMA wal_autocheckpoint = 0")  # (the leader checkpoints, after: write)
 
     def _apply_schema(self) -> None:
         """Make or upgrade the schema (one unit through ``write``), or check the version it has."""
@@ -1329,9 +1335,25 @@ class Database:
                     waiting.taken = True
                     batch.append(waiting)
             self._lead(batch)
+            self._checkpoint_when_due()
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
         return write.results
+
+    def _checkpoint_when_due(self) -> None:
+        """Move the -wal's frames into the file, at most every CHECKPOINT_SECONDS, in the leader
+        that finds it due, after its batch committed and the next leader took over: never inside
+        a commit (SQLite's automatic checkpoint runs in the committing connection, and with two
+        processes reading it seldom finishes, so every commit synced the -wal again), never waiting
+        for a reader (PASSIVE). Once a checkpoint has taken every frame, the next write starts the
+        -wal over: it stays bounded however many processes write (docs/operations.md)."""
+        now = time.monotonic()
+        if self.memory or now < self._checkpoint_at:
+            return
+        self._checkpoint_at = now + CHECKPOINT_SECONDS
+        with contextlib.suppress(sqlite3.Error), self.connection() as conn:  # (busy: the next one does it)
+            if not conn.in_transaction:
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
 
     def _wait_for_turn(self, write: _Write) -> None:
         """Queue ``write``; return when it is at the front (this thread leads) or when a
@@ -6089,7 +6111,7 @@ class AdminApi:
             criteria[field] = {}
             for name, values in query.items():
                 match = re.fullmatch(kind + r"(?:\.(.+)|\[(.+)\])", name, re.DOTALL)
-                if match and match[2] and re.search(r"[][]", match[2]):  # deepObject: a[b][c] is nested
+                if match and match[2] and "][" in match[2]:  # deepObject: a[b][c] is a nested object
                     raise invalid(name[:64], "one_name", kind=kind)
                 if match:
                     criteria[field][match[1] or match[2]] = values[0]
@@ -6617,7 +6639,14 @@ def _control_dispatcher(threads: int) -> Any:
     return dispatcher
 
 
-def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads: int = 4, *,
+# waitress's request threads by default, measured (docs/operations.md, 2 cores, wrk, 8 connections): one
+# thread answered 2,629 signed GETs a second against 1,811 with four (p99 8.6 ms against 9.8) and as many
+# transfers (1,006 against 1,014): more threads only hand the GIL around. A `latency` rule's request and
+# /healthz and /_admin/ get threads of their own whatever this is (_control_dispatcher).
+SERVE_THREADS = 1
+
+
+def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads: int = SERVE_THREADS, *,
           workers: int = 1, on_ready: Callable[[str], None] | None = None, **settings: Any) -> None:
     """Serve ``svc`` on waitress until interrupted (Ctrl-C or SIGTERM), with WAITRESS_LIMITS.
 
@@ -7405,8 +7434,9 @@ def build_parser() -> argparse.ArgumentParser:
                               help="port (default 8080; 0 picks one)")
     serve_parser.add_argument("--workers", type=_whole_number(1, 64), default=1,
                               help="processes serving one socket and one database: one sandbox (default 1)")
-    serve_parser.add_argument("--threads", type=_whole_number(1, 256), default=4,
-                              help="waitress worker threads (1: the most requests per second, one at a time)")
+    serve_parser.add_argument("--threads", type=_whole_number(1, 256), default=SERVE_THREADS,
+                              help=f"waitress worker threads (default {SERVE_THREADS}: the most requests a"
+                                   " second on a few cores)")
     serve_parser.add_argument("--ready-file", metavar="PATH",
                               help="once serving, write the URL, port, admin token and the demo's keys and"
                                    " wallets to PATH as JSON")
