@@ -5195,14 +5195,16 @@ class HttpApi:
     def commit(self, request: Received, decision: Decision) -> Answer:
         """The request's one write (docs/operations.md), as one unit: its nonce record, its write unit
         (durable: answered only once its batch committed) and its journal entry, which keeps the
-        answer: so the answer is rendered inside the unit, once. A request with nothing to write is
-        rendered without one."""
+        answer. A read's answer is known before: it is rendered first, outside the write; a write's
+        is rendered inside the unit, once it is applied. Rendered again only when the nonce lost a
+        race or the write failed. A request with nothing to write is rendered without one."""
         auth = decision.auth
         nonce = auth.nonce if auth is not None else None
         journal = self.svc.journal.enabled and request.endpoint is not None \
             and request.endpoint.surface is Surface.API
+        known = self.render(request, decision) if decision.unit is None else None
         if nonce is None and decision.unit is None and not journal:
-            return self.render(request, decision)
+            return known
 
         def unit(conn: sqlite3.Connection) -> Answer:
             outcome = decision
@@ -5213,7 +5215,7 @@ class HttpApi:
                     outcome = self.applied(conn, decision)
             except WalletError as exc:
                 outcome = decision._replace(unit=None, error=exc)
-            answer = self.render(request, outcome)
+            answer = known if outcome is decision else self.render(request, outcome)
             if journal:
                 self.svc.journal.record(conn, self.journal_entry(request, outcome, answer))
             return answer
@@ -5223,7 +5225,7 @@ class HttpApi:
         except Exception as exc:  # noqa: BLE001 - the write failed: nothing of it was kept
             if nonce is None and decision.unit is None:
                 log.warning("request not journaled: %s", exc)
-                return self.render(request, decision)
+                return known
             # (an unrecorded nonce is not trusted)
             return self.render(request, decision._replace(unit=None, error=self.as_wallet_error(exc)))
 
