@@ -1082,19 +1082,24 @@ def against_previous(tmp: str, rev: str, calls: int, rounds: int) -> list:
 
 
 def previous_over_http(tmp: str, rev: str, seconds: float, rounds: int) -> list:
-    """Create transfer over HTTP: `walletsvc serve` of this walletsvc.py and of the one at ``rev``
-    (run from its own folder), both at their defaults, the same load, rounds interleaved."""
+    """A signed GET and a create transfer over HTTP: `walletsvc serve` of this walletsvc.py and of the one
+    at ``rev`` (run from its own folder), both at their defaults, the same load, rounds interleaved."""
     folder = previous_folder(rev, tmp)
-    measured: dict = {"now": [], "previous": []}
+    rows = []
     with served(tmp, "now") as (_, now), served(tmp, "previous", folder=folder) as (_, before):
-        for _ in range(rounds):
-            for version, ready in (("now", now), ("previous", before)):
-                measured[version].append(requests_per_second(ready["port"], plan_for(ready, "POST"), seconds))
-    (ours, p99), (theirs, their_p99) = (_median_pair(measured[version]) for version in ("now", "previous"))
-    return [(f"HTTP POST create transfer vs {rev}", f"{ours:.0f} req/s",
-             f"{rev} {theirs:.0f} req/s ({load_tool()})", ours / theirs, f">= 2x {rev}"),
-            (f"HTTP POST create transfer p99 vs {rev}", f"{p99:.1f} ms", f"{rev} {their_p99:.1f} ms",
-             p99 / their_p99, "report")]
+        for method, name in (("GET", "signed GET"), ("POST", "POST create transfer")):
+            measured: dict = {"now": [], "previous": []}
+            for _ in range(rounds):
+                for version, ready in (("now", now), ("previous", before)):
+                    measured[version].append(requests_per_second(ready["port"], plan_for(ready, method),
+                                                                 seconds))
+            (ours, p99), (theirs, their_p99) = (_median_pair(measured[version])
+                                                for version in ("now", "previous"))
+            rows += [(f"HTTP {name} vs {rev}", f"{ours:.0f} req/s",
+                      f"{rev} {theirs:.0f} req/s ({load_tool()})", ours / theirs, "report"),
+                     (f"HTTP {name} p99 vs {rev}", f"{p99:.1f} ms", f"{rev} {their_p99:.1f} ms",
+                      p99 / their_p99, "report")]
+    return rows
 
 
 ###############################################################################
