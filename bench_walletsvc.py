@@ -660,23 +660,11 @@ def serve_floor(path: str, plan: dict, threads: int, ready) -> None:
 
 
 @contextlib.contextmanager
-def floor_server(path: str, plan: dict, threads: int):
+def child_server(serving, *args):
+    """``serving(*args, ready)`` in a spawned child process (the bare app, the floor): its port."""
     context = multiprocessing.get_context("spawn")
     ready = context.Queue()
-    server = context.Process(target=serve_floor, args=(path, plan, threads, ready), daemon=True)
-    server.start()
-    try:
-        yield ready.get(timeout=30)
-    finally:
-        server.terminate()
-        server.join(timeout=10)
-
-
-@contextlib.contextmanager
-def bare_server(get_body: bytes, post_body: bytes, threads: int):
-    context = multiprocessing.get_context("spawn")
-    ready = context.Queue()
-    server = context.Process(target=serve_bare, args=(get_body, post_body, threads, ready), daemon=True)
+    server = context.Process(target=serving, args=(*args, ready), daemon=True)
     server.start()
     try:
         yield ready.get(timeout=30)
@@ -709,8 +697,9 @@ def over_http(tmp: str, seconds: float, rounds: int) -> list:
         threads = default_threads(tmp, process)
         plans = {method: plan_for(ready, method) for method in HTTP_FIGURES}
         bodies = [answer_body(ready["port"], plans[method]) for method in HTTP_FIGURES]
-        with bare_server(*bodies, threads) as bare_port, \
-                floor_server(os.path.join(tmp, "http-floor.db"), plans["GET"], threads) as floor_port:
+        floor_db = os.path.join(tmp, "http-floor.db")
+        with child_server(serve_bare, *bodies, threads) as bare_port, \
+                child_server(serve_floor, floor_db, plans["GET"], threads) as floor_port:
             peer = start_localstripe()
             try:
                 return [row for method, plan in plans.items()

@@ -6999,6 +6999,19 @@ def _served(tmp_path) -> tuple:
     return server, key
 
 
+
+def _drip(slow: list, every: float, stop: threading.Event) -> None:
+    """A slow sender's way, on every socket of ``slow``: one more header line every ``every`` seconds, never
+    the end of the headers, until ``stop``."""
+    def drip() -> None:
+        while not stop.wait(every):
+            for number, sock in enumerate(slow):
+                with contextlib.suppress(OSError):
+                    sock.sendall(f"X-Slow-{number}: {time.time()}\r\n".encode())
+
+    threading.Thread(target=drip, daemon=True).start()
+
+
 def test_idle_and_slowloris_connections_do_not_keep_a_fresh_client_out(tmp_path) -> None:
     import socket
 
@@ -7013,13 +7026,7 @@ def test_idle_and_slowloris_connections_do_not_keep_a_fresh_client_out(tmp_path)
         for sock in slow:
             sock.sendall(b"GET /api/v1/wallets HTTP/1.1\r\nHost: x\r\n")
 
-        def drip() -> None:  # one more header line every second, never the end of the headers
-            while not stop.wait(1):
-                for number, sock in enumerate(slow):
-                    with contextlib.suppress(OSError):
-                        sock.sendall(f"X-Slow-{number}: {time.time()}\r\n".encode())
-
-        threading.Thread(target=drip, daemon=True).start()
+        _drip(slow, 1, stop)
         time.sleep(1.5)
         started = time.monotonic()
         answer = _list_wallets(server, key)
@@ -7060,13 +7067,7 @@ def test_slow_senders_filling_the_connection_limit_never_keep_a_fresh_client_out
             sock.sendall(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
             slow.append(sock)
 
-        def drip() -> None:  # one more header line every 0.3 s, never the end of the headers
-            while not stop.wait(0.3):
-                for number, sock in enumerate(slow):
-                    with contextlib.suppress(OSError):
-                        sock.sendall(f"X-Slow-{number}: {time.time()}\r\n".encode())
-
-        threading.Thread(target=drip, daemon=True).start()
+        _drip(slow, 0.3, stop)
         time.sleep(1)
         admin = {"Authorization": f"Bearer {facts['adminToken']}"}
         signed = _signed("GET", "/api/v1/wallets", key["apiKey"], key["secret"])
