@@ -5352,7 +5352,7 @@ class WalletApp(bottle.Bottle):
     Called as a WSGI app, it matches with bottle's router and hands the route
     straight to ``http.serve``, without bottle's ``_handle`` (its thread-local
     request and response, the plugin chain, casting the HTTPResponse): measured
-    60-95 us of a signed GET (218-244 us against 298-314 us, in process). It does
+    19 us of a signed GET (113.7 us against 133.1 us, in process). It does
     to the request what ``_handle`` does first (PATH_INFO decoded as UTF-8,
     ``bottle.raw_path`` and ``bottle.app``), and a test pins its answers to
     bottle's own dispatch for every kind of request. What bottle must see itself
@@ -6966,8 +6966,16 @@ class LiveServer:
         self._server = answering_in_envelopes(waitress.create_server(
             app, host="127.0.0.1", port=0, threads=threads))
         self.url = f"http://127.0.0.1:{self._server.effective_port}"
-        self._thread = threading.Thread(target=self._server.run, name="walletsvc-live", daemon=True)
+        self._stopping = False
+        self._thread = threading.Thread(target=self._run, name="walletsvc-live", daemon=True)
         self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            self._server.run()
+        except OSError:  # (EBADF: stop closed what the loop was about to select on; it is done)
+            if not self._stopping:
+                raise
 
     def stop(self) -> None:
         """Close the listener and every open connection, in the server's own thread (so that its
@@ -6975,6 +6983,7 @@ class LiveServer:
         from waitress import wasyncore
 
         server = self._server
+        self._stopping = True
         server.task_dispatcher.shutdown(timeout=1)  # the requests in hand are answered first
         if self._thread.is_alive():
             with contextlib.suppress(OSError):  # EBADF: the loop ended meanwhile and closed its trigger
