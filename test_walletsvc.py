@@ -7398,6 +7398,23 @@ def test_no_process_joins_a_file_whose_shm_a_running_server_lost(tmp_path) -> No
     walletsvc.WalletService(str(path)).close()  # once that process is gone, the file serves again
 
 
+def test_a_new_file_at_the_path_of_a_deleted_one_opens_though_its_old_shm_is_still_mapped(tmp_path) -> None:
+    """The refusal above is for a process that still serves the file: a deleted -shm that belonged to an
+    earlier file at the path (deleted with it, still mapped by a connection of another thread) is none."""
+    path = tmp_path / "reused.db"
+    first = walletsvc.WalletService(str(path))
+    reader = threading.Thread(target=first.list_workspaces)  # (a connection of its own, kept by its thread)
+    reader.start()
+    reader.join()
+    first.close()
+    _delete(path)
+    second = walletsvc.WalletService(str(path))
+    try:
+        assert second.create_workspace("again")["name"] == "again"
+    finally:
+        second.close()
+
+
 def test_a_malformed_database_is_s503_saying_what_to_do_and_healthz_503(tmp_path, clock) -> None:
     """Issue 36, item 4: a malformed or truncated file answered S500 ("a bug") to every request, with
     tracebacks, while /healthz said ok."""

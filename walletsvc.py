@@ -1024,17 +1024,32 @@ _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 
 
 def _lost_shm_holders(path: str) -> list[int]:
-    """The processes that map ``path``'s -shm though it was deleted (Linux's /proc; elsewhere none is
-    found): they coordinate through a file no other process can open any more."""
+    """The processes that serve the file at ``path`` (they hold it open) through its -shm though that
+    was deleted (Linux's /proc; elsewhere none is found): they coordinate through a file no other
+    process can open any more. A deleted -shm of an earlier file at the path does not count."""
     lost = f"{os.path.abspath(path)}-shm (deleted)\n"
+    try:
+        file = os.stat(path)
+    except OSError:
+        return []
     holders = []
     for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
         if entry.name.isdigit():
             with contextlib.suppress(OSError), open(f"/proc/{entry.name}/maps", encoding="utf-8",
                                                    errors="replace") as maps:
-                if any(line.endswith(lost) for line in maps):
+                if any(line.endswith(lost) for line in maps) and _holds(entry.name, file):
                     holders.append(int(entry.name))
     return holders
+
+
+def _holds(pid: str, file: os.stat_result) -> bool:
+    """Whether process ``pid`` has ``file`` open."""
+    for fd in os.scandir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            opened = os.stat(fd.path)
+            if (opened.st_dev, opened.st_ino) == (file.st_dev, file.st_ino):
+                return True
+    return False
 
 
 def _is_locked(exc: sqlite3.Error) -> bool:
@@ -1044,6 +1059,13 @@ def _is_locked(exc: sqlite3.Error) -> bool:
 
 class LockTimeout(sqlite3.OperationalError):
     """A write waited longer than its patience for the database's writer (S503)."""
+
+    sqlite_errorname = "SQLITE_BUSY"
+
+
+class BatchLost(sqlite3.OperationalError):
+    """The batch a write was in failed as a whole (its leader interrupted, its transaction lost):
+    nothing of it was kept, and trying again may succeed (S503)."""
 
     sqlite_errorname = "SQLITE_BUSY"
 
@@ -1329,12 +1351,7 @@ class Database:
         write = _Write(units, durable)
         self._wait_for_turn(write)
         if not write.done:  # the leader: run the callers queued behind it
-            with self._turn:
-                batch = [write]
-                for waiting in itertools.islice(self._queue, 1, MAX_BATCH):
-                    waiting.taken = True
-                    batch.append(waiting)
-            self._lead(batch)
+            self._lead(write)
             self._checkpoint_when_due()
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
@@ -1378,14 +1395,21 @@ class Database:
                     self._turn.wait(0.05)
                 raise
 
-    def _lead(self, batch: list[_Write]) -> None:
-        """BEGIN, every caller's units, COMMIT: the only transaction that writes. Every caller
-        gets its outcome."""
+    def _lead(self, own: _Write) -> None:
+        """Take the callers queued behind the leader's ``own`` write; BEGIN, every caller's units,
+        COMMIT: the only transaction that writes. Every caller gets its outcome, whatever interrupts
+        the leader."""
+        batch = [own]
         try:
+            with self._turn:
+                for waiting in itertools.islice(self._queue, 1, MAX_BATCH):
+                    waiting.taken = True
+                    batch.append(waiting)
             with self._lock:
-                conn = self._begin(any(write.durable for write in batch))
-                self._leader = threading.get_ident()
+                conn = self._writer(any(write.durable for write in batch))
                 try:
+                    self._begin(conn)
+                    self._leader = threading.get_ident()
                     for write in batch:
                         try:
                             write.results = savepoint(conn, lambda conn, units=write.units: [
@@ -1395,7 +1419,7 @@ class Database:
                             if not conn.in_transaction:  # SQLite rolled the whole batch back (a full disk)
                                 raise
                         if not conn.in_transaction:  # a unit that swallowed a failure of the transaction
-                            raise sqlite3.OperationalError("the batch's transaction was lost")
+                            raise BatchLost("the batch's transaction was lost")
                     self._commit(conn)
                 except BaseException:
                     if conn.in_transaction:
@@ -1404,7 +1428,7 @@ class Database:
                 finally:
                     self._leader = None
         except BaseException as exc:
-            interrupted = sqlite3.OperationalError("the batch was interrupted")
+            interrupted = BatchLost("the batch was interrupted")
             shared = exc if isinstance(exc, Exception) else interrupted
             for write in batch:
                 write.results, write.error, write.own_error = [], shared, False
@@ -1421,17 +1445,15 @@ class Database:
                 self._queue.remove(write)
             self._turn.notify_all()
 
-    def _begin(self, durable: bool) -> sqlite3.Connection:
-        """BEGIN IMMEDIATE on the write connection for this durability. Another process's
-        batch is waited for here, in steps of 50 to 250 us rather than SQLite's busy handler's
-        steps of up to 100 ms (a few thousand tries a second, each a few us), at most this
-        thread's patience."""
-        conn = self._writer(durable)
+    def _begin(self, conn: sqlite3.Connection) -> None:
+        """BEGIN IMMEDIATE on the write connection. Another process's batch is waited for here,
+        in steps of 50 to 250 us rather than SQLite's busy handler's steps of up to 100 ms (a few
+        thousand tries a second, each a few us), at most this thread's patience."""
         deadline, pause = time.monotonic() + self._patience(), 0.00005
         while True:
             try:
                 conn.execute("BEGIN IMMEDIATE")
-                return conn
+                return
             except sqlite3.OperationalError as exc:
                 if not _is_locked(exc) or time.monotonic() + pause > deadline:
                     raise
