@@ -7,7 +7,22 @@ CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
 );
 INSERT INTO schema_version (version)
-    SELECT 5 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
+    SELECT 6 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
+
+-- The main file as this database's last checkpoint left it (docs/operations.md, When
+-- things go wrong): its size and modification time, recorded under the write lock
+-- by the checkpoint itself; the process whose checkpoint is under way ("pid:start"),
+-- named in the commit before it, so that one that died half-way is told from a
+-- copy written over the file; and when the file was found written over in place
+-- under a running server (every process, and every later start, refuses it then).
+-- One row; NULLs until the first checkpoint. (Version 6.)
+CREATE TABLE IF NOT EXISTS file_signature (
+    size          INTEGER,
+    mtime_ns      INTEGER,
+    checkpointer  TEXT,
+    changed_at    INTEGER
+);
+INSERT INTO file_signature (size) SELECT NULL WHERE NOT EXISTS (SELECT 1 FROM file_signature);
 
 -- The ledger's clock (docs/contract.md): the time of the last write transaction,
 -- so that times never go backwards within a database (a write waiting for the

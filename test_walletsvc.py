@@ -24,6 +24,7 @@ import functools
 import hashlib
 import hmac
 import io
+import itertools
 import json
 import multiprocessing
 import os
@@ -1772,7 +1773,7 @@ def test_file_database_uses_wal_and_a_schema_version(tmp_path) -> None:
     with second.db.connection() as conn:
         assert conn.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
         assert conn.execute("PRAGMA foreign_keys").fetchone()[0] == 1
-        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(5,)]
+        assert [tuple(row) for row in conn.execute("SELECT version FROM schema_version")] == [(6,)]
 
 
 def test_schema_sql_applies_idempotently(tmp_path) -> None:
@@ -4136,7 +4137,7 @@ def test_a_version_1_database_is_upgraded_in_place(tmp_path) -> None:
     assert upgraded.get_workspace(ws)["name"] == "old"
     assert upgraded.create_workspace("new")["name"] == "new"
     with upgraded.db.connection() as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 5
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 6
 
 
 def test_a_version_4_database_is_upgraded_in_place(tmp_path) -> None:
@@ -4155,7 +4156,7 @@ def test_a_version_4_database_is_upgraded_in_place(tmp_path) -> None:
                            " DROP TABLE nonce_digest_seconds; UPDATE schema_version SET version = 4;")
     upgraded = walletsvc.WalletService(path)
     with upgraded.db.connection() as conn:
-        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 5
+        assert conn.execute("SELECT version FROM schema_version").fetchone()[0] == 6
         for table in ("admin_token", "nonce_digests", "nonce_digest_seconds", "console_sessions"):
             assert conn.execute(f"SELECT count(*) FROM {table}").fetchone()[0] == 0
     replayed = webtest.TestApp(walletsvc.create_app(upgraded)).get("/api/v1/wallets", headers=headers,
@@ -7442,6 +7443,235 @@ def test_a_malformed_database_is_s503_saying_what_to_do_and_healthz_503(tmp_path
     assert started.returncode != 0 and "malformed" in started.stderr and "Traceback" not in started.stderr
 
 
+def _write_over(path: pathlib.Path, copy_: bytes) -> None:
+    """`cp backup.db live.db`: the copy's bytes written into the file that is there (its inode kept)."""
+    with open(path, "r+b") as handle:
+        handle.write(copy_)
+        handle.truncate()
+
+
+def _backup(path: pathlib.Path) -> bytes:
+    """A copy of the database as it is now (SQLite's online backup: the -wal's pages included)."""
+    source, target = sqlite3.connect(path), sqlite3.connect(":memory:")
+    try:
+        source.backup(target)
+        return target.serialize()
+    finally:
+        source.close()
+        target.close()
+
+
+def _restore_as_told(path: pathlib.Path, copy_: bytes) -> None:
+    """What the S503's detail says to do once every server on the file stopped."""
+    for suffix in ("-wal", "-shm"):
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(f"{path}{suffix}")
+    path.write_bytes(copy_)
+
+
+def test_a_copy_written_over_a_served_file_is_s503_there_and_at_every_later_start(tmp_path, clock) -> None:
+    """Issue 36, item 3: `cp backup.db live.db` keeps the inode, and SQLite reads the -wal's newer pages
+    over the copy: 998 of 998 later transfers answered 200, /healthz 200, and the file then failed
+    integrity_check and the audit. Now the next request is S503 saying what to do, every later start
+    refuses the file until it is done, and done, the file serves the copy."""
+    path = tmp_path / "live.db"
+    svc = walletsvc.WalletService(str(path), clock=clock)
+    world_ = make_world(svc)
+    api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
+    data(api.transfer(transfer_body(world_, amount="10.00")))
+    copy_ = _backup(path)  # a: 90.00
+    for n in range(4):  # writes, and the checkpoints that move them into the file (one at most every 0.25 s)
+        data(api.transfer(transfer_body(world_, amount="1.00")))
+        time.sleep(0.3)
+    inode = path.stat().st_ino
+    _write_over(path, copy_)
+    assert path.stat().st_ino == inode
+    answers = [api.transfer(transfer_body(world_, amount="1.00")), api.get(f"/api/v1/wallets/{world_['a']}"),
+               api.app.get("/healthz", expect_errors=True)]
+    for answer in answers:
+        detail = error(answer, "S503", 503)["detail"]
+        assert "was written over in place while a server had it open" in detail
+        assert f"delete {path}-wal and {path}-shm (if they are there), copy the file in again" in detail
+    svc.close()
+    started = _cli("serve", "--db", str(path), "--port", "0")  # the -wal went into the copy as the last
+    assert started.returncode != 0 and "written over in place" in started.stderr  # connection closed
+    assert "Traceback" not in started.stderr
+    _restore_as_told(path, copy_)
+    restored = walletsvc.WalletService(str(path), clock=clock)
+    try:
+        assert restored.get_wallet(world_["a"])["balance"] == "90.00"
+        restored.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "1.00", "USD")
+        assert restored.audit() == []
+    finally:
+        restored.close()
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+
+
+def test_under_load_with_two_workers_no_transfer_is_acknowledged_into_a_copy_written_over(tmp_path) -> None:
+    """Issue 36, item 3, the attack's reproduction: `--workers 2` and six transfer clients, a copy of the
+    file taken and, after more transfers, written back over it. Before, every transfer went on answering
+    200 (998 of 998). Now none of those sent after it does (every one S503), none before it was refused
+    (two processes checkpointing in turn are no copy), and the copy, put back as the S503 says, passes
+    integrity_check and walletsvc audit."""
+    path = tmp_path / "load.db"
+    with demo_process(tmp_path, "load", "--workers", "2") as (server, (key, secret, _admin, wallets)):
+        go, idle = threading.Event(), threading.Semaphore(6)
+        written_over, stop = threading.Event(), threading.Event()
+        answers: list[tuple[bool, int, str]] = []  # (sent after the copy was written over, status, code)
+
+        def client(n: int) -> None:
+            session = requests.Session()
+            for attempt in itertools.count():
+                go.wait(30)
+                if stop.is_set():
+                    return
+                body = json.dumps({"sourceWalletId": wallets[n % 2], "targetWalletId": wallets[1 - n % 2],
+                                   "amount": "0.01", "currency": "USD", "bizId": f"c{n}-{attempt}"}).encode()
+                with idle:  # (a pause waits for every request under way)
+                    after = written_over.is_set()
+                    reply = session.post(server.url + TRANSFER_PATH, data=body, timeout=10,
+                                         headers=_signed("POST", TRANSFER_PATH, key, secret, body))
+                    answers.append((after, reply.status_code, reply.json()["code"]))
+
+        def quiet() -> None:  # no request under way, and the checkpoint after the last batch done
+            go.clear()
+            for _ in range(6):
+                idle.acquire()
+            for _ in range(6):
+                idle.release()
+            time.sleep(0.3)
+
+        clients = [threading.Thread(target=client, args=(n,)) for n in range(6)]
+        for thread in clients:
+            thread.start()
+        go.set()
+        time.sleep(0.5)
+        quiet()
+        copy_ = _backup(path)
+        go.set()
+        time.sleep(1.0)
+        quiet()
+        _write_over(path, copy_)
+        written_over.set()
+        go.set()
+        time.sleep(1.0)
+        stop.set()
+        for thread in clients:
+            thread.join(30)
+        server.kill()
+        time.sleep(1)  # its workers stop with it
+    before = [(status, code) for after, status, code in answers if not after]
+    after = [(status, code) for sent_after, status, code in answers if sent_after]
+    assert len(before) > 50 and set(before) == {(200, "2000")}, sorted(set(before))
+    assert len(after) > 30 and set(after) == {(503, "S503")}, sorted(set(after))
+    _restore_as_told(path, copy_)
+    conn = sqlite3.connect(path)
+    assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    conn.close()
+    audit = _cli("audit", "--db", str(path))
+    assert (audit.returncode, audit.stdout) == (0, "[]\n"), audit.stderr
+
+
+def test_a_file_another_program_wrote_while_no_server_ran_is_served(tmp_path, clock) -> None:
+    """What item 3's check must not refuse: sqlite3 wrote the file while no server ran (its last connection
+    moving the frames into the file as it closed), and another of its connections has written since and is
+    still open when the service starts."""
+    path = tmp_path / "edited.db"
+    svc = walletsvc.WalletService(str(path), clock=clock)
+    world_ = make_world(svc)
+    svc.close()
+    edit = sqlite3.connect(path)
+    with edit:
+        edit.execute("UPDATE workspaces SET name = 'Edited'")
+    edit.close()  # (the last connection: its checkpoint changes the file)
+    still_open = sqlite3.connect(path)
+    with still_open:
+        still_open.execute("UPDATE workspaces SET name = 'Edited again'")
+    try:
+        again = walletsvc.WalletService(str(path), clock=clock)
+        try:
+            assert again.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "1.00",
+                                         "USD")["status"] == "COMPLETED"
+            assert again.get_workspace(world_["ws"]["id"])["name"] == "Edited again"
+        finally:
+            again.close()
+    finally:
+        still_open.close()
+
+
+def test_a_copy_written_over_a_killed_servers_file_is_refused_at_the_next_start(tmp_path) -> None:
+    """Item 3 with the server killed first: its -wal holds pages newer than the copy, and the next start
+    would read them over it. It refuses, saying what to do; done, the copy is served."""
+    path = tmp_path / "killed.db"
+    with demo_process(tmp_path, "killed") as (server, (key, secret, _admin, wallets)):
+        def transfer() -> int:
+            body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
+                               "currency": "USD"}).encode()
+            return requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
+                                 headers=_signed("POST", TRANSFER_PATH, key, secret, body)).status_code
+
+        time.sleep(0.3)
+        copy_ = _backup(path)
+        assert [transfer(), time.sleep(0.3), transfer()] == [200, None, 200]
+        server.kill()
+    _write_over(path, copy_)
+    started = _cli("serve", "--db", str(path), "--port", "0")
+    assert started.returncode != 0 and "written over in place" in started.stderr
+    assert "Traceback" not in started.stderr
+    _restore_as_told(path, copy_)
+    audit = _cli("audit", "--db", str(path))
+    assert (audit.returncode, audit.stdout) == (0, "[]\n"), audit.stderr
+
+
+def _checkpoint_then_die(path: str) -> None:
+    """A process killed after its checkpoint moved frames into the file and before it recorded the file
+    as that left it: it dies at the first look at the file that finds it changed."""
+    svc = walletsvc.WalletService(path)
+    before, look = os.stat(path).st_mtime_ns, os.stat
+
+    def dying(target: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        status = look(target, *args, **kwargs)
+        if target == path and status.st_mtime_ns != before:
+            os._exit(9)
+        return status
+
+    os.stat = dying
+    svc.create_workspace("dies")  # the process's first write: its checkpoint is due after it
+    os._exit(0)
+
+
+def test_a_checkpoint_cut_short_by_a_kill_is_not_taken_for_a_copy_written_over(tmp_path, clock) -> None:
+    """The other side of item 3: a checkpoint changes the file too, and a process killed between it and
+    its record of the file left a change nobody recorded. The server that goes on serving the file, and a
+    new one, take it for what it is (the -wal still holds every frame it moved)."""
+    path = tmp_path / "live.db"
+    svc = walletsvc.WalletService(str(path), clock=clock)
+    world_ = make_world(svc)
+    api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
+    data(api.transfer(transfer_body(world_, amount="1.00")))
+    time.sleep(0.3)
+    data(api.transfer(transfer_body(world_, amount="1.00")))  # (its checkpoint done: the file as recorded)
+    before = path.stat().st_mtime_ns
+    child = multiprocessing.get_context("fork").Process(target=_checkpoint_then_die, args=(str(path),))
+    child.start()
+    child.join(30)
+    assert child.exitcode == 9 and path.stat().st_mtime_ns != before  # it died with the file changed
+    try:
+        assert data(api.transfer(transfer_body(world_, amount="1.00")))["status"] == "COMPLETED"
+        assert data(api.get(f"/api/v1/wallets/{world_['a']}"))["balance"] == "97.00"
+        assert data(api.app.get("/healthz"))["status"] == "ok"
+        other = walletsvc.WalletService(str(path), clock=clock)
+        try:
+            assert other.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "1.00",
+                                         "USD")["status"] == "COMPLETED"
+        finally:
+            other.close()
+    finally:
+        svc.close()
+
+
 @pytest.mark.parametrize("swap", SWAPS, ids=SWAP_NAMES)
 def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tmp_path, swap) -> None:
     """Defect: the file deleted under a running server, 20 transfers acknowledged into nothing; replaced,
@@ -7568,9 +7798,12 @@ def _transactions(svc: walletsvc.WalletService) -> list[tuple[str, str]]:
 
 @pytest.mark.parametrize("journal_size", [0, 100])
 def test_every_request_and_python_write_begins_and_commits_once_through_one_function(
-        tmp_path, make_service, clock: FrozenClock, journal_size: int) -> None:
+        tmp_path, make_service, clock: FrozenClock, journal_size: int, monkeypatch) -> None:
     """docs/contributing.md: storage has one write entry point; a request writes once, at its end (its
     nonce record, a transfer's rows and its journal entry together), and so does each Python API write."""
+    # A checkpoint falls due at most every CHECKPOINT_SECONDS; then the leader makes a write of its own
+    # after its batch (docs/contract.md). The first one falls in make_world; none is due after it here.
+    monkeypatch.setattr(walletsvc, "CHECKPOINT_SECONDS", 3600.0)
     svc = make_service(str(tmp_path / "once.db"), clock=clock, journal_size=journal_size)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)

@@ -1052,6 +1052,39 @@ def _holds(pid: str, file: os.stat_result) -> bool:
     return False
 
 
+def _started(pid: int) -> str:
+    """When process ``pid`` started, in clock ticks since boot (Linux's /proc), else "": with its
+    pid, a process's name that a later process given the same pid does not have."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return ""
+
+
+def _alive(process: str) -> bool:
+    """Whether the process named ``pid:start`` (``_started``) still runs."""
+    pid, _, started = process.partition(":")
+    try:
+        number = int(pid)
+        if number <= 0:
+            return False
+        os.kill(number, 0)
+    except PermissionError:  # (another user's: it runs)
+        pass
+    except (ValueError, OSError):
+        return False
+    return not started or _started(number) == started
+
+
+def _file_size(path: str) -> int:
+    """The size of the file at ``path``; 0 if there is none."""
+    try:
+        return os.stat(path).st_size
+    except OSError:
+        return 0
+
+
 def _is_locked(exc: sqlite3.Error) -> bool:
     """Whether SQLite refused because another connection holds the lock (try again later)."""
     return (getattr(exc, "sqlite_errorname", None) or "").startswith(_LOCKED)
@@ -1204,6 +1237,11 @@ class Database:
         self._writer_pid = os.getpid()
         self._leader: int | None = None  # the thread running a batch's units, while it does
         self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
+        self._checkpoint_named = False  # this process named itself the checkpointer in its last batch
+        self._checkpointer: sqlite3.Connection | None = None  # the connection its checkpoints run on
+        self._me = f"{os.getpid()}:{_started(os.getpid())}"  # this process, as file_signature names it
+        self._signature: tuple[int, int] | None = None  # the file's (size, mtime) last found as recorded
+        self._first = True  # its first batch since it opened (or closed) the file: see _signature_check
 
     @staticmethod
     def _identity(path: str) -> tuple[int, int] | None:
@@ -1352,25 +1390,96 @@ class Database:
         self._wait_for_turn(write)
         if not write.done:  # the leader: run the callers queued behind it
             self._lead(write)
-            self._checkpoint_when_due()
+            self._checkpoint()
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
         return write.results
 
-    def _checkpoint_when_due(self) -> None:
-        """Move the -wal's frames into the file, at most every CHECKPOINT_SECONDS, in the leader
-        that finds it due, after its batch committed and the next leader took over: never inside
-        a commit (SQLite's automatic checkpoint runs in the committing connection, and with two
-        processes reading it seldom finishes, so every commit synced the -wal again), never waiting
-        for a reader (PASSIVE). Once a checkpoint has taken every frame, the next write starts the
-        -wal over: it stays bounded however many processes write (docs/operations.md)."""
+    def _wal_after(self, file: os.stat_result) -> bool:
+        """Whether the -wal holds nothing written before the file's last change: none, empty, or
+        written since (a running server's frames predate a copy written over the file)."""
+        try:
+            wal = os.stat(self.path + "-wal")
+        except OSError:
+            return True
+        return wal.st_size == 0 or wal.st_mtime_ns >= file.st_mtime_ns
+
+    def _checkpoint_when_due(self, conn: sqlite3.Connection) -> None:
+        """In a batch, before its COMMIT: when this process's checkpoint is due (at most every
+        CHECKPOINT_SECONDS), name this process as the file's checkpointer in the commit, unless
+        another one that runs already is (its checkpoint comes right after its commit)."""
         now = time.monotonic()
-        if self.memory or now < self._checkpoint_at:
+        if self._file is None or now < self._checkpoint_at:
             return
         self._checkpoint_at = now + CHECKPOINT_SECONDS
-        with contextlib.suppress(sqlite3.Error), self.connection() as conn:  # (busy: the next one does it)
-            if not conn.in_transaction:
-                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        (named,) = conn.execute("SELECT checkpointer FROM file_signature").fetchone()
+        if named in (None, self._me) or not _alive(named):
+            conn.execute("UPDATE file_signature SET checkpointer = ?", (self._me,))
+            self._checkpoint_named = True
+
+    def _checkpoint(self) -> None:
+        """After a batch that named this process the checkpointer: move the -wal's frames into the
+        file, and record what the file is then, in one write of its own (under the write lock, so that
+        no other process finds the file changed and not yet recorded). Never inside a commit (SQLite's
+        automatic checkpoint runs in the committing connection, and with two processes reading it
+        seldom finishes, so every commit synced the -wal again), never waiting for a reader (PASSIVE).
+        Once a checkpoint has taken every frame, the next write starts the -wal over: it stays bounded
+        however many processes write (docs/operations.md). A failure leaves it to the next one."""
+        if not self._checkpoint_named:
+            return
+        self._checkpoint_named = False
+
+        def checkpoint(conn: sqlite3.Connection) -> None:
+            if conn.execute("SELECT checkpointer FROM file_signature").fetchone()[0] != self._me:
+                return  # (the batch that named it did not commit)
+            if self._checkpointer is None:  # (a connection of its own: no other may be in a transaction)
+                self._checkpointer = self._connect()
+            with contextlib.suppress(sqlite3.Error):  # (busy: what it moved is still recorded below)
+                self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+            status = os.stat(self.path)
+            conn.execute("UPDATE file_signature SET size = ?, mtime_ns = ?, checkpointer = NULL",
+                         (status.st_size, status.st_mtime_ns))
+        with contextlib.suppress(sqlite3.Error, OSError):  # (the file gone: the next write says so)
+            self.write([checkpoint], durable=False)
+
+    def _signature_check(self, conn: sqlite3.Connection) -> str | None:
+        """In every batch, first: whether the file is as the last checkpoint recorded it (its size
+        and modification time, a stat). If not, it is one of: another process's checkpoint (the
+        record says so), one that died half-way (the checkpointer it names runs no more: its
+        frames are still in the -wal), a change before this process's first batch that the -wal
+        holds nothing older than (the last connection to close checkpointed the file, or another
+        program wrote it while no server ran; a copy put there then is a restore),
+        or the file written over in place under a running server (``cp backup.db live.db``), whose
+        pages and the -wal's no longer agree. Then the change is recorded in the batch, and the
+        answer is why every later use fails: see ``_lead``."""
+        if self._file is None:
+            return None
+        first, self._first = self._first, False
+        try:
+            status = os.stat(self.path)
+        except OSError:
+            return None  # (check_file says so, before the commit)
+        signature = (status.st_size, status.st_mtime_ns)
+        if signature == self._signature:
+            return None
+        size, mtime_ns, named, changed_at = conn.execute(
+            "SELECT size, mtime_ns, checkpointer, changed_at FROM file_signature").fetchone()
+        if changed_at is None and (size, mtime_ns) == signature:
+            self._signature = signature
+            return None
+        if changed_at is None and (size is None or (first and self._wal_after(status))
+                                   or (named is not None and not _alive(named))):
+            conn.execute("UPDATE file_signature SET size = ?, mtime_ns = ?, checkpointer = NULL", signature)
+            return None
+        if changed_at is None:
+            changed_at = int(time.time() * 1000)
+            conn.execute("UPDATE file_signature SET changed_at = ?", (changed_at,))
+        when = datetime.datetime.fromtimestamp(changed_at / 1000, datetime.UTC)
+        return (f"The database file {self.path} was written over in place while a server had it open"
+                f" (a copy put over it?), found at {when:%Y-%m-%d %H:%M:%S} UTC: its -wal no longer"
+                " matches it, and nothing more is read from or written to it. Stop every server on"
+                f" it, delete {self.path}-wal and {self.path}-shm (if they are there), copy the file in"
+                " again, and start.")
 
     def _wait_for_turn(self, write: _Write) -> None:
         """Queue ``write``; return when it is at the front (this thread leads) or when a
@@ -1410,6 +1519,11 @@ class Database:
                 try:
                     self._begin(conn)
                     self._leader = threading.get_ident()
+                    changed = self._signature_check(conn)
+                    if changed is not None:  # its mark committed: every process and later start refuses it
+                        self._commit(conn)
+                        self._gone = FileGone(changed)
+                        raise copy.copy(self._gone)
                     for write in batch:
                         try:
                             write.results = savepoint(conn, lambda conn, units=write.units: [
@@ -1420,6 +1534,7 @@ class Database:
                                 raise
                         if not conn.in_transaction:  # a unit that swallowed a failure of the transaction
                             raise BatchLost("the batch's transaction was lost")
+                    self._checkpoint_when_due(conn)
                     self._commit(conn)
                 except BaseException:
                     if conn.in_transaction:
@@ -1553,9 +1668,12 @@ class Database:
                 self._local.held = self._local.pid = None
         with self._turn:
             if not self._queue and os.getpid() == self._writer_pid:
-                for conn in self._writers.values():
-                    conn.close()
+                for conn in (*self._writers.values(), self._checkpointer):
+                    if conn is not None:
+                        conn.close()
                 self._writers.clear()
+                self._checkpointer = None
+                self._first = True
                 self._companions.clear()  # (SQLite removes the -wal and -shm when the last connection closes)
 
 
