@@ -7490,7 +7490,7 @@ def test_a_copy_written_over_a_served_file_is_s503_there_and_at_every_later_star
                api.app.get("/healthz", expect_errors=True)]
     for answer in answers:
         detail = error(answer, "S503", 503)["detail"]
-        assert "was written over in place while a server had it open" in detail
+        assert "was written over in place (a copy put over it?) while its -wal held newer pages" in detail
         assert f"delete {path}-wal and {path}-shm (if they are there), copy the file in again" in detail
     svc.close()
     started = _cli("serve", "--db", str(path), "--port", "0")  # the -wal went into the copy as the last

@@ -1052,18 +1052,25 @@ def _holds(pid: str, file: os.stat_result) -> bool:
     return False
 
 
-def _started(pid: int) -> str:
-    """When process ``pid`` started, in clock ticks since boot (Linux's /proc), else "": with its
-    pid, a process's name that a later process given the same pid does not have."""
+def _stat_fields(pid: int) -> list[str]:
+    """Process ``pid``'s fields in Linux's /proc/PID/stat from its state on (none elsewhere)."""
     try:
         with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[19]
+            return stat.read().rsplit(")", 1)[1].split()
     except (OSError, IndexError):
-        return ""
+        return []
 
 
-def _alive(process: str) -> bool:
-    """Whether the process named ``pid:start`` (``_started``) still runs."""
+def _started(pid: int) -> str:
+    """When process ``pid`` started, in clock ticks since boot (Linux), else "": with its pid, a
+    process's name that a later process given the same pid does not have."""
+    fields = _stat_fields(pid)
+    return fields[19] if len(fields) > 19 else ""
+
+
+def _runs(process: str) -> bool:
+    """Whether the process named ``pid:start`` (``_started``) runs (not a zombie, not another process
+    given its pid)."""
     pid, _, started = process.partition(":")
     try:
         number = int(pid)
@@ -1074,7 +1081,19 @@ def _alive(process: str) -> bool:
         pass
     except (ValueError, OSError):
         return False
-    return not started or _started(number) == started
+    fields = _stat_fields(number)
+    return not fields or (fields[0] not in ("Z", "X") and (not started or fields[19:20] == [started]))
+
+
+def _alive(process: str, patience: float = 0.0) -> bool:
+    """Whether the process named ``pid:start`` still runs after up to ``patience`` seconds: one killed
+    lets go of its locks a moment before it is a zombie."""
+    deadline = time.monotonic() + patience
+    while _runs(process):
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.005)
+    return False
 
 
 def _file_size(path: str) -> int:
@@ -1454,7 +1473,7 @@ class Database:
         answer is why every later use fails: see ``_lead``."""
         if self._file is None:
             return None
-        first, self._first = self._first, False
+        opening, self._first = self._first, False
         try:
             status = os.stat(self.path)
         except OSError:
@@ -1464,22 +1483,23 @@ class Database:
             return None
         size, mtime_ns, named, changed_at = conn.execute(
             "SELECT size, mtime_ns, checkpointer, changed_at FROM file_signature").fetchone()
-        if changed_at is None and (size, mtime_ns) == signature:
-            self._signature = signature
-            return None
-        if changed_at is None and (size is None or (first and self._wal_after(status))
-                                   or (named is not None and not _alive(named))):
-            conn.execute("UPDATE file_signature SET size = ?, mtime_ns = ?, checkpointer = NULL", signature)
-            return None
         if changed_at is None:
+            if (size, mtime_ns) == signature:
+                self._signature = signature
+                return None
+            if size is None or (opening and self._wal_after(status)) or (
+                    named is not None and not _alive(named, patience=0.1)):
+                conn.execute("UPDATE file_signature SET size = ?, mtime_ns = ?, checkpointer = NULL",
+                             signature)
+                return None
             changed_at = int(time.time() * 1000)
             conn.execute("UPDATE file_signature SET changed_at = ?", (changed_at,))
         when = datetime.datetime.fromtimestamp(changed_at / 1000, datetime.UTC)
-        return (f"The database file {self.path} was written over in place while a server had it open"
-                f" (a copy put over it?), found at {when:%Y-%m-%d %H:%M:%S} UTC: its -wal no longer"
-                " matches it, and nothing more is read from or written to it. Stop every server on"
-                f" it, delete {self.path}-wal and {self.path}-shm (if they are there), copy the file in"
-                " again, and start.")
+        return (f"The database file {self.path} was written over in place (a copy put over it?) while"
+                f" its -wal held newer pages, found at {when:%Y-%m-%d %H:%M:%S} UTC: together they are"
+                " neither the copy nor the database, and nothing more is read from or written to them."
+                f" Stop every server on it, delete {self.path}-wal and {self.path}-shm (if they are"
+                " there), copy the file in again, and start.")
 
     def _wait_for_turn(self, write: _Write) -> None:
         """Queue ``write``; return when it is at the front (this thread leads) or when a
