@@ -1068,7 +1068,7 @@ def _started(pid: int) -> str:
     return fields[19] if len(fields) > 19 else ""
 
 
-def _runs(process: str) -> bool:
+def _alive(process: str) -> bool:
     """Whether the process named ``pid:start`` (``_started``) runs (not a zombie, not another process
     given its pid)."""
     pid, _, started = process.partition(":")
@@ -1083,17 +1083,6 @@ def _runs(process: str) -> bool:
         return False
     fields = _stat_fields(number)
     return not fields or (fields[0] not in ("Z", "X") and (not started or fields[19:20] == [started]))
-
-
-def _alive(process: str, patience: float = 0.0) -> bool:
-    """Whether the process named ``pid:start`` still runs after up to ``patience`` seconds: one killed
-    lets go of its locks a moment before it is a zombie."""
-    deadline = time.monotonic() + patience
-    while _runs(process):
-        if time.monotonic() >= deadline:
-            return True
-        time.sleep(0.005)
-    return False
 
 
 def _file_size(path: str) -> int:
@@ -1191,6 +1180,8 @@ class _Probed(Exception):
 # The most time between two checkpoints of a process (Database._checkpoint_when_due): a quarter of a
 # second of writes in the -wal at most, and four checkpoints a second at most.
 CHECKPOINT_SECONDS = 0.25
+# A checkpointer named longer ago than this (its record never came) is replaced by the next one due.
+CHECKPOINT_STALE = 5.0
 
 # Units one leader takes into one transaction: enough to share a commit among every request
 # thread, small enough that a batch holds the lock for a few milliseconds at most.
@@ -1257,7 +1248,7 @@ class Database:
         self._leader: int | None = None  # the thread running a batch's units, while it does
         self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
         self._checkpoint_named = False  # this process named itself the checkpointer in its last batch
-        self._checkpointer: sqlite3.Connection | None = None  # the connection its checkpoints run on
+        self._checkpointed: tuple[int, int] | None = None  # the file as its checkpoint left it, unrecorded
         self._me = f"{os.getpid()}:{_started(os.getpid())}"  # this process, as file_signature names it
         self._signature: tuple[int, int] | None = None  # the file's (size, mtime) last found as recorded
         self._first = True  # its first batch since it opened (or closed) the file: see _signature_check
@@ -1426,40 +1417,39 @@ class Database:
     def _checkpoint_when_due(self, conn: sqlite3.Connection) -> None:
         """In a batch, before its COMMIT: when this process's checkpoint is due (at most every
         CHECKPOINT_SECONDS), name this process as the file's checkpointer in the commit, unless
-        another one that runs already is (its checkpoint comes right after its commit)."""
+        another one is, that runs and named itself less than CHECKPOINT_STALE seconds ago (its
+        checkpoint comes right after its commit, and its record right after that)."""
         now = time.monotonic()
         if self._file is None or now < self._checkpoint_at:
             return
         self._checkpoint_at = now + CHECKPOINT_SECONDS
-        (named,) = conn.execute("SELECT checkpointer FROM file_signature").fetchone()
-        if named in (None, self._me) or not _alive(named):
-            conn.execute("UPDATE file_signature SET checkpointer = ?", (self._me,))
+        named, named_at = conn.execute("SELECT checkpointer, checkpointer_at FROM file_signature").fetchone()
+        if named in (None, self._me) or not _alive(named) \
+                or (named_at or 0) < time.time() * 1000 - CHECKPOINT_STALE * 1000:
+            conn.execute("UPDATE file_signature SET checkpointer = ?, checkpointer_at = ?",
+                         (self._me, int(time.time() * 1000)))
             self._checkpoint_named = True
 
     def _checkpoint(self) -> None:
         """After a batch that named this process the checkpointer: move the -wal's frames into the
-        file, and record what the file is then, in one write of its own (under the write lock, so that
-        no other process finds the file changed and not yet recorded). Never inside a commit (SQLite's
-        automatic checkpoint runs in the committing connection, and with two processes reading it
-        seldom finishes, so every commit synced the -wal again), never waiting for a reader (PASSIVE).
-        Once a checkpoint has taken every frame, the next write starts the -wal over: it stays bounded
-        however many processes write (docs/operations.md). A failure leaves it to the next one."""
+        file, and record what the file is then in a write of its own (its first batch check does:
+        ``_signature_check``). Never inside a commit (SQLite's automatic checkpoint runs in the
+        committing connection, and with two processes reading it seldom finishes, so every commit
+        synced the -wal again), never inside a transaction (a write begun before the checkpoint
+        took every frame would not start the -wal over), never waiting for a reader (PASSIVE).
+        Once a checkpoint has taken every frame, the next write starts the -wal over: it stays
+        bounded however many processes write (docs/operations.md). A failure leaves it to the next."""
         if not self._checkpoint_named:
             return
-        self._checkpoint_named = False
-
-        def checkpoint(conn: sqlite3.Connection) -> None:
-            if conn.execute("SELECT checkpointer FROM file_signature").fetchone()[0] != self._me:
-                return  # (the batch that named it did not commit)
-            if self._checkpointer is None:  # (a connection of its own: no other may be in a transaction)
-                self._checkpointer = self._connect()
-            with contextlib.suppress(sqlite3.Error):  # (busy: what it moved is still recorded below)
-                self._checkpointer.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        self._checkpoint_named, self._checkpointed = False, None
+        with contextlib.suppress(sqlite3.Error), self.connection() as conn:
+            if not conn.in_transaction:
+                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+        with contextlib.suppress(OSError):
             status = os.stat(self.path)
-            conn.execute("UPDATE file_signature SET size = ?, mtime_ns = ?, checkpointer = NULL",
-                         (status.st_size, status.st_mtime_ns))
-        with contextlib.suppress(sqlite3.Error, OSError):  # (the file gone: the next write says so)
-            self.write([checkpoint], durable=False)
+            self._checkpointed = (status.st_size, status.st_mtime_ns)
+            with contextlib.suppress(sqlite3.Error):
+                self.write([lambda conn: None], durable=False)
 
     def _signature_check(self, conn: sqlite3.Connection) -> str | None:
         """In every batch, first: whether the file is as the last checkpoint recorded it (its size
@@ -1487,10 +1477,14 @@ class Database:
             if (size, mtime_ns) == signature:
                 self._signature = signature
                 return None
-            if size is None or (opening and self._wal_after(status)) or (
-                    named is not None and not _alive(named, patience=0.1)):
+            mine = named == self._me
+            if (mine and self._checkpointed is None) or (not mine and named is not None and _alive(named)):
+                return None  # a checkpoint under way: the checkpointer records what it made
+            if (signature == self._checkpointed if mine else named is not None) or size is None or (
+                    opening and self._wal_after(status)):
                 conn.execute("UPDATE file_signature SET size = ?, mtime_ns = ?, checkpointer = NULL",
                              signature)
+                self._checkpointed = None
                 return None
             changed_at = int(time.time() * 1000)
             conn.execute("UPDATE file_signature SET changed_at = ?", (changed_at,))
@@ -1688,11 +1682,9 @@ class Database:
                 self._local.held = self._local.pid = None
         with self._turn:
             if not self._queue and os.getpid() == self._writer_pid:
-                for conn in (*self._writers.values(), self._checkpointer):
-                    if conn is not None:
-                        conn.close()
+                for conn in self._writers.values():
+                    conn.close()
                 self._writers.clear()
-                self._checkpointer = None
                 self._first = True
                 self._companions.clear()  # (SQLite removes the -wal and -shm when the last connection closes)
 
