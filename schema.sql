@@ -12,7 +12,7 @@ INSERT INTO schema_version (version)
 -- The main file as this database's last checkpoint left it (docs/operations.md, When
 -- things go wrong): its size and modification time, recorded under the write lock
 -- by the process that checkpointed, in its next write; the process whose checkpoint
--- is under way ("pid:start", and when), named in the commit before it, so that one
+-- is under way ("pid:start:token", and when), named in the commit before it, so that one
 -- that died half-way is told from a copy written over the file; and when the file
 -- was found written over in place under a running server (every process, and every
 -- later start, refuses it then). One row; NULLs until the first checkpoint. (Version 6.)

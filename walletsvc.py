@@ -1069,9 +1069,10 @@ def _started(pid: int) -> str:
 
 
 def _alive(process: str) -> bool:
-    """Whether the process named ``pid:start`` (``_started``) runs (not a zombie, not another process
-    given its pid)."""
+    """Whether the process named ``pid:start[:…]`` (``_started``) runs (not a zombie, not another
+    process given its pid)."""
     pid, _, started = process.partition(":")
+    started = started.partition(":")[0]
     try:
         number = int(pid)
         if number <= 0:
@@ -1249,7 +1250,8 @@ class Database:
         self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
         self._checkpoint_named = False  # this process named itself the checkpointer in its last batch
         self._checkpointed: tuple[int, int] | None = None  # the file as its checkpoint left it, unrecorded
-        self._me = f"{os.getpid()}:{_started(os.getpid())}"  # this process, as file_signature names it
+        # this database object of this process, as file_signature names it (a process may open a file twice)
+        self._me = f"{os.getpid()}:{_started(os.getpid())}:{secrets.token_hex(4)}"
         self._signature: tuple[int, int] | None = None  # the file's (size, mtime) last found as recorded
         self._first = True  # its first batch since it opened (or closed) the file: see _signature_check
 
