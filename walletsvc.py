@@ -1673,7 +1673,12 @@ class Database:
 
     def close(self) -> None:
         """Close this thread's connection (all of them, for ``:memory:``), and the process's
-        write connections when no write is under way."""
+        write connections when no write is under way. A process that wrote takes one last look at
+        the file first (``_signature_check``): when the last connection closes, SQLite moves the
+        -wal into the file, and a copy written over it would be taken for the file at the next start."""
+        if self._file is not None and self._gone is None and not self._first and self._leader is None:
+            with contextlib.suppress(sqlite3.Error, RuntimeError), self.patience(0.5):
+                self.write([lambda conn: None], durable=False)
         with self._lock:
             if self.memory and self._shared is not None:
                 self._shared.conn.close()
@@ -6851,6 +6856,7 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
                 server.run()
             finally:
                 server.close()
+                svc.close()  # (its last look at the file, before the last connection moves the -wal into it)
         else:
             svc.db.close()  # a child must not inherit an open connection: SQLite's locks would not be its own
             _run_workers(app, listener, threads, workers, lambda: on_ready and on_ready(base_url))
