@@ -7650,6 +7650,37 @@ def test_the_wal_starts_over_however_long_a_service_writes(tmp_path, clock) -> N
     assert sizes[-1] <= sizes[1] * 1.5, sizes  # (growing, it is three times as large)
 
 
+def _transfer_until(path: str, workspace_id: str, wallets: list, stop_at: float) -> None:
+    svc = walletsvc.WalletService(path, busy_timeout=30)
+    while time.time() < stop_at:
+        svc.create_transfer(workspace_id, wallets[0], wallets[1], "0.01", "USD")
+    svc.close()
+
+
+def test_the_wal_starts_over_while_two_processes_write_without_a_pause(tmp_path) -> None:
+    """The same with two processes writing all the time (`--workers 2` under load): a checkpoint that took
+    every frame was always followed by the other process's frames before the next write began, so the
+    -wal never started over (2 GB of -wal after 15 s of transfers). The checkpoint now waits for the
+    readers (RESTART), briefly: the next write starts the -wal over."""
+    path, workspace_id, wallets = _shared_ledger(tmp_path)
+    stop_at = time.time() + 3.0
+    context = multiprocessing.get_context("fork")
+    writers = [context.Process(target=_transfer_until, args=(path, workspace_id, wallets, stop_at))
+               for _ in range(2)]
+    for writer in writers:
+        writer.start()
+    salts = []  # the -wal header's salts (SQLite's file format): drawn anew each time it starts over
+    while time.time() < stop_at - 0.5:  # (as the writers end, the last one to close removes the -wal)
+        time.sleep(0.25)
+        with open(f"{path}-wal", "rb") as wal:
+            salts.append(wal.read(24)[16:24])
+    for writer in writers:
+        writer.join(30)
+    assert [writer.exitcode for writer in writers] == [0, 0]
+    assert len(set(salts)) >= 4, salts  # (before: one, all along)
+    assert ledger_invariants(path)["total"] == 4 * 100000
+
+
 def _checkpoint_then_die(path: str) -> None:
     """A process killed after its checkpoint moved frames into the file and before it recorded the file
     as that left it: it dies at the first look at the file that finds it changed."""

@@ -1198,9 +1198,9 @@ class Database:
     units in one BEGIN IMMEDIATE transaction on the process's write connection, each caller's
     in a savepoint of its own (units that raise roll back alone and their caller gets the
     exception), checks that the file is still the one it opened, commits once (with a disk
-    sync if any caller asked for one) and hands every caller its results. No thread of this
-    process ever waits in SQLite's busy handler for a lock its own process holds; other
-    processes are waited for by the leader alone, in short steps. ``":memory:"`` is one
+    sync if any caller asked for one) and hands every caller its results. No write waits in
+    SQLite's busy handler for a lock its own process holds; other processes are waited for by
+    the leader alone, in short steps (a checkpoint alone waits in it, 20 ms at most). ``":memory:"`` is one
     connection shared by every thread under a lock.
     """
 
@@ -1426,8 +1426,8 @@ class Database:
             return
         self._checkpoint_at = now + CHECKPOINT_SECONDS
         named, named_at = conn.execute("SELECT checkpointer, checkpointer_at FROM file_signature").fetchone()
-        if named in (None, self._me) or not _alive(named) \
-                or (named_at or 0) < time.time() * 1000 - CHECKPOINT_STALE * 1000:
+        stale = (named_at or 0) < time.time() * 1000 - CHECKPOINT_STALE * 1000
+        if named in (None, self._me) or not _alive(named) or stale:
             conn.execute("UPDATE file_signature SET checkpointer = ?, checkpointer_at = ?",
                          (self._me, int(time.time() * 1000)))
             self._checkpoint_named = True
@@ -1438,15 +1438,21 @@ class Database:
         ``_signature_check``). Never inside a commit (SQLite's automatic checkpoint runs in the
         committing connection, and with two processes reading it seldom finishes, so every commit
         synced the -wal again), never inside a transaction (a write begun before the checkpoint
-        took every frame would not start the -wal over), never waiting for a reader (PASSIVE).
-        Once a checkpoint has taken every frame, the next write starts the -wal over: it stays
-        bounded however many processes write (docs/operations.md). A failure leaves it to the next."""
+        took every frame would not start the -wal over). RESTART: it holds off other writers and
+        waits for readers, 20 ms at most, so that the next write starts the -wal over even while
+        two processes write without a pause (PASSIVE let 2 GB of -wal pile up in 15 s under
+        ``--workers 2``: another process's frames always came between; docs/operations.md).
+        A failure (busy past 20 ms) leaves it to the next."""
         if not self._checkpoint_named:
             return
         self._checkpoint_named, self._checkpointed = False, None
         with contextlib.suppress(sqlite3.Error), self.connection() as conn:
             if not conn.in_transaction:
-                conn.execute("PRAGMA wal_checkpoint(PASSIVE)")
+                conn.execute("PRAGMA busy_timeout = 20")
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(RESTART)")
+                finally:
+                    conn.execute("PRAGMA busy_timeout = 0")
         with contextlib.suppress(OSError):
             status = os.stat(self.path)
             self._checkpointed = (status.st_size, status.st_mtime_ns)
