@@ -1461,14 +1461,15 @@ class Database:
 
     def _signature_check(self, conn: sqlite3.Connection) -> str | None:
         """In every batch, first: whether the file is as the last checkpoint recorded it (its size
-        and modification time, a stat). If not, it is one of: another process's checkpoint (the
-        record says so), one that died half-way (the checkpointer it names runs no more: its
-        frames are still in the -wal), a change before this process's first batch that the -wal
-        holds nothing older than (the last connection to close checkpointed the file, or another
-        program wrote it while no server ran; a copy put there then is a restore),
-        or the file written over in place under a running server (``cp backup.db live.db``), whose
-        pages and the -wal's no longer agree. Then the change is recorded in the batch, and the
-        answer is why every later use fails: see ``_lead``."""
+        and modification time, a stat). If not, it is one of: a checkpoint under way or just made
+        (the checkpointer the record names runs: its own next write records the file, if it is as
+        its checkpoint left it), one that died half-way (the one named runs no more: its frames
+        are still in the -wal), a change before this process's first batch that the -wal holds
+        nothing older than (the last connection to close checkpointed the file, or another program
+        wrote it while no server ran; a copy put there then is a restore), or the file written
+        over in place under a running server (``cp backup.db live.db``), whose pages and the
+        -wal's no longer agree. That is marked in the batch, and the answer is why every later use
+        fails: see ``_lead``."""
         if self._file is None:
             return None
         opening, self._first = self._first, False
