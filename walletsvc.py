@@ -1181,8 +1181,9 @@ class _Probed(Exception):
 # The most time between two checkpoints of a process (Database._checkpoint_when_due): a quarter of a
 # second of writes in the -wal at most, and four checkpoints a second at most.
 CHECKPOINT_SECONDS = 0.25
-# A checkpointer named longer ago than this (its record never came) is replaced by the next one due.
-CHECKPOINT_STALE = 5.0
+# A checkpointer named longer ago than this (its record never came) is replaced by the next one due:
+# far longer than a checkpoint takes (one still moving frames when replaced would be taken for a copy).
+CHECKPOINT_STALE = 30.0
 
 # Units one leader takes into one transaction: enough to share a commit among every request
 # thread, small enough that a batch holds the lock for a few milliseconds at most.
@@ -1250,6 +1251,7 @@ class Database:
         self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
         self._checkpoint_named = False  # this process named itself the checkpointer in its last batch
         self._checkpointed: tuple[int, int] | None = None  # the file as its checkpoint left it, unrecorded
+        self._checkpointing = threading.Lock()  # held by the thread checkpointing, through its record
         # this database object of this process, as file_signature names it (a process may open a file twice)
         self._me = f"{os.getpid()}:{_started(os.getpid())}:{secrets.token_hex(4)}"
         self._signature: tuple[int, int] | None = None  # the file's (size, mtime) last found as recorded
@@ -1422,7 +1424,7 @@ class Database:
         another one is, that runs and named itself less than CHECKPOINT_STALE seconds ago (its
         checkpoint comes right after its commit, and its record right after that)."""
         now = time.monotonic()
-        if self._file is None or now < self._checkpoint_at:
+        if self._file is None or now < self._checkpoint_at or self._checkpointing.locked():
             return
         self._checkpoint_at = now + CHECKPOINT_SECONDS
         named, named_at = conn.execute("SELECT checkpointer, checkpointer_at FROM file_signature").fetchone()
@@ -1443,21 +1445,24 @@ class Database:
         two processes write without a pause (PASSIVE let 2 GB of -wal pile up in 15 s under
         ``--workers 2``: another process's frames always came between; docs/operations.md).
         A failure (busy past 20 ms) leaves it to the next."""
-        if not self._checkpoint_named:
-            return
-        self._checkpoint_named, self._checkpointed = False, None
-        with contextlib.suppress(sqlite3.Error), self.connection() as conn:
-            if not conn.in_transaction:
-                conn.execute("PRAGMA busy_timeout = 20")
-                try:
-                    conn.execute("PRAGMA wal_checkpoint(RESTART)")
-                finally:
-                    conn.execute("PRAGMA busy_timeout = 0")
-        with contextlib.suppress(OSError):
-            status = os.stat(self.path)
-            self._checkpointed = (status.st_size, status.st_mtime_ns)
-            with contextlib.suppress(sqlite3.Error):
-                self.write([lambda conn: None], durable=False)
+        if not self._checkpoint_named or not self._checkpointing.acquire(blocking=False):
+            return  # (another thread of this object checkpoints: none names it again until it recorded)
+        try:
+            self._checkpoint_named, self._checkpointed = False, None
+            with contextlib.suppress(sqlite3.Error), self.connection() as conn:
+                if not conn.in_transaction:
+                    conn.execute("PRAGMA busy_timeout = 20")
+                    try:  # (busy past 20 ms: SQLite moved what it could, as PASSIVE does)
+                        conn.execute("PRAGMA wal_checkpoint(RESTART)")
+                    finally:
+                        conn.execute("PRAGMA busy_timeout = 0")
+            with contextlib.suppress(OSError):
+                status = os.stat(self.path)
+                self._checkpointed = (status.st_size, status.st_mtime_ns)
+                with contextlib.suppress(sqlite3.Error):
+                    self.write([lambda conn: None], durable=False)
+        finally:
+            self._checkpointing.release()
 
     def _signature_check(self, conn: sqlite3.Connection) -> str | None:
         """In every batch, first: whether the file is as the last checkpoint recorded it (its size
