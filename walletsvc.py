@@ -1086,14 +1086,6 @@ def _alive(process: str) -> bool:
     return not fields or (fields[0] not in ("Z", "X") and (not started or fields[19:20] == [started]))
 
 
-def _file_size(path: str) -> int:
-    """The size of the file at ``path``; 0 if there is none."""
-    try:
-        return os.stat(path).st_size
-    except OSError:
-        return 0
-
-
 def _is_locked(exc: sqlite3.Error) -> bool:
     """Whether SQLite refused because another connection holds the lock (try again later)."""
     return (getattr(exc, "sqlite_errorname", None) or "").startswith(_LOCKED)
