@@ -6921,8 +6921,10 @@ def test_the_sandbox_page_shows_the_console_screenshots() -> None:
 
 
 @pytest.fixture
-def traced(tmp_path, clock, make_service):
-    """A file-backed service at default durability, its app, and the SQL its write connections run."""
+def traced(tmp_path, clock, make_service, monkeypatch):
+    """A file-backed service at default durability, its app, and the SQL its write connections run
+    (none of a checkpoint: the first falls in make_world, and the next not within the test)."""
+    monkeypatch.setattr(walletsvc, "CHECKPOINT_SECONDS", 3600.0)
     svc = make_service(str(tmp_path / "durable.db"), clock=clock)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
@@ -6948,10 +6950,11 @@ def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) 
     assert statements[False] == [] and not [s for s in writes if s.startswith("PRAGMA")]
 
 
-def test_with_a_journal_a_request_writes_once_nonce_entry_and_ledger_together(tmp_path, clock,
-                                                                               make_service) -> None:
+def test_with_a_journal_a_request_writes_once_nonce_entry_and_ledger_together(tmp_path, clock, make_service,
+                                                                               monkeypatch) -> None:
     """docs/operations.md: a request writes at most once, at its end: a read its nonce and journal entry
     (without a disk sync), a transfer those and its ledger rows (with one)."""
+    monkeypatch.setattr(walletsvc, "CHECKPOINT_SECONDS", 3600.0)  # (a checkpoint's record commits too)
     svc = make_service(str(tmp_path / "journaled.db"), clock=clock, journal_size=10)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
@@ -7929,9 +7932,10 @@ def test_a_write_unit_cannot_write_through_the_door_it_runs_in(tmp_path, make_se
     assert db.one("SELECT count(*) FROM probe")[0] == 0
 
 
-def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_service) -> None:
+def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_service, monkeypatch) -> None:
     """docs/contract.md: writes waiting together run in one transaction, each in its own savepoint, and
     commit once; the one that raises gets its own exception and leaves nothing; the others commit."""
+    monkeypatch.setattr(walletsvc, "CHECKPOINT_SECONDS", 3600.0)  # (a checkpoint's record commits too)
     svc = make_service(str(tmp_path / "batch.db"))
     db = svc.db
     db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER PRIMARY KEY)")])

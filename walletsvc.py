@@ -1241,9 +1241,7 @@ class Database:
         self._writer_pid = os.getpid()
         self._leader: int | None = None  # the thread running a batch's units, while it does
         self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
-        self._checkpoint_named = False  # this process named itself the checkpointer in its last batch
         self._checkpointed: tuple[int, int] | None = None  # the file as its checkpoint left it, unrecorded
-        self._checkpointing = threading.Lock()  # held by the thread checkpointing, through its record
         # this database object of this process, as file_signature names it (a process may open a file twice)
         self._me = f"{os.getpid()}:{_started(os.getpid())}:{secrets.token_hex(4)}"
         self._signature: tuple[int, int] | None = None  # the file's (size, mtime) last found as recorded
@@ -1396,7 +1394,6 @@ class Database:
         self._wait_for_turn(write)
         if not write.done:  # the leader: run the callers queued behind it
             self._lead(write)
-            self._checkpoint()
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
         return write.results
@@ -1410,51 +1407,60 @@ class Database:
             return True
         return wal.st_size == 0 or wal.st_mtime_ns >= file.st_mtime_ns
 
-    def _checkpoint_when_due(self, conn: sqlite3.Connection) -> None:
-        """In a batch, before its COMMIT: when this process's checkpoint is due (at most every
-        CHECKPOINT_SECONDS), name this process as the file's checkpointer in the commit, unless
-        another one is, that runs and named itself less than CHECKPOINT_STALE seconds ago (its
-        checkpoint comes right after its commit, and its record right after that)."""
+    def _checkpoint_when_due(self, conn: sqlite3.Connection) -> bool:
+        """In a batch, before its COMMIT: whether this database's checkpoint is due (at most every
+        CHECKPOINT_SECONDS) and it names itself the file's checkpointer in the commit: not while
+        another one is named, that runs and named itself less than CHECKPOINT_STALE seconds ago
+        (its checkpoint comes right after its commit, and its record right after that)."""
         now = time.monotonic()
-        if self._file is None or now < self._checkpoint_at or self._checkpointing.locked():
-            return
+        if self._file is None or now < self._checkpoint_at:
+            return False
         self._checkpoint_at = now + CHECKPOINT_SECONDS
         named, named_at = conn.execute("SELECT checkpointer, checkpointer_at FROM file_signature").fetchone()
         stale = (named_at or 0) < time.time() * 1000 - CHECKPOINT_STALE * 1000
         if named in (None, self._me) or not _alive(named) or stale:
             conn.execute("UPDATE file_signature SET checkpointer = ?, checkpointer_at = ?",
                          (self._me, int(time.time() * 1000)))
-            self._checkpoint_named = True
+            return True
+        return False
 
-    def _checkpoint(self) -> None:
-        """After a batch that named this process the checkpointer: move the -wal's frames into the
-        file, and record what the file is then in a write of its own (its first batch check does:
-        ``_signature_check``). Never inside a commit (SQLite's automatic checkpoint runs in the
-        committing connection, and with two processes reading it seldom finishes, so every commit
-        synced the -wal again), never inside a transaction (a write begun before the checkpoint
-        took every frame would not start the -wal over). RESTART: it holds off other writers and
-        waits for readers, 20 ms at most, so that the next write starts the -wal over even while
-        two processes write without a pause (PASSIVE let 2 GB of -wal pile up in 15 s under
-        ``--workers 2``: another process's frames always came between; docs/operations.md).
-        A failure (busy past 20 ms) leaves it to the next."""
-        if not self._checkpoint_named or not self._checkpointing.acquire(blocking=False):
-            return  # (another thread of this object checkpoints: none names it again until it recorded)
+    def _checkpoint(self, conn: sqlite3.Connection) -> None:
+        """Right after a batch that named this database the checkpointer, while its leader still
+        holds the turn (none of its other writes runs meanwhile): move the -wal's frames into the
+        file, then record what the file is in a transaction of its own (``_signature_check``, the
+        first look of every batch, does, since the file is as the checkpoint left it). Never inside
+        a commit (SQLite's automatic checkpoint runs in the committing connection, and with two
+        processes reading it seldom finishes, so every commit synced the -wal again), never inside
+        a transaction (a write begun before the checkpoint took every frame would not start the
+        -wal over). RESTART: it holds off other writers and waits for readers, 20 ms at most, so
+        that the next write starts the -wal over even while two processes write without a pause
+        (PASSIVE let 2 GB of -wal pile up in 15 s under ``--workers 2``: another process's frames
+        always came between; docs/operations.md). Busy past 20 ms, SQLite moves what it can, as
+        PASSIVE does, and the next checkpoint the rest."""
         try:
-            self._checkpoint_named, self._checkpointed = False, None
-            with contextlib.suppress(sqlite3.Error), self.connection() as conn:
-                if not conn.in_transaction:
-                    conn.execute("PRAGMA busy_timeout = 20")
-                    try:  # (busy past 20 ms: SQLite moved what it could, as PASSIVE does)
-                        conn.execute("PRAGMA wal_checkpoint(RESTART)")
-                    finally:
-                        conn.execute("PRAGMA busy_timeout = 0")
+            with contextlib.suppress(sqlite3.Error):
+                conn.execute("PRAGMA busy_timeout = 20")
+                try:
+                    conn.execute("PRAGMA wal_checkpoint(RESTART)")
+                finally:
+                    conn.execute("PRAGMA busy_timeout = 0")
+        finally:  # (an interrupt too: what it moved is this database's own change)
             with contextlib.suppress(OSError):
                 status = os.stat(self.path)
                 self._checkpointed = (status.st_size, status.st_mtime_ns)
-                with contextlib.suppress(sqlite3.Error):
-                    self.write([lambda conn: None], durable=False)
-        finally:
-            self._checkpointing.release()
+        with contextlib.suppress(sqlite3.Error):
+            self._begin(conn)
+            try:
+                changed = self._signature_check(conn)
+                if changed is None:  # (recorded, or the file unchanged: no checkpoint is under way)
+                    conn.execute("UPDATE file_signature SET checkpointer = NULL WHERE checkpointer = ?",
+                                 (self._me,))
+                self._commit(conn)
+            finally:
+                if conn.in_transaction:
+                    conn.execute("ROLLBACK")
+            if changed is not None:
+                self._gone = FileGone(changed)
 
     def _signature_check(self, conn: sqlite3.Connection) -> str | None:
         """In every batch, first: whether the file is as the last checkpoint recorded it (its size
@@ -1484,8 +1490,8 @@ class Database:
                 self._signature = signature
                 return None
             mine = named == self._me
-            if (mine and self._checkpointed is None) or (not mine and named is not None and _alive(named)):
-                return None  # a checkpoint under way: the checkpointer records what it made
+            if not mine and named is not None and _alive(named):
+                return None  # another's checkpoint, under way or just made: its own record compares
             if (signature == self._checkpointed if mine else named is not None) or size is None or (
                     opening and self._wal_after(status)):
                 conn.execute("UPDATE file_signature SET size = ?, mtime_ns = ?, checkpointer = NULL",
@@ -1527,8 +1533,9 @@ class Database:
     def _lead(self, own: _Write) -> None:
         """Take the callers queued behind the leader's ``own`` write; BEGIN, every caller's units,
         COMMIT: the only transaction that writes. Every caller gets its outcome, whatever interrupts
-        the leader."""
-        batch = [own]
+        the leader. One that named its database the checkpointer answers its callers, then
+        checkpoints before it passes the turn on (``_checkpoint``)."""
+        batch, naming = [own], False
         try:
             with self._turn:
                 for waiting in itertools.islice(self._queue, 1, MAX_BATCH):
@@ -1554,8 +1561,9 @@ class Database:
                                 raise
                         if not conn.in_transaction:  # a unit that swallowed a failure of the transaction
                             raise BatchLost("the batch's transaction was lost")
-                    self._checkpoint_when_due(conn)
+                    due = self._checkpoint_when_due(conn)
                     self._commit(conn)
+                    naming = due
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -1570,10 +1578,20 @@ class Database:
             if not isinstance(exc, Exception):  # (an interrupt is the leader's own, raised after the turn)
                 self._pass_turn(batch)
                 raise
-        self._pass_turn(batch)
+        self._pass_turn(batch, checkpoint_on=conn if naming else None)
 
-    def _pass_turn(self, batch: list[_Write]) -> None:
-        """The batch is done: out of the queue, and the next in line leads."""
+    def _pass_turn(self, batch: list[_Write], checkpoint_on: sqlite3.Connection | None = None) -> None:
+        """The batch is done: out of the queue, and the next in line leads. With ``checkpoint_on``
+        (the batch named its database the checkpointer), its callers have their answers first and
+        its leader checkpoints before the next one leads: none of this database's writes runs
+        meanwhile (``_checkpoint``)."""
+        if checkpoint_on is not None:
+            self._pass_turn(batch[1:])
+            try:
+                self._checkpoint(checkpoint_on)
+            finally:
+                self._pass_turn(batch[:1])
+            return
         with self._turn:
             for write in batch:
                 write.done = True
