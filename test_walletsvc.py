@@ -372,15 +372,12 @@ def admin_app(svc, token: str | None = "s3cret") -> webtest.TestApp:
 
 @pytest.fixture
 def live(tmp_path, svc, world):
-    """The app on waitress on a free port, in a thread, stopped afterwards."""
-    import waitress
-
-    server = waitress.create_server(walletsvc.create_app(svc, admin_token="tok"), host="127.0.0.1", port=0)
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    yield f"http://127.0.0.1:{server.effective_port}"
-    server.close()
-    thread.join(timeout=5)
+    """The app on waitress on a free port, in a thread, stopped afterwards (closing the listener
+    under waitress's loop left a "Bad file descriptor" thread exception now and then: LiveServer
+    stops in the loop's own thread)."""
+    server = walletsvc.LiveServer(walletsvc.create_app(svc, admin_token="tok"))
+    yield server.url
+    server.stop()
 
 
 README = pathlib.Path(__file__).parent / "README.md"
