@@ -1193,8 +1193,8 @@ class Database:
     exception), checks that the file is still the one it opened, commits once (with a disk
     sync if any caller asked for one) and hands every caller its results. No write waits in
     SQLite's busy handler for a lock its own process holds; other processes are waited for by
-    the leader alone, in short steps (a checkpoint alone waits in it, 20 ms at most). ``":memory:"`` is one
-    connection shared by every thread under a lock.
+    the leader alone, in short steps (a checkpoint alone waits in it, 5 ms at most).
+    ``":memory:"`` is one connection shared by every thread under a lock.
     """
 
     def __init__(self, path: str, busy_timeout: float = 5.0, synchronous: str = "FULL") -> None:
@@ -1432,14 +1432,14 @@ class Database:
         a commit (SQLite's automatic checkpoint runs in the committing connection, and with two
         processes reading it seldom finishes, so every commit synced the -wal again), never inside
         a transaction (a write begun before the checkpoint took every frame would not start the
-        -wal over). RESTART: it holds off other writers and waits for readers, 20 ms at most, so
+        -wal over). RESTART: it holds off other writers and waits for readers, 5 ms at most, so
         that the next write starts the -wal over even while two processes write without a pause
         (PASSIVE let 2 GB of -wal pile up in 15 s under ``--workers 2``: another process's frames
-        always came between; docs/operations.md). Busy past 20 ms, SQLite moves what it can, as
+        always came between; docs/operations.md). Busy past 5 ms, SQLite moves what it can, as
         PASSIVE does, and the next checkpoint the rest."""
         try:
             with contextlib.suppress(sqlite3.Error):
-                conn.execute("PRAGMA busy_timeout = 20")
+                conn.execute("PRAGMA busy_timeout = 5")
                 try:
                     conn.execute("PRAGMA wal_checkpoint(RESTART)")
                 finally:
