@@ -7,28 +7,12 @@ CREATE TABLE IF NOT EXISTS schema_version (
     version INTEGER NOT NULL
 );
 INSERT INTO schema_version (version)
-    SELECT 6 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
-
--- The main file as this database's last checkpoint left it (docs/operations.md, When
--- things go wrong): its size and modification time, recorded under the write lock
--- by the process that checkpointed, in its next write; the process whose checkpoint
--- is under way ("pid:start:token", and when), named in the commit before it, so that one
--- that died half-way is told from a copy written over the file; and when the file
--- was found written over in place under a running server (every process, and every
--- later start, refuses it then). One row; NULLs until the first checkpoint. (Version 6.)
-CREATE TABLE IF NOT EXISTS file_signature (
-    size             INTEGER,
-    mtime_ns         INTEGER,
-    checkpointer     TEXT,
-    checkpointer_at  INTEGER,
-    changed_at       INTEGER
-);
-INSERT INTO file_signature (size) SELECT NULL WHERE NOT EXISTS (SELECT 1 FROM file_signature);
+    SELECT 7 WHERE NOT EXISTS (SELECT 1 FROM schema_version);
 
 -- The ledger's clock (docs/contract.md): the time of the last write transaction,
 -- so that times never go backwards within a database (a write waiting for the
 -- lock, a clock set back, another process), and the last id issued in one, so
--- that ids increase in commit order. One row. (Added in schema version 2.)
+-- that ids increase in commit order. One row.
 CREATE TABLE IF NOT EXISTS ledger_clock (
     last_ms  INTEGER NOT NULL,
     last_id  TEXT NOT NULL
@@ -124,12 +108,11 @@ CREATE TABLE IF NOT EXISTS sandbox (
     fault_version    INTEGER NOT NULL,
     fault_next       INTEGER NOT NULL,
     has_start        INTEGER NOT NULL,
-    journal_floor    INTEGER NOT NULL,
-    nonce_tolerance  INTEGER NOT NULL  -- unused since version 4 (nonce records no longer expire)
+    journal_floor    INTEGER NOT NULL
 );
 INSERT INTO sandbox (clock_frozen_at, clock_offset, id_seed, id_drawn, fault_rules, fault_version,
-                     fault_next, has_start, journal_floor, nonce_tolerance)
-    SELECT NULL, 0, NULL, 0, 0, 0, 0, 0, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM sandbox);
+                     fault_next, has_start, journal_floor)
+    SELECT NULL, 0, NULL, 0, 0, 0, 0, 0, 0 WHERE NOT EXISTS (SELECT 1 FROM sandbox);
 
 -- The admin token of a sandbox served from a scenario without --admin-token
 -- (docs/sandbox.md): drawn at random once per database, never derived from

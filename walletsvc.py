@@ -70,6 +70,7 @@ import datetime
 import decimal
 import enum
 import errno
+import fcntl
 import fnmatch
 import functools
 import hashlib
@@ -89,6 +90,7 @@ import secrets
 import shlex
 import signal
 import sqlite3
+import struct
 import sys
 import tempfile
 import threading
@@ -983,37 +985,6 @@ def _schema_image() -> bytes:
         conn.close()
 
 
-# Run when a database is made or upgraded: the ledger clock (schema version 2) starts at
-# the newest time and id already in the data, so that the first new write sorts after
-# every row an older walletsvc wrote (its clock may have been ahead of today's).
-_LEDGER_CLOCK_FROM_DATA = """
-UPDATE ledger_clock SET
-    last_ms = max(last_ms, coalesce((SELECT max(t) FROM (
-        SELECT max(created_at) AS t FROM workspaces UNION ALL SELECT max(created_at) FROM members
-        UNION ALL SELECT max(created_at) FROM api_keys UNION ALL SELECT max(updated_at) FROM wallets
-        UNION ALL SELECT max(updated_at) FROM transfers UNION ALL SELECT max(created_at) FROM flows)), 0)),
-    last_id = max(last_id, coalesce((SELECT max(tail) FROM (
-        SELECT max(substr(id, -32)) AS tail FROM workspaces UNION ALL SELECT max(substr(id, -32)) FROM members
-        UNION ALL SELECT max(substr(id, -32)) FROM api_keys UNION ALL SELECT max(substr(id, -32)) FROM wallets
-        UNION ALL SELECT max(substr(id, -32)) FROM transfers
-        UNION ALL SELECT max(substr(id, -32)) FROM flows)),
-        ''));
-"""
-
-# Run when a database of schema version 2 or 3 is upgraded: its nonce records move to
-# nonce_records (oldest first), and its forgotten spans (version 3) become forgotten runs of
-# every key ('*').
-_NONCES_FROM_VERSION_3 = """
-INSERT OR IGNORE INTO nonce_records (api_key, nonce, ts)
-    SELECT api_key, nonce, ts FROM nonces ORDER BY expires_at;
-DROP TRIGGER IF EXISTS nonce_taken_over;
-DROP TABLE nonces;
-"""
-_SPANS_FROM_VERSION_3 = """
-INSERT INTO nonces_forgotten (api_key, lo, hi) SELECT '*', lo, hi FROM nonce_spans;
-DROP TABLE nonce_spans;
-"""
-
 # SQLite results that mean another connection holds the lock, and those that mean "the storage
 # cannot take this now" (S503); extended codes included (a prefix match).
 _LOCKED = ("SQLITE_BUSY", "SQLITE_LOCKED")
@@ -1023,67 +994,28 @@ _UNAVAILABLE = (*_LOCKED, "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR", 
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 
 
-def _lost_shm_holders(path: str) -> list[int]:
-    """The processes that serve the file at ``path`` (they hold it open) through its -shm though that
-    was deleted (Linux's /proc; elsewhere none is found): they coordinate through a file no other
-    process can open any more. A deleted -shm of an earlier file at the path does not count."""
-    lost = f"{os.path.abspath(path)}-shm (deleted)\n"
+def _shm_lost_by(path: str) -> int | None:
+    """The process that serves the file at ``path`` though its -shm is gone from the path, else None.
+    A WAL connection holds a read lock on the file's SHARED bytes as long as it is open, and makes the
+    -shm as it opens: a lock with no -shm (after 50 ms, for a peer opening at this moment) is a process
+    that lost its -shm. A few us: a stat, and an fcntl only when the -shm is missing (Linux's
+    ``struct flock``; elsewhere none is found)."""
+    if sys.platform != "linux" or os.path.exists(path + "-shm"):
+        return None
     try:
-        file = os.stat(path)
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
     except OSError:
-        return []
-    holders = []
-    for entry in os.scandir("/proc") if os.path.isdir("/proc") else ():
-        if entry.name.isdigit():
-            with contextlib.suppress(OSError), open(f"/proc/{entry.name}/maps", encoding="utf-8",
-                                                   errors="replace") as maps:
-                if any(line.endswith(lost) for line in maps) and _holds(entry.name, file):
-                    holders.append(int(entry.name))
-    return holders
-
-
-def _holds(pid: str, file: os.stat_result) -> bool:
-    """Whether process ``pid`` has ``file`` open."""
-    for fd in os.scandir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            opened = os.stat(fd.path)
-            if (opened.st_dev, opened.st_ino) == (file.st_dev, file.st_ino):
-                return True
-    return False
-
-
-def _stat_fields(pid: int) -> list[str]:
-    """Process ``pid``'s fields in Linux's /proc/PID/stat from its state on (none elsewhere)."""
+        return None
     try:
-        with open(f"/proc/{pid}/stat", encoding="ascii", errors="replace") as stat:
-            return stat.read().rsplit(")", 1)[1].split()
-    except (OSError, IndexError):
-        return []
-
-
-def _started(pid: int) -> str:
-    """When process ``pid`` started, in clock ticks since boot (Linux), else "": with its pid, a
-    process's name that a later process given the same pid does not have."""
-    fields = _stat_fields(pid)
-    return fields[19] if len(fields) > 19 else ""
-
-
-def _alive(process: str) -> bool:
-    """Whether the process named ``pid:start[:…]`` (``_started``) runs (not a zombie, not another
-    process given its pid)."""
-    pid, _, started = process.partition(":")
-    started = started.partition(":")[0]
-    try:
-        number = int(pid)
-        if number <= 0:
-            return False
-        os.kill(number, 0)
-    except PermissionError:  # (another user's: it runs)
-        pass
-    except (ValueError, OSError):
-        return False
-    fields = _stat_fields(number)
-    return not fields or (fields[0] not in ("Z", "X") and (not started or fields[19:20] == [started]))
+        for _ in range(6):
+            wanted = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0x40000002, 510, 0)  # SQLite's SHARED bytes
+            kind, _, _, _, pid = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, wanted))
+            if kind != fcntl.F_RDLCK or os.path.exists(path + "-shm"):
+                return None
+            time.sleep(0.01)
+        return pid
+    finally:
+        os.close(fd)
 
 
 def _is_locked(exc: sqlite3.Error) -> bool:
@@ -1173,10 +1105,6 @@ class _Probed(Exception):
 # The most time between two checkpoints of a process (Database._checkpoint_when_due): a quarter of a
 # second of writes in the -wal at most, and four checkpoints a second at most.
 CHECKPOINT_SECONDS = 0.25
-# A checkpointer named longer ago than this (its record never came) is replaced by the next one due:
-# far longer than a checkpoint takes (one still moving frames when replaced would be taken for a copy).
-CHECKPOINT_STALE = 30.0
-
 # Units one leader takes into one transaction: enough to share a commit among every request
 # thread, small enough that a batch holds the lock for a few milliseconds at most.
 MAX_BATCH = 64
@@ -1191,10 +1119,11 @@ class Database:
     units in one BEGIN IMMEDIATE transaction on the process's write connection, each caller's
     in a savepoint of its own (units that raise roll back alone and their caller gets the
     exception), checks that the file is still the one it opened, commits once (with a disk
-    sync if any caller asked for one) and hands every caller its results. No write waits in
-    SQLite's busy handler for a lock its own process holds; other processes are waited for by
-    the leader alone, in short steps (a checkpoint alone waits in it, 5 ms at most).
-    ``":memory:"`` is one connection shared by every thread under a lock.
+    sync if any caller asked for one), hands every caller its results and, when one is due,
+    checkpoints. No write waits in SQLite's busy handler for a lock its own process holds;
+    other processes are waited for by the leader alone, in short steps (a checkpoint alone
+    waits in it, 5 ms at most). ``":memory:"`` is one connection shared by every thread under
+    a lock.
     """
 
     def __init__(self, path: str, busy_timeout: float = 5.0, synchronous: str = "FULL") -> None:
@@ -1215,11 +1144,11 @@ class Database:
                 raise RuntimeError(f"{path} is a symbolic link to nothing: no database is made through it")
             with contextlib.suppress(OSError):  # (there already, or not makeable: SQLite says what is wrong)
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o600))
-            lost = _lost_shm_holders(path)
-            if lost:
-                raise FileGone(f"{path}: process {', '.join(map(str, lost))} still serves it through a -shm"
-                               " that was deleted; a process that joined it now would no longer coordinate"
-                               " with that one, and both would corrupt the file. Stop that process first.")
+            lost = _shm_lost_by(path)
+            if lost is not None:
+                raise FileGone(f"{path}: process {lost} still serves it through a -shm that was deleted;"
+                               " a process that joined it now would no longer coordinate with that one,"
+                               " and both would corrupt the file. Stop that process first.")
         deadline = time.monotonic() + busy_timeout
         while True:  # two servers starting on one new file: the loser waits its turn (docs/operations.md)
             try:
@@ -1241,11 +1170,6 @@ class Database:
         self._writer_pid = os.getpid()
         self._leader: int | None = None  # the thread running a batch's units, while it does
         self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
-        self._checkpointed: tuple[int, int] | None = None  # the file as its checkpoint left it, unrecorded
-        # this database object of this process, as file_signature names it (a process may open a file twice)
-        self._me = f"{os.getpid()}:{_started(os.getpid())}:{secrets.token_hex(4)}"
-        self._signature: tuple[int, int] | None = None  # the file's (size, mtime) last found as recorded
-        self._first = True  # its first batch since it opened (or closed) the file: see _signature_check
 
     @staticmethod
     def _identity(path: str) -> tuple[int, int] | None:
@@ -1261,9 +1185,9 @@ class Database:
         return self._gone
 
     def trouble(self, exc: sqlite3.Error) -> str | None:
-        """What a storage error means for a request, in one place: "gone" (the file deleted or
-        replaced: ``check_file``), "corrupt" (the file is malformed: every later use fails too, with
-        what to do), "busy" (locked, read-only, full, an I/O error: try again) or None (a bug)."""
+        """What a storage error means for a request, in one place: "gone" (the file deleted,
+        replaced or malformed: every later use fails too, ``gone`` says why and what to do), "busy"
+        (locked, read-only, full, an I/O error: try again) or None (a bug)."""
         if self._gone is None and (getattr(exc, "sqlite_errorname", None) or "").startswith(_CORRUPT):
             self._gone = FileGone(
                 f"The database file {self.path} is malformed ({exc}): nothing more is read from or written"
@@ -1323,8 +1247,8 @@ class Database:
             if self.memory:  # a copy of a ready-made image: 10x faster than running the script
                 conn.deserialize(_schema_image())
             version = self._version(conn)
-        if version is None or version < schema_version():
-            self.write([self._upgrade])
+        if version is None or 4 <= version < schema_version():  # (4: the first released)
+            self.write([self._upgrade], durable=False)  # (a power cut can only undo it: the next open does it again)
             with self.connection() as conn:
                 version = self._version(conn)
         if version != schema_version():
@@ -1341,22 +1265,16 @@ class Database:
 
     @staticmethod
     def _upgrade(conn: sqlite3.Connection) -> None:
-        """The unit that makes or upgrades the schema: schema.sql is idempotent, and what older
-        versions kept moves to where this one keeps it (looked at under the write lock, so that of
-        two processes upgrading one file the second finds nothing left to do)."""
-        if (Database._version(conn) or 0) >= schema_version():
+        """The unit that makes or upgrades the schema (from version 4, the first released):
+        schema.sql is idempotent and makes what is new; what is gone is dropped. Looked at under the
+        write lock, so that of two processes upgrading one file the second finds nothing to do."""
+        version = Database._version(conn)
+        if version is not None and version >= schema_version():
             return
-        tables = {name for (name,) in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
-        columns = [column[1] for column in conn.execute("PRAGMA table_info(nonces)")]
-        # Version 3 keeps each nonce's timestamp; an older record's is its expiry less the
-        # default window then used (60 s, and the second past it).
-        upgrade = ("ALTER TABLE nonces ADD COLUMN ts INTEGER NOT NULL DEFAULT 0;\n"
-                   "UPDATE nonces SET ts = expires_at / 1000 - 61;\n") \
-            if columns and "ts" not in columns else ""
-        moved = (_NONCES_FROM_VERSION_3 if "nonces" in tables else "") \
-            + (_SPANS_FROM_VERSION_3 if "nonce_spans" in tables else "")
-        script = (f"{upgrade}{_schema_sql()}\n{_LEDGER_CLOCK_FROM_DATA}\n{moved}"
-                  f"UPDATE schema_version SET version = {schema_version()};")
+        script = _schema_sql() + "\nDROP TABLE IF EXISTS file_signature;\n"  # (version 6's copy guard)
+        if "nonce_tolerance" in {column[1] for column in conn.execute("PRAGMA table_info(sandbox)")}:
+            script += "ALTER TABLE sandbox DROP COLUMN nonce_tolerance;\n"  # (unused since version 4)
+        script += f"UPDATE schema_version SET version = {schema_version()};"
         statement = ""
         for line in script.splitlines(keepends=True):  # one statement at a time (executescript would commit)
             statement += line
@@ -1398,114 +1316,23 @@ class Database:
             raise write.error if write.own_error else copy.copy(write.error)
         return write.results
 
-    def _wal_after(self, file: os.stat_result) -> bool:
-        """Whether the -wal holds nothing written before the file's last change: none, empty, or
-        written since (a running server's frames predate a copy written over the file)."""
-        try:
-            wal = os.stat(self.path + "-wal")
-        except OSError:
-            return True
-        return wal.st_size == 0 or wal.st_mtime_ns >= file.st_mtime_ns
-
-    def _checkpoint_when_due(self, conn: sqlite3.Connection) -> bool:
-        """In a batch, before its COMMIT: whether this database's checkpoint is due (at most every
-        CHECKPOINT_SECONDS) and it names itself the file's checkpointer in the commit: not while
-        another one is named, that runs and named itself less than CHECKPOINT_STALE seconds ago
-        (its checkpoint comes right after its commit, and its record right after that)."""
-        now = time.monotonic()
-        if self._file is None or now < self._checkpoint_at:
-            return False
-        self._checkpoint_at = now + CHECKPOINT_SECONDS
-        named, named_at = conn.execute("SELECT checkpointer, checkpointer_at FROM file_signature").fetchone()
-        stale = (named_at or 0) < time.time() * 1000 - CHECKPOINT_STALE * 1000
-        if named in (None, self._me) or not _alive(named) or stale:
-            conn.execute("UPDATE file_signature SET checkpointer = ?, checkpointer_at = ?",
-                         (self._me, int(time.time() * 1000)))
-            return True
-        return False
-
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        """Right after a batch that named this database the checkpointer, while its leader still
-        holds the turn (none of its other writes runs meanwhile): move the -wal's frames into the
-        file, then record what the file is in a transaction of its own (``_signature_check``, the
-        first look of every batch, does, since the file is as the checkpoint left it). Never inside
-        a commit (SQLite's automatic checkpoint runs in the committing connection, and with two
-        processes reading it seldom finishes, so every commit synced the -wal again), never inside
-        a transaction (a write begun before the checkpoint took every frame would not start the
-        -wal over). RESTART: it holds off other writers and waits for readers, 5 ms at most, so
-        that the next write starts the -wal over even while two processes write without a pause
-        (PASSIVE let 2 GB of -wal pile up in 15 s under ``--workers 2``: another process's frames
-        always came between; docs/operations.md). Busy past 5 ms, SQLite moves what it can, as
-        PASSIVE does, and the next checkpoint the rest."""
-        try:
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("PRAGMA busy_timeout = 5")
-                try:
-                    conn.execute("PRAGMA wal_checkpoint(RESTART)")
-                finally:
-                    conn.execute("PRAGMA busy_timeout = 0")
-        finally:  # (an interrupt too: what it moved is this database's own change)
-            with contextlib.suppress(OSError):
-                status = os.stat(self.path)
-                self._checkpointed = (status.st_size, status.st_mtime_ns)
+        """Move the -wal's frames into the file, at most every CHECKPOINT_SECONDS, after a batch
+        committed, in no transaction, while its leader still holds the turn. Never inside a commit
+        (SQLite's automatic one syncs the -wal again at every commit when readers are about).
+        RESTART waits for readers, 5 ms at most, so that the next write starts the -wal over even
+        while two processes write without a pause; busy, it moves what it can and the next one
+        the rest (docs/operations.md)."""
+        now = time.monotonic()
+        if self.memory or now < self._checkpoint_at:
+            return
+        self._checkpoint_at = now + CHECKPOINT_SECONDS
         with contextlib.suppress(sqlite3.Error):
-            self._begin(conn)
+            conn.execute("PRAGMA busy_timeout = 5")
             try:
-                changed = self._signature_check(conn)
-                if changed is None:  # (recorded, or the file unchanged: no checkpoint is under way)
-                    conn.execute("UPDATE file_signature SET checkpointer = NULL WHERE checkpointer = ?",
-                                 (self._me,))
-                self._commit(conn)
+                conn.execute("PRAGMA wal_checkpoint(RESTART)")
             finally:
-                if conn.in_transaction:
-                    conn.execute("ROLLBACK")
-            if changed is not None:
-                self._gone = FileGone(changed)
-
-    def _signature_check(self, conn: sqlite3.Connection) -> str | None:
-        """In every batch, first: whether the file is as the last checkpoint recorded it (its size
-        and modification time, a stat). If not, it is one of: a checkpoint under way or just made
-        (the checkpointer the record names runs: its own next write records the file, if it is as
-        its checkpoint left it), one that died half-way (the one named runs no more: its frames
-        are still in the -wal), a change before this process's first batch that the -wal holds
-        nothing older than (the last connection to close checkpointed the file, or another program
-        wrote it while no server ran; a copy put there then is a restore), or the file written
-        over in place under a running server (``cp backup.db live.db``), whose pages and the
-        -wal's no longer agree. That is marked in the batch, and the answer is why every later use
-        fails: see ``_lead``."""
-        if self._file is None:
-            return None
-        opening, self._first = self._first, False
-        try:
-            status = os.stat(self.path)
-        except OSError:
-            return None  # (check_file says so, before the commit)
-        signature = (status.st_size, status.st_mtime_ns)
-        if signature == self._signature:
-            return None
-        size, mtime_ns, named, changed_at = conn.execute(
-            "SELECT size, mtime_ns, checkpointer, changed_at FROM file_signature").fetchone()
-        if changed_at is None:
-            if (size, mtime_ns) == signature:
-                self._signature = signature
-                return None
-            mine = named == self._me
-            if not mine and named is not None and _alive(named):
-                return None  # another's checkpoint, under way or just made: its own record compares
-            if (signature == self._checkpointed if mine else named is not None) or size is None or (
-                    opening and self._wal_after(status)):
-                conn.execute("UPDATE file_signature SET size = ?, mtime_ns = ?, checkpointer = NULL",
-                             signature)
-                self._checkpointed = None
-                return None
-            changed_at = int(time.time() * 1000)
-            conn.execute("UPDATE file_signature SET changed_at = ?", (changed_at,))
-        when = datetime.datetime.fromtimestamp(changed_at / 1000, datetime.UTC)
-        return (f"The database file {self.path} was written over in place (a copy put over it?) while"
-                f" its -wal held newer pages, found at {when:%Y-%m-%d %H:%M:%S} UTC: together they are"
-                " neither the copy nor the database, and nothing more is read from or written to them."
-                f" Stop every server on it, delete {self.path}-wal and {self.path}-shm (if they are"
-                " there), copy the file in again, and start.")
+                conn.execute("PRAGMA busy_timeout = 0")
 
     def _wait_for_turn(self, write: _Write) -> None:
         """Queue ``write``; return when it is at the front (this thread leads) or when a
@@ -1533,9 +1360,8 @@ class Database:
     def _lead(self, own: _Write) -> None:
         """Take the callers queued behind the leader's ``own`` write; BEGIN, every caller's units,
         COMMIT: the only transaction that writes. Every caller gets its outcome, whatever interrupts
-        the leader. One that named its database the checkpointer answers its callers, then
-        checkpoints before it passes the turn on (``_checkpoint``)."""
-        batch, naming = [own], False
+        the leader; then the leader checkpoints, if one is due, before the next one leads."""
+        batch, committed = [own], None
         try:
             with self._turn:
                 for waiting in itertools.islice(self._queue, 1, MAX_BATCH):
@@ -1546,11 +1372,6 @@ class Database:
                 try:
                     self._begin(conn)
                     self._leader = threading.get_ident()
-                    changed = self._signature_check(conn)
-                    if changed is not None:  # its mark committed: every process and later start refuses it
-                        self._commit(conn)
-                        self._gone = FileGone(changed)
-                        raise copy.copy(self._gone)
                     for write in batch:
                         try:
                             write.results = savepoint(conn, lambda conn, units=write.units: [
@@ -1561,9 +1382,8 @@ class Database:
                                 raise
                         if not conn.in_transaction:  # a unit that swallowed a failure of the transaction
                             raise BatchLost("the batch's transaction was lost")
-                    due = self._checkpoint_when_due(conn)
                     self._commit(conn)
-                    naming = due
+                    committed = conn
                 except BaseException:
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
@@ -1578,20 +1398,16 @@ class Database:
             if not isinstance(exc, Exception):  # (an interrupt is the leader's own, raised after the turn)
                 self._pass_turn(batch)
                 raise
-        self._pass_turn(batch, checkpoint_on=conn if naming else None)
+        self._pass_turn(batch[1:])  # its callers have their answers while the leader checkpoints
+        try:
+            if committed is not None:
+                self._checkpoint(committed)
+        finally:
+            self._pass_turn(batch[:1])
 
-    def _pass_turn(self, batch: list[_Write], checkpoint_on: sqlite3.Connection | None = None) -> None:
-        """The batch is done: out of the queue, and the next in line leads. With ``checkpoint_on``
-        (the batch named its database the checkpointer), its callers have their answers first and
-        its leader checkpoints before the next one leads: none of this database's writes runs
-        meanwhile (``_checkpoint``)."""
-        if checkpoint_on is not None:
-            self._pass_turn(batch[1:])
-            try:
-                self._checkpoint(checkpoint_on)
-            finally:
-                self._pass_turn(batch[:1])
-            return
+    def _pass_turn(self, batch: list[_Write]) -> None:
+        """These writes are done: out of the queue, and (the leader's own among them) the next in
+        line leads."""
         with self._turn:
             for write in batch:
                 write.done = True
@@ -1620,9 +1436,11 @@ class Database:
             conn.execute("ROLLBACK")
             # What this process committed before goes from its -wal into the file it opened (the one
             # at the path if only the -wal was swapped), and the -wal is left empty, so that a stale
-            # one cannot corrupt a new file at the path when it is next opened.
-            with contextlib.suppress(sqlite3.Error):
-                conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+            # one cannot corrupt a new file at the path when it is next opened. Not with its -shm
+            # lost: its index of the -wal is no longer the one other processes write by.
+            if self._identity(self.path + "-shm") == self._companions.get("-shm"):
+                with contextlib.suppress(sqlite3.Error):
+                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
             raise
         conn.execute("COMMIT")
 
@@ -1695,12 +1513,7 @@ class Database:
 
     def close(self) -> None:
         """Close this thread's connection (all of them, for ``:memory:``), and the process's
-        write connections when no write is under way. A process that wrote takes one last look at
-        the file first (``_signature_check``): when the last connection closes, SQLite moves the
-        -wal into the file, and a copy written over it would be taken for the file at the next start."""
-        if self._file is not None and self._gone is None and not self._first and self._leader is None:
-            with contextlib.suppress(sqlite3.Error, RuntimeError), self.patience(0.5):
-                self.write([lambda conn: None], durable=False)
+        write connections when no write is under way."""
         with self._lock:
             if self.memory and self._shared is not None:
                 self._shared.conn.close()
@@ -1714,7 +1527,6 @@ class Database:
                 for conn in self._writers.values():
                     conn.close()
                 self._writers.clear()
-                self._first = True
                 self._companions.clear()  # (SQLite removes the -wal and -shm when the last connection closes)
 
 
@@ -6878,7 +6690,7 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
                 server.run()
             finally:
                 server.close()
-                svc.close()  # (its last look at the file, before the last connection moves the -wal into it)
+                svc.close()
         else:
             svc.db.close()  # a child must not inherit an open connection: SQLite's locks would not be its own
             _run_workers(app, listener, threads, workers, lambda: on_ready and on_ready(base_url))
