@@ -7540,6 +7540,153 @@ def test_sixteen_threads_of_one_service_checkpointing_every_2_ms_conserve_money(
     assert ledger_invariants(path)["total"] == 4 * 100000
 
 
+class _TransferLoad:
+    """Six clients sending signed transfers of 0.01 between the demo's alice and bob, each with a bizId of
+    its own, until stopped: what each was answered, by bizId."""
+
+    def __init__(self, url: str, key: str, secret: str, wallets: list) -> None:
+        self.answers: dict[str, tuple[int, str]] = {}
+        self._stop = threading.Event()
+
+        def client(n: int) -> None:
+            session = requests.Session()
+            for attempt in itertools.count():
+                if self._stop.is_set():
+                    return
+                biz_id = f"c{n}-{attempt}"
+                body = json.dumps({"sourceWalletId": wallets[n % 2], "targetWalletId": wallets[1 - n % 2],
+                                   "amount": "0.01", "currency": "USD", "bizId": biz_id}).encode()
+                reply = session.post(url + TRANSFER_PATH, data=body, timeout=10,
+                                     headers=_signed("POST", TRANSFER_PATH, key, secret, body))
+                self.answers[biz_id] = (reply.status_code, reply.json()["code"])
+
+        self._clients = [threading.Thread(target=client, args=(n,)) for n in range(6)]
+        for thread in self._clients:
+            thread.start()
+
+    def stop(self) -> dict[str, tuple[int, str]]:
+        self._stop.set()
+        for thread in self._clients:
+            thread.join(30)
+        return self.answers
+
+
+def _checkpoint_beside(path: pathlib.Path, mode: str) -> None:
+    """The sqlite3 shell's `PRAGMA wal_checkpoint(MODE)` on a served file, as another tool runs it."""
+    conn = sqlite3.connect(path, timeout=5)
+    try:
+        conn.execute(f"PRAGMA wal_checkpoint({mode})").fetchall()
+    finally:
+        conn.close()
+
+
+@pytest.mark.parametrize("workers", ["1", "2"])
+def test_touch_and_another_tools_checkpoint_beside_a_loaded_server_disturb_nothing(tmp_path, workers) -> None:
+    """DESIGN.md 10: ordinary tools beside a running server never disturb it. The in-place-copy guard took
+    `touch live.db` and the sqlite3 shell's checkpoint for a copy written over the file (S503 for good, and
+    its recovery lost acknowledged transfers). Now every transfer is answered 200 and every one answered
+    is in the file, which passes walletsvc audit."""
+    path = tmp_path / "live.db"
+    with demo_process(tmp_path, "live", "--workers", workers) as (server, (key, secret, _admin, wallets)):
+        load = _TransferLoad(server.url, key, secret, wallets)
+        for action in (lambda: path.touch(), lambda: _checkpoint_beside(path, "PASSIVE"),
+                       lambda: os.utime(path, (0, 0)), lambda: _checkpoint_beside(path, "TRUNCATE"),
+                       lambda: _checkpoint_beside(path, "RESTART"), lambda: path.touch()):
+            time.sleep(0.3)
+            action()
+        time.sleep(0.3)
+        answers = load.stop()
+        assert requests.get(server.url + "/healthz", timeout=10).status_code == 200
+    assert len(answers) > 50 and set(answers.values()) == {(200, "2000")}, collections.Counter(answers.values())
+    conn = sqlite3.connect(path)
+    try:
+        kept = {biz_id for (biz_id,) in conn.execute("SELECT biz_id FROM transfers")}
+    finally:
+        conn.close()
+    assert set(answers) <= kept
+    audit = _cli("audit", "--db", str(path))
+    assert (audit.returncode, audit.stdout) == (0, "[]\n"), audit.stderr
+
+
+def test_a_backup_taken_while_two_workers_write_is_restored_into_every_process_at_once(tmp_path) -> None:
+    """DESIGN.md 10: `walletsvc backup` copies a served file consistently while `--workers 2` writes;
+    `walletsvc restore` puts the copy in through the write door: both processes answer the copy's balances
+    from the next request, transfers go on from there, a request replayed from before the restore is still
+    refused, and the ledger passes walletsvc audit."""
+    path, copy_ = tmp_path / "live.db", tmp_path / "copy.db"
+    with demo_process(tmp_path, "live", "--workers", "2") as (server, (key, secret, _admin, wallets)):
+        captured = _signed("GET", "/api/v1/wallets", key, secret)
+        assert requests.get(server.url + "/api/v1/wallets", headers=captured, timeout=10).status_code == 200
+        load = _TransferLoad(server.url, key, secret, wallets)
+        time.sleep(0.5)
+        backed_up = _cli("backup", str(copy_), "--db", str(path))
+        time.sleep(0.5)
+        answers = load.stop()
+        assert backed_up.returncode == 0, backed_up.stderr
+        assert oct(copy_.stat().st_mode & 0o777) == "0o600"  # (it holds the keys' secrets)
+        with contextlib.closing(sqlite3.connect(copy_)) as conn:
+            assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+            in_copy = conn.execute("SELECT count(*) FROM transfers").fetchone()[0]
+            copied = {name: balance for name, balance in conn.execute("SELECT name, balance FROM wallets")}
+        assert 0 < in_copy < len(answers) and set(answers.values()) == {(200, "2000")}
+        assert copied["alice"] + copied["bob"] == 200000  # (one consistent state: the total conserved)
+        restored = _cli("restore", str(copy_), "--db", str(path))
+        assert restored.returncode == 0 and "every server on it serves it" in restored.stdout, restored.stderr
+        for _ in range(12):  # a fresh connection each: both processes answer
+            with requests.Session() as session:
+                balances = {wallet["name"]: wallet["balance"] for wallet in session.get(
+                    server.url + "/api/v1/wallets", headers=_signed("GET", "/api/v1/wallets", key, secret),
+                    timeout=10).json()["data"]["content"]}
+            assert balances["alice"] == f"{copied['alice'] / 100:.2f}"
+            assert balances["bob"] == f"{copied['bob'] / 100:.2f}"
+        replayed = requests.get(server.url + "/api/v1/wallets", headers=captured, timeout=10)
+        assert (replayed.status_code, replayed.json()["code"]) == (401, "GA2013")
+        body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
+                           "currency": "USD"}).encode()
+        after = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
+                              headers=_signed("POST", TRANSFER_PATH, key, secret, body))
+        assert after.status_code == 200, after.text
+    audit = _cli("audit", "--db", str(path))
+    assert (audit.returncode, audit.stdout) == (0, "[]\n"), audit.stderr
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == in_copy + 1
+
+
+@pytest.mark.parametrize("backup", ["missing", "not a database", "malformed", "another schema version",
+                                    "the database itself"])
+def test_a_backup_or_restore_that_cannot_be_done_is_refused_in_one_line_changing_nothing(tmp_path,
+                                                                                        backup) -> None:
+    """DESIGN.md 10, restore refused with what to do: the live database is as it was."""
+    live, copy_ = tmp_path / "live.db", tmp_path / "copy.db"
+    svc = walletsvc.WalletService(str(live))
+    world_ = make_world(svc)
+    svc.close()
+    assert _cli("backup", str(copy_), "--db", str(live)).returncode == 0
+    if backup == "not a database":
+        copy_.write_bytes(b"not a database" * 100)
+    elif backup == "malformed":
+        with open(copy_, "r+b") as handle:  # (a page in the middle: the b-trees' pages no longer agree)
+            handle.seek(copy_.stat().st_size // 2)
+            handle.write(os.urandom(4096))
+    elif backup == "another schema version":
+        with contextlib.closing(sqlite3.connect(copy_)) as conn, conn:
+            conn.execute("UPDATE schema_version SET version = 6")
+    elif backup == "missing":
+        copy_.unlink()
+    verb, target = ("backup", live) if backup == "the database itself" else ("restore", copy_)
+    refused = _cli(verb, str(target), "--db", str(live))
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
+    assert {"missing": "no backup at", "not a database": "is no walletsvc database",
+            "malformed": "is malformed", "another schema version": "walletsvc audit --db",
+            "the database itself": "is the database itself"}[backup] in refused.stderr
+    after = walletsvc.WalletService(str(live))
+    try:
+        assert after.get_wallet(world_["a"])["balance"] == "100.00" and after.audit() == []
+    finally:
+        after.close()
+
+
 @pytest.mark.parametrize("swap", SWAPS, ids=SWAP_NAMES)
 def test_a_deleted_or_replaced_database_file_is_noticed_before_the_next_write(tmp_path, swap) -> None:
     """Defect: the file deleted under a running server, 20 transfers acknowledged into nothing; replaced,

@@ -3605,6 +3605,34 @@ _WORLD_TABLES = {"workspaces": ("id", "workspace"), "members": ("workspace_id", 
 _ID_TABLES = ("workspaces", "members", "api_keys", "wallets")
 # The tables of the sandbox's world: what save_start copies and reset restores.
 _STARTING_STATE = (*_WORLD_TABLES, "ledger_clock")
+# What WalletService.restore takes from a backup, parents first: the sandbox's world, its fault rules and
+# settings, and the starting state reset returns to.
+_RESTORED = (*_WORLD_TABLES, "fault_rules", "sandbox", *(f"start_{table}" for table in _STARTING_STATE),
+             "start_sandbox", "world_starts", "start_scenario")
+
+
+def _backup_source(path: str) -> sqlite3.Connection:
+    """The backup at ``path``, opened read-only, once it is found whole and of this schema version."""
+    if not os.path.isfile(path):
+        raise RuntimeError(f"no backup at {path}")
+    source = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True)
+    try:
+        try:
+            problems = [row[0] for row in source.execute("PRAGMA integrity_check")]
+            version = source.execute("SELECT version FROM schema_version").fetchone()
+        except sqlite3.Error as exc:
+            raise RuntimeError(f"{path} is no walletsvc database ({exc}): nothing was restored") from None
+        if problems != ["ok"]:
+            raise RuntimeError(f"{path} is malformed ({'; '.join(problems[:3])}): nothing was restored;"
+                               " restore another backup")
+        if version is None or version[0] != schema_version():
+            raise RuntimeError(f"{path} has schema version {version and version[0]}; this walletsvc restores"
+                               f" {schema_version()}: open it once with this walletsvc (walletsvc audit --db"
+                               f" {path} upgrades it), then restore it")
+    except BaseException:
+        source.close()
+        raise
+    return source
 
 
 def _world_where(table: str, workspace_id: str, wallets: list[str]) -> tuple[str, list[str]]:
@@ -3856,6 +3884,65 @@ class WalletService(Ledger):
                          tuple(start))
             conn.execute("DELETE FROM world_starts WHERE workspace_id NOT IN (SELECT id FROM workspaces)")
         self.db.write([reset])
+
+    # Backup and restore (docs/operations.md) #################################
+
+    def backup(self, path: str) -> None:
+        """Copy the database to ``path`` while it is served (SQLite's online backup: one consistent
+        state, whatever other processes write meanwhile), made private (0600) beside it and renamed
+        over it whole."""
+        if self.db.memory:
+            raise RuntimeError("an in-memory database has no file to back up")
+        target = os.path.abspath(path)
+        if os.path.exists(target) and os.path.samefile(target, self.db.path):
+            raise RuntimeError(f"{path} is the database itself: back it up to another file")
+        descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(target), prefix=os.path.basename(target) + ".",
+                                                 suffix=".tmp")
+        os.close(descriptor)
+        try:
+            copy_ = sqlite3.connect(temporary)
+            try:
+                with self.db.connection() as conn:
+                    conn.backup(copy_)
+                copy_.execute("PRAGMA journal_mode = DELETE")  # (one file: no -wal beside the copy)
+            finally:
+                copy_.close()
+            os.replace(temporary, target)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.remove(temporary)
+            raise
+
+    def restore(self, path: str) -> None:
+        """Make the sandbox what the backup at ``path`` holds, in one write through the write door:
+        every process serving the file serves it from its next request. Kept as they are: the nonce
+        records (a request accepted since the backup is still refused when replayed), the journal
+        (its entries only grow), the admin token and console sessions of the servers running, and
+        the ledger clock where it is later than the copy's (ids and times still increase). Refused,
+        changing nothing, when the file is no whole walletsvc database of this schema version."""
+        source = _backup_source(path)
+        try:
+            def restore(conn: sqlite3.Connection) -> None:
+                fault_version, journal_floor = conn.execute(
+                    "SELECT fault_version, journal_floor FROM sandbox").fetchone()
+                for table in reversed(_RESTORED):
+                    conn.execute(f"DELETE FROM {table}")
+                for table in _RESTORED:
+                    if table == "counters":  # the triggers counted the rows in again: the copy's counts instead
+                        conn.execute("DELETE FROM counters")
+                    rows = source.execute(f"SELECT * FROM {table}")
+                    names = [column[0] for column in rows.description]
+                    conn.executemany(f"INSERT INTO {table} ({', '.join(names)})"
+                                     f" VALUES ({', '.join('?' * len(names))})", rows)
+                # Every process reads the fault rules anew; the journal goes on where it was.
+                conn.execute("UPDATE sandbox SET fault_version = max(fault_version, ?) + 1, journal_floor = ?",
+                             (fault_version, journal_floor))
+                last_ms, last_id = source.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
+                conn.execute("UPDATE ledger_clock SET last_ms = max(last_ms, ?), last_id = max(last_id, ?)",
+                             (last_ms, last_id))
+            self.db.write([restore])
+        finally:
+            source.close()
 
     # Worlds: scenarios, instantiated side by side (docs/sandbox.md) ##############
 
@@ -7304,6 +7391,18 @@ def _audit_command(args: argparse.Namespace) -> int:
     return 1 if violations else 0
 
 
+def _copy_command(args: argparse.Namespace) -> int:
+    """``walletsvc backup FILE`` and ``walletsvc restore FILE``, on the database at --db."""
+    svc = WalletService(_existing(args.db))
+    try:
+        getattr(svc, args.command)(args.file)
+    finally:
+        svc.close()
+    print(f"backed up {args.db} to {args.file}" if args.command == "backup" else
+          f"restored {args.file} into {args.db}: every server on it serves it from its next request")
+    return 0
+
+
 def _setting_pair(text: str) -> tuple[str, str]:
     name, equals, value = text.partition("=")
     if not equals or name.strip() not in Settings.names():
@@ -7523,6 +7622,12 @@ def build_parser() -> argparse.ArgumentParser:
     audit = commands.add_parser("audit", parents=[common],
                                 help="check every ledger invariant; exit status 1 on a violation")
     audit.set_defaults(run=_audit_command)
+    for name, help_text in (("backup", "copy the database to FILE, consistent while servers write to it"),
+                            ("restore", "make the served database what the backup FILE holds, in every"
+                                        " process at once (docs/operations.md)")):
+        copying = commands.add_parser(name, parents=[common], help=help_text)
+        copying.add_argument("file")
+        copying.set_defaults(run=_copy_command)
 
     reset = _leaf(commands, "reset", common,
                   "return the sandbox to its starting state (empty when none was saved), in one transaction",
