@@ -4134,7 +4134,7 @@ def test_a_database_older_than_the_first_release_is_refused(tmp_path, version: i
 
 
 def test_a_version_6_database_is_upgraded_without_its_copy_guard(tmp_path) -> None:
-    """Version 7 drops version 6's file_signature table (DESIGN.md 10: no in-place-copy guard) and the
+    """Version 7 drops version 6's file_signature table (no in-place-copy guard: docs/operations.md) and the
     sandbox's unused nonce_tolerance column, even where the guard marked the file written over."""
     path = str(tmp_path / "v6.db")
     svc = walletsvc.WalletService(path)
@@ -7439,7 +7439,7 @@ def test_a_malformed_database_is_s503_saying_what_to_do_and_healthz_503(tmp_path
 
 
 def test_a_file_another_program_wrote_while_no_server_ran_is_served(tmp_path, clock) -> None:
-    """An ordinary tool beside the file (DESIGN.md 10): sqlite3 wrote the file while no server ran (its last
+    """An ordinary tool beside the file (docs/operations.md): sqlite3 wrote the file while no server ran (its last
     connection moving the frames into the file as it closed), and another of its connections has written
     since and is still open when the service starts."""
     path = tmp_path / "edited.db"
@@ -7582,7 +7582,7 @@ def _checkpoint_beside(path: pathlib.Path, mode: str) -> None:
 
 @pytest.mark.parametrize("workers", ["1", "2"])
 def test_touch_and_another_tools_checkpoint_beside_a_loaded_server_disturb_nothing(tmp_path, workers) -> None:
-    """DESIGN.md 10: ordinary tools beside a running server never disturb it. The in-place-copy guard took
+    """docs/operations.md: ordinary tools beside a running server never disturb it. The in-place-copy guard took
     `touch live.db` and the sqlite3 shell's checkpoint for a copy written over the file (S503 for good, and
     its recovery lost acknowledged transfers). Now every transfer is answered 200 and every one answered
     is in the file, which passes walletsvc audit."""
@@ -7609,7 +7609,7 @@ def test_touch_and_another_tools_checkpoint_beside_a_loaded_server_disturb_nothi
 
 
 def test_a_backup_taken_while_two_workers_write_is_restored_into_every_process_at_once(tmp_path) -> None:
-    """DESIGN.md 10: `walletsvc backup` copies a served file consistently while `--workers 2` writes;
+    """docs/operations.md, Backup and restore: `walletsvc backup` copies a served file consistently while `--workers 2` writes;
     `walletsvc restore` puts the copy in through the write door: both processes answer the copy's balances
     from the next request, transfers go on from there, a request replayed from before the restore is still
     refused, and the ledger passes walletsvc audit."""
@@ -7656,7 +7656,7 @@ def test_a_backup_taken_while_two_workers_write_is_restored_into_every_process_a
                                     "the database itself"])
 def test_a_backup_or_restore_that_cannot_be_done_is_refused_in_one_line_changing_nothing(tmp_path,
                                                                                         backup) -> None:
-    """DESIGN.md 10, restore refused with what to do: the live database is as it was."""
+    """docs/operations.md, Backup and restore: refused with what to do: the live database is as it was."""
     live, copy_ = tmp_path / "live.db", tmp_path / "copy.db"
     svc = walletsvc.WalletService(str(live))
     world_ = make_world(svc)
