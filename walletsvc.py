@@ -985,42 +985,51 @@ def _schema_image() -> bytes:
         conn.close()
 
 
-# SQLite results that mean another connection holds the lock, and those that mean "the storage
-# cannot take this now" (S503); extended codes included (a prefix match).
+def _version_of(conn: sqlite3.Connection) -> int | None:
+    try:
+        row = conn.execute("SELECT version FROM schema_version").fetchone()
+    except sqlite3.OperationalError:  # (no such table: a new file)
+        return None
+    return row[0] if row else None
+
+
+def _upgrade_schema(conn: sqlite3.Connection) -> None:
+    """The unit that makes or upgrades the schema (from version 4, the first released):
+    schema.sql is idempotent and makes what is new; what is gone is dropped. Looked at under the
+    write lock, so that of two processes upgrading one file the second finds nothing to do."""
+    version = _version_of(conn)
+    if version is not None and version >= schema_version():
+        return
+    script = _schema_sql() + "\nDROP TABLE IF EXISTS file_signature;\n"  # (version 6's copy guard)
+    if "nonce_tolerance" in {column[1] for column in conn.execute("PRAGMA table_info(sandbox)")}:
+        script += "ALTER TABLE sandbox DROP COLUMN nonce_tolerance;\n"  # (unused since version 4)
+    script += f"UPDATE schema_version SET version = {schema_version()};"
+    statement = ""
+    for line in script.splitlines(keepends=True):  # one statement at a time (executescript would commit)
+        statement += line
+        if sqlite3.complete_statement(statement):
+            conn.execute(statement)
+            statement = ""
+
+
+# SQLite results that mean another connection holds the lock, those that mean "the storage
+# cannot take this now" (S503; extended codes included: a prefix match), and a malformed file.
 _LOCKED = ("SQLITE_BUSY", "SQLITE_LOCKED")
 _UNAVAILABLE = (*_LOCKED, "SQLITE_READONLY", "SQLITE_CANTOPEN", "SQLITE_IOERR", "SQLITE_FULL")
-
-
 _CORRUPT = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
 
 
-def _shm_lost_by(path: str) -> int | None:
-    """The process that serves the file at ``path`` though its -shm is gone from the path, else None.
-    A WAL connection holds a read lock on the file's SHARED bytes as long as it is open, and makes the
-    -shm as it opens: a lock with no -shm (after 50 ms, for a peer opening at this moment) is a process
-    that lost its -shm. A few us: a stat, and an fcntl only when the -shm is missing (Linux's
-    ``struct flock``; elsewhere none is found)."""
-    if sys.platform != "linux" or os.path.exists(path + "-shm"):
-        return None
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-    except OSError:
-        return None
-    try:
-        for _ in range(6):
-            wanted = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0x40000002, 510, 0)  # SQLite's SHARED bytes
-            kind, _, _, _, pid = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, wanted))
-            if kind != fcntl.F_RDLCK or os.path.exists(path + "-shm"):
-                return None
-            time.sleep(0.01)
-        return pid
-    finally:
-        os.close(fd)
+def _error_name(exc: BaseException) -> str:
+    return getattr(exc, "sqlite_errorname", None) or ""
 
 
 def _is_locked(exc: sqlite3.Error) -> bool:
     """Whether SQLite refused because another connection holds the lock (try again later)."""
-    return (getattr(exc, "sqlite_errorname", None) or "").startswith(_LOCKED)
+    return _error_name(exc).startswith(_LOCKED)
+
+
+def _is_busy(exc: sqlite3.Error) -> bool:
+    return isinstance(exc, sqlite3.OperationalError) and _error_name(exc).startswith(_UNAVAILABLE)
 
 
 class LockTimeout(sqlite3.OperationalError):
@@ -1037,7 +1046,8 @@ class BatchLost(sqlite3.OperationalError):
 
 
 class FileGone(sqlite3.OperationalError):
-    """The database file, or its -wal, is no longer the one this process opened (S503)."""
+    """The database file, its -wal or its -shm is no longer the one this process opened, or the
+    file is malformed (S503)."""
 
     sqlite_errorname = "SQLITE_CANTOPEN"
 
@@ -1057,9 +1067,81 @@ class _ExactSum:
         return str(self.total)
 
 
-def _is_busy(exc: sqlite3.Error) -> bool:
-    return isinstance(exc, sqlite3.OperationalError) and (
-        getattr(exc, "sqlite_errorname", None) or "").startswith(_UNAVAILABLE)
+def _identity(path: str) -> tuple[int, int] | None:
+    try:
+        status = os.stat(path)
+    except OSError:
+        return None
+    return status.st_dev, status.st_ino
+
+
+class DatabaseFile:
+    """The database file and its -wal and -shm as this process opened them (docs/operations.md,
+    When things go wrong): a write into a deleted or replaced file would be acknowledged and then
+    lost, so each batch checks them, by identity (a stat each), just before its COMMIT. Once one
+    is found swapped, or the file malformed, every later use fails with ``gone``."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._file = _identity(path)
+        self._companions: dict[str, tuple[int, int] | None] = {}  # the -wal and -shm, once seen
+        self.gone: FileGone | None = None
+
+    @staticmethod
+    def shm_lost_by(path: str) -> int | None:
+        """The process that serves the file at ``path`` though its -shm is gone from the path, else
+        None. A WAL connection holds a read lock on the file's SHARED bytes while it is open and
+        makes the -shm as it opens: such a lock with no -shm (still none after 50 ms, for a peer
+        opening at this moment) is a process that lost its -shm. A stat, and an fcntl when the
+        -shm is missing (Linux's ``struct flock``; elsewhere none is found)."""
+        if sys.platform != "linux" or os.path.exists(path + "-shm"):
+            return None
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return None
+        try:
+            shared = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0x40000002, 510, 0)  # SQLite's bytes
+            for _ in range(6):
+                kind, _, _, _, pid = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, shared))
+                if kind != fcntl.F_RDLCK or os.path.exists(path + "-shm"):
+                    return None
+                time.sleep(0.01)
+            return pid
+        finally:
+            os.close(fd)
+
+    def check(self) -> None:
+        """FileGone unless the file, its -wal and its -shm are still the ones this process opened."""
+        if self.gone is None:
+            what = "file" if _identity(self.path) != self._file else None
+            for suffix in ("-wal", "-shm"):  # (made with the first connection, removed with the last)
+                now = _identity(self.path + suffix)
+                known = self._companions.setdefault(suffix, now) if now is not None \
+                    else self._companions.get(suffix)
+                if what is None and now != known:
+                    what = f"file's {suffix}"
+            if what is not None:
+                self.gone = FileGone(f"The database {what} {self.path} was deleted or replaced while the"
+                                     " server ran; nothing more is read from or written to it. Restart the"
+                                     " server.")
+        if self.gone is not None:
+            raise copy.copy(self.gone)  # (one object raised again and again would pile up tracebacks)
+
+    def shm_kept(self) -> bool:
+        """Whether this process's -shm is still the one at the path (its index of the -wal is the
+        one other processes write by)."""
+        return _identity(self.path + "-shm") == self._companions.get("-shm")
+
+    def malformed(self, exc: sqlite3.Error) -> None:
+        if self.gone is None and _error_name(exc).startswith(_CORRUPT):
+            self.gone = FileGone(
+                f"The database file {self.path} is malformed ({exc}): nothing more is read from or written"
+                " to it. Restore it from a copy, or serve a new file (--db); walletsvc audit and sqlite3's"
+                " PRAGMA integrity_check say what is wrong.")
+
+    def closed(self) -> None:
+        self._companions.clear()  # (SQLite removes the -wal and -shm when the last connection closes)
 
 
 class _Write:
@@ -1102,8 +1184,8 @@ class _Probed(Exception):
     """``Database.check_writable``'s probe, undone."""
 
 
-# The most time between two checkpoints of a process (Database._checkpoint_when_due): a quarter of a
-# second of writes in the -wal at most, and four checkpoints a second at most.
+# The most time between two checkpoints of a process (Database._checkpoint): a quarter of a second
+# of writes in the -wal at most, and four checkpoints a second at most.
 CHECKPOINT_SECONDS = 0.25
 # Units one leader takes into one transaction: enough to share a commit among every request
 # thread, small enough that a batch holds the lock for a few milliseconds at most.
@@ -1116,14 +1198,12 @@ class Database:
     Reads use one connection per thread (and per process: a forked child opens its own).
     Every write goes through ``write(units)``, the LevelDB way (``DBImpl::Write``): the first
     waiting thread leads, takes the callers queued behind it (up to MAX_BATCH) and runs their
-    units in one BEGIN IMMEDIATE transaction on the process's write connection, each caller's
-    in a savepoint of its own (units that raise roll back alone and their caller gets the
-    exception), checks that the file is still the one it opened, commits once (with a disk
-    sync if any caller asked for one), hands every caller its results and, when one is due,
-    checkpoints. No write waits in SQLite's busy handler for a lock its own process holds;
-    other processes are waited for by the leader alone, in short steps (a checkpoint alone
-    waits in it, 5 ms at most). ``":memory:"`` is one connection shared by every thread under
-    a lock.
+    units in one BEGIN IMMEDIATE transaction (``_run``), each caller's in a savepoint of its
+    own, checks the file (``DatabaseFile``), commits once (with a disk sync if any caller asked
+    for one), hands every caller its results and, when one is due, checkpoints. No write waits
+    in SQLite's busy handler for a lock its own process holds; other processes are waited for by
+    the leader alone, in short steps. ``":memory:"`` is one connection shared by every thread
+    under a lock.
     """
 
     def __init__(self, path: str, busy_timeout: float = 5.0, synchronous: str = "FULL") -> None:
@@ -1134,9 +1214,7 @@ class Database:
         self._local = threading.local()
         self._lock = threading.RLock() if self.memory else contextlib.nullcontext()
         self._shared: _Held | None = None
-        self._file: tuple[int, int] | None = None  # (device, inode) of the file this database opened
-        self._companions: dict[str, tuple[int, int]] = {}  # and of its -wal and -shm, once seen
-        self._gone: FileGone | None = None  # once either was seen swapped: every use of the database fails
+        self.file: DatabaseFile | None = None  # once made (a file database)
         self._writer_state()
         _DATABASES.add(self)
         if not self.memory:  # it holds API secrets: private from the start, and never made through a symlink
@@ -1144,7 +1222,7 @@ class Database:
                 raise RuntimeError(f"{path} is a symbolic link to nothing: no database is made through it")
             with contextlib.suppress(OSError):  # (there already, or not makeable: SQLite says what is wrong)
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o600))
-            lost = _shm_lost_by(path)
+            lost = DatabaseFile.shm_lost_by(path)
             if lost is not None:
                 raise FileGone(f"{path}: process {lost} still serves it through a -shm that was deleted;"
                                " a process that joined it now would no longer coordinate with that one,"
@@ -1160,7 +1238,7 @@ class Database:
                     raise
                 time.sleep(0.01)
         if not self.memory:
-            self._file = self._identity(self.path)
+            self.file = DatabaseFile(path)
 
     def _writer_state(self) -> None:
         """The write queue and this process's write connections (anew in a forked child)."""
@@ -1171,57 +1249,34 @@ class Database:
         self._leader: int | None = None  # the thread running a batch's units, while it does
         self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
 
-    @staticmethod
-    def _identity(path: str) -> tuple[int, int] | None:
-        try:
-            status = os.stat(path)
-        except OSError:
-            return None
-        return status.st_dev, status.st_ino
-
     @property
     def gone(self) -> FileGone | None:
         """Why nothing more is read from or written to this database, once that is so."""
-        return self._gone
-
-    def trouble(self, exc: sqlite3.Error) -> str | None:
-        """What a storage error means for a request, in one place: "gone" (the file deleted,
-        replaced or malformed: every later use fails too, ``gone`` says why and what to do), "busy"
-        (locked, read-only, full, an I/O error: try again) or None (a bug)."""
-        if self._gone is None and (getattr(exc, "sqlite_errorname", None) or "").startswith(_CORRUPT):
-            self._gone = FileGone(
-                f"The database file {self.path} is malformed ({exc}): nothing more is read from or written"
-                " to it. Restore it from a copy, or serve a new file (--db); walletsvc audit and sqlite3's"
-                " PRAGMA integrity_check say what is wrong.")
-        try:
-            self.check_file()
-        except FileGone:
-            return "gone"
-        return "busy" if _is_busy(exc) else None
+        return self.file and self.file.gone
 
     def check_file(self) -> None:
-        """FileGone unless the file this database opened, and its -wal, are still at their
-        paths (docs/operations.md): a write into a deleted or replaced file would be acknowledged
-        and then lost. Checked inside every batch's lock, before its COMMIT."""
-        if self._file is None:
-            return
-        what = "file" if self._identity(self.path) != self._file else None
-        for suffix in ("-wal", "-shm"):  # (made with the first connection, removed with the last)
-            now = self._identity(self.path + suffix)
-            known = self._companions.setdefault(suffix, now) if now is not None \
-                else self._companions.get(suffix)
-            if what is None and now != known:
-                what = f"file's {suffix}"
-        if self._gone is None and what is not None:
-            self._gone = FileGone(f"The database {what} {self.path} was deleted or replaced while the server"
-                                  " ran; nothing more is read from or written to it. Restart the server.")
-        if self._gone is not None:
-            raise copy.copy(self._gone)  # (one object raised again and again would pile up tracebacks)
+        """FileGone once the file was deleted, replaced or found malformed (``DatabaseFile``)."""
+        if self.file is not None:
+            self.file.check()
+
+    def unavailable(self, exc: sqlite3.Error) -> ServiceBusy | None:
+        """What a storage error answers, in one place: S503 saying why once the file is gone or
+        malformed (every later use fails too), S503 "busy" when it is locked, read-only, full or
+        failing (try again), None when it is a bug."""
+        if self.file is not None:
+            self.file.malformed(exc)
+            try:
+                self.file.check()
+            except FileGone:
+                return ServiceBusy(str(self.file.gone),
+                                   zh_extra=f"数据库文件 {self.path}（或其 -wal、-shm）已被删除、替换或损坏；"
+                                   "不再读写。请重启服务器，或从副本恢复。")
+        return ServiceBusy() if _is_busy(exc) else None
 
     def _connect(self, uri_mode: str = "rw") -> sqlite3.Connection:
         target, uri = self.path, False
-        if self._file is not None:  # made: a thread opening it later must not make a new empty file there
-            self.check_file()  # nor open another file put there (its -wal would be this one's)
+        if self.file is not None:  # made: a thread opening it later must not make a new empty file there
+            self.file.check()  # nor open another file put there (its -wal would be this one's)
             target, uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode={uri_mode}", True
         conn = sqlite3.connect(target, timeout=self.busy_timeout, isolation_level=None,
                                check_same_thread=False, uri=uri)
@@ -1246,41 +1301,15 @@ class Database:
         with self.connection() as conn:
             if self.memory:  # a copy of a ready-made image: 10x faster than running the script
                 conn.deserialize(_schema_image())
-            version = self._version(conn)
+            version = _version_of(conn)
         if version is None or 4 <= version < schema_version():  # (4: the first released)
-            self.write([self._upgrade], durable=False)  # (a power cut can only undo it: the next open does it again)
+            # (no sync: a power cut only undoes it, and the next open does it again)
+            self.write([_upgrade_schema], durable=False)
             with self.connection() as conn:
-                version = self._version(conn)
+                version = _version_of(conn)
         if version != schema_version():
             raise RuntimeError(f"{self.path} has schema version {version}; "
                                f"this walletsvc expects {schema_version()}")
-
-    @staticmethod
-    def _version(conn: sqlite3.Connection) -> int | None:
-        try:
-            row = conn.execute("SELECT version FROM schema_version").fetchone()
-        except sqlite3.OperationalError:  # (no such table: a new file)
-            return None
-        return row[0] if row else None
-
-    @staticmethod
-    def _upgrade(conn: sqlite3.Connection) -> None:
-        """The unit that makes or upgrades the schema (from version 4, the first released):
-        schema.sql is idempotent and makes what is new; what is gone is dropped. Looked at under the
-        write lock, so that of two processes upgrading one file the second finds nothing to do."""
-        version = Database._version(conn)
-        if version is not None and version >= schema_version():
-            return
-        script = _schema_sql() + "\nDROP TABLE IF EXISTS file_signature;\n"  # (version 6's copy guard)
-        if "nonce_tolerance" in {column[1] for column in conn.execute("PRAGMA table_info(sandbox)")}:
-            script += "ALTER TABLE sandbox DROP COLUMN nonce_tolerance;\n"  # (unused since version 4)
-        script += f"UPDATE schema_version SET version = {schema_version()};"
-        statement = ""
-        for line in script.splitlines(keepends=True):  # one statement at a time (executescript would commit)
-            statement += line
-            if sqlite3.complete_statement(statement):
-                conn.execute(statement)
-                statement = ""
 
     def connection(self) -> _Held:
         """``with db.connection() as conn``: this thread's read connection (the shared one,
@@ -1291,8 +1320,8 @@ class Database:
                     if self._shared is None:
                         self._shared = _Held(self._connect(), self._lock)
             return self._shared
-        if self._gone is not None:  # (a new connection would open whatever file is at the path now)
-            raise copy.copy(self._gone)
+        if self.file is not None and self.file.gone is not None:  # (a new connection would open
+            raise copy.copy(self.file.gone)                           # whatever file is at the path now)
         local, pid = self._local, os.getpid()
         if getattr(local, "pid", None) != pid:  # a new thread, or a child of os.fork: its own connection
             local.held, local.pid = _Held(self._connect(), None), pid
@@ -1315,24 +1344,6 @@ class Database:
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
         return write.results
-
-    def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        """Move the -wal's frames into the file, at most every CHECKPOINT_SECONDS, after a batch
-        committed, in no transaction, while its leader still holds the turn. Never inside a commit
-        (SQLite's automatic one syncs the -wal again at every commit when readers are about).
-        RESTART waits for readers, 5 ms at most, so that the next write starts the -wal over even
-        while two processes write without a pause; busy, it moves what it can and the next one
-        the rest (docs/operations.md)."""
-        now = time.monotonic()
-        if self.memory or now < self._checkpoint_at:
-            return
-        self._checkpoint_at = now + CHECKPOINT_SECONDS
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("PRAGMA busy_timeout = 5")
-            try:
-                conn.execute("PRAGMA wal_checkpoint(RESTART)")
-            finally:
-                conn.execute("PRAGMA busy_timeout = 0")
 
     def _wait_for_turn(self, write: _Write) -> None:
         """Queue ``write``; return when it is at the front (this thread leads) or when a
@@ -1358,10 +1369,10 @@ class Database:
                 raise
 
     def _lead(self, own: _Write) -> None:
-        """Take the callers queued behind the leader's ``own`` write; BEGIN, every caller's units,
-        COMMIT: the only transaction that writes. Every caller gets its outcome, whatever interrupts
-        the leader; then the leader checkpoints, if one is due, before the next one leads."""
-        batch, committed = [own], None
+        """Take the callers queued behind the leader's ``own`` write and run them (``_run``). Every
+        caller gets its outcome, whatever interrupts the leader; then the leader checkpoints, if one
+        is due, before the next one leads."""
+        batch = [own]
         try:
             with self._turn:
                 for waiting in itertools.islice(self._queue, 1, MAX_BATCH):
@@ -1369,41 +1380,84 @@ class Database:
                     batch.append(waiting)
             with self._lock:
                 conn = self._writer(any(write.durable for write in batch))
-                try:
-                    self._begin(conn)
-                    self._leader = threading.get_ident()
-                    for write in batch:
-                        try:
-                            write.results = savepoint(conn, lambda conn, units=write.units: [
-                                unit(conn) for unit in units])
-                        except Exception as exc:
-                            write.error, write.own_error = exc, True
-                            if not conn.in_transaction:  # SQLite rolled the whole batch back (a full disk)
-                                raise
-                        if not conn.in_transaction:  # a unit that swallowed a failure of the transaction
-                            raise BatchLost("the batch's transaction was lost")
-                    self._commit(conn)
-                    committed = conn
-                except BaseException:
-                    if conn.in_transaction:
-                        conn.execute("ROLLBACK")
-                    raise
-                finally:
-                    self._leader = None
+                self._run(conn, batch)
         except BaseException as exc:
-            interrupted = BatchLost("the batch was interrupted")
-            shared = exc if isinstance(exc, Exception) else interrupted
+            shared = exc if isinstance(exc, Exception) else BatchLost("the batch was interrupted")
             for write in batch:
                 write.results, write.error, write.own_error = [], shared, False
             if not isinstance(exc, Exception):  # (an interrupt is the leader's own, raised after the turn)
                 self._pass_turn(batch)
                 raise
+            conn = None
         self._pass_turn(batch[1:])  # its callers have their answers while the leader checkpoints
         try:
-            if committed is not None:
-                self._checkpoint(committed)
+            if conn is not None:
+                self._checkpoint(conn)
         finally:
             self._pass_turn(batch[:1])
+
+    def _run(self, conn: sqlite3.Connection, batch: list[_Write]) -> None:
+        """BEGIN, every caller's units, COMMIT: the only transaction that writes. BEGIN waits for
+        another process's batch in steps of 50 to 250 us (SQLite's busy handler sleeps up to 100 ms),
+        at most this thread's patience. Just before COMMIT, the file is checked: found swapped,
+        what this process committed before goes from its -wal into the file it opened and the -wal
+        is left empty, so that a stale one cannot corrupt a new file at the path (not with its
+        -shm lost: its index of the -wal is no longer the one other processes write by)."""
+        deadline, pause = time.monotonic() + self._patience(), 0.00005
+        while True:
+            try:
+                conn.execute("BEGIN IMMEDIATE")
+                break
+            except sqlite3.OperationalError as exc:
+                if not _is_locked(exc) or time.monotonic() + pause > deadline:
+                    raise
+            time.sleep(pause)
+            pause = min(pause * 2, 0.00025)
+        self._leader = threading.get_ident()
+        try:
+            for write in batch:
+                try:
+                    write.results = savepoint(conn, lambda conn, units=write.units: [
+                        unit(conn) for unit in units])
+                except Exception as exc:
+                    write.error, write.own_error = exc, True
+                    if not conn.in_transaction:  # SQLite rolled the whole batch back (a full disk)
+                        raise
+                if not conn.in_transaction:  # a unit that swallowed a failure of the transaction
+                    raise BatchLost("the batch's transaction was lost")
+            try:
+                self.check_file()
+            except FileGone:
+                conn.execute("ROLLBACK")
+                if self.file.shm_kept():
+                    with contextlib.suppress(sqlite3.Error):
+                        conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
+                raise
+            conn.execute("COMMIT")
+        except BaseException:
+            if conn.in_transaction:
+                conn.execute("ROLLBACK")
+            raise
+        finally:
+            self._leader = None
+
+    def _checkpoint(self, conn: sqlite3.Connection) -> None:
+        """Move the -wal's frames into the file, at most every CHECKPOINT_SECONDS, after a batch
+        committed, in no transaction, while its leader still holds the turn. Never inside a commit
+        (SQLite's automatic one syncs the -wal again at every commit when readers are about).
+        RESTART waits for readers, 5 ms at most, so that the next write starts the -wal over even
+        while two processes write without a pause; busy, it moves what it can and the next one
+        the rest (docs/operations.md)."""
+        now = time.monotonic()
+        if self.memory or now < self._checkpoint_at:
+            return
+        self._checkpoint_at = now + CHECKPOINT_SECONDS
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("PRAGMA busy_timeout = 5")
+            try:
+                conn.execute("PRAGMA wal_checkpoint(RESTART)")
+            finally:
+                conn.execute("PRAGMA busy_timeout = 0")
 
     def _pass_turn(self, batch: list[_Write]) -> None:
         """These writes are done: out of the queue, and (the leader's own among them) the next in
@@ -1413,36 +1467,6 @@ class Database:
                 write.done = True
                 self._queue.remove(write)
             self._turn.notify_all()
-
-    def _begin(self, conn: sqlite3.Connection) -> None:
-        """BEGIN IMMEDIATE on the write connection. Another process's batch is waited for here,
-        in steps of 50 to 250 us rather than SQLite's busy handler's steps of up to 100 ms (a few
-        thousand tries a second, each a few us), at most this thread's patience."""
-        deadline, pause = time.monotonic() + self._patience(), 0.00005
-        while True:
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                return
-            except sqlite3.OperationalError as exc:
-                if not _is_locked(exc) or time.monotonic() + pause > deadline:
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.00025)
-
-    def _commit(self, conn: sqlite3.Connection) -> None:
-        try:
-            self.check_file()
-        except FileGone:
-            conn.execute("ROLLBACK")
-            # What this process committed before goes from its -wal into the file it opened (the one
-            # at the path if only the -wal was swapped), and the -wal is left empty, so that a stale
-            # one cannot corrupt a new file at the path when it is next opened. Not with its -shm
-            # lost: its index of the -wal is no longer the one other processes write by.
-            if self._identity(self.path + "-shm") == self._companions.get("-shm"):
-                with contextlib.suppress(sqlite3.Error):
-                    conn.execute("PRAGMA wal_checkpoint(TRUNCATE)")
-            raise
-        conn.execute("COMMIT")
 
     def _writer(self, durable: bool) -> sqlite3.Connection:
         """The connection a batch writes through, chosen by its durability, not by switching
@@ -1527,7 +1551,8 @@ class Database:
                 for conn in self._writers.values():
                     conn.close()
                 self._writers.clear()
-                self._companions.clear()  # (SQLite removes the -wal and -shm when the last connection closes)
+                if self.file is not None:
+                    self.file.closed()
 
 
 _DATABASES: weakref.WeakSet[Database] = weakref.WeakSet()
@@ -1552,6 +1577,7 @@ class _Held:
     def __exit__(self, *exc_info: object) -> None:
         if self.lock is not None:
             self.lock.release()
+
 
 
 ###############################################################################
@@ -3896,8 +3922,8 @@ class WalletService(Ledger):
         target = os.path.abspath(path)
         if os.path.exists(target) and os.path.samefile(target, self.db.path):
             raise RuntimeError(f"{path} is the database itself: back it up to another file")
-        descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(target), prefix=os.path.basename(target) + ".",
-                                                 suffix=".tmp")
+        descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(target),
+                                                 prefix=os.path.basename(target) + ".", suffix=".tmp")
         os.close(descriptor)
         try:
             copy_ = sqlite3.connect(temporary)
@@ -3928,7 +3954,7 @@ class WalletService(Ledger):
                 for table in reversed(_RESTORED):
                     conn.execute(f"DELETE FROM {table}")
                 for table in _RESTORED:
-                    if table == "counters":  # the triggers counted the rows in again: the copy's counts instead
+                    if table == "counters":  # (the triggers counted the rows in again: the copy's instead)
                         conn.execute("DELETE FROM counters")
                     rows = source.execute(f"SELECT * FROM {table}")
                     names = [column[0] for column in rows.description]
@@ -5401,13 +5427,9 @@ class HttpApi:
         if isinstance(exc, WalletError):
             return exc
         if isinstance(exc, sqlite3.Error):
-            trouble = self.svc.db.trouble(exc)
-            if trouble == "gone":  # the file gone or malformed says so, rather than "busy"
-                return ServiceBusy(str(self.svc.db.gone),
-                                   zh_extra=f"数据库文件 {self.svc.db.path}（或其 -wal、-shm）"
-                                   "已被删除、替换或损坏；不再读写。请重启服务器，或从副本恢复。")
-            if trouble == "busy":
-                return ServiceBusy()
+            busy = self.svc.db.unavailable(exc)
+            if busy is not None:
+                return busy
         log.error("unexpected error while serving a request", exc_info=exc)
         return InternalError()
 
@@ -7623,8 +7645,8 @@ def build_parser() -> argparse.ArgumentParser:
                                 help="check every ledger invariant; exit status 1 on a violation")
     audit.set_defaults(run=_audit_command)
     for name, help_text in (("backup", "copy the database to FILE, consistent while servers write to it"),
-                            ("restore", "make the served database what the backup FILE holds, in every"
-                                        " process at once (docs/operations.md)")):
+                            ("restore", ("make the served database what the backup FILE holds, in every"
+                                         " process at once (docs/operations.md)"))):
         copying = commands.add_parser(name, parents=[common], help=help_text)
         copying.add_argument("file")
         copying.set_defaults(run=_copy_command)
