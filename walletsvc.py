@@ -2483,7 +2483,7 @@ class Ledger:
                  **setting_values: Any) -> None:
         settings = settings or Settings()
         self.settings = settings.replace("service", **setting_values) if setting_values else settings
-        self.clock = clock or time.time
+        self.clock = clock if isinstance(clock, Clock) else Clock.following(clock or time.time)
         self.ids = ids or IdSource()
         self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
 
@@ -2517,8 +2517,7 @@ class Ledger:
         """The service clock as a write unit in ``conn``'s transaction reads it: a clock that keeps
         its state in the database (the sandbox's Clock, ``reading_in``) is read there, so that a
         clock moved earlier in the same transaction counts."""
-        reading_in = getattr(self.clock, "reading_in", None)
-        return int((reading_in(conn) if reading_in is not None else self.clock()) * 1000)
+        return int(self.clock.reading_in(conn) * 1000)
 
     def commit(self, work: Callable[[Tx], T]) -> T:
         """Run ``work`` as one write (``unit``) and return what it returned: how every write
@@ -3080,7 +3079,7 @@ def _clock_time(at: float) -> float:
 
 
 class Clock:
-    """A controllable clock: real time plus an offset, or frozen.
+    """The service clock: real time plus an offset, or frozen; every service has one.
 
     Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
     nonce expiry and delayed settlement all read it, and its state moves into
@@ -3088,17 +3087,30 @@ class Clock:
     file reads and moves the same clock. A database that already has a clock
     state keeps it (a restarted server keeps a frozen clock frozen). Unbound,
     the clock keeps its state in memory. It only ever shows times in
-    CLOCK_RANGE: a change that would leave it is a ValueError.
+    CLOCK_RANGE: a change that would leave it is a ValueError. A service given
+    a plain function of its own (or none: ``time.time``) reads it through
+    ``Clock.following``, a clock that is not controllable.
     """
 
     def __init__(self, frozen_at: float | None = None) -> None:
         self._lock = threading.Lock()
-        self._state = self._start = (None if frozen_at is None else _clock_time(frozen_at), 0.0)
+        self._state = self.start = (None if frozen_at is None else _clock_time(frozen_at), 0.0)
         self._db: Database | None = None
+        self._source: Callable[[], float] = time.time
+        self.controllable = True
+
+    @classmethod
+    def following(cls, source: Callable[[], float]) -> Clock:
+        """A clock that shows what ``source`` says: not moved from outside, kept in no database."""
+        clock = cls()
+        clock._source, clock.controllable = source, False
+        return clock
 
     def bind(self, db: Database) -> None:
         """Keep the state in ``db`` from now on: its state if it has one, else this clock's. A clock
         is one sandbox's: bound to another database, it is a ValueError."""
+        if not self.controllable:
+            return
         if self._db is not None and self._db is not db:
             raise ValueError("this Clock is another service's (its state lives in that service's database):"
                              " give each service a Clock of its own")
@@ -3115,10 +3127,9 @@ class Clock:
             return self()
         return self.reading(*conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone())
 
-    @staticmethod
-    def reading(frozen_at: float | None, offset: float) -> float:
-        """The time a clock in this state shows now."""
-        return frozen_at if frozen_at is not None else time.time() + offset
+    def reading(self, frozen_at: float | None, offset: float) -> float:
+        """The time this clock shows now in this state."""
+        return frozen_at if frozen_at is not None else self._source() + offset
 
     def state(self) -> tuple[float | None, float]:
         """(frozen_at or None, offset): where the clock stands."""
@@ -3187,11 +3198,11 @@ class Clock:
         """Back to where it started: the sandbox's starting clock when bound (see
         ``WalletService.save_start``), else real time, running (or frozen where it was made frozen)."""
         if self._db is None:
-            self._change(lambda frozen_at, offset: self._start)
+            self._change(lambda frozen_at, offset: self.start)
             return
         def reset(conn: sqlite3.Connection) -> None:
             start = conn.execute("SELECT clock_frozen_at, clock_offset FROM start_sandbox").fetchone()
-            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", start or self._start)
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", start or self.start)
         self._db.write([reset], durable=False)
 
 
@@ -3834,8 +3845,7 @@ class WalletService(Ledger):
     def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
                  clock: Callable[[], float] | None = None, **setting_values: Any) -> None:
         super().__init__(database, settings=settings, clock=clock, ids=SeededIds(), **setting_values)
-        if isinstance(self.clock, Clock):  # the sandbox's clock lives in the database (docs/sandbox.md)
-            self.clock.bind(self.db)
+        self.clock.bind(self.db)  # a controllable clock lives in the database (docs/sandbox.md)
         self.journal = Journal(self.db, self.settings.journal_size)
         self.faults = Faults(self.db)
         seed = self.settings.id_seed
@@ -3844,12 +3854,6 @@ class WalletService(Ledger):
             self.db.write([lambda conn: conn.execute(
                 "UPDATE sandbox SET id_seed = ?, id_drawn = 0 WHERE id_seed IS NOT ?", (seed, seed))],
                 durable=False)
-
-    def clock_at(self, frozen_at: float | None, offset: float) -> float:
-        """The service clock, given the sandbox's clock state as read from the database (in a
-        query that needed reading anyway, as the key's lookup): a bound Clock's reading, else
-        the clock's."""
-        return Clock.reading(frozen_at, offset) if isinstance(self.clock, Clock) else self.clock()
 
     def seed_ids(self, seed: int | None) -> None:
         """Make the ids and secrets that follow a repeatable sequence of ``seed`` (None:
@@ -3903,8 +3907,7 @@ class WalletService(Ledger):
             start = conn.execute("SELECT clock_frozen_at, clock_offset, id_seed, id_drawn FROM start_sandbox"
                                  " WHERE (SELECT has_start FROM sandbox)").fetchone()
             if start is None:
-                clock_start = self.clock._start if isinstance(self.clock, Clock) else (None, 0.0)
-                start = (*clock_start, self.settings.id_seed, 0)
+                start = (*self.clock.start, self.settings.id_seed, 0)
             conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?, id_seed = ?,"
                          " id_drawn = ?, fault_rules = 0, fault_version = fault_version + 1, fault_next = 0",
                          tuple(start))
@@ -4194,7 +4197,7 @@ def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
     described."""
     body = json.dumps(scenario, default=str)
     clock = scenario.get("clock") or {}
-    at = admin_time(clock.get("at"), "clock.at") if isinstance(svc.clock, Clock) else None
+    at = admin_time(clock.get("at"), "clock.at") if svc.clock.controllable else None
 
     def start(conn: sqlite3.Connection) -> list[str]:
         if conn.execute("SELECT has_start FROM sandbox").fetchone()[0]:
@@ -5065,7 +5068,7 @@ class Authenticator:
                    f" {now} ({iso_time(now * 1000)}), the request's is {difference:+d} s from it.")
         chinese = (f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {now}"
                    f"（{iso_time(now * 1000)}），请求时间与其相差 {difference:+d} 秒。")
-        frozen_at, offset = self.svc.clock.state() if isinstance(self.svc.clock, Clock) else (None, 0.0)
+        frozen_at, offset = self.svc.clock.state()
         if frozen_at is not None or offset:
             frozen = frozen_at is not None
             english += (f" The sandbox clock is {'frozen' if frozen else 'moved'}: sign with its"
@@ -6272,7 +6275,7 @@ class AdminApi:
     def get_clock(self, request: Received) -> dict:
         clock = self.svc.clock
         return {"now": iso_time(self.svc.now_ms()), "epochMillis": self.svc.now_ms(),
-                "frozen": bool(getattr(clock, "frozen", False)), "controllable": isinstance(clock, Clock)}
+                "frozen": clock.frozen, "controllable": clock.controllable}
 
     @endpoint("POST", "/_admin/clock", "Freeze, set, advance or unfreeze the service clock",
               request="ClockBody", response="ClockState",
@@ -6282,7 +6285,7 @@ class AdminApi:
         """``{"freeze": true|false, "at": epoch seconds or RFC 3339, "advance": seconds}``."""
         body = request.json()
         clock = self.svc.clock
-        if not isinstance(clock, Clock):
+        if not clock.controllable:
             raise invalid("clock", "state",
                           state="not controllable (start the service with a walletsvc.Clock)")
         at = admin_time(body.get("at"), "at")
