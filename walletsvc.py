@@ -2226,7 +2226,7 @@ WALLET_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "name": "n
 TRANSFER_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "amount": "amount",
                   "status": "status"}
 FLOW_SORTS = {"createdAt": "created_at", "amount": "amount", "type": "type"}
-MAGIC_DECLINED_AMOUNT = "666.66"  # with magic_values: always T2001
+MAGIC_DECLINED = "666.66"  # with magic_values: always T2001
 MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
 _WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
                      f" AND m.role = '{Role.OWNER}' ORDER BY created_at LIMIT 1) AS owner_member_id"
@@ -2755,64 +2755,56 @@ class Ledger:
         wallets of a workspace; the order. Idempotent on ``biz_id`` (docs/contract.md)."""
         if not isinstance(workspace_id, str):  # (as create_wallet answers: no such workspace, never a crash)
             raise WorkspaceNotFound()
-        return self.transfer(workspace_id, source_wallet_id, target_wallet_id, amount, currency,
-                             biz_id=biz_id, description=description)[0]
-
-    def transfer(self, workspace_id: str, source_wallet_id: str, target_wallet_id: str,
-                 amount: str | decimal.Decimal, currency: str, *, biz_id: str | None = None,
-                 description: str | None = None) -> Transferred:
-        """``create_transfer``, also telling whether the answer is an idempotent replay."""
         request = TransferRequest.checked(source_wallet_id, target_wallet_id, amount, currency, biz_id,
                                           description)
-        return self.db.write([self.transfer_unit(workspace_id, request)])[0]
+        return self.db.write([self.transfer_unit(workspace_id, request)])[0].order
 
     def transfer_unit(self, workspace_id: str, request: TransferRequest) -> Unit:
-        """The write unit of a transfer: Transferred (the order, whether it is an idempotent replay). The
-        check-and-move is in the unit's transaction: a rejected request leaves no order and no
-        flow. The HTTP API commits this same unit with the request's nonce and journal entry."""
-        return self.unit(lambda tx: self._transfer(tx, workspace_id, request))
-
-    def _transfer(self, tx: Tx, workspace_id: str, request: TransferRequest) -> Transferred:
-        conn = tx.conn
-        if request.biz_id is not None:
-            existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
-                                    (workspace_id, request.biz_id)).fetchone()
-            if existing is not None:
-                return Transferred(transfer_resource(request.replayed_by(existing)), True)
-        if request.source == request.target:
-            raise SameWallet()
-        source = self._active_wallet(conn, request.source, workspace_id)
-        target = self._active_wallet(conn, request.target, workspace_id)
-        for wallet in (source, target):
-            if wallet["currency"] != request.currency:
-                raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
-                                       currency=request.currency)
-        amount = request.amount
-        if self.settings.magic_values and format_amount(amount, request.currency) == MAGIC_DECLINED_AMOUNT:
-            raise InsufficientBalance(wallet_id=source["id"])
-        if source["balance"] - source["pending"] < amount:
-            raise InsufficientBalance(wallet_id=source["id"])
-        if target["balance"] + amount > MAX_MINOR_UNITS:
-            raise invalid("amount", "too_large")
-        transfer_id = tx.new_id("tr_")
-        mode = self.settings.settlement
-        # Due on the service clock, from its own reading now (docs/contract.md): not from the ledger's
-        # time, which a clock moved back and forth before may have left ahead.
-        settle_at = tx.clock + int(self.settings.settlement_delay * 1000) \
-            if mode == Settlement.DELAYED else None
-        now = tx.now
-        row = {"id": transfer_id, "workspace_id": workspace_id, "biz_id": request.biz_id or transfer_id,
-               "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
-               "currency": request.currency,
-               "status": TransferStatus.COMPLETED if mode == Settlement.IMMEDIATE else TransferStatus.PENDING,
-               "description": request.description, "created_at": now, "updated_at": now,
-               "completed_at": now if mode == Settlement.IMMEDIATE else None, "settle_at": settle_at}
-        conn.execute(_INSERT_TRANSFER, row)
-        if mode == Settlement.IMMEDIATE:
-            self._move(tx, row, source["balance"], target["balance"])
-        else:
-            self._hold(tx, source["id"], amount)
-        return Transferred(transfer_resource(row), False)
+        """The write unit of a transfer, the one way money moves between wallets (``create_transfer``
+        commits it alone, the HTTP API with the request's nonce and journal entry): Transferred (the
+        order, whether it is an idempotent replay). The check-and-move is in the unit's transaction:
+        a rejected request leaves no order and no flow."""
+        def move(tx: Tx) -> Transferred:
+            conn = tx.conn
+            if request.biz_id is not None:
+                existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
+                                        (workspace_id, request.biz_id)).fetchone()
+                if existing is not None:
+                    return Transferred(transfer_resource(request.replayed_by(existing)), True)
+            if request.source == request.target:
+                raise SameWallet()
+            source = self._active_wallet(conn, request.source, workspace_id)
+            target = self._active_wallet(conn, request.target, workspace_id)
+            for wallet in (source, target):
+                if wallet["currency"] != request.currency:
+                    raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
+                                           currency=request.currency)
+            amount, magic = request.amount, self.settings.magic_values
+            declined = magic and format_amount(amount, request.currency) == MAGIC_DECLINED
+            if declined or source["balance"] - source["pending"] < amount:
+                raise InsufficientBalance(wallet_id=source["id"])
+            if target["balance"] + amount > MAX_MINOR_UNITS:
+                raise invalid("amount", "too_large")
+            transfer_id = tx.new_id("tr_")
+            mode = self.settings.settlement
+            # Due on the service clock, from its own reading now (docs/contract.md): not from the ledger's
+            # time, which a clock moved back and forth before may have left ahead.
+            settle_at = tx.clock + int(self.settings.settlement_delay * 1000) \
+                if mode == Settlement.DELAYED else None
+            now, immediate = tx.now, mode == Settlement.IMMEDIATE
+            row = {"id": transfer_id, "workspace_id": workspace_id, "biz_id": request.biz_id or transfer_id,
+                   "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
+                   "currency": request.currency,
+                   "status": TransferStatus.COMPLETED if immediate else TransferStatus.PENDING,
+                   "description": request.description, "created_at": now, "updated_at": now,
+                   "completed_at": now if immediate else None, "settle_at": settle_at}
+            conn.execute(_INSERT_TRANSFER, row)
+            if immediate:
+                self._move(tx, row, source["balance"], target["balance"])
+            else:
+                self._hold(tx, source["id"], amount)
+            return Transferred(transfer_resource(row), False)
+        return self.unit(move)
 
     def _finish(self, tx: Tx, transfer_id: str, status: str) -> sqlite3.Row:
         """Settle a PENDING order: COMPLETED moves the held money and writes one
@@ -3345,7 +3337,18 @@ class Journal:
 
     def clear(self) -> None:
         """Forget every entry (seq goes on from where it was)."""
-        self.db.write([_empty_journal], durable=False)
+        self.db.write([self.emptied], durable=False)
+
+    @staticmethod
+    def emptied(conn: sqlite3.Connection, api_keys: Sequence[str] | None = None) -> None:
+        """The unit that forgets every entry, or those of ``api_keys`` (a world's reset): seq goes on
+        from the newest, never back."""
+        conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
+                     " coalesce((SELECT max(seq) FROM journal), 0))")
+        if api_keys is None:
+            conn.execute("DELETE FROM journal")
+        else:
+            conn.execute(f"DELETE FROM journal WHERE api_key IN ({', '.join('?' * len(api_keys))})", api_keys)
 
     def entries(self, method: str | None = None, path: str | None = None, *, after: int | None = None,
                 **criteria: Any) -> list[dict]:
@@ -3394,12 +3397,6 @@ class Journal:
                  f"{'; '.join(misses) or 'matches'}" for misses, e in near] or ["  (the journal is empty)"]
         return (f"expected a request with {shown} {wanted}, got {got}; the closest entries:\n"
                 + "\n".join(lines))
-
-
-def _empty_journal(conn: sqlite3.Connection) -> None:
-    conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
-                 " coalesce((SELECT max(seq) FROM journal), 0))")
-    conn.execute("DELETE FROM journal")
 
 
 def _journal_entry(row: sqlite3.Row) -> dict:
@@ -3577,10 +3574,24 @@ class Faults:
         self.db.write([self.cleared], durable=False)
 
     @staticmethod
-    def cleared(conn: sqlite3.Connection) -> None:
-        """The unit that removes every rule (``clear``; the sandbox's reset)."""
-        conn.execute("DELETE FROM fault_rules")
-        conn.execute("UPDATE sandbox SET fault_rules = 0, fault_next = 0, fault_version = fault_version + 1")
+    def cleared(conn: sqlite3.Connection, workspace_id: str | None = None) -> None:
+        """The unit that removes every rule (``clear``; the sandbox's reset: ids start again from
+        fault_1), or those of one workspace (its world's reset)."""
+        if workspace_id is None:
+            conn.execute("DELETE FROM fault_rules")
+            conn.execute("UPDATE sandbox SET fault_next = 0")
+        else:
+            conn.execute("DELETE FROM fault_rules WHERE json_extract(rule, '$.workspaceId') = ?",
+                         (workspace_id,))
+        Faults.changed(conn)
+
+    @staticmethod
+    def changed(conn: sqlite3.Connection) -> None:
+        """After the rules' table changed: their count anew, numbering on past the highest, and a new
+        version (every process reads them again)."""
+        conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
+                     " fault_next = max(fault_next, coalesce((SELECT max(id) FROM fault_rules), 0)),"
+                     " fault_version = fault_version + 1")
 
     def take(self, method: str, path: str, workspace_id: str,
              request: Callable[[], Mapping[str, Any]] = dict) -> FaultRule | None:
@@ -3642,9 +3653,9 @@ _WORLD_TABLES = {"workspaces": ("id", "workspace"), "members": ("workspace_id", 
 _ID_TABLES = ("workspaces", "members", "api_keys", "wallets")
 # The tables of the sandbox's world: what save_start copies and reset restores.
 _STARTING_STATE = (*_WORLD_TABLES, "ledger_clock")
-# What WalletService.restore takes from a backup, parents first: the sandbox's world, its fault rules and
-# settings, and the starting state reset returns to.
-_RESTORED = (*_WORLD_TABLES, "fault_rules", "sandbox", *(f"start_{table}" for table in _STARTING_STATE),
+# What WalletService.restore takes from a backup, parents first: the sandbox's world, its fault rules, and
+# the starting state reset returns to (and of the sandbox's row, its clock and id sequence).
+_RESTORED = (*_WORLD_TABLES, "fault_rules", *(f"start_{table}" for table in _STARTING_STATE),
              "start_sandbox", "world_starts", "start_scenario")
 
 
@@ -3894,9 +3905,10 @@ class WalletService(Ledger):
         clock and the id sequence as they started; no journal, no fault rules, no nonce
         records. A busy database or a crash leaves it as it was or reset, never between."""
         def reset(conn: sqlite3.Connection) -> None:
-            _empty_journal(conn)
+            Journal.emptied(conn)
             Nonces.clear(conn)
-            for table in (*reversed(_STARTING_STATE), "fault_rules"):
+            Faults.cleared(conn)
+            for table in reversed(_STARTING_STATE):
                 conn.execute(f"DELETE FROM {table}")
             for table in _STARTING_STATE:
                 if table == "counters":  # the triggers counted the rows in again: the saved counts instead
@@ -3909,8 +3921,7 @@ class WalletService(Ledger):
             if start is None:
                 start = (*self.clock.start, self.settings.id_seed, 0)
             conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?, id_seed = ?,"
-                         " id_drawn = ?, fault_rules = 0, fault_version = fault_version + 1, fault_next = 0",
-                         tuple(start))
+                         " id_drawn = ?", tuple(start))
             conn.execute("DELETE FROM world_starts WHERE workspace_id NOT IN (SELECT id FROM workspaces)")
         self.db.write([reset])
 
@@ -3952,8 +3963,6 @@ class WalletService(Ledger):
         source = _backup_source(path)
         try:
             def restore(conn: sqlite3.Connection) -> None:
-                fault_version, journal_floor = conn.execute(
-                    "SELECT fault_version, journal_floor FROM sandbox").fetchone()
                 for table in reversed(_RESTORED):
                     conn.execute(f"DELETE FROM {table}")
                 for table in _RESTORED:
@@ -3963,9 +3972,11 @@ class WalletService(Ledger):
                     names = [column[0] for column in rows.description]
                     conn.executemany(f"INSERT INTO {table} ({', '.join(names)})"
                                      f" VALUES ({', '.join('?' * len(names))})", rows)
-                # Every process reads the fault rules anew; the journal goes on where it was.
-                conn.execute("UPDATE sandbox SET fault_version = max(fault_version, ?) + 1, journal_floor = ?",
-                             (fault_version, journal_floor))
+                Faults.changed(conn)
+                kept = "clock_frozen_at, clock_offset, id_seed, id_drawn, has_start"  # (the rest is Faults'
+                # and the Journal's)
+                conn.execute(f"UPDATE sandbox SET ({kept}) = (?, ?, ?, ?, ?)",
+                             tuple(source.execute(f"SELECT {kept} FROM sandbox").fetchone()))
                 last_ms, last_id = source.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
                 conn.execute("UPDATE ledger_clock SET last_ms = max(last_ms, ?), last_id = max(last_id, ?)",
                              (last_ms, last_id))
@@ -4065,14 +4076,11 @@ class WalletService(Ledger):
             keys = sorted({row[0] for rows in (saved, current) for row in rows["api_keys"]})
             gone = sorted({row[0] for row in current["api_keys"]} - {row[0] for row in saved["api_keys"]})
             wallets = sorted({row[0] for rows in (saved, current) for row in rows["wallets"]})
-            conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
-                         " coalesce((SELECT max(seq) FROM journal), 0))")  # seq never goes back
             # The nonce records of the keys that stay stay (the clock was not reset): a request
             # captured before the reset is refused after it.
             Nonces.drop_keys(conn, gone)
-            conn.execute(f"DELETE FROM journal WHERE api_key IN ({', '.join('?' * len(keys))})", keys)
-            conn.execute("DELETE FROM fault_rules WHERE json_extract(rule, '$.workspaceId') = ?",
-                         (workspace_id,))
+            Journal.emptied(conn, keys)
+            Faults.cleared(conn, workspace_id)
             for table in reversed(_WORLD_TABLES):
                 where, params = _world_where(table, workspace_id, wallets)
                 conn.execute(f"DELETE FROM {table} WHERE {where}", params)
@@ -4082,8 +4090,6 @@ class WalletService(Ledger):
                     conn.execute(f"DELETE FROM counters WHERE {where}", params)
                 for row in saved[table]:
                     conn.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
-            conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
-                         " fault_version = fault_version + 1")
         self.db.write([reset])
         return self.describe_world(workspace_id)
 
