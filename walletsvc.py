@@ -13,28 +13,30 @@ the console's page, kept last as bottle keeps its template, which handlers read 
   Service
      7. Pagination - page and size, filters, how a page query is built
      8. The ledger's invariants - the audits, as SQL
-     9. Wallets and transfers - ids, resources, the Ledger and the write units it builds
+     9. Wallets and transfers - resources, ids, a transfer's values
   The sandbox's state (in the database, shared by every process)
     10. The sandbox's clock - frozen, set, advanced; admin times
     11. Request journal - what the journal keeps, and its assertions
     12. Fault rules - forced errors, latency, commit then fail or drop
-    13. Scenarios and the starting state - WalletService, worlds, reset
+    13. Scenarios and the starting state - worlds, their checks, backups
+  The service
+    14. The service - WalletService: the ledger, its write units, the sandbox's state
   HTTP
-    14. HTTP schemas - the JSON shapes, and the request body check
-    15. Declared endpoints and the envelope - ``@endpoint``, what a handler answers
-    16. The request path - the WSGI app, HttpApi: decide, commit, render, log
-    17. OpenAPI document - /openapi.json, from the declarations
-    18. API handlers - the endpoints of the contract
-    19. The console's session - how the console logs in
-    20. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal, console
-    21. App factory - create_app
+    15. HTTP schemas - the JSON shapes, and the request body check
+    16. Declared endpoints and the envelope - ``@endpoint``, what a handler answers
+    17. The request path - the WSGI app, HttpApi: decide, commit, render, log
+    18. OpenAPI document - /openapi.json, from the declarations
+    19. API handlers - the endpoints of the contract
+    20. The console's session - how the console logs in
+    21. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal, console
+    22. App factory - create_app
   Tools
-    22. Client - a signing client, typed errors
-    23. Serving - ``serve``: waitress, workers, hostile networks
-    24. pytest plugin - the ``walletsvc_sandbox`` fixtures, Sandbox, LiveServer
-    25. Command line - ``walletsvc serve``, ``request``, ``sign``, admin commands
+    23. Client - a signing client, typed errors
+    24. Serving - ``serve``: waitress, workers, hostile networks
+    25. pytest plugin - the ``walletsvc_sandbox`` fixtures, Sandbox, LiveServer
+    26. Command line - ``walletsvc serve``, ``request``, ``sign``, admin commands
   Assets
-    26. The console's page - its HTML, style and script
+    27. The console's page - its HTML, style and script
 
 walletsvc implements the Wallet and Transfer Service HTTP interface
 (HMAC-signed requests, workspaces, API keys with scopes, wallets, balances,
@@ -1999,7 +2001,7 @@ def filter_time(query: Query, name: str) -> int | None:
 class ListFilter:
     """One query parameter a list takes: the rows it keeps (``clauses``, SQL with one ? each) for
     the values ``read`` gives (one a clause; None: the parameter is not given), and the ``choices``
-    it takes, if it takes only some. A list's filters, by parameter name, serve its Ledger method
+    it takes, if it takes only some. A list's filters, by parameter name, serve its WalletService method
     and its OpenAPI parameters alike."""
 
     clauses: tuple[str, ...]
@@ -2379,26 +2381,19 @@ class IdSequence:
 
 
 class IdSource:
-    """Where a Ledger's write transactions get their ids: random ones, here. The sandbox's
-    ``SeededIds`` draws them from a seed kept in the database instead (docs/sandbox.md)."""
+    """Where the service's write transactions get their ids: random ones, or drawn from the seed
+    kept in the database's sandbox row when one is set (the ``id_seed`` setting, ``seed_ids``),
+    counted on there by every process (docs/sandbox.md)."""
 
-    def start(self, conn: sqlite3.Connection, last_id: str, now_ms: int) -> IdSequence:
+    @staticmethod
+    def start(conn: sqlite3.Connection, last_id: str, now_ms: int) -> IdSequence:
         """The ids of one write transaction, sorting after ``last_id``, at ``now_ms``."""
-        return IdSequence(last_id, None, 0, now_ms)
-
-    def keep(self, conn: sqlite3.Connection, ids: IdSequence) -> None:
-        """Called before the transaction commits: note how far ``ids`` went (nothing to note here)."""
-
-
-class SeededIds(IdSource):
-    """The sandbox's ids: random, or drawn from the seed in the database's sandbox row when
-    one is set (the ``id_seed`` setting, ``seed_ids``), counted on there by every process."""
-
-    def start(self, conn: sqlite3.Connection, last_id: str, now_ms: int) -> IdSequence:
         seed, drawn = conn.execute("SELECT id_seed, id_drawn FROM sandbox").fetchone()
         return IdSequence(last_id, seed, drawn, now_ms)
 
-    def keep(self, conn: sqlite3.Connection, ids: IdSequence) -> None:
+    @staticmethod
+    def keep(conn: sqlite3.Connection, ids: IdSequence) -> None:
+        """Before the transaction commits: note how far ``ids`` drew from the seed."""
         if ids.drawn != ids.first:
             conn.execute("UPDATE sandbox SET id_drawn = ?", (ids.drawn,))
 
@@ -2408,7 +2403,7 @@ T = TypeVar("T")
 
 class Tx(NamedTuple):
     """One write unit's view of its transaction: the connection, the ledger's time (epoch ms)
-    and the ids it issues (``Ledger.unit``)."""
+    and the ids it issues (``WalletService.unit``)."""
 
     conn: sqlite3.Connection
     now: int
@@ -2429,7 +2424,7 @@ class Transferred(NamedTuple):
 
 
 class TransferRequest(NamedTuple):
-    """A transfer's values, checked (``checked``): what ``Ledger.transfer_unit`` moves."""
+    """A transfer's values, checked (``checked``): what ``WalletService.transfer_unit`` moves."""
 
     source: str
     target: str
@@ -2465,566 +2460,6 @@ class TransferRequest(NamedTuple):
         if not same:
             raise IdempotencyConflict(biz_id=existing["biz_id"])
         return existing
-
-
-class Ledger:
-    """The service without the sandbox: workspaces, members, keys, wallets, the ledger
-    and transfers over one SQLite database (WalletService adds the sandbox's state). Its
-    time comes from ``clock`` and its ids from ``ids`` (an IdSource): WalletService gives
-    it the sandbox's (a Clock, SeededIds).
-
-    Thread-safe, and safe for several processes sharing one database file.
-    Every method returns plain dicts shaped like the HTTP API's JSON and raises
-    WalletError subclasses carrying the catalog's code, name and status.
-    """
-
-    def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
-                 clock: Callable[[], float] | None = None, ids: IdSource | None = None,
-                 **setting_values: Any) -> None:
-        settings = settings or Settings()
-        self.settings = settings.replace("service", **setting_values) if setting_values else settings
-        self.clock = clock if isinstance(clock, Clock) else Clock.following(clock or time.time)
-        self.ids = ids or IdSource()
-        self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
-
-    def now_ms(self) -> int:
-        """The service clock, in epoch milliseconds."""
-        return int(self.clock() * 1000)
-
-    def unit(self, work: Callable[[Tx], T], *, settle: bool = True) -> Callable[[sqlite3.Connection], T]:
-        """``work`` as a write unit (``Database.write``), given the transaction's time and ids (a Tx).
-
-        The time is the service clock read inside the transaction, never before the last
-        write's in this database (whatever the clock or the number of processes says), so
-        the ledger reads in commit order. The last write's time and id live in the
-        database's ``ledger_clock`` row; the ids come from ``self.ids``. Delayed orders
-        whose time has come settle first, in the same transaction.
-        """
-        def run(conn: sqlite3.Connection) -> T:
-            last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
-            now = self.now_in(conn)
-            ids = self.ids.start(conn, last_id, max(now, last_ms))
-            tx = Tx(conn, ids.now, ids, now)
-            if settle and self.settings.settlement == Settlement.DELAYED:
-                self._settle_due(tx, now)
-            result = work(tx)
-            conn.execute("UPDATE ledger_clock SET last_ms = ?, last_id = ?", (ids.now, ids.last))
-            self.ids.keep(conn, ids)
-            return result
-        return run
-
-    def now_in(self, conn: sqlite3.Connection) -> int:
-        """The service clock as a write unit in ``conn``'s transaction reads it: a clock that keeps
-        its state in the database (the sandbox's Clock, ``reading_in``) is read there, so that a
-        clock moved earlier in the same transaction counts."""
-        return int(self.clock.reading_in(conn) * 1000)
-
-    def commit(self, work: Callable[[Tx], T]) -> T:
-        """Run ``work`` as one write (``unit``) and return what it returned: how every write
-        method of the Python API writes."""
-        return self.db.write([self.unit(work)])[0]
-
-    def close(self) -> None:
-        """Close this thread's database connection."""
-        self.db.close()
-
-    # Workspaces and members ##################################################
-
-    def create_workspace(self, name: str) -> dict:
-        """A workspace with its default owner member (``ownerMemberId``)."""
-        name = _text(name, "name", NAME_MAX)
-
-        def create(tx: Tx) -> dict:
-            workspace_id, _ = self._insert_workspace(tx, name)
-            return workspace_resource(self._workspace(tx.conn, workspace_id))
-        return self.commit(create)
-
-    def _insert_workspace(self, tx: Tx, name: str, workspace_id: str | None = None) -> tuple[str, str]:
-        """The one INSERT of a workspace (its ``name`` checked by the caller), with its owner member:
-        their ids."""
-        workspace_id = workspace_id or tx.new_id("ws_")
-        tx.conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
-                        (workspace_id, name, tx.now))
-        return workspace_id, self._insert_member(tx, workspace_id, OWNER_NAME, Role.OWNER)
-
-    def get_workspace(self, workspace_id: str) -> dict:
-        """The workspace; GA2032 once deleted."""
-        with self.db.connection() as conn:
-            return workspace_resource(self._workspace(conn, workspace_id))
-
-    def list_workspaces(self) -> list[dict]:
-        """Every workspace not deleted, oldest first."""
-        with self.db.connection() as conn:
-            rows = conn.execute(_WORKSPACE_SELECT + " WHERE w.deleted_at IS NULL"
-                                " ORDER BY w.created_at, w.id").fetchall()
-        return [workspace_resource(row) for row in rows]
-
-    def delete_workspace(self, workspace_id: str) -> None:
-        """From now on the workspace's keys answer GA2032; its ledger is kept."""
-        def delete(tx: Tx) -> None:
-            self._workspace(tx.conn, workspace_id)
-            tx.conn.execute("UPDATE workspaces SET deleted_at = ? WHERE id = ?", (tx.now, workspace_id))
-        self.commit(delete)
-
-    def add_member(self, workspace_id: str, name: str) -> dict:
-        """A MEMBER of the workspace; keys can be issued to it (``create_api_key(member_id=...)``)."""
-        name = _text(name, "name", NAME_MAX)
-
-        def add(tx: Tx) -> dict:
-            self._workspace(tx.conn, workspace_id)
-            member_id = self._insert_member(tx, workspace_id, name, Role.MEMBER)
-            return member_resource(self._member(tx.conn, workspace_id, member_id))
-        return self.commit(add)
-
-    @staticmethod
-    def _insert_member(tx: Tx, workspace_id: str, name: str, role: Role, member_id: str | None = None) -> str:
-        """The one INSERT of a member (its ``name`` checked by the caller); its id."""
-        member_id = member_id or tx.new_id("mem_")
-        tx.conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
-                        " VALUES (?, ?, ?, ?, ?)",
-                        (member_id, workspace_id, name, role, tx.now))
-        return member_id
-
-    def list_members(self, workspace_id: str) -> list[dict]:
-        """The workspace's members, oldest first (removed ones left out)."""
-        rows = self._workspace_rows("members", workspace_id, "removed_at IS NULL")
-        return [member_resource(row) for row in rows]
-
-    def remove_member(self, workspace_id: str, member_id: str) -> None:
-        """From now on the member's keys answer GA2034."""
-        def remove(tx: Tx) -> None:
-            self._workspace(tx.conn, workspace_id)
-            self._member(tx.conn, workspace_id, member_id)
-            tx.conn.execute("UPDATE members SET removed_at = ? WHERE id = ?", (tx.now, member_id))
-        self.commit(remove)
-
-    # API keys ################################################################
-
-    def create_api_key(self, workspace_id: str, scopes: Iterable[str] = SCOPES, *,
-                       member_id: str | None = None,
-                       ip_whitelist: Iterable[str] | None = None) -> dict:
-        """A key with its ``secret``: the only time the secret is returned."""
-        scopes = api_key_scopes(scopes)
-        whitelist = None if ip_whitelist is None else ip_whitelist_entries(ip_whitelist)
-
-        def create(tx: Tx) -> dict:
-            workspace = self._workspace(tx.conn, workspace_id)
-            member = workspace["owner_member_id"] if member_id is None else member_id
-            self._member(tx.conn, workspace_id, member)
-            key_id = self._insert_api_key(tx, workspace_id, member, scopes, whitelist)
-            row = tx.conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
-            return {**api_key_resource(row), "secret": row["secret"]}
-        return self.commit(create)
-
-    @staticmethod
-    def _insert_api_key(tx: Tx, workspace_id: str, member_id: str, scopes: list[str],
-                        whitelist: list[str] | None, key_id: str | None = None,
-                        secret: str | None = None) -> str:
-        """The one INSERT of a key, its ``scopes`` and ``whitelist`` as ``api_key_scopes`` and
-        ``ip_whitelist_entries`` return them; its id."""
-        key_id = key_id or tx.new_id("ak_")
-        tx.conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
-                        " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (key_id, secret or tx.ids.secret(), workspace_id, member_id, " ".join(scopes),
-                         None if whitelist is None else json.dumps(whitelist), tx.now))
-        return key_id
-
-    def list_api_keys(self, workspace_id: str) -> list[dict]:
-        """The workspace's keys, oldest first, without their secrets."""
-        return [api_key_resource(row) for row in self._workspace_rows("api_keys", workspace_id)]
-
-    def set_api_key_enabled(self, api_key: str, enabled: bool) -> dict:
-        """Disable (GA2021 from then on) or re-enable a key."""
-        def switch(conn: sqlite3.Connection) -> dict:
-            row = conn.execute("UPDATE api_keys SET enabled = ? WHERE id = ? RETURNING *",
-                               (int(bool(enabled)), api_key)).fetchone()
-            if row is None:
-                raise not_found("API key")
-            return api_key_resource(row)
-        return self.db.write([switch])[0]
-
-    # Wallets and their ledger ################################################
-
-    def create_wallet(self, workspace_id: str, currency: str, *, name: str | None = None) -> dict:
-        """An ACTIVE wallet in an ISO 4217 ``currency``, balance zero."""
-        currency_exponent(currency)
-        name = _text(f"{currency} wallet" if name is None else name, "name", NAME_MAX, minimum=0)
-
-        def create(tx: Tx) -> dict:
-            self._workspace(tx.conn, workspace_id)
-            wallet_id = self._insert_wallet(tx, workspace_id, currency, name)
-            return wallet_resource(self._wallet(tx.conn, wallet_id))
-        return self.commit(create)
-
-    @staticmethod
-    def _insert_wallet(tx: Tx, workspace_id: str, currency: str, name: str,
-                       wallet_id: str | None = None) -> str:
-        """The one INSERT of a wallet (its ``currency`` and ``name`` checked by the caller), ACTIVE;
-        its id."""
-        wallet_id = wallet_id or tx.new_id("wal_")
-        tx.conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
-                        " updated_at)"
-                        " VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (wallet_id, workspace_id, name, currency, WalletStatus.ACTIVE, tx.now, tx.now))
-        return wallet_id
-
-    def set_wallet_status(self, wallet_id: str, status: str) -> dict:
-        """ACTIVE, FROZEN or CLOSED; only ACTIVE wallets move money (else W1002)."""
-        if status not in WALLET_STATUSES:
-            raise invalid("status", "one_of", choices=", ".join(WALLET_STATUSES))
-        return self.commit(lambda tx: self._set_wallet_status(tx, wallet_id, status))
-
-    def _set_wallet_status(self, tx: Tx, wallet_id: str, status: str) -> dict:
-        closed = self._wallet(tx.conn, wallet_id)["status"] == WalletStatus.CLOSED
-        if closed and status != WalletStatus.CLOSED:
-            raise invalid("status", "closed")
-        tx.conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
-                        (status, tx.now, wallet_id))
-        return wallet_resource(self._wallet(tx.conn, wallet_id))
-
-    def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
-        """The wallet; W1001 if missing or outside ``workspace_id`` (when given)."""
-        self.settle_due()
-        return wallet_resource(self._wallet(None, wallet_id, workspace_id))
-
-    def get_balance(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
-        """``{walletId, currency, balance, available, pending, updatedAt}``; W1001 outside
-        ``workspace_id``."""
-        self.settle_due()
-        return balance_resource(self._wallet(None, wallet_id, workspace_id))
-
-    def list_wallets(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
-                     balances: bool = False) -> dict:
-        """One page of the workspace's wallets; filters ``currency``, ``status``. ``balances``:
-        the same page as balances (available and pending too)."""
-        self.settle_due()
-        query = normalize_query(query)
-        page = parse_page_request(query, WALLET_SORTS)
-        wallets = ListQuery("wallets", workspace_id, "workspace_id")
-        wallets.narrow(WALLET_FILTERS, query)
-        with self.db.snapshot() as conn:
-            total = wallets.total(conn)
-            rows = wallets.page(conn, page, total)
-        resource = balance_resource if balances else wallet_resource
-        return page_response([resource(row) for row in rows], page, total)
-
-    def deposit(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
-        """Money enters from outside; returns the DEPOSIT flow."""
-        return self.commit(lambda tx: self._external_move(tx, wallet_id, amount, FlowType.DEPOSIT,
-                                                          workspace_id))
-
-    def withdraw(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
-        """Money leaves; never below the available balance (T2001); returns the flow."""
-        return self.commit(lambda tx: self._external_move(tx, wallet_id, amount, FlowType.WITHDRAWAL,
-                                                          workspace_id))
-
-    def _external_move(self, tx: Tx, wallet_id: str, amount: str, flow_type: FlowType,
-                       workspace_id: str | None) -> dict:
-        wallet = self._active_wallet(tx.conn, wallet_id, workspace_id)
-        minor = parse_amount(amount, wallet["currency"])
-        if flow_type == FlowType.DEPOSIT:
-            if wallet["balance"] + minor > MAX_MINOR_UNITS:
-                raise invalid("amount", "too_large")
-            balance = self._add_to_balance(tx, wallet_id, wallet["balance"], minor)
-        else:
-            if wallet["balance"] - wallet["pending"] < minor:
-                raise InsufficientBalance(wallet_id=wallet_id)
-            balance = self._add_to_balance(tx, wallet_id, wallet["balance"], -minor)
-        return flow_resource(self._write_flow(tx, wallet_id, flow_type, minor, balance), wallet["currency"])
-
-    def list_flows(self, wallet_id: str, query: Mapping[str, Any] | None = None, *,
-                   workspace_id: str | None = None) -> dict:
-        """One page of a wallet's ledger; filters type, direction, createdFrom/To."""
-        self.settle_due()
-        query = normalize_query(query)
-        page = parse_page_request(query, FLOW_SORTS)
-        flows = ListQuery("flows", wallet_id, "wallet_id", counter="flows")
-        flows.narrow(FLOW_FILTERS, query)
-        with self.db.snapshot() as conn:
-            wallet = self._wallet(conn, wallet_id, workspace_id)
-            total = flows.total(conn)
-            rows = flows.page(conn, page, total)
-        return page_response([flow_resource(row, wallet["currency"]) for row in rows], page, total)
-
-    # Transfers ###############################################################
-
-    def create_transfer(self, workspace_id: str, source_wallet_id: str, target_wallet_id: str,
-                        amount: str | decimal.Decimal, currency: str, *, biz_id: str | None = None,
-                        description: str | None = None) -> dict:
-        """Move ``amount`` (a decimal string or Decimal, never rounded) between two
-        wallets of a workspace; the order. Idempotent on ``biz_id`` (docs/contract.md)."""
-        if not isinstance(workspace_id, str):  # (as create_wallet answers: no such workspace, never a crash)
-            raise WorkspaceNotFound()
-        request = TransferRequest.checked(source_wallet_id, target_wallet_id, amount, currency, biz_id,
-                                          description)
-        return self.db.write([self.transfer_unit(workspace_id, request)])[0].order
-
-    def transfer_unit(self, workspace_id: str, request: TransferRequest) -> Unit:
-        """The write unit of a transfer, the one way money moves between wallets (``create_transfer``
-        commits it alone, the HTTP API with the request's nonce and journal entry): Transferred (the
-        order, whether it is an idempotent replay). The check-and-move is in the unit's transaction:
-        a rejected request leaves no order and no flow."""
-        def move(tx: Tx) -> Transferred:
-            conn = tx.conn
-            if request.biz_id is not None:
-                existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
-                                        (workspace_id, request.biz_id)).fetchone()
-                if existing is not None:
-                    return Transferred(transfer_resource(request.replayed_by(existing)), True)
-            if request.source == request.target:
-                raise SameWallet()
-            source = self._active_wallet(conn, request.source, workspace_id)
-            target = self._active_wallet(conn, request.target, workspace_id)
-            for wallet in (source, target):
-                if wallet["currency"] != request.currency:
-                    raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
-                                           currency=request.currency)
-            amount, magic = request.amount, self.settings.magic_values
-            declined = magic and format_amount(amount, request.currency) == MAGIC_DECLINED
-            if declined or source["balance"] - source["pending"] < amount:
-                raise InsufficientBalance(wallet_id=source["id"])
-            if target["balance"] + amount > MAX_MINOR_UNITS:
-                raise invalid("amount", "too_large")
-            transfer_id = tx.new_id("tr_")
-            mode = self.settings.settlement
-            # Due on the service clock, from its own reading now (docs/contract.md): not from the ledger's
-            # time, which a clock moved back and forth before may have left ahead.
-            settle_at = tx.clock + int(self.settings.settlement_delay * 1000) \
-                if mode == Settlement.DELAYED else None
-            now, immediate = tx.now, mode == Settlement.IMMEDIATE
-            row = {"id": transfer_id, "workspace_id": workspace_id, "biz_id": request.biz_id or transfer_id,
-                   "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
-                   "currency": request.currency,
-                   "status": TransferStatus.COMPLETED if immediate else TransferStatus.PENDING,
-                   "description": request.description, "created_at": now, "updated_at": now,
-                   "completed_at": now if immediate else None, "settle_at": settle_at}
-            conn.execute(_INSERT_TRANSFER, row)
-            if immediate:
-                self._move(tx, row, source["balance"], target["balance"])
-            else:
-                self._hold(tx, source["id"], amount)
-            return Transferred(transfer_resource(row), False)
-        return self.unit(move)
-
-    def _finish(self, tx: Tx, transfer_id: str, status: str) -> sqlite3.Row:
-        """Settle a PENDING order: COMPLETED moves the held money and writes one
-        flow per wallet; FAILED releases the hold. Nothing else changes state."""
-        conn = tx.conn
-        order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
-        self._hold(tx, order["source_wallet_id"], -order["amount"])
-        if status == TransferStatus.COMPLETED:
-            source, target = (conn.execute("SELECT balance FROM wallets WHERE id = ?",
-                                           (wallet_id,)).fetchone()[0]
-                              for wallet_id in (order["source_wallet_id"], order["target_wallet_id"]))
-            self._move(tx, order, source, target)
-        return conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?,"
-                            " settle_at = NULL WHERE id = ? RETURNING *",
-                            (status, tx.now, tx.now if status == TransferStatus.COMPLETED else None,
-                             transfer_id)).fetchone()
-
-    def _move(self, tx: Tx, order: Mapping[str, Any], source_balance: int, target_balance: int) -> None:
-        """Move an order's money and write one flow per wallet; the balances are the
-        two wallets' as read in this transaction."""
-        amount, source_id, target_id = order["amount"], order["source_wallet_id"], order["target_wallet_id"]
-        source_balance = self._add_to_balance(tx, source_id, source_balance, -amount)
-        target_balance = self._add_to_balance(tx, target_id, target_balance, amount)
-        self._write_flow(tx, source_id, FlowType.TRANSFER_OUT, amount, source_balance,
-                         order["id"], order["biz_id"], target_id)
-        self._write_flow(tx, target_id, FlowType.TRANSFER_IN, amount, target_balance,
-                         order["id"], order["biz_id"], source_id)
-
-    def complete_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
-        """Complete a PENDING order (manual or delayed settlement): the money moves."""
-        return self.commit(lambda tx: self._settle_order(tx, biz_id, workspace_id, TransferStatus.COMPLETED))
-
-    def fail_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
-        """Fail a PENDING order: the held amount is released, no money moves."""
-        return self.commit(lambda tx: self._settle_order(tx, biz_id, workspace_id, TransferStatus.FAILED))
-
-    def _settle_order(self, tx: Tx, biz_id: str, workspace_id: str | None, status: str) -> dict:
-        if workspace_id is not None:
-            order = self._order(tx.conn, workspace_id, biz_id)
-        else:  # bizIds are unique per workspace: accept a transferId, or a bizId used once
-            rows = tx.conn.execute("SELECT * FROM transfers WHERE id = ? OR biz_id = ? LIMIT 2",
-                                   (biz_id, biz_id)).fetchall()
-            if len(rows) > 1:
-                raise invalid("workspaceId", "required")
-            if not rows:
-                raise TransferNotFound(biz_id=str(biz_id)[:64])
-            order = rows[0]
-        if order["status"] != TransferStatus.PENDING:
-            raise invalid("bizId", "state", state=order["status"])
-        return transfer_resource(self._finish(tx, order["id"], status))
-
-    def settle_due(self) -> int:
-        """Complete delayed-settlement orders whose time has come; returns how many.
-
-        Every write settles them first (``unit``) and every read calls this, so the clock
-        alone drives them.
-        """
-        if self.settings.settlement != Settlement.DELAYED:
-            return 0
-        now = self.now_ms()
-        with self.db.connection() as conn:
-            if conn.execute("SELECT 1 FROM transfers WHERE settle_at <= ? LIMIT 1",
-                            (now,)).fetchone() is None:
-                return 0
-        return self.db.write([self.unit(lambda tx: self._settle_due(tx, now), settle=False)])[0]
-
-    def _settle_due(self, tx: Tx, now: int) -> int:
-        due = tx.conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = ?",
-                              (now, TransferStatus.PENDING)).fetchall()
-        for row in due:
-            self._finish(tx, row["id"], TransferStatus.COMPLETED)
-        return len(due)
-
-    def get_transfer(self, workspace_id: str, biz_id: str) -> dict:
-        """The order with this bizId in the workspace; T1001 if none (another workspace's too)."""
-        self.settle_due()
-        with self.db.connection() as conn:
-            return transfer_resource(self._order(conn, workspace_id, biz_id))
-
-    def transfer_completion(self, workspace_id: str, biz_id: str) -> dict:
-        """``{bizId, transferId, status, completed}``."""
-        self.settle_due()
-        with self.db.connection() as conn:
-            return completion_resource(self._order(conn, workspace_id, biz_id))
-
-    def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
-                       wallet_id: str | None = None) -> dict:
-        """One page of the workspace's transfer orders (or of one wallet's: either side).
-
-        Filters: status, createdFrom (inclusive), createdTo (exclusive),
-        bizIdPrefix.
-        """
-        self.settle_due()
-        query = normalize_query(query)
-        page = parse_page_request(query, TRANSFER_SORTS)
-        if wallet_id is None:
-            transfers = ListQuery("transfers", workspace_id, "workspace_id", counter="transfers")
-        else:
-            transfers = ListQuery("transfers", wallet_id, "source_wallet_id", "target_wallet_id",
-                                  counter="transfers")
-        transfers.narrow(TRANSFER_FILTERS, query)
-        with self.db.snapshot() as conn:
-            if wallet_id is not None:
-                self._wallet(conn, wallet_id, workspace_id)
-            total = transfers.total(conn)
-            rows = transfers.page(conn, page, total)
-        return page_response([transfer_resource(row) for row in rows], page, total)
-
-    # The auditor ############################################################
-
-    def audit(self) -> list[dict]:
-        """Check every ledger invariant in one read transaction; the violations found.
-
-        Each violation is ``{"check": name, "detail": sentence, "rows": [...]}``
-        naming the rows involved; an empty list is a clean ledger. The checks:
-        money conserved (per currency, deposits - withdrawals = the sum of
-        balances); no negative balance or available; each wallet's flows sum to
-        its balance and, in commit order (createdAt, then id), form an unbroken
-        running balance ending at the balance; pending is the sum of the
-        wallet's PENDING outgoing orders; a COMPLETED order has its two flows, a
-        PENDING or FAILED one none; the counters equal the row counts; no bizId
-        twice in a workspace.
-        """
-        violations = []
-
-        def report(check: str, detail: str, rows: Iterable) -> None:
-            for row in rows:
-                violations.append({"check": check, "detail": detail.format(**dict(row)), "rows": dict(row)})
-
-        with self.db.snapshot() as conn:
-            for check, detail, sql in _AUDITS:
-                report(check, detail, conn.execute(sql).fetchall())
-        return violations
-
-    def assert_audit_clean(self) -> None:
-        """AssertionError listing the violations, unless ``audit()`` finds none."""
-        violations = self.audit()
-        if violations:
-            shown = "\n".join(f"  {v['check']}: {v['detail']}" for v in violations[:20])
-            raise AssertionError(f"walletsvc's ledger audit found {len(violations)} violation(s):\n{shown}")
-
-    # Row access ##############################################################
-
-    def _workspace_rows(self, table: str, workspace_id: str, condition: str = "1") -> list[sqlite3.Row]:
-        """The rows of ``table`` a workspace holds (which must exist), oldest first."""
-        with self.db.connection() as conn:
-            self._workspace(conn, workspace_id)
-            return conn.execute(f"SELECT * FROM {table} WHERE workspace_id = ? AND {condition}"
-                                " ORDER BY created_at, id", (workspace_id,)).fetchall()
-
-    @staticmethod
-    def _workspace(conn: sqlite3.Connection, workspace_id: str) -> sqlite3.Row:
-        row = conn.execute(_WORKSPACE_SELECT + " WHERE w.id = ? AND w.deleted_at IS NULL",
-                           (workspace_id,)).fetchone()
-        if row is None:
-            raise WorkspaceNotFound()
-        return row
-
-    @staticmethod
-    def _member(conn: sqlite3.Connection, workspace_id: str, member_id: str) -> sqlite3.Row:
-        row = conn.execute("SELECT * FROM members WHERE id = ? AND workspace_id = ?"
-                           " AND removed_at IS NULL", (member_id, workspace_id)).fetchone()
-        if row is None:
-            raise not_found("member")
-        return row
-
-    def _wallet(self, conn: sqlite3.Connection | None, wallet_id: str,
-                workspace_id: str | None = None) -> sqlite3.Row:
-        """The wallet; W1001 if it is missing or belongs to another workspace.
-
-        ``conn`` None reads outside any transaction (a lone statement)."""
-        if wallet_id == MAGIC_BUSY_WALLET and self.settings.magic_values:
-            raise ServiceBusy()
-        if conn is None:
-            row = self.db.one("SELECT * FROM wallets WHERE id = ?", (wallet_id,))
-        else:
-            row = conn.execute("SELECT * FROM wallets WHERE id = ?", (wallet_id,)).fetchone()
-        if row is None or (workspace_id is not None and row["workspace_id"] != workspace_id):
-            raise WalletNotFound(wallet_id=str(wallet_id)[:64])
-        return row
-
-    def _active_wallet(self, conn: sqlite3.Connection, wallet_id: str,
-                       workspace_id: str | None) -> sqlite3.Row:
-        row = self._wallet(conn, wallet_id, workspace_id)
-        if row["status"] != WalletStatus.ACTIVE:
-            raise WalletNotActive(wallet_id=wallet_id, state=row["status"])
-        return row
-
-    @staticmethod
-    def _order(conn: sqlite3.Connection, workspace_id: str, biz_id: str) -> sqlite3.Row:
-        """The order; T1001 if missing or of another workspace (never leak existence)."""
-        row = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
-                           (workspace_id, biz_id)).fetchone()
-        if row is None:
-            raise TransferNotFound(biz_id=str(biz_id)[:64])
-        return row
-
-    @staticmethod
-    def _hold(tx: Tx, wallet_id: str, amount: int) -> None:
-        tx.conn.execute("UPDATE wallets SET pending = pending + ?, updated_at = ? WHERE id = ?",
-                        (amount, tx.now, wallet_id))
-
-    @staticmethod
-    def _add_to_balance(tx: Tx, wallet_id: str, balance: int, delta: int) -> int:
-        """Add ``delta`` (negative: take) to a wallet whose ``balance`` was read in this
-        write transaction, so that the new balance is known without reading it back."""
-        tx.conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?",
-                        (delta, tx.now, wallet_id))
-        return balance + delta
-
-    @staticmethod
-    def _write_flow(tx: Tx, wallet_id: str, flow_type: FlowType, amount: int, balance_after: int,
-                    transfer_id: str | None = None, biz_id: str | None = None,
-                    counterparty: str | None = None) -> sqlite3.Row:
-        """One flow; its row."""
-        return tx.conn.execute(
-            "INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after, transfer_id,"
-            " biz_id, counterparty_wallet_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *",
-            (tx.new_id("fl_"), wallet_id, flow_type, flow_type.direction, amount, balance_after, transfer_id,
-             biz_id, counterparty, tx.now)).fetchone()
 
 
 ###############################################################################
@@ -3114,7 +2549,7 @@ class Clock:
         self._db = db
 
     def reading_in(self, conn: sqlite3.Connection) -> float:
-        """The time it shows now, as ``conn``'s transaction holds its state (``Ledger.now_in``)."""
+        """The time it shows now, as ``conn``'s transaction holds its state (``WalletService.now_in``)."""
         if self._db is None:
             return self()
         return self.reading(*conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone())
@@ -3843,10 +3278,101 @@ DEMO_SCENARIO: Mapping[str, Any] = {"workspaces": [{
                 {"name": "yen", "currency": "JPY", "balance": "100000"}]}]}
 
 
-class WalletService(Ledger):
-    """The service: admin API, wallets, ledger and transfers over one SQLite database,
-    with the sandbox's state in that database too (docs/sandbox.md): the clock when it is
-    a Clock, the id seed, the journal, the fault rules and the starting state.
+def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
+    """A scenario from a TOML or JSON file (``.json``: JSON, else TOML), or a dict as it is,
+    checked (``check_scenario``). A file that cannot be read or parsed, or a wrong field, is a
+    ValueError naming the file, the line and the field."""
+    if isinstance(source, Mapping):
+        return check_scenario(source)
+    path = os.fspath(source)
+    try:
+        with open(path, encoding="utf-8") as handle:
+            text = handle.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"scenario {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    try:
+        scenario = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
+    except RecursionError:
+        raise ValueError(f"scenario {path}: line {_too_deep(text, not path.endswith('.json'))}: nested deeper"
+                         " than a scenario can be"
+                         f" (at most {SCENARIO_DEPTH} levels)") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"scenario {path}: line {exc.lineno}: {exc.msg}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"scenario {path}: {exc}") from None
+    try:
+        return check_scenario(scenario)
+    except InvalidParameter as exc:
+        try:
+            line = _line_of(text, scenario, exc.params["field"])
+        except (LookupError, TypeError, ValueError):  # a path it cannot follow: no line, still the field
+            line = None
+        raise ValueError(f"scenario {path}: {f'line {line}: ' if line else ''}{exc.detail()}") from None
+
+
+SCENARIO_DEPTH = 8  # levels of [ and { a scenario's values need at most (an ipWhitelist in a key)
+
+
+def _too_deep(text: str, toml: bool) -> int:
+    """The line where brackets first nest deeper than SCENARIO_DEPTH (strings and TOML's table
+    headers left out)."""
+    depth = 0
+    for number, line in enumerate(text.splitlines(), 1):
+        if toml and line.lstrip().startswith("["):
+            continue
+        for char in re.sub(r'"(\\.|[^"\\])*"', "", line):
+            depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(char, 0)
+            if depth > SCENARIO_DEPTH:
+                return number
+    return 1
+
+
+def _line_of(text: str, scenario: Any, field: str) -> int | None:
+    """The line of ``field`` (``workspaces[0].wallets[2].currency``) in the file it was read from:
+    the n-th line that sets a key of its name, n counted in document order; for a missing
+    field, the line of its object's first key."""
+    steps = [int(index) if index else name for name, index in re.findall(r"([A-Za-z_]\w*)|\[(\d+)\]", field)]
+    key, parent = steps[-1], scenario
+    for step in steps[:-1]:
+        parent = parent[step] if isinstance(parent, (dict, list)) else None
+    if isinstance(parent, dict) and key not in parent:  # a required field missing: where its object starts
+        if not parent or not steps[:-1]:
+            return None
+        path = "".join(f"[{step}]" if isinstance(step, int) else f".{step}"
+                       for step in steps[:-1]).lstrip(".")
+        return _line_of(text, scenario, f"{path}.{next(iter(parent))}")
+    count, found = 0, False
+
+    def walk(node: Any) -> None:
+        nonlocal count, found
+        if found:
+            return
+        if isinstance(node, dict):
+            for name, value in node.items():
+                if name == key:
+                    if node is parent:
+                        found = True
+                        return
+                    count += 1
+                walk(value)
+        elif isinstance(node, list):
+            for item in node:
+                walk(item)
+    walk(scenario)
+    lines = [number for number, line in enumerate(text.splitlines(), 1)  # each place that sets the key
+             for _ in re.finditer(rf"(^|[{{,])\s*\"?{re.escape(str(key))}\"?\s*[=:]", line)]
+    return lines[count] if found and count < len(lines) else None
+
+
+###############################################################################
+# The service ##################################################################
+###############################################################################
+
+class WalletService:
+    """The service: workspaces, members, keys, wallets, the ledger and transfers over one SQLite
+    database, with the sandbox's state in that database too (docs/sandbox.md): the clock, the id
+    seed, the journal, the fault rules and the starting state. Its time comes from ``clock`` (a
+    Clock, or a function of the caller's) and its ids from an IdSource.
 
     Thread-safe, and safe for several processes sharing one database file.
     Every method returns plain dicts shaped like the HTTP API's JSON and raises
@@ -3855,7 +3381,11 @@ class WalletService(Ledger):
 
     def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
                  clock: Callable[[], float] | None = None, **setting_values: Any) -> None:
-        super().__init__(database, settings=settings, clock=clock, ids=SeededIds(), **setting_values)
+        settings = settings or Settings()
+        self.settings = settings.replace("service", **setting_values) if setting_values else settings
+        self.clock = clock if isinstance(clock, Clock) else Clock.following(clock or time.time)
+        self.ids = IdSource()
+        self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
         self.clock.bind(self.db)  # a controllable clock lives in the database (docs/sandbox.md)
         self.journal = Journal(self.db, self.settings.journal_size)
         self.faults = Faults(self.db)
@@ -3865,6 +3395,545 @@ class WalletService(Ledger):
             self.db.write([lambda conn: conn.execute(
                 "UPDATE sandbox SET id_seed = ?, id_drawn = 0 WHERE id_seed IS NOT ?", (seed, seed))],
                 durable=False)
+
+    def now_ms(self) -> int:
+        """The service clock, in epoch milliseconds."""
+        return int(self.clock() * 1000)
+
+    def unit(self, work: Callable[[Tx], T], *, settle: bool = True) -> Callable[[sqlite3.Connection], T]:
+        """``work`` as a write unit (``Database.write``), given the transaction's time and ids (a Tx).
+
+        The time is the service clock read inside the transaction, never before the last
+        write's in this database (whatever the clock or the number of processes says), so
+        the ledger reads in commit order. The last write's time and id live in the
+        database's ``ledger_clock`` row; the ids come from ``self.ids``. Delayed orders
+        whose time has come settle first, in the same transaction.
+        """
+        def run(conn: sqlite3.Connection) -> T:
+            last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
+            now = self.now_in(conn)
+            ids = self.ids.start(conn, last_id, max(now, last_ms))
+            tx = Tx(conn, ids.now, ids, now)
+            if settle and self.settings.settlement == Settlement.DELAYED:
+                self._settle_due(tx, now)
+            result = work(tx)
+            conn.execute("UPDATE ledger_clock SET last_ms = ?, last_id = ?", (ids.now, ids.last))
+            self.ids.keep(conn, ids)
+            return result
+        return run
+
+    def now_in(self, conn: sqlite3.Connection) -> int:
+        """The service clock as a write unit in ``conn``'s transaction reads it: a clock that keeps
+        its state in the database (the sandbox's Clock, ``reading_in``) is read there, so that a
+        clock moved earlier in the same transaction counts."""
+        return int(self.clock.reading_in(conn) * 1000)
+
+    def commit(self, work: Callable[[Tx], T]) -> T:
+        """Run ``work`` as one write (``unit``) and return what it returned: how every write
+        method of the Python API writes."""
+        return self.db.write([self.unit(work)])[0]
+
+    def close(self) -> None:
+        """Close this thread's database connection."""
+        self.db.close()
+
+    # Workspaces and members ##################################################
+
+    def create_workspace(self, name: str) -> dict:
+        """A workspace with its default owner member (``ownerMemberId``)."""
+        name = _text(name, "name", NAME_MAX)
+
+        def create(tx: Tx) -> dict:
+            workspace_id, _ = self._insert_workspace(tx, name)
+            return workspace_resource(self._workspace(tx.conn, workspace_id))
+        return self.commit(create)
+
+    def _insert_workspace(self, tx: Tx, name: str, workspace_id: str | None = None) -> tuple[str, str]:
+        """The one INSERT of a workspace (its ``name`` checked by the caller), with its owner member:
+        their ids."""
+        workspace_id = workspace_id or tx.new_id("ws_")
+        tx.conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
+                        (workspace_id, name, tx.now))
+        return workspace_id, self._insert_member(tx, workspace_id, OWNER_NAME, Role.OWNER)
+
+    def get_workspace(self, workspace_id: str) -> dict:
+        """The workspace; GA2032 once deleted."""
+        with self.db.connection() as conn:
+            return workspace_resource(self._workspace(conn, workspace_id))
+
+    def list_workspaces(self) -> list[dict]:
+        """Every workspace not deleted, oldest first."""
+        with self.db.connection() as conn:
+            rows = conn.execute(_WORKSPACE_SELECT + " WHERE w.deleted_at IS NULL"
+                                " ORDER BY w.created_at, w.id").fetchall()
+        return [workspace_resource(row) for row in rows]
+
+    def delete_workspace(self, workspace_id: str) -> None:
+        """From now on the workspace's keys answer GA2032; its ledger is kept."""
+        def delete(tx: Tx) -> None:
+            self._workspace(tx.conn, workspace_id)
+            tx.conn.execute("UPDATE workspaces SET deleted_at = ? WHERE id = ?", (tx.now, workspace_id))
+        self.commit(delete)
+
+    def add_member(self, workspace_id: str, name: str) -> dict:
+        """A MEMBER of the workspace; keys can be issued to it (``create_api_key(member_id=...)``)."""
+        name = _text(name, "name", NAME_MAX)
+
+        def add(tx: Tx) -> dict:
+            self._workspace(tx.conn, workspace_id)
+            member_id = self._insert_member(tx, workspace_id, name, Role.MEMBER)
+            return member_resource(self._member(tx.conn, workspace_id, member_id))
+        return self.commit(add)
+
+    @staticmethod
+    def _insert_member(tx: Tx, workspace_id: str, name: str, role: Role, member_id: str | None = None) -> str:
+        """The one INSERT of a member (its ``name`` checked by the caller); its id."""
+        member_id = member_id or tx.new_id("mem_")
+        tx.conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
+                        " VALUES (?, ?, ?, ?, ?)",
+                        (member_id, workspace_id, name, role, tx.now))
+        return member_id
+
+    def list_members(self, workspace_id: str) -> list[dict]:
+        """The workspace's members, oldest first (removed ones left out)."""
+        rows = self._workspace_rows("members", workspace_id, "removed_at IS NULL")
+        return [member_resource(row) for row in rows]
+
+    def remove_member(self, workspace_id: str, member_id: str) -> None:
+        """From now on the member's keys answer GA2034."""
+        def remove(tx: Tx) -> None:
+            self._workspace(tx.conn, workspace_id)
+            self._member(tx.conn, workspace_id, member_id)
+            tx.conn.execute("UPDATE members SET removed_at = ? WHERE id = ?", (tx.now, member_id))
+        self.commit(remove)
+
+    # API keys ################################################################
+
+    def create_api_key(self, workspace_id: str, scopes: Iterable[str] = SCOPES, *,
+                       member_id: str | None = None,
+                       ip_whitelist: Iterable[str] | None = None) -> dict:
+        """A key with its ``secret``: the only time the secret is returned."""
+        scopes = api_key_scopes(scopes)
+        whitelist = None if ip_whitelist is None else ip_whitelist_entries(ip_whitelist)
+
+        def create(tx: Tx) -> dict:
+            workspace = self._workspace(tx.conn, workspace_id)
+            member = workspace["owner_member_id"] if member_id is None else member_id
+            self._member(tx.conn, workspace_id, member)
+            key_id = self._insert_api_key(tx, workspace_id, member, scopes, whitelist)
+            row = tx.conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+            return {**api_key_resource(row), "secret": row["secret"]}
+        return self.commit(create)
+
+    @staticmethod
+    def _insert_api_key(tx: Tx, workspace_id: str, member_id: str, scopes: list[str],
+                        whitelist: list[str] | None, key_id: str | None = None,
+                        secret: str | None = None) -> str:
+        """The one INSERT of a key, its ``scopes`` and ``whitelist`` as ``api_key_scopes`` and
+        ``ip_whitelist_entries`` return them; its id."""
+        key_id = key_id or tx.new_id("ak_")
+        tx.conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
+                        " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (key_id, secret or tx.ids.secret(), workspace_id, member_id, " ".join(scopes),
+                         None if whitelist is None else json.dumps(whitelist), tx.now))
+        return key_id
+
+    def list_api_keys(self, workspace_id: str) -> list[dict]:
+        """The workspace's keys, oldest first, without their secrets."""
+        return [api_key_resource(row) for row in self._workspace_rows("api_keys", workspace_id)]
+
+    def set_api_key_enabled(self, api_key: str, enabled: bool) -> dict:
+        """Disable (GA2021 from then on) or re-enable a key."""
+        def switch(conn: sqlite3.Connection) -> dict:
+            row = conn.execute("UPDATE api_keys SET enabled = ? WHERE id = ? RETURNING *",
+                               (int(bool(enabled)), api_key)).fetchone()
+            if row is None:
+                raise not_found("API key")
+            return api_key_resource(row)
+        return self.db.write([switch])[0]
+
+    # Wallets and their ledger ################################################
+
+    def create_wallet(self, workspace_id: str, currency: str, *, name: str | None = None) -> dict:
+        """An ACTIVE wallet in an ISO 4217 ``currency``, balance zero."""
+        currency_exponent(currency)
+        name = _text(f"{currency} wallet" if name is None else name, "name", NAME_MAX, minimum=0)
+
+        def create(tx: Tx) -> dict:
+            self._workspace(tx.conn, workspace_id)
+            wallet_id = self._insert_wallet(tx, workspace_id, currency, name)
+            return wallet_resource(self._wallet(tx.conn, wallet_id))
+        return self.commit(create)
+
+    @staticmethod
+    def _insert_wallet(tx: Tx, workspace_id: str, currency: str, name: str,
+                       wallet_id: str | None = None) -> str:
+        """The one INSERT of a wallet (its ``currency`` and ``name`` checked by the caller), ACTIVE;
+        its id."""
+        wallet_id = wallet_id or tx.new_id("wal_")
+        tx.conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
+                        " updated_at)"
+                        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        (wallet_id, workspace_id, name, currency, WalletStatus.ACTIVE, tx.now, tx.now))
+        return wallet_id
+
+    def set_wallet_status(self, wallet_id: str, status: str) -> dict:
+        """ACTIVE, FROZEN or CLOSED; only ACTIVE wallets move money (else W1002)."""
+        if status not in WALLET_STATUSES:
+            raise invalid("status", "one_of", choices=", ".join(WALLET_STATUSES))
+        return self.commit(lambda tx: self._set_wallet_status(tx, wallet_id, status))
+
+    def _set_wallet_status(self, tx: Tx, wallet_id: str, status: str) -> dict:
+        closed = self._wallet(tx.conn, wallet_id)["status"] == WalletStatus.CLOSED
+        if closed and status != WalletStatus.CLOSED:
+            raise invalid("status", "closed")
+        tx.conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
+                        (status, tx.now, wallet_id))
+        return wallet_resource(self._wallet(tx.conn, wallet_id))
+
+    def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
+        """The wallet; W1001 if missing or outside ``workspace_id`` (when given)."""
+        self.settle_due()
+        return wallet_resource(self._wallet(None, wallet_id, workspace_id))
+
+    def get_balance(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
+        """``{walletId, currency, balance, available, pending, updatedAt}``; W1001 outside
+        ``workspace_id``."""
+        self.settle_due()
+        return balance_resource(self._wallet(None, wallet_id, workspace_id))
+
+    def list_wallets(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
+                     balances: bool = False) -> dict:
+        """One page of the workspace's wallets; filters ``currency``, ``status``. ``balances``:
+        the same page as balances (available and pending too)."""
+        self.settle_due()
+        query = normalize_query(query)
+        page = parse_page_request(query, WALLET_SORTS)
+        wallets = ListQuery("wallets", workspace_id, "workspace_id")
+        wallets.narrow(WALLET_FILTERS, query)
+        with self.db.snapshot() as conn:
+            total = wallets.total(conn)
+            rows = wallets.page(conn, page, total)
+        resource = balance_resource if balances else wallet_resource
+        return page_response([resource(row) for row in rows], page, total)
+
+    def deposit(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
+        """Money enters from outside; returns the DEPOSIT flow."""
+        return self.commit(lambda tx: self._external_move(tx, wallet_id, amount, FlowType.DEPOSIT,
+                                                          workspace_id))
+
+    def withdraw(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
+        """Money leaves; never below the available balance (T2001); returns the flow."""
+        return self.commit(lambda tx: self._external_move(tx, wallet_id, amount, FlowType.WITHDRAWAL,
+                                                          workspace_id))
+
+    def _external_move(self, tx: Tx, wallet_id: str, amount: str, flow_type: FlowType,
+                       workspace_id: str | None) -> dict:
+        wallet = self._active_wallet(tx.conn, wallet_id, workspace_id)
+        minor = parse_amount(amount, wallet["currency"])
+        if flow_type == FlowType.DEPOSIT:
+            if wallet["balance"] + minor > MAX_MINOR_UNITS:
+                raise invalid("amount", "too_large")
+            balance = self._add_to_balance(tx, wallet_id, wallet["balance"], minor)
+        else:
+            if wallet["balance"] - wallet["pending"] < minor:
+                raise InsufficientBalance(wallet_id=wallet_id)
+            balance = self._add_to_balance(tx, wallet_id, wallet["balance"], -minor)
+        return flow_resource(self._write_flow(tx, wallet_id, flow_type, minor, balance), wallet["currency"])
+
+    def list_flows(self, wallet_id: str, query: Mapping[str, Any] | None = None, *,
+                   workspace_id: str | None = None) -> dict:
+        """One page of a wallet's ledger; filters type, direction, createdFrom/To."""
+        self.settle_due()
+        query = normalize_query(query)
+        page = parse_page_request(query, FLOW_SORTS)
+        flows = ListQuery("flows", wallet_id, "wallet_id", counter="flows")
+        flows.narrow(FLOW_FILTERS, query)
+        with self.db.snapshot() as conn:
+            wallet = self._wallet(conn, wallet_id, workspace_id)
+            total = flows.total(conn)
+            rows = flows.page(conn, page, total)
+        return page_response([flow_resource(row, wallet["currency"]) for row in rows], page, total)
+
+    # Transfers ###############################################################
+
+    def create_transfer(self, workspace_id: str, source_wallet_id: str, target_wallet_id: str,
+                        amount: str | decimal.Decimal, currency: str, *, biz_id: str | None = None,
+                        description: str | None = None) -> dict:
+        """Move ``amount`` (a decimal string or Decimal, never rounded) between two
+        wallets of a workspace; the order. Idempotent on ``biz_id`` (docs/contract.md)."""
+        if not isinstance(workspace_id, str):  # (as create_wallet answers: no such workspace, never a crash)
+            raise WorkspaceNotFound()
+        request = TransferRequest.checked(source_wallet_id, target_wallet_id, amount, currency, biz_id,
+                                          description)
+        return self.db.write([self.transfer_unit(workspace_id, request)])[0].order
+
+    def transfer_unit(self, workspace_id: str, request: TransferRequest) -> Unit:
+        """The write unit of a transfer, the one way money moves between wallets (``create_transfer``
+        commits it alone, the HTTP API with the request's nonce and journal entry): Transferred (the
+        order, whether it is an idempotent replay). The check-and-move is in the unit's transaction:
+        a rejected request leaves no order and no flow."""
+        def move(tx: Tx) -> Transferred:
+            conn = tx.conn
+            if request.biz_id is not None:
+                existing = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
+                                        (workspace_id, request.biz_id)).fetchone()
+                if existing is not None:
+                    return Transferred(transfer_resource(request.replayed_by(existing)), True)
+            if request.source == request.target:
+                raise SameWallet()
+            source = self._active_wallet(conn, request.source, workspace_id)
+            target = self._active_wallet(conn, request.target, workspace_id)
+            for wallet in (source, target):
+                if wallet["currency"] != request.currency:
+                    raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
+                                           currency=request.currency)
+            amount, magic = request.amount, self.settings.magic_values
+            declined = magic and format_amount(amount, request.currency) == MAGIC_DECLINED
+            if declined or source["balance"] - source["pending"] < amount:
+                raise InsufficientBalance(wallet_id=source["id"])
+            if target["balance"] + amount > MAX_MINOR_UNITS:
+                raise invalid("amount", "too_large")
+            transfer_id = tx.new_id("tr_")
+            mode = self.settings.settlement
+            # Due on the service clock, from its own reading now (docs/contract.md): not from the ledger's
+            # time, which a clock moved back and forth before may have left ahead.
+            settle_at = tx.clock + int(self.settings.settlement_delay * 1000) \
+                if mode == Settlement.DELAYED else None
+            now, immediate = tx.now, mode == Settlement.IMMEDIATE
+            row = {"id": transfer_id, "workspace_id": workspace_id, "biz_id": request.biz_id or transfer_id,
+                   "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
+                   "currency": request.currency,
+                   "status": TransferStatus.COMPLETED if immediate else TransferStatus.PENDING,
+                   "description": request.description, "created_at": now, "updated_at": now,
+                   "completed_at": now if immediate else None, "settle_at": settle_at}
+            conn.execute(_INSERT_TRANSFER, row)
+            if immediate:
+                self._move(tx, row, source["balance"], target["balance"])
+            else:
+                self._hold(tx, source["id"], amount)
+            return Transferred(transfer_resource(row), False)
+        return self.unit(move)
+
+    def _finish(self, tx: Tx, transfer_id: str, status: str) -> sqlite3.Row:
+        """Settle a PENDING order: COMPLETED moves the held money and writes one
+        flow per wallet; FAILED releases the hold. Nothing else changes state."""
+        conn = tx.conn
+        order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
+        self._hold(tx, order["source_wallet_id"], -order["amount"])
+        if status == TransferStatus.COMPLETED:
+            source, target = (conn.execute("SELECT balance FROM wallets WHERE id = ?",
+                                           (wallet_id,)).fetchone()[0]
+                              for wallet_id in (order["source_wallet_id"], order["target_wallet_id"]))
+            self._move(tx, order, source, target)
+        return conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?,"
+                            " settle_at = NULL WHERE id = ? RETURNING *",
+                            (status, tx.now, tx.now if status == TransferStatus.COMPLETED else None,
+                             transfer_id)).fetchone()
+
+    def _move(self, tx: Tx, order: Mapping[str, Any], source_balance: int, target_balance: int) -> None:
+        """Move an order's money and write one flow per wallet; the balances are the
+        two wallets' as read in this transaction."""
+        amount, source_id, target_id = order["amount"], order["source_wallet_id"], order["target_wallet_id"]
+        source_balance = self._add_to_balance(tx, source_id, source_balance, -amount)
+        target_balance = self._add_to_balance(tx, target_id, target_balance, amount)
+        self._write_flow(tx, source_id, FlowType.TRANSFER_OUT, amount, source_balance,
+                         order["id"], order["biz_id"], target_id)
+        self._write_flow(tx, target_id, FlowType.TRANSFER_IN, amount, target_balance,
+                         order["id"], order["biz_id"], source_id)
+
+    def complete_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
+        """Complete a PENDING order (manual or delayed settlement): the money moves."""
+        return self.commit(lambda tx: self._settle_order(tx, biz_id, workspace_id, TransferStatus.COMPLETED))
+
+    def fail_transfer(self, biz_id: str, *, workspace_id: str | None = None) -> dict:
+        """Fail a PENDING order: the held amount is released, no money moves."""
+        return self.commit(lambda tx: self._settle_order(tx, biz_id, workspace_id, TransferStatus.FAILED))
+
+    def _settle_order(self, tx: Tx, biz_id: str, workspace_id: str | None, status: str) -> dict:
+        if workspace_id is not None:
+            order = self._order(tx.conn, workspace_id, biz_id)
+        else:  # bizIds are unique per workspace: accept a transferId, or a bizId used once
+            rows = tx.conn.execute("SELECT * FROM transfers WHERE id = ? OR biz_id = ? LIMIT 2",
+                                   (biz_id, biz_id)).fetchall()
+            if len(rows) > 1:
+                raise invalid("workspaceId", "required")
+            if not rows:
+                raise TransferNotFound(biz_id=str(biz_id)[:64])
+            order = rows[0]
+        if order["status"] != TransferStatus.PENDING:
+            raise invalid("bizId", "state", state=order["status"])
+        return transfer_resource(self._finish(tx, order["id"], status))
+
+    def settle_due(self) -> int:
+        """Complete delayed-settlement orders whose time has come; returns how many.
+
+        Every write settles them first (``unit``) and every read calls this, so the clock
+        alone drives them.
+        """
+        if self.settings.settlement != Settlement.DELAYED:
+            return 0
+        now = self.now_ms()
+        with self.db.connection() as conn:
+            if conn.execute("SELECT 1 FROM transfers WHERE settle_at <= ? LIMIT 1",
+                            (now,)).fetchone() is None:
+                return 0
+        return self.db.write([self.unit(lambda tx: self._settle_due(tx, now), settle=False)])[0]
+
+    def _settle_due(self, tx: Tx, now: int) -> int:
+        due = tx.conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = ?",
+                              (now, TransferStatus.PENDING)).fetchall()
+        for row in due:
+            self._finish(tx, row["id"], TransferStatus.COMPLETED)
+        return len(due)
+
+    def get_transfer(self, workspace_id: str, biz_id: str) -> dict:
+        """The order with this bizId in the workspace; T1001 if none (another workspace's too)."""
+        self.settle_due()
+        with self.db.connection() as conn:
+            return transfer_resource(self._order(conn, workspace_id, biz_id))
+
+    def transfer_completion(self, workspace_id: str, biz_id: str) -> dict:
+        """``{bizId, transferId, status, completed}``."""
+        self.settle_due()
+        with self.db.connection() as conn:
+            return completion_resource(self._order(conn, workspace_id, biz_id))
+
+    def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
+                       wallet_id: str | None = None) -> dict:
+        """One page of the workspace's transfer orders (or of one wallet's: either side).
+
+        Filters: status, createdFrom (inclusive), createdTo (exclusive),
+        bizIdPrefix.
+        """
+        self.settle_due()
+        query = normalize_query(query)
+        page = parse_page_request(query, TRANSFER_SORTS)
+        if wallet_id is None:
+            transfers = ListQuery("transfers", workspace_id, "workspace_id", counter="transfers")
+        else:
+            transfers = ListQuery("transfers", wallet_id, "source_wallet_id", "target_wallet_id",
+                                  counter="transfers")
+        transfers.narrow(TRANSFER_FILTERS, query)
+        with self.db.snapshot() as conn:
+            if wallet_id is not None:
+                self._wallet(conn, wallet_id, workspace_id)
+            total = transfers.total(conn)
+            rows = transfers.page(conn, page, total)
+        return page_response([transfer_resource(row) for row in rows], page, total)
+
+    # The auditor ############################################################
+
+    def audit(self) -> list[dict]:
+        """Check every ledger invariant in one read transaction; the violations found.
+
+        Each violation is ``{"check": name, "detail": sentence, "rows": [...]}``
+        naming the rows involved; an empty list is a clean ledger. The checks:
+        money conserved (per currency, deposits - withdrawals = the sum of
+        balances); no negative balance or available; each wallet's flows sum to
+        its balance and, in commit order (createdAt, then id), form an unbroken
+        running balance ending at the balance; pending is the sum of the
+        wallet's PENDING outgoing orders; a COMPLETED order has its two flows, a
+        PENDING or FAILED one none; the counters equal the row counts; no bizId
+        twice in a workspace.
+        """
+        violations = []
+
+        def report(check: str, detail: str, rows: Iterable) -> None:
+            for row in rows:
+                violations.append({"check": check, "detail": detail.format(**dict(row)), "rows": dict(row)})
+
+        with self.db.snapshot() as conn:
+            for check, detail, sql in _AUDITS:
+                report(check, detail, conn.execute(sql).fetchall())
+        return violations
+
+    def assert_audit_clean(self) -> None:
+        """AssertionError listing the violations, unless ``audit()`` finds none."""
+        violations = self.audit()
+        if violations:
+            shown = "\n".join(f"  {v['check']}: {v['detail']}" for v in violations[:20])
+            raise AssertionError(f"walletsvc's ledger audit found {len(violations)} violation(s):\n{shown}")
+
+    # Row access ##############################################################
+
+    def _workspace_rows(self, table: str, workspace_id: str, condition: str = "1") -> list[sqlite3.Row]:
+        """The rows of ``table`` a workspace holds (which must exist), oldest first."""
+        with self.db.connection() as conn:
+            self._workspace(conn, workspace_id)
+            return conn.execute(f"SELECT * FROM {table} WHERE workspace_id = ? AND {condition}"
+                                " ORDER BY created_at, id", (workspace_id,)).fetchall()
+
+    @staticmethod
+    def _workspace(conn: sqlite3.Connection, workspace_id: str) -> sqlite3.Row:
+        row = conn.execute(_WORKSPACE_SELECT + " WHERE w.id = ? AND w.deleted_at IS NULL",
+                           (workspace_id,)).fetchone()
+        if row is None:
+            raise WorkspaceNotFound()
+        return row
+
+    @staticmethod
+    def _member(conn: sqlite3.Connection, workspace_id: str, member_id: str) -> sqlite3.Row:
+        row = conn.execute("SELECT * FROM members WHERE id = ? AND workspace_id = ?"
+                           " AND removed_at IS NULL", (member_id, workspace_id)).fetchone()
+        if row is None:
+            raise not_found("member")
+        return row
+
+    def _wallet(self, conn: sqlite3.Connection | None, wallet_id: str,
+                workspace_id: str | None = None) -> sqlite3.Row:
+        """The wallet; W1001 if it is missing or belongs to another workspace.
+
+        ``conn`` None reads outside any transaction (a lone statement)."""
+        if wallet_id == MAGIC_BUSY_WALLET and self.settings.magic_values:
+            raise ServiceBusy()
+        if conn is None:
+            row = self.db.one("SELECT * FROM wallets WHERE id = ?", (wallet_id,))
+        else:
+            row = conn.execute("SELECT * FROM wallets WHERE id = ?", (wallet_id,)).fetchone()
+        if row is None or (workspace_id is not None and row["workspace_id"] != workspace_id):
+            raise WalletNotFound(wallet_id=str(wallet_id)[:64])
+        return row
+
+    def _active_wallet(self, conn: sqlite3.Connection, wallet_id: str,
+                       workspace_id: str | None) -> sqlite3.Row:
+        row = self._wallet(conn, wallet_id, workspace_id)
+        if row["status"] != WalletStatus.ACTIVE:
+            raise WalletNotActive(wallet_id=wallet_id, state=row["status"])
+        return row
+
+    @staticmethod
+    def _order(conn: sqlite3.Connection, workspace_id: str, biz_id: str) -> sqlite3.Row:
+        """The order; T1001 if missing or of another workspace (never leak existence)."""
+        row = conn.execute("SELECT * FROM transfers WHERE workspace_id = ? AND biz_id = ?",
+                           (workspace_id, biz_id)).fetchone()
+        if row is None:
+            raise TransferNotFound(biz_id=str(biz_id)[:64])
+        return row
+
+    @staticmethod
+    def _hold(tx: Tx, wallet_id: str, amount: int) -> None:
+        tx.conn.execute("UPDATE wallets SET pending = pending + ?, updated_at = ? WHERE id = ?",
+                        (amount, tx.now, wallet_id))
+
+    @staticmethod
+    def _add_to_balance(tx: Tx, wallet_id: str, balance: int, delta: int) -> int:
+        """Add ``delta`` (negative: take) to a wallet whose ``balance`` was read in this
+        write transaction, so that the new balance is known without reading it back."""
+        tx.conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?",
+                        (delta, tx.now, wallet_id))
+        return balance + delta
+
+    @staticmethod
+    def _write_flow(tx: Tx, wallet_id: str, flow_type: FlowType, amount: int, balance_after: int,
+                    transfer_id: str | None = None, biz_id: str | None = None,
+                    counterparty: str | None = None) -> sqlite3.Row:
+        """One flow; its row."""
+        return tx.conn.execute(
+            "INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after, transfer_id,"
+            " biz_id, counterparty_wallet_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *",
+            (tx.new_id("fl_"), wallet_id, flow_type, flow_type.direction, amount, balance_after, transfer_id,
+             biz_id, counterparty, tx.now)).fetchone()
 
     def seed_ids(self, seed: int | None) -> None:
         """Make the ids and secrets that follow a repeatable sequence of ``seed`` (None:
@@ -3973,8 +4042,8 @@ class WalletService(Ledger):
                     conn.executemany(f"INSERT INTO {table} ({', '.join(names)})"
                                      f" VALUES ({', '.join('?' * len(names))})", rows)
                 Faults.changed(conn)
-                kept = "clock_frozen_at, clock_offset, id_seed, id_drawn, has_start"  # (the rest is Faults'
-                # and the Journal's)
+                # Of the sandbox's row, the clock and the id sequence: the rest is Faults' and the Journal's.
+                kept = "clock_frozen_at, clock_offset, id_seed, id_drawn, has_start"
                 conn.execute(f"UPDATE sandbox SET ({kept}) = (?, ?, ?, ?, ?)",
                              tuple(source.execute(f"SELECT {kept} FROM sandbox").fetchone()))
                 last_ms, last_id = source.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
@@ -4108,92 +4177,6 @@ class WalletService(Ledger):
         conn.execute("INSERT INTO world_starts (workspace_id, rows) VALUES (?, ?)"
                      " ON CONFLICT (workspace_id) DO UPDATE SET rows = excluded.rows",
                      (workspace_id, json.dumps(self._world_rows(conn, workspace_id))))
-
-
-def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
-    """A scenario from a TOML or JSON file (``.json``: JSON, else TOML), or a dict as it is,
-    checked (``check_scenario``). A file that cannot be read or parsed, or a wrong field, is a
-    ValueError naming the file, the line and the field."""
-    if isinstance(source, Mapping):
-        return check_scenario(source)
-    path = os.fspath(source)
-    try:
-        with open(path, encoding="utf-8") as handle:
-            text = handle.read()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"scenario {path}: {getattr(exc, 'strerror', None) or exc}") from None
-    try:
-        scenario = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
-    except RecursionError:
-        raise ValueError(f"scenario {path}: line {_too_deep(text, not path.endswith('.json'))}: nested deeper"
-                         " than a scenario can be"
-                         f" (at most {SCENARIO_DEPTH} levels)") from None
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"scenario {path}: line {exc.lineno}: {exc.msg}") from None
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"scenario {path}: {exc}") from None
-    try:
-        return check_scenario(scenario)
-    except InvalidParameter as exc:
-        try:
-            line = _line_of(text, scenario, exc.params["field"])
-        except (LookupError, TypeError, ValueError):  # a path it cannot follow: no line, still the field
-            line = None
-        raise ValueError(f"scenario {path}: {f'line {line}: ' if line else ''}{exc.detail()}") from None
-
-
-SCENARIO_DEPTH = 8  # levels of [ and { a scenario's values need at most (an ipWhitelist in a key)
-
-
-def _too_deep(text: str, toml: bool) -> int:
-    """The line where brackets first nest deeper than SCENARIO_DEPTH (strings and TOML's table
-    headers left out)."""
-    depth = 0
-    for number, line in enumerate(text.splitlines(), 1):
-        if toml and line.lstrip().startswith("["):
-            continue
-        for char in re.sub(r'"(\\.|[^"\\])*"', "", line):
-            depth += {"[": 1, "{": 1, "]": -1, "}": -1}.get(char, 0)
-            if depth > SCENARIO_DEPTH:
-                return number
-    return 1
-
-
-def _line_of(text: str, scenario: Any, field: str) -> int | None:
-    """The line of ``field`` (``workspaces[0].wallets[2].currency``) in the file it was read from:
-    the n-th line that sets a key of its name, n counted in document order; for a missing
-    field, the line of its object's first key."""
-    steps = [int(index) if index else name for name, index in re.findall(r"([A-Za-z_]\w*)|\[(\d+)\]", field)]
-    key, parent = steps[-1], scenario
-    for step in steps[:-1]:
-        parent = parent[step] if isinstance(parent, (dict, list)) else None
-    if isinstance(parent, dict) and key not in parent:  # a required field missing: where its object starts
-        if not parent or not steps[:-1]:
-            return None
-        path = "".join(f"[{step}]" if isinstance(step, int) else f".{step}"
-                       for step in steps[:-1]).lstrip(".")
-        return _line_of(text, scenario, f"{path}.{next(iter(parent))}")
-    count, found = 0, False
-
-    def walk(node: Any) -> None:
-        nonlocal count, found
-        if found:
-            return
-        if isinstance(node, dict):
-            for name, value in node.items():
-                if name == key:
-                    if node is parent:
-                        found = True
-                        return
-                    count += 1
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-    walk(scenario)
-    lines = [number for number, line in enumerate(text.splitlines(), 1)  # each place that sets the key
-             for _ in re.finditer(rf"(^|[{{,])\s*\"?{re.escape(str(key))}\"?\s*[=:]", line)]
-    return lines[count] if found and count < len(lines) else None
 
 
 def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
