@@ -430,7 +430,7 @@ def call_trace(run) -> list[str]:
     return seen
 
 
-SHAPE_TARGETS = {"signed GET": (9, 18), "signed create-transfer": (10, 25)}  # sections, changes of section
+SHAPE_TARGETS = {"signed GET": (7, 16), "signed create-transfer": (9, 25)}  # sections, changes of section
 
 
 def request_shape(tmp: str) -> list:

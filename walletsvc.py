@@ -8,35 +8,33 @@ the console's page, kept last as bottle keeps its template, which handlers read 
      2. Errors - the catalog: one class per code, bilingual messages
      3. Settings - every setting, its converter, default and layer
      4. Money and time - currencies, amounts as integer minor units; times as the API shows them
-     5. Storage - SQLite: schema, connections, the one door for writes
+     5. Storage - SQLite: schema, connections, the one door for writes, the file's check
      6. Signing and replay protection - the canonical message, HMAC, signing mistakes; nonce records
-  Service
      7. Pagination - page and size, filters, how a page query is built
      8. The ledger's invariants - the audits, as SQL
-     9. Wallets and transfers - resources, ids, a transfer's values
+     9. Wallets and transfers - the values a request gives: checked; lists' sorts and filters
   The sandbox's state (in the database, shared by every process)
-    10. The sandbox's clock - frozen, set, advanced; admin times
-    11. Request journal - what the journal keeps, and its assertions
-    12. Fault rules - forced errors, latency, commit then fail or drop
-    13. Scenarios and the starting state - worlds, their checks, backups
+    10. Request journal - what the journal keeps, and its assertions
+    11. Fault rules - forced errors, latency, commit then fail or drop
+    12. Scenarios and the starting state - worlds, their checks, backups
   The service
-    14. The service - WalletService: the ledger, its write units, the sandbox's state
+    13. The service - WalletService: resources, ids, its clock, the ledger and its write units
   HTTP
-    15. HTTP schemas - the JSON shapes, and the request body check
-    16. Declared endpoints and the envelope - ``@endpoint``, what a handler answers
-    17. The request path - the WSGI app, HttpApi: decide, commit, render, log
-    18. OpenAPI document - /openapi.json, from the declarations
-    19. API handlers - the endpoints of the contract
-    20. The console's session - how the console logs in
-    21. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal, console
-    22. App factory - create_app
+    14. HTTP schemas - the JSON shapes, and the request body check
+    15. Declared endpoints and the envelope - ``@endpoint``, what a handler answers
+    16. The request path - the WSGI app, HttpApi: decide (the whole pipeline), commit, render, log
+    17. OpenAPI document - /openapi.json, from the declarations
+    18. API handlers - the endpoints of the contract
+    19. The console's session - how the console logs in
+    20. Admin surface - /_admin/: workspaces, keys, wallets, clock, faults, journal, console
+    21. App factory - create_app
   Tools
-    23. Client - a signing client, typed errors
-    24. Serving - ``serve``: waitress, workers, hostile networks
-    25. pytest plugin - the ``walletsvc_sandbox`` fixtures, Sandbox, LiveServer
-    26. Command line - ``walletsvc serve``, ``request``, ``sign``, admin commands
+    22. Client - a signing client, typed errors
+    23. Serving - ``serve``: waitress, workers, hostile networks
+    24. pytest plugin - the ``walletsvc_sandbox`` fixtures, Sandbox, LiveServer
+    25. Command line - ``walletsvc serve``, ``request``, ``sign``, admin commands
   Assets
-    27. The console's page - its HTML, style and script
+    26. The console's page - its HTML, style and script
 
 walletsvc implements the Wallet and Transfer Service HTTP interface
 (HMAC-signed requests, workspaces, API keys with scopes, wallets, balances,
@@ -637,6 +635,14 @@ def negotiate_locale(x_locale: str | None, accept_language: str | None, default:
     return default
 
 
+_THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径", "fault rule": "故障规则",
+              "world": "世界（场景实例）"}
+
+
+def not_found(thing: str) -> NotFound:
+    return NotFound(thing=thing, thing_zh=_THINGS_ZH[thing])
+
+
 ###############################################################################
 # Settings #####################################################################
 ###############################################################################
@@ -947,6 +953,45 @@ def parse_time(text: str) -> int | None:
     if second == "60" and minute_ms // 60_000 % 1440 != 1439:  # a leap second ends a UTC day
         return None
     return minute_ms + int(second) * 1000 + int((fraction or "0")[:3].ljust(3, "0"))
+
+
+CLOCK_RANGE = (0.0, 253402300799.0)  # epoch seconds a datetime can hold: 1970-01-01 to 9999-12-31
+
+
+MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is taken for milliseconds
+
+
+def admin_time(value: Any, field: str) -> float | None:
+    """A time given to the admin surface (docs/sandbox.md), as epoch seconds: a JSON number is epoch
+    seconds, a string RFC 3339 (ISO-8601 with an offset, or a date); a value that looks like
+    milliseconds is refused, saying so."""
+    if value is None:
+        return None
+    if isinstance(value, datetime.datetime):  # (a TOML datetime; naive means UTC)
+        return (value if value.tzinfo else value.replace(tzinfo=datetime.UTC)).timestamp()
+    if isinstance(value, (bool, datetime.date, datetime.time)) or not isinstance(value, (int, float, str)):
+        raise invalid(field, "time_iso")
+    if isinstance(value, str):
+        if re.fullmatch(r"[0-9]+", value):
+            raise invalid(field, "time_digits")
+        moment = parse_time(value)
+        if moment is None:
+            raise invalid(field, "time_iso")
+        return moment / 1000
+    if MILLISECONDS_FROM <= value <= CLOCK_RANGE[1] * 1000:
+        raise invalid(field, "time_ms")
+    return value
+
+
+def _clock_time(at: float) -> float:
+    try:
+        at = float(at)
+    except OverflowError:  # an integer of hundreds of digits
+        raise ValueError(f"{str(at)[:20]}... is outside the clock's range"
+                         " (1970-01-01 to 9999-12-31)") from None
+    if not CLOCK_RANGE[0] <= at <= CLOCK_RANGE[1]:  # NaN fails both comparisons
+        raise ValueError(f"{at!r} is outside the clock's range (1970-01-01 to 9999-12-31)")
+    return at
 
 
 ###############################################################################
@@ -1753,8 +1798,9 @@ class PendingNonce(NamedTuple):
 
 
 class Nonces:
-    """Replay protection, in one place: the nonce check (docs/contract.md, step 5), the record made
-    once the signature passed, and forgetting by count (docs/contract.md, Replay protection).
+    """Replay protection, in one place: what the key's lookup reads for the nonce check
+    (docs/contract.md, step 5: ``Authenticator.nonce``), the record made once the signature passed,
+    and forgetting by count (docs/contract.md, Replay protection).
 
     Records are kept exactly, however the clock moves: a nonce recorded for a key is
     refused for that key while its record is kept, at any time. Past ``bound`` records
@@ -1800,17 +1846,6 @@ class Nonces:
     def parameters(cls, api_key: str, nonce: str, stamp: int) -> dict[str, Any]:
         """The named parameters LOOKUP and the record read."""
         return {"api_key": api_key, "nonce": nonce, "stamp": stamp, "digest": cls.digest(api_key, nonce)}
-
-    @staticmethod
-    def check(nonce: str, key: Mapping[str, Any]) -> None:
-        """Step 5: X-Nonce well formed, not recorded for this key, its second not forgotten."""
-        if not _NONCE.fullmatch(nonce):
-            raise expired("X-Nonce must be 1-128 printable ASCII characters.",
-                          "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
-        if key["nonce_used"]:
-            raise _nonce_used()
-        if key["nonce_forgotten"]:
-            raise _nonce_forgotten()
 
     def record(self, conn: sqlite3.Connection, pending: PendingNonce) -> None:
         """Record ``pending`` in ``conn``'s transaction; GA2013 if another request recorded it
@@ -2166,81 +2201,11 @@ _AUDITS = (
 # Wallets and transfers ########################################################
 ###############################################################################
 
-def workspace_resource(row: sqlite3.Row) -> dict:
-    return {"id": row["id"], "name": row["name"], "ownerMemberId": row["owner_member_id"],
-            "createdAt": iso_time(row["created_at"])}
-
-
-def member_resource(row: sqlite3.Row) -> dict:
-    return {"id": row["id"], "workspaceId": row["workspace_id"], "name": row["name"],
-            "role": row["role"], "createdAt": iso_time(row["created_at"])}
-
-
-def api_key_resource(row: sqlite3.Row) -> dict:
-    return {"apiKey": row["id"], "workspaceId": row["workspace_id"], "memberId": row["member_id"],
-            "scopes": row["scopes"].split(), "enabled": bool(row["enabled"]),
-            "ipWhitelist": json.loads(row["ip_whitelist"]) if row["ip_whitelist"] else None,
-            "createdAt": iso_time(row["created_at"])}
-
-
-def wallet_resource(row: sqlite3.Row) -> dict:
-    return {"id": row["id"], "workspaceId": row["workspace_id"], "name": row["name"],
-            "currency": row["currency"], "status": row["status"],
-            "balance": format_amount(row["balance"], row["currency"]),
-            "createdAt": iso_time(row["created_at"]), "updatedAt": iso_time(row["updated_at"])}
-
-
-def balance_resource(row: sqlite3.Row) -> dict:
-    currency = row["currency"]
-    return {"walletId": row["id"], "currency": currency,
-            "balance": format_amount(row["balance"], currency),
-            "available": format_amount(row["balance"] - row["pending"], currency),
-            "pending": format_amount(row["pending"], currency),
-            "updatedAt": iso_time(row["updated_at"])}
-
-
-def flow_resource(row: sqlite3.Row, currency: str) -> dict:
-    return {"id": row["id"], "walletId": row["wallet_id"], "type": row["type"],
-            "direction": row["direction"], "amount": format_amount(row["amount"], currency),
-            "balanceAfter": format_amount(row["balance_after"], currency),
-            "transferId": row["transfer_id"], "bizId": row["biz_id"],
-            "counterpartyWalletId": row["counterparty_wallet_id"],
-            "createdAt": iso_time(row["created_at"])}
-
-
-def transfer_resource(row: sqlite3.Row) -> dict:
-    return {"transferId": row["id"], "bizId": row["biz_id"],
-            "sourceWalletId": row["source_wallet_id"], "targetWalletId": row["target_wallet_id"],
-            "amount": format_amount(row["amount"], row["currency"]), "currency": row["currency"],
-            "status": row["status"], "description": row["description"],
-            "createdAt": iso_time(row["created_at"]), "updatedAt": iso_time(row["updated_at"]),
-            "completedAt": iso_time(row["completed_at"])}
-
-
-def completion_resource(row: sqlite3.Row) -> dict:
-    return {"bizId": row["biz_id"], "transferId": row["id"], "status": row["status"],
-            "completed": row["status"] == TransferStatus.COMPLETED}
-
-
-
 WALLET_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "name": "name",
                 "currency": "currency", "status": "status", "balance": "balance"}
 TRANSFER_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "amount": "amount",
                   "status": "status"}
 FLOW_SORTS = {"createdAt": "created_at", "amount": "amount", "type": "type"}
-MAGIC_DECLINED = "666.66"  # with magic_values: always T2001
-MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
-_WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
-                     f" AND m.role = '{Role.OWNER}' ORDER BY created_at LIMIT 1) AS owner_member_id"
-                     " FROM workspaces w")
-_THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径", "fault rule": "故障规则",
-              "world": "世界（场景实例）"}
-
-
-def not_found(thing: str) -> NotFound:
-    return NotFound(thing=thing, thing_zh=_THINGS_ZH[thing])
-
-
 def _text(value: Any, field: str, maximum: int, minimum: int = 1) -> str:
     if not isinstance(value, str):
         raise invalid(field, "string")
@@ -2257,13 +2222,6 @@ def _biz_id(value: Any, field: str = "bizId") -> str:
     if not _ID.fullmatch(value):
         raise invalid(field, "biz_id")
     return value
-
-
-_INSERT_TRANSFER = (
-    "INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id, amount, currency,"
-    " status, description, created_at, updated_at, completed_at, settle_at)"
-    " VALUES (:id, :workspace_id, :biz_id, :source_wallet_id, :target_wallet_id, :amount, :currency,"
-    " :status, :description, :created_at, :updated_at, :completed_at, :settle_at)")
 
 
 def ip_whitelist_entries(value: Any, field: str = "ipWhitelist") -> list[str]:
@@ -2327,102 +2285,6 @@ TRANSFER_FILTERS = {"status": ListFilter.one_of("status", TRANSFER_STATUSES, cou
                     "bizIdPrefix": ListFilter(("biz_id >= ?", "biz_id < ?"), _prefix_filter)}
 
 
-def new_id(prefix: str, now_ms: int, random_bits: int) -> str:
-    """A type-prefixed, time-ordered id: 12 hex digits of time (48 bits), 20 of randomness (80 bits)."""
-    return f"{prefix}{now_ms:012x}{random_bits:020x}"
-
-
-def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
-    """The ``drawn``-th number of ``bits`` bits of the sequence of ``seed``: the same on every run
-    and process."""
-    digest = hashlib.blake2b(f"{seed}:{drawn}".encode(), digest_size=bits // 8).digest()
-    return int.from_bytes(digest, "big")
-
-
-class IdSequence:
-    """The ids and secrets one write transaction issues (docs/sandbox.md).
-
-    An id is 48 bits of time (or sequence) and 80 bits of randomness, and sorts
-    after the last id committed in the database (``last_id``): random ids take
-    the transaction's millisecond, or count on from the last id within it;
-    seeded ids count on from the last id, with bits drawn from the seed's
-    sequence, so the same starting state and seed give the same ids.
-    """
-
-    __slots__ = ("drawn", "first", "high", "low", "now", "seed")
-
-    def __init__(self, last_id: str, seed: int | None, drawn: int, now: int) -> None:
-        self.high, self.low = (int(last_id[-32:-20], 16), int(last_id[-20:], 16)) if last_id else (0, 0)
-        self.seed, self.drawn, self.now = seed, drawn, now
-        self.first = drawn  # how far the seed's sequence was drawn when the transaction began
-
-    def next(self, prefix: str, now_ms: int) -> str:
-        if self.seed is not None:
-            self.high, self.low = self.high + 1, _seeded_bits(self.seed, self.drawn, 80)
-            self.drawn += 1
-        elif now_ms > self.high:
-            self.high, self.low = now_ms, secrets.randbits(79)
-        elif self.low + 1 < 1 << 80:
-            self.low += 1
-        else:
-            self.high, self.low = self.high + 1, 0
-        return new_id(prefix, self.high, self.low)
-
-    def secret(self) -> str:
-        if self.seed is None:
-            return secrets.token_urlsafe(32)
-        self.drawn += 1
-        return base64.urlsafe_b64encode(_seeded_bits(self.seed, self.drawn - 1, 256).to_bytes(32, "big")
-                                        ).decode().rstrip("=")
-
-    @property
-    def last(self) -> str:
-        return new_id("", self.high, self.low) if self.high else ""
-
-
-class IdSource:
-    """Where the service's write transactions get their ids: random ones, or drawn from the seed
-    kept in the database's sandbox row when one is set (the ``id_seed`` setting, ``seed_ids``),
-    counted on there by every process (docs/sandbox.md)."""
-
-    @staticmethod
-    def start(conn: sqlite3.Connection, last_id: str, now_ms: int) -> IdSequence:
-        """The ids of one write transaction, sorting after ``last_id``, at ``now_ms``."""
-        seed, drawn = conn.execute("SELECT id_seed, id_drawn FROM sandbox").fetchone()
-        return IdSequence(last_id, seed, drawn, now_ms)
-
-    @staticmethod
-    def keep(conn: sqlite3.Connection, ids: IdSequence) -> None:
-        """Before the transaction commits: note how far ``ids`` drew from the seed."""
-        if ids.drawn != ids.first:
-            conn.execute("UPDATE sandbox SET id_drawn = ?", (ids.drawn,))
-
-
-T = TypeVar("T")
-
-
-class Tx(NamedTuple):
-    """One write unit's view of its transaction: the connection, the ledger's time (epoch ms)
-    and the ids it issues (``WalletService.unit``)."""
-
-    conn: sqlite3.Connection
-    now: int
-    ids: IdSequence
-    clock: int  # the service clock's own reading (``now`` is never before the last write's time)
-
-    def new_id(self, prefix: str) -> str:
-        """A fresh id: it sorts after every id committed before (docs/sandbox.md), so that the
-        id tie-break orders rows by commit."""
-        return self.ids.next(prefix, self.now)
-
-
-class Transferred(NamedTuple):
-    """A transfer's outcome: the order, and whether it is an idempotent replay of an earlier request."""
-
-    order: dict
-    replayed: bool
-
-
 class TransferRequest(NamedTuple):
     """A transfer's values, checked (``checked``): what ``WalletService.transfer_unit`` moves."""
 
@@ -2460,177 +2322,6 @@ class TransferRequest(NamedTuple):
         if not same:
             raise IdempotencyConflict(biz_id=existing["biz_id"])
         return existing
-
-
-###############################################################################
-# The sandbox's clock ##########################################################
-###############################################################################
-
-CLOCK_RANGE = (0.0, 253402300799.0)  # epoch seconds a datetime can hold: 1970-01-01 to 9999-12-31
-
-
-MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is taken for milliseconds
-
-
-def admin_time(value: Any, field: str) -> float | None:
-    """A time given to the admin surface (docs/sandbox.md), as epoch seconds: a JSON number is epoch
-    seconds, a string RFC 3339 (ISO-8601 with an offset, or a date); a value that looks like
-    milliseconds is refused, saying so."""
-    if value is None:
-        return None
-    if isinstance(value, datetime.datetime):  # (a TOML datetime; naive means UTC)
-        return (value if value.tzinfo else value.replace(tzinfo=datetime.UTC)).timestamp()
-    if isinstance(value, (bool, datetime.date, datetime.time)) or not isinstance(value, (int, float, str)):
-        raise invalid(field, "time_iso")
-    if isinstance(value, str):
-        if re.fullmatch(r"[0-9]+", value):
-            raise invalid(field, "time_digits")
-        moment = parse_time(value)
-        if moment is None:
-            raise invalid(field, "time_iso")
-        return moment / 1000
-    if MILLISECONDS_FROM <= value <= CLOCK_RANGE[1] * 1000:
-        raise invalid(field, "time_ms")
-    return value
-
-
-def _clock_time(at: float) -> float:
-    try:
-        at = float(at)
-    except OverflowError:  # an integer of hundreds of digits
-        raise ValueError(f"{str(at)[:20]}... is outside the clock's range"
-                         " (1970-01-01 to 9999-12-31)") from None
-    if not CLOCK_RANGE[0] <= at <= CLOCK_RANGE[1]:  # NaN fails both comparisons
-        raise ValueError(f"{at!r} is outside the clock's range (1970-01-01 to 9999-12-31)")
-    return at
-
-
-class Clock:
-    """The service clock: real time plus an offset, or frozen; every service has one.
-
-    Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
-    nonce expiry and delayed settlement all read it, and its state moves into
-    the service's database (docs/sandbox.md), so that every process serving that
-    file reads and moves the same clock. A database that already has a clock
-    state keeps it (a restarted server keeps a frozen clock frozen). Unbound,
-    the clock keeps its state in memory. It only ever shows times in
-    CLOCK_RANGE: a change that would leave it is a ValueError. A service given
-    a plain function of its own (or none: ``time.time``) reads it through
-    ``Clock.following``, a clock that is not controllable.
-    """
-
-    def __init__(self, frozen_at: float | None = None) -> None:
-        self._lock = threading.Lock()
-        self._state = self.start = (None if frozen_at is None else _clock_time(frozen_at), 0.0)
-        self._db: Database | None = None
-        self._source: Callable[[], float] = time.time
-        self.controllable = True
-
-    @classmethod
-    def following(cls, source: Callable[[], float]) -> Clock:
-        """A clock that shows what ``source`` says: not moved from outside, kept in no database."""
-        clock = cls()
-        clock._source, clock.controllable = source, False
-        return clock
-
-    def bind(self, db: Database) -> None:
-        """Keep the state in ``db`` from now on: its state if it has one, else this clock's. A clock
-        is one sandbox's: bound to another database, it is a ValueError."""
-        if not self.controllable:
-            return
-        if self._db is not None and self._db is not db:
-            raise ValueError("this Clock is another service's (its state lives in that service's database):"
-                             " give each service a Clock of its own")
-        if self._state != (None, 0.0):  # (a running clock needs no write: a locked database still starts)
-            db.write([lambda conn: conn.execute(
-                "UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?"
-                " WHERE clock_frozen_at IS NULL AND clock_offset = 0 AND NOT has_start", self._state)],
-                durable=False)
-        self._db = db
-
-    def reading_in(self, conn: sqlite3.Connection) -> float:
-        """The time it shows now, as ``conn``'s transaction holds its state (``WalletService.now_in``)."""
-        if self._db is None:
-            return self()
-        return self.reading(*conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone())
-
-    def reading(self, frozen_at: float | None, offset: float) -> float:
-        """The time this clock shows now in this state."""
-        return frozen_at if frozen_at is not None else self._source() + offset
-
-    def state(self) -> tuple[float | None, float]:
-        """(frozen_at or None, offset): where the clock stands."""
-        if self._db is None:
-            return self._state
-        return tuple(self._db.one("SELECT clock_frozen_at, clock_offset FROM sandbox"))
-
-    def __call__(self) -> float:
-        return self.reading(*self.state())
-
-    @property
-    def frozen(self) -> bool:
-        return self.state()[0] is not None
-
-    def _change(self, move: Callable[[float | None, float], tuple[float | None, float]]) -> None:
-        """Apply ``move`` to the state, atomically (in the database when bound)."""
-        if self._db is None:
-            with self._lock:
-                self._state = move(*self._state)
-            return
-        self._db.write([self.moved(move)], durable=False)
-
-    @staticmethod
-    def moved(move: Callable[[float | None, float], tuple[float | None, float]]) -> Unit:
-        """The unit that applies ``move`` to the clock's state in the database."""
-        def unit(conn: sqlite3.Connection) -> None:
-            state = conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone()
-            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", move(*state))
-        return unit
-
-    @staticmethod
-    def starting_at(at: float, frozen: bool) -> Callable[[float | None, float], tuple[float | None, float]]:
-        """The move that starts a clock at ``at``: frozen there, or running from there (a scenario's
-        clock; a clock frozen already stays frozen, at ``at``)."""
-        at = _clock_time(at)
-        return lambda frozen_at, offset: (at, offset) if frozen or frozen_at is not None \
-            else (None, at - time.time())
-
-    def freeze(self, at: float | None = None) -> None:
-        """Stop the clock, at ``at`` (epoch seconds) or now."""
-        at = None if at is None else _clock_time(at)
-        self._change(lambda frozen_at, offset: (self.reading(frozen_at, offset) if at is None else at,
-                                                offset))
-
-    def set(self, at: float) -> None:
-        """Jump to ``at``; a running clock keeps running from there."""
-        at = _clock_time(at)
-        self._change(lambda frozen_at, offset: (at, offset) if frozen_at is not None
-                     else (None, at - time.time()))
-
-    def advance(self, seconds: float) -> None:
-        """Move ``seconds`` forward (negative: back)."""
-        seconds = float(seconds)
-
-        def move(frozen_at: float | None, offset: float) -> tuple[float | None, float]:
-            moved = _clock_time(self.reading(frozen_at, offset) + seconds)
-            return (moved, offset) if frozen_at is not None else (None, moved - time.time())
-        self._change(move)
-
-    def unfreeze(self) -> None:
-        """Run again from the frozen moment."""
-        self._change(lambda frozen_at, offset: (None, frozen_at - time.time()) if frozen_at is not None
-                     else (None, offset))
-
-    def reset(self) -> None:
-        """Back to where it started: the sandbox's starting clock when bound (see
-        ``WalletService.save_start``), else real time, running (or frozen where it was made frozen)."""
-        if self._db is None:
-            self._change(lambda frozen_at, offset: self.start)
-            return
-        def reset(conn: sqlite3.Connection) -> None:
-            start = conn.execute("SELECT clock_frozen_at, clock_offset FROM start_sandbox").fetchone()
-            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", start or self.start)
-        self._db.write([reset], durable=False)
 
 
 ###############################################################################
@@ -3367,6 +3058,298 @@ def _line_of(text: str, scenario: Any, field: str) -> int | None:
 ###############################################################################
 # The service ##################################################################
 ###############################################################################
+
+def workspace_resource(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "name": row["name"], "ownerMemberId": row["owner_member_id"],
+            "createdAt": iso_time(row["created_at"])}
+
+
+def member_resource(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "workspaceId": row["workspace_id"], "name": row["name"],
+            "role": row["role"], "createdAt": iso_time(row["created_at"])}
+
+
+def api_key_resource(row: sqlite3.Row) -> dict:
+    return {"apiKey": row["id"], "workspaceId": row["workspace_id"], "memberId": row["member_id"],
+            "scopes": row["scopes"].split(), "enabled": bool(row["enabled"]),
+            "ipWhitelist": json.loads(row["ip_whitelist"]) if row["ip_whitelist"] else None,
+            "createdAt": iso_time(row["created_at"])}
+
+
+def wallet_resource(row: sqlite3.Row) -> dict:
+    return {"id": row["id"], "workspaceId": row["workspace_id"], "name": row["name"],
+            "currency": row["currency"], "status": row["status"],
+            "balance": format_amount(row["balance"], row["currency"]),
+            "createdAt": iso_time(row["created_at"]), "updatedAt": iso_time(row["updated_at"])}
+
+
+def balance_resource(row: sqlite3.Row) -> dict:
+    currency = row["currency"]
+    return {"walletId": row["id"], "currency": currency,
+            "balance": format_amount(row["balance"], currency),
+            "available": format_amount(row["balance"] - row["pending"], currency),
+            "pending": format_amount(row["pending"], currency),
+            "updatedAt": iso_time(row["updated_at"])}
+
+
+def flow_resource(row: sqlite3.Row, currency: str) -> dict:
+    return {"id": row["id"], "walletId": row["wallet_id"], "type": row["type"],
+            "direction": row["direction"], "amount": format_amount(row["amount"], currency),
+            "balanceAfter": format_amount(row["balance_after"], currency),
+            "transferId": row["transfer_id"], "bizId": row["biz_id"],
+            "counterpartyWalletId": row["counterparty_wallet_id"],
+            "createdAt": iso_time(row["created_at"])}
+
+
+def transfer_resource(row: sqlite3.Row) -> dict:
+    return {"transferId": row["id"], "bizId": row["biz_id"],
+            "sourceWalletId": row["source_wallet_id"], "targetWalletId": row["target_wallet_id"],
+            "amount": format_amount(row["amount"], row["currency"]), "currency": row["currency"],
+            "status": row["status"], "description": row["description"],
+            "createdAt": iso_time(row["created_at"]), "updatedAt": iso_time(row["updated_at"]),
+            "completedAt": iso_time(row["completed_at"])}
+
+
+def completion_resource(row: sqlite3.Row) -> dict:
+    return {"bizId": row["biz_id"], "transferId": row["id"], "status": row["status"],
+            "completed": row["status"] == TransferStatus.COMPLETED}
+
+
+MAGIC_DECLINED = "666.66"  # with magic_values: always T2001
+MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
+_WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
+                     f" AND m.role = '{Role.OWNER}' ORDER BY created_at LIMIT 1) AS owner_member_id"
+                     " FROM workspaces w")
+_INSERT_TRANSFER = (
+    "INSERT INTO transfers (id, workspace_id, biz_id, source_wallet_id, target_wallet_id, amount, currency,"
+    " status, description, created_at, updated_at, completed_at, settle_at)"
+    " VALUES (:id, :workspace_id, :biz_id, :source_wallet_id, :target_wallet_id, :amount, :currency,"
+    " :status, :description, :created_at, :updated_at, :completed_at, :settle_at)")
+
+
+def new_id(prefix: str, now_ms: int, random_bits: int) -> str:
+    """A type-prefixed, time-ordered id: 12 hex digits of time (48 bits), 20 of randomness (80 bits)."""
+    return f"{prefix}{now_ms:012x}{random_bits:020x}"
+
+
+def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
+    """The ``drawn``-th number of ``bits`` bits of the sequence of ``seed``: the same on every run
+    and process."""
+    digest = hashlib.blake2b(f"{seed}:{drawn}".encode(), digest_size=bits // 8).digest()
+    return int.from_bytes(digest, "big")
+
+
+class IdSequence:
+    """The ids and secrets one write transaction issues (docs/sandbox.md).
+
+    An id is 48 bits of time (or sequence) and 80 bits of randomness, and sorts
+    after the last id committed in the database (``last_id``): random ids take
+    the transaction's millisecond, or count on from the last id within it;
+    seeded ids count on from the last id, with bits drawn from the seed's
+    sequence, so the same starting state and seed give the same ids.
+    """
+
+    __slots__ = ("drawn", "first", "high", "low", "now", "seed")
+
+    def __init__(self, last_id: str, seed: int | None, drawn: int, now: int) -> None:
+        self.high, self.low = (int(last_id[-32:-20], 16), int(last_id[-20:], 16)) if last_id else (0, 0)
+        self.seed, self.drawn, self.now = seed, drawn, now
+        self.first = drawn  # how far the seed's sequence was drawn when the transaction began
+
+    def next(self, prefix: str, now_ms: int) -> str:
+        if self.seed is not None:
+            self.high, self.low = self.high + 1, _seeded_bits(self.seed, self.drawn, 80)
+            self.drawn += 1
+        elif now_ms > self.high:
+            self.high, self.low = now_ms, secrets.randbits(79)
+        elif self.low + 1 < 1 << 80:
+            self.low += 1
+        else:
+            self.high, self.low = self.high + 1, 0
+        return new_id(prefix, self.high, self.low)
+
+    def secret(self) -> str:
+        if self.seed is None:
+            return secrets.token_urlsafe(32)
+        self.drawn += 1
+        return base64.urlsafe_b64encode(_seeded_bits(self.seed, self.drawn - 1, 256).to_bytes(32, "big")
+                                        ).decode().rstrip("=")
+
+    @property
+    def last(self) -> str:
+        return new_id("", self.high, self.low) if self.high else ""
+
+
+class IdSource:
+    """Where the service's write transactions get their ids: random ones, or drawn from the seed
+    kept in the database's sandbox row when one is set (the ``id_seed`` setting, ``seed_ids``),
+    counted on there by every process (docs/sandbox.md)."""
+
+    @staticmethod
+    def start(conn: sqlite3.Connection, last_id: str, now_ms: int) -> IdSequence:
+        """The ids of one write transaction, sorting after ``last_id``, at ``now_ms``."""
+        seed, drawn = conn.execute("SELECT id_seed, id_drawn FROM sandbox").fetchone()
+        return IdSequence(last_id, seed, drawn, now_ms)
+
+    @staticmethod
+    def keep(conn: sqlite3.Connection, ids: IdSequence) -> None:
+        """Before the transaction commits: note how far ``ids`` drew from the seed."""
+        if ids.drawn != ids.first:
+            conn.execute("UPDATE sandbox SET id_drawn = ?", (ids.drawn,))
+
+
+T = TypeVar("T")
+
+
+class Tx(NamedTuple):
+    """One write unit's view of its transaction: the connection, the ledger's time (epoch ms)
+    and the ids it issues (``WalletService.unit``)."""
+
+    conn: sqlite3.Connection
+    now: int
+    ids: IdSequence
+    clock: int  # the service clock's own reading (``now`` is never before the last write's time)
+
+    def new_id(self, prefix: str) -> str:
+        """A fresh id: it sorts after every id committed before (docs/sandbox.md), so that the
+        id tie-break orders rows by commit."""
+        return self.ids.next(prefix, self.now)
+
+
+class Transferred(NamedTuple):
+    """A transfer's outcome: the order, and whether it is an idempotent replay of an earlier request."""
+
+    order: dict
+    replayed: bool
+
+
+class Clock:
+    """The service clock: real time plus an offset, or frozen; every service has one.
+
+    Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
+    nonce expiry and delayed settlement all read it, and its state moves into
+    the service's database (docs/sandbox.md), so that every process serving that
+    file reads and moves the same clock. A database that already has a clock
+    state keeps it (a restarted server keeps a frozen clock frozen). Unbound,
+    the clock keeps its state in memory. It only ever shows times in
+    CLOCK_RANGE: a change that would leave it is a ValueError. A service given
+    a plain function of its own (or none: ``time.time``) reads it through
+    ``Clock.following``, a clock that is not controllable.
+    """
+
+    def __init__(self, frozen_at: float | None = None) -> None:
+        self._lock = threading.Lock()
+        self._state = self.start = (None if frozen_at is None else _clock_time(frozen_at), 0.0)
+        self._db: Database | None = None
+        self._source: Callable[[], float] = time.time
+        self.controllable = True
+
+    @classmethod
+    def following(cls, source: Callable[[], float]) -> Clock:
+        """A clock that shows what ``source`` says: not moved from outside, kept in no database."""
+        clock = cls()
+        clock._source, clock.controllable = source, False
+        return clock
+
+    def bind(self, db: Database) -> None:
+        """Keep the state in ``db`` from now on: its state if it has one, else this clock's. A clock
+        is one sandbox's: bound to another database, it is a ValueError."""
+        if not self.controllable:
+            return
+        if self._db is not None and self._db is not db:
+            raise ValueError("this Clock is another service's (its state lives in that service's database):"
+                             " give each service a Clock of its own")
+        if self._state != (None, 0.0):  # (a running clock needs no write: a locked database still starts)
+            db.write([lambda conn: conn.execute(
+                "UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?"
+                " WHERE clock_frozen_at IS NULL AND clock_offset = 0 AND NOT has_start", self._state)],
+                durable=False)
+        self._db = db
+
+    def reading_in(self, conn: sqlite3.Connection) -> float:
+        """The time it shows now, as ``conn``'s transaction holds its state (``WalletService.now_in``)."""
+        if self._db is None:
+            return self()
+        return self.reading(*conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone())
+
+    def reading(self, frozen_at: float | None, offset: float) -> float:
+        """The time this clock shows now in this state."""
+        return frozen_at if frozen_at is not None else self._source() + offset
+
+    def state(self) -> tuple[float | None, float]:
+        """(frozen_at or None, offset): where the clock stands."""
+        if self._db is None:
+            return self._state
+        return tuple(self._db.one("SELECT clock_frozen_at, clock_offset FROM sandbox"))
+
+    def __call__(self) -> float:
+        return self.reading(*self.state())
+
+    @property
+    def frozen(self) -> bool:
+        return self.state()[0] is not None
+
+    def _change(self, move: Callable[[float | None, float], tuple[float | None, float]]) -> None:
+        """Apply ``move`` to the state, atomically (in the database when bound)."""
+        if self._db is None:
+            with self._lock:
+                self._state = move(*self._state)
+            return
+        self._db.write([self.moved(move)], durable=False)
+
+    @staticmethod
+    def moved(move: Callable[[float | None, float], tuple[float | None, float]]) -> Unit:
+        """The unit that applies ``move`` to the clock's state in the database."""
+        def unit(conn: sqlite3.Connection) -> None:
+            state = conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone()
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", move(*state))
+        return unit
+
+    @staticmethod
+    def starting_at(at: float, frozen: bool) -> Callable[[float | None, float], tuple[float | None, float]]:
+        """The move that starts a clock at ``at``: frozen there, or running from there (a scenario's
+        clock; a clock frozen already stays frozen, at ``at``)."""
+        at = _clock_time(at)
+        return lambda frozen_at, offset: (at, offset) if frozen or frozen_at is not None \
+            else (None, at - time.time())
+
+    def freeze(self, at: float | None = None) -> None:
+        """Stop the clock, at ``at`` (epoch seconds) or now."""
+        at = None if at is None else _clock_time(at)
+        self._change(lambda frozen_at, offset: (self.reading(frozen_at, offset) if at is None else at,
+                                                offset))
+
+    def set(self, at: float) -> None:
+        """Jump to ``at``; a running clock keeps running from there."""
+        at = _clock_time(at)
+        self._change(lambda frozen_at, offset: (at, offset) if frozen_at is not None
+                     else (None, at - time.time()))
+
+    def advance(self, seconds: float) -> None:
+        """Move ``seconds`` forward (negative: back)."""
+        seconds = float(seconds)
+
+        def move(frozen_at: float | None, offset: float) -> tuple[float | None, float]:
+            moved = _clock_time(self.reading(frozen_at, offset) + seconds)
+            return (moved, offset) if frozen_at is not None else (None, moved - time.time())
+        self._change(move)
+
+    def unfreeze(self) -> None:
+        """Run again from the frozen moment."""
+        self._change(lambda frozen_at, offset: (None, frozen_at - time.time()) if frozen_at is not None
+                     else (None, offset))
+
+    def reset(self) -> None:
+        """Back to where it started: the sandbox's starting clock when bound (see
+        ``WalletService.save_start``), else real time, running (or frozen where it was made frozen)."""
+        if self._db is None:
+            self._change(lambda frozen_at, offset: self.start)
+            return
+        def reset(conn: sqlite3.Connection) -> None:
+            start = conn.execute("SELECT clock_frozen_at, clock_offset FROM start_sandbox").fetchone()
+            conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?", start or self.start)
+        self._db.write([reset], durable=False)
+
 
 class WalletService:
     """The service: workspaces, members, keys, wallets, the ledger and transfers over one SQLite
@@ -4829,6 +4812,7 @@ class Authenticated(NamedTuple):
     verdict: Verdict = Verdict.UNCHECKED  # of the signature
     nonce: PendingNonce | None = None  # passed step 5 and the signature: recorded by the request's write
     diagnosis: Diagnosis | None = None  # the signing mistake a GA2012 matched (debug_signatures)
+    faults: bool = False  # whether fault rules were in force when the key was read
 
 
 class Decision(NamedTuple):
@@ -4992,19 +4976,24 @@ class Authenticator:
     def authenticate(self, request: Received) -> Authenticated:
         """The request's Principal, or the first failure of steps 1-7 (``refused``), with what the
         journal keeps: the canonical message, the signature's verdict, the service clock's
-        reading and the nonce to record (once the signature passed)."""
+        reading and the nonce to record (once the signature passed). The message and the key's
+        row (with all the later steps ask of the database) are read first, the steps then run in
+        their order."""
         signed = SignedHeaders.of(request.environ)
         now_ms = int(self.svc.clock() * 1000)
+        canonical = canonical_message(request.environ["REQUEST_METHOD"], request.path, signed.timestamp,
+                                      signed.nonce, body_hash(request.body)) \
+            if (signed.timestamp + signed.nonce).isascii() else None  # (else steps 4 and 5 refuse it)
+        lookup = Nonces.parameters(signed.api_key, signed.nonce, signed.stamp)
+        key = self.db.one(self._KEY, lookup) if 0 < len(signed.api_key) <= 128 else None
         try:
-            key = self.api_key(signed)
+            self.api_key(signed, key)
             self.key_status(key)
             self.workspace(key)
             self.timestamp(now_ms, signed)
-            self.nonces.check(signed.nonce, key)
+            self.nonce(signed, key)
         except WalletError as exc:
             return Authenticated(now_ms, refused=exc)
-        canonical = canonical_message(request.environ["REQUEST_METHOD"], request.path, signed.timestamp,
-                                      signed.nonce, body_hash(request.body))
         if not self._signature_matches(key["secret"], canonical, signed.signature):
             return self.signature_refused(request, key, signed, canonical, now_ms)
         nonce = PendingNonce(key["id"], signed.nonce, signed.stamp)
@@ -5013,16 +5002,25 @@ class Authenticator:
             return Authenticated(now_ms, None, IpNotWhitelisted(), canonical, Verdict.VALID, nonce)  # step 7
         principal = Principal(key["id"], key["workspace_id"], key["member_id"],
                               frozenset(key["scopes"].split()))
-        return Authenticated(now_ms, principal, None, canonical, Verdict.VALID, nonce)
+        return Authenticated(now_ms, principal, None, canonical, Verdict.VALID, nonce, faults=key["faults"])
 
-    def api_key(self, signed: SignedHeaders) -> sqlite3.Row:
-        """Step 1: the key, read with all that the later steps ask of the database (``_key``)."""
+    # The key, with its workspace's and member's state, what step 5 needs of the nonce (Nonces.LOOKUP),
+    # and whether fault rules are in force (a request pays nothing for them when none is).
+    _KEY = ("SELECT k.id, k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
+            "       w.deleted_at IS NOT NULL AS workspace_deleted,"
+            "       m.removed_at IS NOT NULL AS member_removed,"
+            f"      {Nonces.LOOKUP}, (SELECT fault_rules FROM sandbox) AS faults"
+            "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
+            "                  JOIN members m ON m.id = k.member_id"
+            " WHERE k.id = :api_key")
+
+    @staticmethod
+    def api_key(signed: SignedHeaders, key: sqlite3.Row | None) -> None:
+        """Step 1."""
         if not signed.api_key:
             raise ApiKeyMissing()
-        key = self._key(signed.api_key, signed.nonce, signed.stamp)
         if key is None:
             raise ApiKeyNotFound()
-        return key
 
     @staticmethod
     def key_status(key: sqlite3.Row) -> None:
@@ -5049,6 +5047,18 @@ class Authenticator:
         now = now_ms // 1000
         if abs(now - signed.stamp) > tolerance:
             raise self.outside_window(now, signed.stamp, tolerance)
+
+    @staticmethod
+    def nonce(signed: SignedHeaders, key: sqlite3.Row) -> None:
+        """Step 5: X-Nonce well formed, not recorded for this key, its second not forgotten
+        (``Nonces``)."""
+        if not _NONCE.fullmatch(signed.nonce):
+            raise expired("X-Nonce must be 1-128 printable ASCII characters.",
+                          "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
+        if key["nonce_used"]:
+            raise _nonce_used()
+        if key["nonce_forgotten"]:
+            raise _nonce_forgotten()
 
     def outside_window(self, now: int, stamp: int, tolerance: int) -> RequestExpired:
         """Step 4's refusal, saying when the sandbox clock is frozen or moved and how to sign at it."""
@@ -5089,20 +5099,6 @@ class Authenticator:
             chinese += f"签名符合一个常见错误：{diagnosis.chinese}。"
         return Authenticated(now_ms, None, SignatureInvalid(extra=english, zh_extra=chinese), canonical,
                              Verdict.INVALID, diagnosis=diagnosis)
-
-    def _key(self, api_key: str, nonce: str, stamp: int) -> sqlite3.Row | None:
-        """The key with its workspace and member state and what step 5 needs of the nonce
-        (``Nonces.LOOKUP``)."""
-        if len(api_key) > 128:
-            return None
-        return self.db.one(
-            "SELECT k.id, k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
-            "       w.deleted_at IS NOT NULL AS workspace_deleted,"
-            "       m.removed_at IS NOT NULL AS member_removed,"
-            f"      {Nonces.LOOKUP}"
-            "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
-            "                  JOIN members m ON m.id = k.member_id"
-            " WHERE k.id = :api_key", Nonces.parameters(api_key, nonce, stamp))
 
     @staticmethod
     def _signature_matches(secret: str, message: bytes, provided: str) -> bool:
@@ -5217,7 +5213,7 @@ class HttpApi:
         fault = None
         try:
             self.check_scope(request)
-            fault = self.take_fault(request)
+            fault = self.take_fault(request) if auth.faults else None
             if fault is not None:
                 self.sleep(fault.latency)  # (outside any transaction; ``walletsvc serve`` frees a thread)
                 if fault.action == FaultAction.ERROR:
