@@ -215,32 +215,6 @@ FLOW_TYPES, FLOW_DIRECTIONS = tuple(FlowType), tuple(Direction)
 OWNER_NAME = "owner"  # the name of the member every workspace is made with
 
 
-class Surface(enum.StrEnum):
-    """The surfaces an endpoint can belong to (``Endpoint.surface``), each authenticated its own way."""
-
-    API = "api"  # /api/: the contract's signed pipeline
-    ADMIN = "admin"  # /_admin/: the admin token, or the console's session
-    CONSOLE = "console"  # the console's login page and form
-    PUBLIC = "public"  # /healthz and /openapi.json
-
-
-class Verdict(enum.StrEnum):
-    """A request's signature, as the journal keeps it."""
-
-    VALID = "valid"
-    INVALID = "invalid"
-    UNCHECKED = "unchecked"
-
-
-class FaultAction(enum.StrEnum):
-    """What a fault rule does to a request it matches (``Faults``)."""
-
-    ERROR = "error"  # answers a forced code instead of running the request
-    COMMIT_THEN_FAIL = "commit_then_fail"  # runs the request (a transfer commits), answers S500
-    COMMIT_THEN_DROP = "commit_then_drop"  # runs it and drops the connection mid-response
-    LATENCY = "latency"  # only delays
-
-
 _ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a bizId, or an id a scenario fixes (after its prefix)
 ID_MAX = 64  # characters of a wallet id a request may name
 
@@ -284,7 +258,6 @@ class HostBitsSet(ValueError):
 
 DESCRIPTION_MAX = 255  # characters of a transfer's description
 NAME_MAX = 200  # characters of a workspace's, member's or wallet's name
-_TIMESTAMP = re.compile(r"[0-9]{1,12}")
 _NONCE = re.compile(r"[!-~]{1,128}")  # printable ASCII, no whitespace
 
 
@@ -614,27 +587,6 @@ def expired(en: str, zh: str) -> RequestExpired:
     return RequestExpired(reason=en, reason_zh=zh)
 
 
-def negotiate_locale(x_locale: str | None, accept_language: str | None, default: str) -> str:
-    """en-US or zh-CN from X-LOCALE, then Accept-Language, then the default."""
-    candidates = [x_locale or ""]
-    weighted = []
-    for position, part in enumerate((accept_language or "").split(",")):
-        tag, _, q = part.partition(";q=")
-        try:
-            weight = float(q) if q else 1.0
-        except ValueError:
-            weight = 0.0
-        weighted.append((-weight, position, tag))
-    candidates += [tag for _, _, tag in sorted(weighted)]
-    for tag in candidates:
-        tag = tag.strip().lower()
-        if tag.startswith("zh"):
-            return "zh-CN"
-        if tag.startswith("en"):
-            return "en-US"
-    return default
-
-
 _THINGS_ZH = {"member": "成员", "API key": "API 密钥", "path": "路径", "fault rule": "故障规则",
               "world": "世界（场景实例）"}
 
@@ -664,23 +616,6 @@ def _between(kind: type, minimum: float, maximum: float, *, optional: bool = Fal
             raise ValueError(f"must be from {minimum:,} to {maximum:,}")
         return number
     convert.range = (minimum, maximum)
-    return convert
-
-
-def _whole_number(minimum: int, maximum: int, name: str = "") -> Callable[[str], int]:
-    """An argparse type: a whole number in [minimum, maximum], or a one-line error naming the range."""
-    def convert(text: str) -> int:
-        try:
-            number = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if name and not minimum <= number <= maximum:
-            raise argparse.ArgumentTypeError(f"{number} is not {name} ({minimum} to {maximum})")
-        if not minimum <= number:
-            raise argparse.ArgumentTypeError(f"{number}: must be at least {minimum}")
-        if not number <= maximum:
-            raise argparse.ArgumentTypeError(f"{number}: must be at most {maximum}")
-        return number
     return convert
 
 
@@ -1626,7 +1561,6 @@ class _Held:
             self.lock.release()
 
 
-
 ###############################################################################
 # Signing and replay protection ################################################
 ###############################################################################
@@ -1786,7 +1720,6 @@ def _hmac_finish(inner: Any, outer: Any, message: bytes) -> bytes:
     inner.update(message)
     outer.update(inner.digest())
     return outer.digest()
-
 
 
 class PendingNonce(NamedTuple):
@@ -2123,12 +2056,6 @@ def page_response(items: list, request: PageRequest, total: int) -> dict:
     }
 
 
-def page_of(items: list, number: int, size: int) -> dict:
-    """Page ``number`` of ``size`` items (``_page_and_size``) of a list in memory."""
-    request = PageRequest(number, size, ())
-    return page_response(items[request.offset:request.offset + size], request, len(items))
-
-
 ###############################################################################
 # The ledger's invariants ######################################################
 ###############################################################################
@@ -2327,6 +2254,14 @@ class TransferRequest(NamedTuple):
 ###############################################################################
 # Request journal ##############################################################
 ###############################################################################
+
+class Verdict(enum.StrEnum):
+    """A request's signature, as the journal keeps it."""
+
+    VALID = "valid"
+    INVALID = "invalid"
+    UNCHECKED = "unchecked"
+
 
 class JournalEntry(NamedTuple):
     """One request as the journal keeps it (before capping): epoch ms, the path and canonical
@@ -2576,6 +2511,15 @@ def _json_subset(expected: Any, actual: Any) -> bool:
 ###############################################################################
 # Fault rules ##################################################################
 ###############################################################################
+
+class FaultAction(enum.StrEnum):
+    """What a fault rule does to a request it matches (``Faults``)."""
+
+    ERROR = "error"  # answers a forced code instead of running the request
+    COMMIT_THEN_FAIL = "commit_then_fail"  # runs the request (a transfer commits), answers S500
+    COMMIT_THEN_DROP = "commit_then_drop"  # runs it and drops the connection mid-response
+    LATENCY = "latency"  # only delays
+
 
 class FaultRule(NamedTuple):
     """A fault rule as the request path reads it (``Faults.take``)."""
@@ -4192,14 +4136,6 @@ def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
     return [svc.describe_world(workspace_id) for workspace_id in svc.db.write([start])[0]]
 
 
-def _first_key(world: list[dict]) -> dict:
-    """What the banner shows of a world: the first key with its secret, and the first workspace's wallets."""
-    workspace = world[0] if world else {"keys": [], "wallets": []}
-    key = workspace["keys"][0] if workspace["keys"] else {"apiKey": None, "secret": None}
-    return {"apiKey": key["apiKey"], "secret": key["secret"],
-            "wallets": [(wallet["name"], wallet["id"]) for wallet in workspace["wallets"]]}
-
-
 ###############################################################################
 # HTTP schemas #################################################################
 ###############################################################################
@@ -4604,6 +4540,15 @@ _WALLET_PARAMETERS = _filters(WALLET_SORTS, WALLET_FILTERS)
 # Declared endpoints and the envelope ##########################################
 ###############################################################################
 
+class Surface(enum.StrEnum):
+    """The surfaces an endpoint can belong to (``Endpoint.surface``), each authenticated its own way."""
+
+    API = "api"  # /api/: the contract's signed pipeline
+    ADMIN = "admin"  # /_admin/: the admin token, or the console's session
+    CONSOLE = "console"  # the console's login page and form
+    PUBLIC = "public"  # /healthz and /openapi.json
+
+
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"
 HTML_CONTENT_TYPE = "text/html; charset=utf-8"
 CONSOLE_PATH = "/_admin/console"  # the sandbox console's page (Console)
@@ -4741,6 +4686,27 @@ class Reply(NamedTuple):
 ###############################################################################
 # The request path #############################################################
 ###############################################################################
+
+def negotiate_locale(x_locale: str | None, accept_language: str | None, default: str) -> str:
+    """en-US or zh-CN from X-LOCALE, then Accept-Language, then the default."""
+    candidates = [x_locale or ""]
+    weighted = []
+    for position, part in enumerate((accept_language or "").split(",")):
+        tag, _, q = part.partition(";q=")
+        try:
+            weight = float(q) if q else 1.0
+        except ValueError:
+            weight = 0.0
+        weighted.append((-weight, position, tag))
+    candidates += [tag for _, _, tag in sorted(weighted)]
+    for tag in candidates:
+        tag = tag.strip().lower()
+        if tag.startswith("zh"):
+            return "zh-CN"
+        if tag.startswith("en"):
+            return "en-US"
+    return default
+
 
 @dataclasses.dataclass(frozen=True)
 class Principal:
@@ -4899,7 +4865,6 @@ def raw_request_path(environ: Mapping[str, Any]) -> bytes:
 PCHAR_DELIMS = "!$&'()*+,;=:@"
 
 
-
 def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
     try:
         address = ipaddress.ip_address((text or "").strip().strip("[]"))
@@ -4938,6 +4903,9 @@ def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
         if network.version == address.version and address in network:
             return True
     return False
+
+
+_TIMESTAMP = re.compile(r"[0-9]{1,12}")
 
 
 class SignedHeaders(NamedTuple):
@@ -5107,7 +5075,6 @@ class Authenticator:
         except (UnicodeEncodeError, binascii.Error, ValueError):
             return False
         return hmac.compare_digest(hmac.digest(secret.encode("utf-8"), message, "sha256"), given)
-
 
 
 ADMIN_PATIENCE = 0.5  # seconds an admin write waits for the lock before S503 (the API waits busy_timeout)
@@ -5735,9 +5702,6 @@ def _operation(declared_endpoint: Endpoint, head: bool = False) -> dict:
 # Rules a schema cannot state, shared by several operations (Endpoint.rules).
 _WHITELIST_RULE = ("ipWhitelist", ("each entry is an address or a CIDR block without host bits (10.0.0.1/8 is"
                                   " refused, not widened); an empty list is refused (null: no whitelist)"))
-_DECIDED_RULE = ("bizId", "only a PENDING order is completed or failed")
-_SCENARIO_RULES = (("id", "the fixed ids of one scenario differ from each other"),
-                   ("member", "a key's member is a member of its workspace (or owner)"), _WHITELIST_RULE)
 
 
 ###############################################################################
@@ -5972,6 +5936,19 @@ class Console:
 ###############################################################################
 # Admin surface ################################################################
 ###############################################################################
+
+def page_of(items: list, number: int, size: int) -> dict:
+    """Page ``number`` of ``size`` items (``_page_and_size``) of a list in memory."""
+    request = PageRequest(number, size, ())
+    return page_response(items[request.offset:request.offset + size], request, len(items))
+
+
+_DECIDED_RULE = ("bizId", "only a PENDING order is completed or failed")
+
+
+_SCENARIO_RULES = (("id", "the fixed ids of one scenario differ from each other"),
+                   ("member", "a key's member is a member of its workspace (or owner)"), _WHITELIST_RULE)
+
 
 class AdminApi:
     """Handlers of /_admin/: the Python admin API over HTTP, for test suites in any language.
@@ -6600,35 +6577,6 @@ curl -s "$WALLETSVC_URL$P" -H "X-Api-Key: $WALLETSVC_KEY" -H "X-Timestamp: $TS" 
 """
 
 
-def demo_instructions(base_url: str, demo: dict, admin_token: str | None, database: str) -> str:
-    """What ``serve --demo`` (or ``--scenario``) prints: one export line with the names every
-    example uses, and examples that paste as printed and sign at the sandbox's clock, whatever it
-    does later: the curl reads it from /healthz first (bash or zsh, curl, openssl and sed: Linux,
-    macOS, WSL)."""
-    names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": demo["apiKey"], "WALLETSVC_SECRET": demo["secret"]}
-    if admin_token:
-        names["WALLETSVC_ADMIN_TOKEN"] = admin_token
-    wallets = ", ".join(f"{name} {wallet_id}" for name, wallet_id in demo["wallets"])
-    return f"""walletsvc sandbox at {base_url}
-database : {os.path.abspath(database)}
-wallets  : {wallets or "(none)"}
-console  : {f"{base_url}{CONSOLE_PATH} (log in with WALLETSVC_ADMIN_TOKEN)" if admin_token
-            else "(off: it needs an admin token)"}
-
-What walletsvc request, walletsvc.Client() and the examples below read:
-export {" ".join(f"{name}={shlex.quote(value)}" for name, value in names.items())}
-
-A signed request, from another shell:
-walletsvc request GET /api/v1/wallets
-
-Signed by hand (openssl + curl), at the sandbox's clock (read from /healthz first):
-{CURL_SIGNED_GET}
-From Python:
-import walletsvc
-print(walletsvc.Client().list_wallets())
-"""
-
-
 # waitress's settings for `walletsvc serve` (docs/operations.md), each against one attack.
 WAITRESS_LIMITS = {
     # Idle and slow-sending (slowloris) connections are read by waitress's event loop, not by
@@ -7222,6 +7170,60 @@ def stored_admin_token(db: Database) -> str:
                      (secrets.token_hex(16),))
         return conn.execute("SELECT token FROM admin_token").fetchone()[0]
     return db.write([draw])[0]
+
+
+def _whole_number(minimum: int, maximum: int, name: str = "") -> Callable[[str], int]:
+    """An argparse type: a whole number in [minimum, maximum], or a one-line error naming the range."""
+    def convert(text: str) -> int:
+        try:
+            number = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
+        if name and not minimum <= number <= maximum:
+            raise argparse.ArgumentTypeError(f"{number} is not {name} ({minimum} to {maximum})")
+        if not minimum <= number:
+            raise argparse.ArgumentTypeError(f"{number}: must be at least {minimum}")
+        if not number <= maximum:
+            raise argparse.ArgumentTypeError(f"{number}: must be at most {maximum}")
+        return number
+    return convert
+
+
+def _first_key(world: list[dict]) -> dict:
+    """What the banner shows of a world: the first key with its secret, and the first workspace's wallets."""
+    workspace = world[0] if world else {"keys": [], "wallets": []}
+    key = workspace["keys"][0] if workspace["keys"] else {"apiKey": None, "secret": None}
+    return {"apiKey": key["apiKey"], "secret": key["secret"],
+            "wallets": [(wallet["name"], wallet["id"]) for wallet in workspace["wallets"]]}
+
+
+def demo_instructions(base_url: str, demo: dict, admin_token: str | None, database: str) -> str:
+    """What ``serve --demo`` (or ``--scenario``) prints: one export line with the names every
+    example uses, and examples that paste as printed and sign at the sandbox's clock, whatever it
+    does later: the curl reads it from /healthz first (bash or zsh, curl, openssl and sed: Linux,
+    macOS, WSL)."""
+    names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": demo["apiKey"], "WALLETSVC_SECRET": demo["secret"]}
+    if admin_token:
+        names["WALLETSVC_ADMIN_TOKEN"] = admin_token
+    wallets = ", ".join(f"{name} {wallet_id}" for name, wallet_id in demo["wallets"])
+    return f"""walletsvc sandbox at {base_url}
+database : {os.path.abspath(database)}
+wallets  : {wallets or "(none)"}
+console  : {f"{base_url}{CONSOLE_PATH} (log in with WALLETSVC_ADMIN_TOKEN)" if admin_token
+            else "(off: it needs an admin token)"}
+
+What walletsvc request, walletsvc.Client() and the examples below read:
+export {" ".join(f"{name}={shlex.quote(value)}" for name, value in names.items())}
+
+A signed request, from another shell:
+walletsvc request GET /api/v1/wallets
+
+Signed by hand (openssl + curl), at the sandbox's clock (read from /healthz first):
+{CURL_SIGNED_GET}
+From Python:
+import walletsvc
+print(walletsvc.Client().list_wallets())
+"""
 
 
 def _cell(value: Any) -> str:
