@@ -2561,8 +2561,9 @@ class Faults:
     MAX_LATENCY = 60  # seconds
     STATUSES = (400, 599)  # the statuses a rule may force
 
-    def __init__(self, db: Database) -> None:
+    def __init__(self, db: Database, magic_values: bool = False) -> None:
         self.db = db
+        self.builtin = MAGIC_RULES if magic_values else ()  # tried first, never spent, never listed
         # (fault_version, the rules, those seen spent) as this process last read them: spent stays spent
         self._cache: tuple[int, list[FaultRule], set[int]] = (-1, [], set())
 
@@ -2667,9 +2668,10 @@ class Faults:
              request: Callable[[], Mapping[str, Any]] = dict) -> FaultRule | None:
         """The first rule matching this request that is not spent, counted as fired (once,
         across processes: the count is taken in the database). A spent rule (fired ``times``
-        times) stays listed with its count. A request when no rule is in force pays one read."""
+        times) stays listed with its count. A request pays nothing for them when none is in force
+        (the key's lookup says so: ``Authenticator``)."""
         _, rules, spent = self._rules()
-        for rule in rules:
+        for rule in (*self.builtin, *rules):
             if rule.number in spent or not (
                     rule.method in ("*", method) and fnmatch.fnmatchcase(path, rule.path)
                     and rule.workspace_id in (None, workspace_id)):
@@ -2677,6 +2679,8 @@ class Faults:
             matchers = {"query": rule.query, "headers": rule.headers, "body": rule.body}
             if any(value is not None for value in matchers.values()) and request_misses(request(), matchers):
                 continue
+            if rule.number < 0:  # (built in)
+                return rule
             fired = self.db.write([lambda conn, number=rule.number: conn.execute(
                 "UPDATE fault_rules SET fired = fired + 1 WHERE id = ? AND (times IS NULL OR fired < times)",
                 (number,)).rowcount], durable=False)[0]
@@ -2698,9 +2702,28 @@ class Faults:
         return self._cache
 
 
+# The sandbox's magic values (the magic_values setting; docs/sandbox.md): built-in fault rules, decided
+# before the handler as every rule is (numbered below 0; a magic rule's id is the detail it answers).
+MAGIC_DECLINED, MAGIC_BUSY_WALLET = "666.66", "wal_magic_busy"
+_DECLINED = f"A transfer of the magic amount {MAGIC_DECLINED} is always declined (magic_values)."
+_BUSY = f"The magic wallet {MAGIC_BUSY_WALLET} is always busy (magic_values)."
+_TRANSFER = ("POST", "/api/v1/transfer/command/create")
+MAGIC_RULES = tuple(
+    FaultRule(why, -1, FaultAction.ERROR, method, path, None, code, ERRORS_BY_CODE[code].status, 0.0, None,
+              None, body)
+    for method, path, body, code, why in (
+        (*_TRANSFER, {"amount": MAGIC_DECLINED}, "T2001", _DECLINED),
+        ("*", f"*/{MAGIC_BUSY_WALLET}", None, "S503", _BUSY),
+        ("*", f"*/{MAGIC_BUSY_WALLET}/*", None, "S503", _BUSY),
+        (*_TRANSFER, {"sourceWalletId": MAGIC_BUSY_WALLET}, "S503", _BUSY),
+        (*_TRANSFER, {"targetWalletId": MAGIC_BUSY_WALLET}, "S503", _BUSY)))
+
+
 def forced_error(rule: FaultRule) -> WalletError:
     """The error a fault rule forces: the catalog's, or an ad-hoc code and status."""
     known = ERRORS_BY_CODE.get(rule.code)
+    if rule.number < 0:  # (a magic value's)
+        return known(text=rule.id)
     if known is not None and known.status == rule.status:
         return known(text=f"Forced by fault rule {rule.id}.")
     cls = type("ForcedError", (WalletError,), {"code": rule.code, "status": rule.status,
@@ -3059,8 +3082,6 @@ def completion_resource(row: sqlite3.Row) -> dict:
             "completed": row["status"] == TransferStatus.COMPLETED}
 
 
-MAGIC_DECLINED = "666.66"  # with magic_values: always T2001
-MAGIC_BUSY_WALLET = "wal_magic_busy"  # with magic_values: always S503
 _WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
                      f" AND m.role = '{Role.OWNER}' ORDER BY created_at LIMIT 1) AS owner_member_id"
                      " FROM workspaces w")
@@ -3315,7 +3336,7 @@ class WalletService:
         self.db = Database(database, self.settings.busy_timeout, self.settings.synchronous)
         self.clock.bind(self.db)  # a controllable clock lives in the database (docs/sandbox.md)
         self.journal = Journal(self.db, self.settings.journal_size)
-        self.faults = Faults(self.db)
+        self.faults = Faults(self.db, self.settings.magic_values)
         seed = self.settings.id_seed
         # A restart keeps its place.
         if seed is not None and self.db.one("SELECT id_seed FROM sandbox")[0] != seed:
@@ -3615,9 +3636,8 @@ class WalletService:
                 if wallet["currency"] != request.currency:
                     raise CurrencyMismatch(wallet_id=wallet["id"], wallet_currency=wallet["currency"],
                                            currency=request.currency)
-            amount, magic = request.amount, self.settings.magic_values
-            declined = magic and format_amount(amount, request.currency) == MAGIC_DECLINED
-            if declined or source["balance"] - source["pending"] < amount:
+            amount = request.amount
+            if source["balance"] - source["pending"] < amount:
                 raise InsufficientBalance(wallet_id=source["id"])
             if target["balance"] + amount > MAX_MINOR_UNITS:
                 raise invalid("amount", "too_large")
@@ -3812,8 +3832,6 @@ class WalletService:
         """The wallet; W1001 if it is missing or belongs to another workspace.
 
         ``conn`` None reads outside any transaction (a lone statement)."""
-        if wallet_id == MAGIC_BUSY_WALLET and self.settings.magic_values:
-            raise ServiceBusy()
         if conn is None:
             row = self.db.one("SELECT * FROM wallets WHERE id = ?", (wallet_id,))
         else:
@@ -4970,7 +4988,8 @@ class Authenticator:
             return Authenticated(now_ms, None, IpNotWhitelisted(), canonical, Verdict.VALID, nonce)  # step 7
         principal = Principal(key["id"], key["workspace_id"], key["member_id"],
                               frozenset(key["scopes"].split()))
-        return Authenticated(now_ms, principal, None, canonical, Verdict.VALID, nonce, faults=key["faults"])
+        faults = bool(key["faults"] or self.svc.faults.builtin)
+        return Authenticated(now_ms, principal, None, canonical, Verdict.VALID, nonce, faults=faults)
 
     # The key, with its workspace's and member's state, what step 5 needs of the nonce (Nonces.LOOKUP),
     # and whether fault rules are in force (a request pays nothing for them when none is).
