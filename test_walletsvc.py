@@ -29,6 +29,7 @@ import json
 import multiprocessing
 import os
 import pathlib
+import random
 import re
 import shlex
 import shutil
@@ -2544,6 +2545,14 @@ values = ["{wallets['bob']['id']}"]
 values = ["USD"]
 [dictionaries.amounts]
 values = ["0.01", "1.00", "10", "250.50", "999999999999999.99"]
+# A query string carries text only: a value GET /_admin/journal's query[NAME] or header[NAME] forbids (an
+# array or an object) reaches the server as the empty text the document allows, so Schemathesis's negative
+# cases for them (its deepObject serialization, 4.32.5) cannot be told from positive ones; its other
+# parameters keep every other check.
+[[operations]]
+include-path = "/_admin/journal"
+include-method = "GET"
+checks.negative_data_rejection.enabled = false
 [parameters]
 "body.currency" = {{ dictionary = "currencies", probability = 1.0 }}
 "body.amount" = {{ dictionary = "amounts", probability = 1.0 }}
@@ -2556,7 +2565,7 @@ values = ["0.01", "1.00", "10", "250.50", "999999999999999.99"]
     try:
         result = click.testing.CliRunner().invoke(schemathesis.cli.schemathesis, [
             "--no-color", "--config-file", str(tmp_path / "schemathesis.toml"), "run",
-            f"{server.url}/openapi.json", "--checks", "all", "--exclude-checks", "positive_data_acceptance",
+            f"{server.url}/openapi.json", "--exclude-checks", "positive_data_acceptance",
             "--max-examples", str(SCHEMATHESIS_EXAMPLES[surface]), "--seed", str(SCHEMATHESIS_SEED),
             "--workers", "1", "--report", "json", "--report-json-path", str(report),
             *(option for tag in tags for option in ("--include-tag", tag))])
@@ -7136,7 +7145,7 @@ def test_what_the_http_server_cannot_parse_is_answered_with_the_envelope(tmp_pat
         assert b"Content-Type: application/json; charset=utf-8" in head and b"Cache-Control: no-store" in head
         answer = json.loads(body)
         assert (answer["code"], answer["message"], answer["success"]) == ("S012", "INVALID_PARAMETER", False)
-        assert "not valid HTTP" in answer["detail"]
+        assert "not valid HTTP" in answer["detail"] and ".." not in answer["detail"]  # (one dot)
     finally:
         server.stop()
 
@@ -7441,6 +7450,91 @@ def test_a_malformed_database_is_s503_saying_what_to_do_and_healthz_503(tmp_path
         svc.close()
     started = _cli("serve", "--db", str(path), "--port", "0")  # and a start on it says so, in one line
     assert started.returncode != 0 and "malformed" in started.stderr and "Traceback" not in started.stderr
+    assert started.stderr.startswith(f"walletsvc: cannot serve {path}: ")  # (the "path: reason" form)
+
+
+def test_walletsvc_audit_reads_the_files_integrity_first(tmp_path) -> None:
+    """Issue 43, item 2: a page in the middle overwritten with random bytes, and `walletsvc audit` printed []
+    and exited 0. Now the audit says the file is malformed (SQLite's integrity_check), exit status 1, in
+    the CLI, the Python API and GET /_admin/audit alike."""
+    path = tmp_path / "books.db"
+    svc = walletsvc.WalletService(str(path))
+    world_ = make_world(svc)
+    for _ in range(400):
+        svc.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "0.01", "USD")
+    svc.close()
+    with open(path, "r+b") as handle:
+        handle.seek(path.stat().st_size // 4096 // 2 * 4096)
+        handle.write(random.Random(7).randbytes(4096))
+    audit = _cli("audit", "--db", str(path))
+    assert audit.returncode == 1 and "Traceback" not in audit.stderr, audit.stderr
+    found = json.loads(audit.stdout)
+    assert [violation["check"] for violation in found] == ["integrity"]
+    assert "malformed" in found[0]["detail"]
+    table = _cli("audit", "--db", str(path), "--table")
+    assert table.returncode == 1 and "integrity" in table.stdout
+
+
+@pytest.mark.parametrize("beside", ["nothing", "its -wal"])
+def test_a_start_on_an_empty_file_is_refused_saying_what_to_do(tmp_path, beside) -> None:
+    """Issue 43, item 3: a database truncated to 0 bytes served an empty sandbox (the old key answered
+    GA2011). An empty file given as the database is refused with what to do, and left as it was; a new
+    path is made as before."""
+    path = tmp_path / "cut.db"
+    path.write_bytes(b"")
+    if beside == "its -wal":
+        pathlib.Path(f"{path}-wal").write_bytes(b"\0" * 32)
+    started = _cli("serve", "--db", str(path), "--port", "0")
+    assert started.returncode == 2 and "Traceback" not in started.stderr
+    assert started.stderr.startswith(f"walletsvc: cannot serve {path}: the file is empty"), started.stderr
+    assert "restore a backup" in started.stderr and "new path" in started.stderr
+    assert path.stat().st_size == 0
+    with pytest.raises(sqlite3.OperationalError, match="the file is empty"):
+        walletsvc.WalletService(str(path))
+    fresh = walletsvc.WalletService(str(tmp_path / "new.db"))
+    assert fresh.list_workspaces() == []
+    fresh.close()
+
+
+def test_an_empty_admin_token_is_refused_at_start(tmp_path) -> None:
+    """Issue 43, item 8: `--admin-token ''` started with a random token, silently, while `--set admin_token=`
+    was refused with the range (docs/reference.md: a value outside a setting's range is refused at start)."""
+    for option in (["--admin-token", ""], ["--set", "admin_token="]):
+        started = _cli("serve", "--demo", "--db", str(tmp_path / "token.db"), "--port", "0", *option)
+        assert started.returncode == 2 and "Traceback" not in started.stderr
+        assert "admin_token" in started.stderr and "1 to 256 characters" in started.stderr
+        assert not (tmp_path / "token.db").exists()
+
+
+def test_a_lost_shm_made_anew_by_another_tool_still_refuses_a_second_server_and_loses_nothing(
+        tmp_path) -> None:
+    """The attack on the file guard's removal: the -shm deleted under a server under load, then made anew by
+    another tool opening the file; a second server started on it (its newcomer check looked only for a
+    missing -shm) and the first, stopped, moved the -wal into the file from its lost index: the whole file
+    destroyed, 3 runs in 3. Now the second is refused, naming the first (/proc/locks), and the first never
+    checkpoints as it closes: what another program committed through the new -shm is kept."""
+    path = tmp_path / "live.db"
+    with demo_process(tmp_path, "live") as (server, (key, secret, _admin, wallets)):
+        load = _TransferLoad(server.url, key, secret, wallets)
+        time.sleep(0.5)
+        os.remove(f"{path}-shm")
+        with contextlib.closing(sqlite3.connect(path)) as tool:  # (it makes a -shm anew)
+            tool.execute("SELECT count(*) FROM wallets").fetchone()
+        time.sleep(0.3)
+        answers = load.stop()
+        second = _cli("serve", "--db", str(path), "--port", "0")
+        assert second.returncode != 0 and "Traceback" not in second.stderr
+        assert f"process {server.process.pid} still serves it" in second.stderr, second.stderr
+        with contextlib.closing(sqlite3.connect(path)) as other, other:  # another program writes meanwhile
+            other.execute("UPDATE workspaces SET name = 'written beside'")
+    acked = {biz_id for biz_id, answer in answers.items() if answer == (200, "2000")}
+    assert len(acked) > 20
+    with contextlib.closing(sqlite3.connect(path)) as conn:
+        assert conn.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+        assert acked <= {biz_id for (biz_id,) in conn.execute("SELECT biz_id FROM transfers")}
+        assert conn.execute("SELECT name FROM workspaces").fetchone()[0] == "written beside"
+    audit = _cli("audit", "--db", str(path))
+    assert (audit.returncode, audit.stdout) == (0, "[]\n"), audit.stdout + audit.stderr
 
 
 def test_a_file_another_program_wrote_while_no_server_ran_is_served(tmp_path, clock) -> None:

@@ -70,7 +70,6 @@ import datetime
 import decimal
 import enum
 import errno
-import fcntl
 import fnmatch
 import functools
 import hashlib
@@ -90,7 +89,6 @@ import secrets
 import shlex
 import signal
 import sqlite3
-import struct
 import sys
 import tempfile
 import threading
@@ -1057,6 +1055,34 @@ def _identity(path: str) -> tuple[int, int] | None:
     return status.st_dev, status.st_ino
 
 
+def _lock_holders(locks: str, path: str) -> set[int]:
+    """The processes /proc/locks (``locks``) shows holding a POSIX lock on the file at ``path``."""
+    identity = _identity(path)
+    if identity is None:
+        return set()
+    device, inode = identity
+    file = f"{os.major(device):02x}:{os.minor(device):02x}:{inode}"
+    return {int(fields[4]) for fields in map(str.split, locks.splitlines())
+            if len(fields) > 5 and fields[1] == "POSIX" and fields[5] == file}
+
+
+def _no_checkpoint_on_close(conn: sqlite3.Connection) -> None:
+    """The last connection of a process to close moves the -wal into the file and deletes it: with a
+    lost -shm, from an index of the -wal that other processes no longer write by, over their frames.
+    SQLite's NO_CKPT_ON_CLOSE stops that (Python 3.11's sqlite3 has no setconfig: the connection's
+    sqlite3 handle is the first field of its object, and sqlite3_db_config is called for it)."""
+    if hasattr(conn, "setconfig"):
+        conn.setconfig(1006, True)  # SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE
+        return
+    import _sqlite3
+    import ctypes
+    handle = ctypes.c_void_p.from_address(id(conn) + 2 * ctypes.sizeof(ctypes.c_void_p)).value
+    if handle:  # (not closed)
+        config = ctypes.CDLL(_sqlite3.__file__).sqlite3_db_config
+        config.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_void_p]
+        config(handle, 1006, 1, None)
+
+
 class DatabaseFile:
     """The database file and its -wal and -shm as this process opened them (docs/operations.md,
     When things go wrong): a write into a deleted or replaced file would be acknowledged and then
@@ -1066,45 +1092,68 @@ class DatabaseFile:
     def __init__(self, path: str) -> None:
         self.path = path
         self._file = _identity(path)
-        self._companions: dict[str, tuple[int, int] | None] = {}  # the -wal and -shm, once seen
+        # The -wal and -shm as first seen (SQLite makes them with the first connection, removes them with
+        # the last).
+        self._companions = {suffix: _identity(path + suffix) for suffix in ("-wal", "-shm")}
         self.gone: FileGone | None = None
 
     @staticmethod
     def shm_lost_by(path: str) -> int | None:
-        """The process that serves the file at ``path`` though its -shm is gone from the path, else
-        None. A WAL connection holds a read lock on the file's SHARED bytes while it is open and
-        makes the -shm as it opens: such a lock with no -shm (still none after 50 ms, for a peer
-        opening at this moment) is a process that lost its -shm. A stat, and an fcntl when the
-        -shm is missing (Linux's ``struct flock``; elsewhere none is found)."""
-        if sys.platform != "linux" or os.path.exists(path + "-shm"):
-            return None
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
-            return None
-        try:
-            shared = struct.pack("hhqqi", fcntl.F_WRLCK, os.SEEK_SET, 0x40000002, 510, 0)  # SQLite's bytes
-            for _ in range(6):
-                kind, _, _, _, pid = struct.unpack("hhqqi", fcntl.fcntl(fd, fcntl.F_GETLK, shared))
-                if kind != fcntl.F_RDLCK or os.path.exists(path + "-shm"):
-                    return None
-                time.sleep(0.01)
-            return pid
-        finally:
-            os.close(fd)
+        """Another process that serves the file at ``path`` through a -shm that is no longer the one
+        at the path (deleted, and perhaps made anew by another tool), else None: it no longer
+        coordinates with a process that joins now. Linux's /proc/locks tells, in one read: every
+        open SQLite connection holds a read lock on the file's SHARED bytes, and one on its -shm
+        while it uses it; a process locking the file but not the -shm at the path (still after
+        50 ms, for a peer opening at this moment) lost its own. Elsewhere none is found."""
+        lost = None
+        for _ in range(6):
+            try:
+                with open("/proc/locks", encoding="ascii", errors="replace") as table:
+                    locks = table.read()
+            except OSError:
+                return None
+            holders = [_lock_holders(locks, path + suffix) for suffix in ("", "-shm")]
+            lost = next(iter(sorted(holders[0] - holders[1] - {os.getpid()})), None)
+            if lost is None:
+                return None
+            time.sleep(0.01)
+        return lost
+
+    @staticmethod
+    def refuse_empty(path: str) -> None:
+        """FileGone for an empty file given as a database (a walletsvc database truncated, or not one at
+        all): never served as a new sandbox. One a starting peer has just made has its first page
+        within microseconds: it is waited for, 0.2 s at most."""
+        for _ in range(20):
+            try:
+                if os.path.getsize(path) > 0:
+                    return
+            except OSError:  # (no file: a new database is made)
+                return
+            if os.path.exists(path + "-wal"):
+                break  # (a -wal beside an empty file: it was a database)
+            time.sleep(0.01)
+        raise FileGone(f"{path}: the file is empty, so it is no walletsvc database (one truncated, or a file"
+                       " made by another program): restore a backup there while no server runs, or give a"
+                       " new path (--db) for a new sandbox")
 
     def check(self) -> None:
         """FileGone unless the file, its -wal and its -shm are still the ones this process opened."""
         if self.gone is None:
             what = "file" if _identity(self.path) != self._file else None
-            for suffix in ("-wal", "-shm"):  # (made with the first connection, removed with the last)
+            for suffix in ("-wal", "-shm"):
                 now = _identity(self.path + suffix)
-                known = self._companions.setdefault(suffix, now) if now is not None \
-                    else self._companions.get(suffix)
+                known = self._companions.get(suffix)
+                if known is None:
+                    self._companions[suffix] = known = now
                 if what is None and now != known:
                     what = f"file's {suffix}"
             if what is not None:
-                self.gone = FileGone(f"The database {what} {self.path} was deleted or replaced while the"
+                if not self.shm_kept():  # (every database object of this process on the file)
+                    for database in list(_DATABASES):
+                        if database.file is not None and database.file._file == self._file:
+                            database.no_checkpoint_on_close()
+                self.gone = FileGone(f"{self.path}: the database {what} was deleted or replaced while the"
                                      " server ran; nothing more is read from or written to it. Restart the"
                                      " server.")
         if self.gone is not None:
@@ -1118,12 +1167,12 @@ class DatabaseFile:
     def malformed(self, exc: sqlite3.Error) -> None:
         if self.gone is None and _error_name(exc).startswith(_CORRUPT):
             self.gone = FileGone(
-                f"The database file {self.path} is malformed ({exc}): nothing more is read from or written"
+                f"{self.path}: the database file is malformed ({exc}): nothing more is read from or written"
                 " to it. Restore it from a copy, or serve a new file (--db); walletsvc audit and sqlite3's"
                 " PRAGMA integrity_check say what is wrong.")
 
     def closed(self) -> None:
-        self._companions.clear()  # (SQLite removes the -wal and -shm when the last connection closes)
+        self._companions = {}  # (SQLite removes the -wal and -shm when the last connection closes)
 
 
 class _Write:
@@ -1194,6 +1243,7 @@ class Database:
         self.busy_timeout = busy_timeout
         self.synchronous = synchronous
         self._local = threading.local()
+        self._held: weakref.WeakSet[_Held] = weakref.WeakSet()  # every thread's read connection
         self._lock = threading.RLock() if self.memory else contextlib.nullcontext()
         self._shared: _Held | None = None
         self.file: DatabaseFile | None = None  # once made (a file database)
@@ -1202,6 +1252,7 @@ class Database:
         if not self.memory:  # it holds API secrets: private from the start, and never made through a symlink
             if os.path.islink(path) and not os.path.exists(path):
                 raise RuntimeError(f"{path} is a symbolic link to nothing: no database is made through it")
+            DatabaseFile.refuse_empty(path)
             with contextlib.suppress(OSError):  # (there already, or not makeable: SQLite says what is wrong)
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o600))
             lost = DatabaseFile.shm_lost_by(path)
@@ -1307,7 +1358,13 @@ class Database:
         local, pid = self._local, os.getpid()
         if getattr(local, "pid", None) != pid:  # a new thread, or a child of os.fork: its own connection
             local.held, local.pid = _Held(self._connect(), None), pid
+            self._held.add(local.held)
         return local.held
+
+    def no_checkpoint_on_close(self) -> None:
+        """None of this object's connections (every thread's) moves the -wal into the file as it closes."""
+        for conn in [*self._writers.values(), *(held.conn for held in list(self._held))]:
+            _no_checkpoint_on_close(conn)
 
     def write(self, units: Sequence[Unit], *, durable: bool = True) -> list:
         """The one door for writes: run ``units`` in order, in the next batch's transaction, and
@@ -1503,6 +1560,15 @@ class Database:
             if not _is_locked(exc):
                 raise
 
+    def integrity_problems(self) -> list[str]:
+        """What SQLite's integrity_check finds wrong in the file (none: a whole file)."""
+        try:
+            with self.connection() as conn:
+                problems = [row[0] for row in conn.execute("PRAGMA integrity_check").fetchall()]
+        except sqlite3.DatabaseError as exc:  # (too malformed to be read)
+            problems = [str(exc)]
+        return [] if problems == ["ok"] else problems
+
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[sqlite3.Connection]:
         """A read transaction: the statements inside see one consistent state."""
@@ -1519,7 +1585,10 @@ class Database:
 
     def close(self) -> None:
         """Close this thread's connection (all of them, for ``:memory:``), and the process's
-        write connections when no write is under way."""
+        write connections when no write is under way; the file is looked at first (a -shm lost
+        since the last write: none of them checkpoints as it closes)."""
+        with contextlib.suppress(FileGone):
+            self.check_file()
         with self._lock:
             if self.memory and self._shared is not None:
                 self._shared.conn.close()
@@ -1546,7 +1615,7 @@ os.register_at_fork(after_in_child=lambda: [database._writer_state() for databas
 class _Held:
     """A connection as a context manager, optionally under a lock (cheaper than a generator)."""
 
-    __slots__ = ("conn", "lock")
+    __slots__ = ("__weakref__", "conn", "lock")
 
     def __init__(self, conn: sqlite3.Connection, lock: Any) -> None:
         self.conn, self.lock = conn, lock
@@ -2874,8 +2943,15 @@ def check_scenario(scenario: Any, kind: str = "scenario", where: str = "") -> di
 
 
 def _check_scenario_wallet(wallet: Mapping[str, Any], where: str) -> None:
-    if wallet.get("balance") is not None:
+    if wallet.get("balance") is not None and not _zero(wallet["balance"], wallet["currency"]):
         parse_amount(wallet["balance"], wallet["currency"], f"{where}.balance")
+
+
+def _zero(amount: str, currency: str) -> bool:
+    """Whether ``amount`` is zero as the currency writes it ("0", "0.00"): a balance, not a transfer's."""
+    match = _DECIMAL.fullmatch(amount)
+    return bool(match) and not int(match.group(1)) and not int(match.group(2) or "0") \
+        and len(match.group(2) or "") <= CURRENCY_EXPONENTS[currency] and len(match.group(1)) == 1
 
 
 def _check_scenario_member(member: Mapping[str, Any], where: str) -> None:
@@ -3782,7 +3858,8 @@ class WalletService:
         running balance ending at the balance; pending is the sum of the
         wallet's PENDING outgoing orders; a COMPLETED order has its two flows, a
         PENDING or FAILED one none; the counters equal the row counts; no bizId
-        twice in a workspace.
+        twice in a workspace. A file's integrity comes first (SQLite's integrity_check): a
+        malformed file is reported as that alone, what is wrong in its first lines.
         """
         violations = []
 
@@ -3790,6 +3867,10 @@ class WalletService:
             for row in rows:
                 violations.append({"check": check, "detail": detail.format(**dict(row)), "rows": dict(row)})
 
+        problems = [] if self.db.memory else self.db.integrity_problems()
+        if problems:
+            detail = f"the database file is malformed: {'; '.join(problems[:3])}"
+            return [{"check": "integrity", "detail": detail, "rows": {"problems": problems[:20]}}]
         with self.db.snapshot() as conn:
             for check, detail, sql in _AUDITS:
                 report(check, detail, conn.execute(sql).fetchall())
@@ -4050,7 +4131,7 @@ class WalletService:
         for index, wallet in enumerate(spec.get("wallets", ())):
             wallet_id = self._insert_wallet(tx, workspace_id, wallet["currency"], wallet["name"],
                                             fixed(wallet, f"{where}.wallets[{index}]"))
-            if wallet.get("balance") is not None:
+            if wallet.get("balance") is not None and not _zero(wallet["balance"], wallet["currency"]):
                 self._external_move(tx, wallet_id, wallet["balance"], FlowType.DEPOSIT, None)
             if wallet.get("status", WalletStatus.ACTIVE) != WalletStatus.ACTIVE:
                 self._set_wallet_status(tx, wallet_id, wallet["status"])
@@ -6855,7 +6936,7 @@ def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
                 error: WalletError = PayloadTooLarge(
                     limit=limit or self.channel.server.adj.max_request_body_size)
             else:
-                error = invalid("request", "http", problem=str(refusal.body)[:200])
+                error = invalid("request", "http", problem=str(refusal.body)[:200].rstrip("."))
             status = refusal.code if refusal.code in HOST_REFUSALS or refusal.code == 413 else 400
             body = to_json(error_envelope(error, LOCALES[0], int(time.time() * 1000)))
             self.status = _STATUS_LINES[status]
@@ -7299,9 +7380,10 @@ def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], r
 def _serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     scenario = DEMO_SCENARIO if args.demo else read_scenario(args.scenario) if args.scenario else None
+    token = {} if args.admin_token is None else {"admin_token": args.admin_token}  # ('' is refused)
     service_settings, settings = split_settings({"journal_size": SANDBOX_JOURNAL_SIZE,
                                                  **((scenario or {}).get("settings") or {}),
-                                                 **dict(args.set or ())})
+                                                 **dict(args.set or ()), **token})
     if args.ready_file and (os.path.isdir(args.ready_file)
                             or not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file)))):
         raise RuntimeError(f"cannot write --ready-file {args.ready_file}: give a file's path in an existing"
@@ -7327,9 +7409,7 @@ def _serve_command(args: argparse.Namespace) -> int:
     except BaseException:
         _undo_start(svc, made)
         raise
-    if args.admin_token:
-        settings["admin_token"] = args.admin_token
-    elif world is not None and "admin_token" not in settings:
+    if world is not None and "admin_token" not in settings:
         settings["admin_token"] = stored_admin_token(svc.db)
     demo = _first_key(world) if world is not None else None
     if demo:
@@ -7582,8 +7662,9 @@ def build_parser() -> argparse.ArgumentParser:
     starts.add_argument("--scenario", metavar="FILE",
                         help="start from this scenario (TOML, or JSON for .json) once;"
                              " docs/sandbox.md, Scenarios")
-    serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN"),
-                              help="enable /_admin/ with this bearer token")
+    serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN") or None,
+                              help="enable /_admin/ with this bearer token (1 to 256 characters;"
+                                   " $WALLETSVC_ADMIN_TOKEN, unless empty)")
     serve_parser.add_argument("--set", action="append", type=_setting_pair, metavar="NAME=VALUE",
                               help="a setting (docs/reference.md, Settings), e.g. busy_timeout=2; repeatable")
     serve_parser.set_defaults(run=_serve_command)
