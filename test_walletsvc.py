@@ -7752,8 +7752,30 @@ def test_a_backup_taken_while_two_workers_write_is_restored_into_every_process_a
         assert conn.execute("SELECT count(*) FROM transfers").fetchone()[0] == in_copy + 1
 
 
+def test_a_restore_from_a_file_being_written_reads_one_state_of_it(tmp_path) -> None:
+    """The attack on restore: a file still served under load read table by table gave a ledger that failed
+    its audit (10 of 10) or a bare FOREIGN KEY failure (12 of 12). Now the backup is read in one read
+    transaction: every restore is whole, and the restored ledger passes walletsvc audit."""
+    live = tmp_path / "live.db"
+    walletsvc.WalletService(str(live)).close()
+    with demo_process(tmp_path, "source") as (server, (key, secret, _admin, wallets)):
+        load = _TransferLoad(server.url, key, secret, wallets)
+        try:
+            for _ in range(5):
+                time.sleep(0.2)
+                restored = _cli("restore", str(tmp_path / "source.db"), "--db", str(live))
+                assert restored.returncode == 0, restored.stderr
+                audit = _cli("audit", "--db", str(live))
+                assert (audit.returncode, audit.stdout) == (0, "[]\n"), audit.stdout + audit.stderr
+        finally:
+            answers = load.stop()
+    assert len(answers) > 20
+
+
 @pytest.mark.parametrize("backup", ["missing", "not a database", "malformed", "another schema version",
-                                    "the database itself"])
+                                    "a newer schema version", "the database itself", "the database's -wal",
+                                    "a ledger that fails its audit", "a ledger clock no walletsvc wrote",
+                                    "a fault rule no walletsvc wrote", "no sandbox row"])
 def test_a_backup_or_restore_that_cannot_be_done_is_refused_in_one_line_changing_nothing(tmp_path,
                                                                                         backup) -> None:
     """docs/operations.md, Backup and restore: refused with what to do: the live database is as it was."""
@@ -7768,18 +7790,31 @@ def test_a_backup_or_restore_that_cannot_be_done_is_refused_in_one_line_changing
         with open(copy_, "r+b") as handle:  # (a page in the middle: the b-trees' pages no longer agree)
             handle.seek(copy_.stat().st_size // 2)
             handle.write(os.urandom(4096))
-    elif backup == "another schema version":
-        with contextlib.closing(sqlite3.connect(copy_)) as conn, conn:
-            conn.execute("UPDATE schema_version SET version = 6")
     elif backup == "missing":
         copy_.unlink()
-    verb, target = ("backup", live) if backup == "the database itself" else ("restore", copy_)
+    else:
+        edit = {"another schema version": "UPDATE schema_version SET version = 6",
+                "a newer schema version": "UPDATE schema_version SET version = 99",
+                "a ledger that fails its audit": "UPDATE wallets SET balance = balance + 100000000",
+                "a ledger clock no walletsvc wrote": "UPDATE ledger_clock SET last_id = 'zzzz'",
+                "a fault rule no walletsvc wrote": "INSERT INTO fault_rules (id, rule) VALUES (1, 'no rule')",
+                "no sandbox row": "DELETE FROM sandbox"}.get(backup)
+        if edit:
+            with contextlib.closing(sqlite3.connect(copy_)) as conn, conn:
+                conn.execute(edit)
+    verb, target = {"the database itself": ("backup", live), "the database's -wal": (
+        "backup", pathlib.Path(f"{live}-wal"))}.get(backup, ("restore", copy_))
     refused = _cli(verb, str(target), "--db", str(live))
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1, refused.stderr
     assert {"missing": "no backup at", "not a database": "is no walletsvc database",
             "malformed": "is malformed", "another schema version": "walletsvc audit --db",
-            "the database itself": "is the database itself"}[backup] in refused.stderr
+            "a newer schema version": "with the walletsvc that made it",
+            "the database itself": "is the database itself", "the database's -wal": "a file of its own",
+            "a ledger that fails its audit": "fails the audit (conservation",
+            "a ledger clock no walletsvc wrote": "ledger_clock row is not a time and an id",
+            "a fault rule no walletsvc wrote": "fault rule 1 is no rule",
+            "no sandbox row": "not one ledger_clock row and one sandbox row"}[backup] in refused.stderr
     after = walletsvc.WalletService(str(live))
     try:
         assert after.get_wallet(world_["a"])["balance"] == "100.00" and after.audit() == []

@@ -2822,12 +2822,16 @@ _RESTORED = (*_WORLD_TABLES, "fault_rules", *(f"start_{table}" for table in _STA
 
 
 def _backup_source(path: str) -> sqlite3.Connection:
-    """The backup at ``path``, opened read-only, once it is found whole and of this schema version."""
+    """The backup at ``path``, opened read-only in one read transaction (one state of it, even if
+    something writes to it meanwhile), once it is found whole, of this schema version, and with the
+    sandbox's own rows as walletsvc writes them (``_backup_problem``)."""
     if not os.path.isfile(path):
         raise RuntimeError(f"no backup at {path}")
-    source = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True)
+    source = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True,
+                             isolation_level=None)
     try:
         try:
+            source.execute("BEGIN")
             problems = [row[0] for row in source.execute("PRAGMA integrity_check")]
             version = source.execute("SELECT version FROM schema_version").fetchone()
         except sqlite3.Error as exc:
@@ -2835,14 +2839,46 @@ def _backup_source(path: str) -> sqlite3.Connection:
         if problems != ["ok"]:
             raise RuntimeError(f"{path} is malformed ({'; '.join(problems[:3])}): nothing was restored;"
                                " restore another backup")
-        if version is None or version[0] != schema_version():
-            raise RuntimeError(f"{path} has schema version {version and version[0]}; this walletsvc restores"
-                               f" {schema_version()}: open it once with this walletsvc (walletsvc audit --db"
-                               f" {path} upgrades it), then restore it")
+        version = version and version[0]
+        if version != schema_version():
+            how = (f"open it once with this walletsvc (walletsvc audit --db {path} upgrades it), then restore"
+                   " it") if isinstance(version, int) and 4 <= version < schema_version() else \
+                "restore it with the walletsvc that made it"
+            raise RuntimeError(f"{path} has schema version {version}; this walletsvc restores"
+                               f" {schema_version()}: {how}")
+        problem = _backup_problem(source)
+        if problem:
+            raise RuntimeError(f"{path}: {problem}: nothing was restored")
     except BaseException:
         source.close()
         raise
     return source
+
+
+def _backup_problem(source: sqlite3.Connection) -> str | None:
+    """What in a backup's sandbox rows walletsvc never writes (a hand-edited copy), else None: the ledger
+    clock, the clock and id sequence, the fault rules."""
+    clock = source.execute("SELECT last_ms, last_id FROM ledger_clock").fetchall()
+    state = source.execute("SELECT clock_frozen_at, clock_offset, id_seed, id_drawn FROM sandbox").fetchall()
+    if len(clock) != 1 or len(state) != 1:
+        return "it has not one ledger_clock row and one sandbox row"
+    (last_ms, last_id), (frozen_at, offset, seed, drawn) = clock[0], state[0]
+    if not (isinstance(last_ms, int) and last_ms >= 0 and isinstance(last_id, str)
+            and re.fullmatch("([0-9a-f]{32})?", last_id)):
+        return "its ledger_clock row is not a time and an id"
+    numbers = (frozen_at is None or (isinstance(frozen_at, (int, float)) and CLOCK_RANGE[0] <= frozen_at
+                                     <= CLOCK_RANGE[1])) and isinstance(offset, (int, float)) \
+        and abs(offset) <= CLOCK_RANGE[1] and (seed is None or (isinstance(seed, int) and ID_SEEDS[0] <= seed
+                                                                <= ID_SEEDS[1])) \
+        and isinstance(drawn, int) and drawn >= 0
+    if not numbers:
+        return "its sandbox row's clock or id sequence is out of range"
+    for number, rule in source.execute("SELECT id, rule FROM fault_rules"):
+        try:
+            FaultRule.stored(number, rule)
+        except (TypeError, ValueError, KeyError):
+            return f"its fault rule {number} is no rule walletsvc wrote"
+    return None
 
 
 def _world_where(table: str, workspace_id: str, wallets: list[str]) -> tuple[str, list[str]]:
@@ -4029,8 +4065,10 @@ class WalletService:
         if self.db.memory:
             raise RuntimeError("an in-memory database has no file to back up")
         target = os.path.abspath(path)
-        if os.path.exists(target) and os.path.samefile(target, self.db.path):
-            raise RuntimeError(f"{path} is the database itself: back it up to another file")
+        if os.path.exists(target) and os.path.samefile(target, self.db.path) or any(
+                target == os.path.abspath(self.db.path) + suffix for suffix in ("-wal", "-shm", "-journal")):
+            raise RuntimeError(f"{path} is the database itself, or a file of its own: back it up to another"
+                               " file")
         descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(target),
                                                  prefix=os.path.basename(target) + ".", suffix=".tmp")
         os.close(descriptor)
@@ -4055,6 +4093,8 @@ class WalletService:
         (its entries only grow), the admin token and console sessions of the servers running, and
         the ledger clock where it is later than the copy's (ids and times still increase). Refused,
         changing nothing, when the file is no whole walletsvc database of this schema version."""
+        if self.db.memory:
+            raise RuntimeError("an in-memory database has no file to restore into")
         source = _backup_source(path)
         try:
             def restore(conn: sqlite3.Connection) -> None:
@@ -4075,6 +4115,11 @@ class WalletService:
                 last_ms, last_id = source.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
                 conn.execute("UPDATE ledger_clock SET last_ms = max(last_ms, ?), last_id = max(last_id, ?)",
                              (last_ms, last_id))
+                for check, detail, sql in _AUDITS:  # (a hand-edited copy: refused, the transaction undone)
+                    row = conn.execute(sql).fetchone()
+                    if row is not None:
+                        raise RuntimeError(f"{path}: its ledger fails the audit ({check}:"
+                                           f" {detail.format(**dict(row))}): nothing was restored")
             self.db.write([restore])
         finally:
             source.close()
