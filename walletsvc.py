@@ -676,7 +676,8 @@ class Settings:
     """
 
     timestamp_tolerance: int = _setting(
-        "http", 60, _between(int, 1, 86400), "seconds X-Timestamp may differ from server time")
+        "http", 60, _between(int, 1, 86400),
+        "seconds X-Timestamp may differ from the machine's time (or the sandbox clock's)")
     nonce_records: int = _setting(
         "http", 100_000, _between(int, 1000, 100_000_000),
         "nonce records kept exactly, however the clock moves; past it the oldest are kept as digests, ten"
@@ -1247,6 +1248,7 @@ class Database:
         self._lock = threading.RLock() if self.memory else contextlib.nullcontext()
         self._shared: _Held | None = None
         self.file: DatabaseFile | None = None  # once made (a file database)
+        self.full, self._fulls = False, 0  # the last write failed for a full disk; how many did
         self._writer_state()
         _DATABASES.add(self)
         if not self.memory:  # it holds API secrets: private from the start, and never made through a symlink
@@ -1304,6 +1306,12 @@ class Database:
                 return ServiceBusy(str(self.file.gone),
                                    zh_extra=f"数据库文件 {self.path}（或其 -wal、-shm）已被删除、替换或损坏；"
                                    "不再读写。请重启服务器，或从副本恢复。")
+        if _error_name(exc).startswith("SQLITE_FULL"):
+            self.full, self._fulls = True, self._fulls + 1  # (until money moves again: /healthz says so)
+            return ServiceBusy(f"{self.path}: the disk is full: writes fail until there is room again;"
+                               " nothing of a failed write was kept.",
+                               zh_extra=f"{self.path}：磁盘已满：在腾出空间之前写入都会失败；失败的写入不会留下任何"
+                               "内容。")
         return ServiceBusy() if _is_busy(exc) else None
 
     def _connect(self, uri_mode: str = "rw") -> sqlite3.Connection:
@@ -1376,12 +1384,14 @@ class Database:
         the batch needs one. A unit never writes through this door itself (RuntimeError)."""
         if self._leader == threading.get_ident():
             raise RuntimeError("a write unit wrote through Database.write: give its writes to its own unit")
-        write = _Write(units, durable)
+        write, fulls = _Write(units, durable), self._fulls
         self._wait_for_turn(write)
         if not write.done:  # the leader: run the callers queued behind it
             self._lead(write)
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
+        if self.full and durable and self._fulls == fulls:  # (money moved, and no disk was full meanwhile)
+            self.full = False
         return write.results
 
     def _wait_for_turn(self, write: _Write) -> None:
@@ -1852,9 +1862,12 @@ class Nonces:
     def record(self, conn: sqlite3.Connection, pending: PendingNonce) -> None:
         """Record ``pending`` in ``conn``'s transaction; GA2013 if another request recorded it
         first or its second was forgotten meanwhile."""
-        recorded = conn.execute(self._RECORD, self.parameters(*pending)).fetchone()
-        if recorded is None:
-            raise _nonce_used()
+        parameters = self.parameters(*pending)
+        recorded = conn.execute(self._RECORD, parameters).fetchone()
+        if recorded is None:  # (used, or its second forgotten since the lookup: the detail says which)
+            used = conn.execute("SELECT EXISTS (SELECT 1 FROM nonce_records WHERE api_key = :api_key AND"
+                                f" nonce = :nonce) OR {self._DIGESTED}", parameters).fetchone()[0]
+            raise _nonce_used() if used else _nonce_forgotten()
         seq = recorded[0]
         if seq > self.bound and seq % self.FORGET_EVERY == 0:
             self._digest(conn, seq - self.bound)
@@ -5150,16 +5163,19 @@ class Authenticator:
             raise NotWorkspaceMember()
 
     def timestamp(self, now_ms: int, signed: SignedHeaders) -> None:
-        """Step 4: X-Timestamp within the window of the service clock, in whole seconds (docs/signing.md)."""
+        """Step 4: X-Timestamp within the window of the machine's clock, as an app in production
+        signs, or of the service clock's, as walletsvc's own clients sign at a sandbox clock frozen or
+        moved (docs/signing.md): the sandbox clock moves business time, never the signature window.
+        Replay protection holds across both (nonce records are kept however the clocks stand)."""
         timestamp, tolerance = signed.timestamp, self.settings.timestamp_tolerance
         if signed.stamp < 0:
             if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
                 raise expired("X-Timestamp must be Unix epoch seconds; this one looks like milliseconds.",
                               "X-Timestamp 必须是 Unix 秒级时间戳；该值看起来是毫秒。")
             raise expired("X-Timestamp must be Unix epoch seconds.", "X-Timestamp 必须是 Unix 秒级时间戳。")
-        now = now_ms // 1000
-        if abs(now - signed.stamp) > tolerance:
-            raise self.outside_window(now, signed.stamp, tolerance)
+        now, wall = now_ms // 1000, int(time.time())
+        if abs(wall - signed.stamp) > tolerance and abs(now - signed.stamp) > tolerance:
+            raise self.outside_window(now, wall, signed.stamp, tolerance)
 
     @staticmethod
     def nonce(signed: SignedHeaders, key: sqlite3.Row) -> None:
@@ -5173,26 +5189,22 @@ class Authenticator:
         if key["nonce_forgotten"]:
             raise _nonce_forgotten()
 
-    def outside_window(self, now: int, stamp: int, tolerance: int) -> RequestExpired:
-        """Step 4's refusal, saying when the sandbox clock is frozen or moved and how to sign at it."""
-        difference = stamp - now
+    def outside_window(self, now: int, wall: int, stamp: int, tolerance: int) -> RequestExpired:
+        """Step 4's refusal: the server's time, and the machine's when the service clock stands elsewhere."""
         english = (f"X-Timestamp is more than {tolerance} s from server time: the server's time is"
-                   f" {now} ({iso_time(now * 1000)}), the request's is {difference:+d} s from it.")
+                   f" {now} ({iso_time(now * 1000)}), the request's is {stamp - now:+d} s from it.")
         chinese = (f"X-Timestamp 与服务器时间相差超过 {tolerance} 秒：服务器时间为 {now}"
-                   f"（{iso_time(now * 1000)}），请求时间与其相差 {difference:+d} 秒。")
-        frozen_at, offset = self.svc.clock.state()
-        if frozen_at is not None or offset:
-            frozen = frozen_at is not None
-            english += (f" The sandbox clock is {'frozen' if frozen else 'moved'}: sign with its"
-                        " time, read before signing from GET /healthz (its timestamp, in ms, over 1000;"
-                        " unsigned and not journaled), as walletsvc request, walletsvc sign,"
-                        " walletsvc.Client and walletsvc.HmacAuth do (docs/signing.md)")
-            english += ", or unfreeze it (POST /_admin/clock {\"freeze\": false})." if frozen else "."
-            chinese += (f"沙箱时钟已{'冻结' if frozen else '调整'}：请以沙箱时间签名，签名前从"
-                        " GET /healthz 读取（其 timestamp 毫秒值除以 1000；无需签名，不记入日志），"
-                        "walletsvc request、walletsvc sign、walletsvc.Client 与 walletsvc.HmacAuth"
-                        " 即如此（docs/signing.md）")
-            chinese += "；或解冻时钟（POST /_admin/clock {\"freeze\": false}）。" if frozen else "。"
+                   f"（{iso_time(now * 1000)}），请求时间与其相差 {stamp - now:+d} 秒。")
+        if abs(now - wall) > tolerance:
+            clock = self.svc.clock
+            state = ("frozen" if clock.frozen else "moved") if clock.controllable else "its own"
+            english += (f" The sandbox clock is {state}; a request signed at the machine's time ({wall},"
+                        f" {iso_time(wall * 1000)}), as an app in production signs, is accepted too"
+                        f" ({stamp - wall:+d} s from it).")
+            zh_state = {"frozen": "已冻结", "moved": "已调整"}.get(state, "自行计时")
+            chinese += (f"沙箱时钟{zh_state}；"
+                        f"以本机时间（{wall}，{iso_time(wall * 1000)}）签名的请求同样被接受，"
+                        f"如生产环境中的应用（请求与其相差 {stamp - wall:+d} 秒）。")
         return expired(english, chinese)
 
     def signature_refused(self, request: Received, key: sqlite3.Row, signed: SignedHeaders, canonical: bytes,
@@ -5268,9 +5280,9 @@ class HttpApi:
         request, refused = self.receive(environ, endpoint)
         decision = Decision(error=refused) if refused is not None else self.decide(request, url_args, handler)
         answer = self.commit(request, decision)
-        self.log(request, answer, decision.quiet)
         dropped = decision.fault is not None and decision.fault.action == FaultAction.COMMIT_THEN_DROP \
             and answer.code == SUCCESS_CODE
+        self.log(request, answer, decision.quiet, decision.fault if dropped else None)
         return answer.status, answer.headers, _dropped(answer.body) if dropped else [answer.body]
 
     def fail(self, environ: Mapping[str, Any], exc: BaseException) -> tuple[int, list, Iterable[bytes]]:
@@ -5487,11 +5499,14 @@ class HttpApi:
 
     # 4. Log ##################################################################
 
-    def log(self, request: Received, answer: Rendered, quiet: bool) -> None:
-        """The access log line (``walletsvc serve``), unless the request is quiet."""
+    def log(self, request: Received, answer: Rendered, quiet: bool, dropped: FaultRule | None = None) -> None:
+        """The access log line (``walletsvc serve``), unless the request is quiet; for an answer a
+        commit_then_drop rule drops, no status: the line says the rule dropped it."""
         if self.access_log is not None and not quiet:
-            self.access_log.info("%s %s %s %s %.1fms", request.environ.get("REQUEST_METHOD"),
-                                 request.path.decode("latin-1"), answer.status, answer.code or "-",
+            outcome = f"{answer.status} {answer.code or '-'}" if dropped is None else \
+                f"dropped by fault rule {dropped.id} after the commit"
+            self.access_log.info("%s %s %s %.1fms", request.environ.get("REQUEST_METHOD"),
+                                 request.path.decode("latin-1"), outcome,
                                  (time.perf_counter() - request.started) * 1000)
 
     # What every step shares ##################################################
@@ -5542,10 +5557,19 @@ class HttpApi:
         return list(body)
 
 
+class ConnectionDropped(ConnectionAbortedError):
+    """A commit_then_drop rule's abort: the access log says so in its line, the server logs no traceback."""
+
+
 def _dropped(body: bytes) -> Iterator[bytes]:
     """Half the body, then an abort: the server closes the connection mid-response."""
     yield body[: len(body) // 2]
-    raise ConnectionAbortedError("walletsvc fault rule: connection dropped after the commit")
+    raise ConnectionDropped("walletsvc fault rule: connection dropped after the commit")
+
+
+def _not_a_dropped_connection(record: logging.LogRecord) -> bool:
+    """waitress's logger filter: its "Exception while serving" for a ConnectionDropped goes."""
+    return not (record.exc_info and isinstance(record.exc_info[1], ConnectionDropped))
 
 
 class WalletApp(bottle.Bottle):
@@ -5940,6 +5964,9 @@ class WalletApi:
               response="Health")
     def healthz(self, request: Received) -> dict:
         self.svc.db.check_file()
+        if self.svc.db.full:
+            raise ServiceBusy(f"{self.svc.db.path}: the disk is full: the sandbox cannot write until there is"
+                              " room again.", zh_extra="磁盘已满：在腾出空间之前沙箱无法写入。")
         self.svc.db.one("SELECT version FROM schema_version")  # (a malformed file fails here: S503)
         return {"status": "ok", "version": __version__}
 
@@ -6905,6 +6932,8 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
     import waitress
 
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
+    if _not_a_dropped_connection not in logging.getLogger("waitress").filters:
+        logging.getLogger("waitress").addFilter(_not_a_dropped_connection)
     dispatcher = _control_dispatcher(threads)
     app.http.sleep = dispatcher.sleep
     return guarding_slow_senders(answering_in_envelopes(waitress.create_server(
@@ -7126,10 +7155,12 @@ class Sandbox:
     def faults(self) -> Faults:
         return self.service.faults
 
-    def assert_called(self, method: str, path: str, *, times: int | None = None) -> list[dict]:
-        """The journal's ``assert_called``."""
+    def assert_called(self, method: str | None = None, path: str | None = None, *, times: int | None = None,
+                      at_least: int | None = None, never: bool = False, **criteria: Any) -> list[dict]:
+        """The journal's ``assert_called``, with its signature."""
         __tracebackhide__ = True
-        return self.service.journal.assert_called(method, path, times=times)
+        return self.service.journal.assert_called(method, path, times=times, at_least=at_least, never=never,
+                                                  **criteria)
 
     def audit(self) -> None:
         """The fixtures call this after each test: a violation is a bug in walletsvc, not in the test."""
@@ -7147,6 +7178,8 @@ class LiveServer:
         import waitress
 
         logging.getLogger("waitress.queue").setLevel(logging.ERROR)
+        if _not_a_dropped_connection not in logging.getLogger("waitress").filters:
+            logging.getLogger("waitress").addFilter(_not_a_dropped_connection)
         self._server = answering_in_envelopes(waitress.create_server(
             app, host="127.0.0.1", port=0, threads=threads))
         self.url = f"http://127.0.0.1:{self._server.effective_port}"
