@@ -2259,7 +2259,9 @@ def test_openapi_document_is_valid_and_covers_every_route(svc) -> None:
                   for method in operations}
     served = {(route.method, re.sub(r"<(\w+)>", lambda name: "{" + camel_case(name[1]) + "}", route.rule))
               for route in app.routes if route.rule != "/api<rest:re:(/.*)?>"}
-    assert documented == served | {("HEAD", path) for method, path in served if method == "GET"}
+    # HEAD wherever GET is, but under /api/ (issue 43, item 6: the server refuses it there, 403 50090201)
+    assert documented == served | {("HEAD", path) for method, path in served
+                                   if method == "GET" and not path.startswith("/api/")}
     create = document["paths"][TRANSFER_PATH]["post"]
     assert create["security"] == [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}]
     described = " ".join(response["description"] for operations in document["paths"].values()

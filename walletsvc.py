@@ -5764,7 +5764,9 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
                               declared_endpoint.path)
         operations = paths.setdefault(openapi_path, {})
         operations[declared_endpoint.method.lower()] = _operation(declared_endpoint)
-        if declared_endpoint.method == "GET":  # bottle answers HEAD wherever GET is served
+        if declared_endpoint.method == "GET" and declared_endpoint.surface is not Surface.API:
+            # bottle answers HEAD wherever GET is served, but under /api/: the contract denies what it
+            # does not declare (403 50090201), so no client generator makes a method that cannot work
             operations["head"] = _operation(declared_endpoint, head=True)
         surfaces.append(declared_endpoint.surface)
     header = {"type": "apiKey", "in": "header"}
