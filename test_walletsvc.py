@@ -5224,6 +5224,44 @@ def test_the_app_under_test_signs_with_the_machines_clock_through_freeze_advance
     sandbox.service.close()
 
 
+def test_a_scenarios_settings_are_the_sandboxs_in_every_process_and_every_later_start(tmp_path) -> None:
+    """Issue 43, item 1 (docs/sandbox.md, Scenarios): a scenario's `settlement = "manual"` held only in the
+    process that loaded it (a second serve on the file, and a restart without --scenario, settled at
+    once). Now it is the sandbox's: a second server and a later start serve it, and a --set that
+    disagrees is said in one line while the sandbox's stands."""
+    scenario = tmp_path / "manual.json"
+    scenario.write_text(json.dumps({"settings": {"settlement": "manual"}, "workspaces": [{
+        "name": "shop", "keys": [{"id": "ak_shop", "secret": "sk_shop"}],
+        "wallets": [{"id": "wal_a", "name": "a", "currency": "USD", "balance": "10.00"},
+                    {"id": "wal_b", "name": "b", "currency": "USD"}]}]}))
+    path = str(tmp_path / "manual.db")
+
+    def status_through(server: ServerProcess, n: int) -> str:
+        body = json.dumps({"sourceWalletId": "wal_a", "targetWalletId": "wal_b", "amount": "1.00",
+                           "currency": "USD", "bizId": f"o-{n}"}).encode()
+        return requests.post(server.url + TRANSFER_PATH, data=body, timeout=10, headers=_signed(
+            "POST", TRANSFER_PATH, "ak_shop", "sk_shop", body)).json()["data"]["status"]
+
+    first = ServerProcess(path, tmp_path / "first.log", "--scenario", str(scenario))
+    second = ServerProcess(path, tmp_path / "second.log")
+    first.start()
+    second.start()
+    try:
+        assert [status_through(first, 1), status_through(second, 2)] == ["PENDING", "PENDING"]
+    finally:
+        second.stop()
+        first.stop()
+    later = ServerProcess(path, tmp_path / "later.log", "--set", "settlement=immediate")
+    later.start()
+    try:
+        assert status_through(later, 3) == "PENDING"
+    finally:
+        later.stop()
+    said = [line for line in (tmp_path / "later.log").read_text().splitlines() if "settlement" in line]
+    assert said == [f"walletsvc: --set settlement=immediate is not this sandbox's: its scenario says"
+                    f" settlement='manual', which every process on {path} serves"]
+
+
 def test_request_command_signs_at_a_scenarios_frozen_clock(tmp_path) -> None:
     """The README's shop: a scenario with its clock frozen in 2030, `walletsvc request` with the banner's
     exports answers 200 (it answered GA2013 "-97957570 s from it")."""

@@ -7459,16 +7459,15 @@ def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], r
 
 def _serve_command(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    made = [path for path in (args.db, f"{args.db}-wal", f"{args.db}-shm") if not os.path.exists(path)]
     scenario = DEMO_SCENARIO if args.demo else read_scenario(args.scenario) if args.scenario else None
     token = {} if args.admin_token is None else {"admin_token": args.admin_token}  # ('' is refused)
     service_settings, settings = split_settings({"journal_size": SANDBOX_JOURNAL_SIZE,
-                                                 **((scenario or {}).get("settings") or {}),
-                                                 **dict(args.set or ()), **token})
+                                                 **_command_line_settings(args, scenario), **token})
     if args.ready_file and (os.path.isdir(args.ready_file)
                             or not os.path.isdir(os.path.dirname(os.path.abspath(args.ready_file)))):
         raise RuntimeError(f"cannot write --ready-file {args.ready_file}: give a file's path in an existing"
                            " folder")
-    made = [path for path in (args.db, f"{args.db}-wal", f"{args.db}-shm") if not os.path.exists(path)]
     svc = None
     try:  # every request records its nonce: refuse to start on storage that cannot be written
         svc = WalletService(args.db, clock=Clock(), **service_settings)  # controllable over /_admin/clock
@@ -7509,6 +7508,29 @@ def _serve_command(args: argparse.Namespace) -> int:
             _undo_start(svc, made)
         raise
     return 0
+
+
+def _command_line_settings(args: argparse.Namespace, scenario: Mapping[str, Any] | None) -> dict:
+    """``--set`` with the sandbox's settings (docs/sandbox.md): a scenario's are the sandbox's, in the
+    database, for every process on the file and every later start; a ``--set`` that disagrees is said
+    in one line, and the sandbox's stands."""
+    given = dict(args.set or ())
+    if scenario is None:
+        stored = None
+        with contextlib.suppress(sqlite3.Error, ValueError, OSError):
+            conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(args.db))}?mode=ro", uri=True)
+            with contextlib.closing(conn):
+                stored = conn.execute("SELECT body FROM start_scenario").fetchone()
+        scenario = json.loads(stored[0]) if stored else {}
+    sandbox = scenario.get("settings") or {}
+    def converted(name: str, value: Any) -> Any:
+        return getattr(Settings(**{name: value}), name)
+
+    for name, value in given.items():
+        if name in sandbox and converted(name, value) != converted(name, sandbox[name]):
+            print(f"walletsvc: --set {name}={value} is not this sandbox's: its scenario says {name}="
+                  f"{sandbox[name]!r}, which every process on {args.db} serves", file=sys.stderr, flush=True)
+    return {**given, **sandbox}
 
 
 def _undo_start(svc: WalletService | None, made: list[str]) -> None:
