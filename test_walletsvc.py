@@ -5258,8 +5258,8 @@ def test_a_scenarios_settings_are_the_sandboxs_in_every_process_and_every_later_
     finally:
         later.stop()
     said = [line for line in (tmp_path / "later.log").read_text().splitlines() if "settlement" in line]
-    assert said == [f"walletsvc: --set settlement=immediate is not this sandbox's: its scenario says"
-                    f" settlement='manual', which every process on {path} serves"]
+    assert said == [(f"walletsvc: --set settlement=immediate is not this sandbox's: its scenario says"
+                     f" settlement='manual', which every process on {path} serves")]
 
 
 def test_request_command_signs_at_a_scenarios_frozen_clock(tmp_path) -> None:
