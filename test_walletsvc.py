@@ -6464,8 +6464,12 @@ def test_journal_assertions_match_query_headers_body_and_code(walletsvc_sandbox)
     journal.assert_not_called(body={"amount": "2.00"})
     with pytest.raises(AssertionError) as failed:
         journal.assert_called("POST", TRANSFER_PATH, body={"amount": "1.50"})
-    assert "closest entries" in str(failed.value) and "body is" in str(failed.value)
+    assert "closest entries" in str(failed.value)
+    # issue 45, item 3: the field that differs and both values, first (the body was cut before them)
+    assert 'body.amount is "1.00", expected "1.50"' in str(failed.value)
     assert "method is" not in str(failed.value).split("closest entries", 1)[1].splitlines()[1]
+    with pytest.raises(AssertionError, match='body.description is missing, expected "rent"'):
+        journal.assert_called("POST", TRANSFER_PATH, body={"bizId": "small", "description": "rent"})
     with pytest.raises(AssertionError, match="at least 3 time"):
         journal.assert_called("POST", at_least=3)
 

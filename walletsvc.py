@@ -2568,26 +2568,43 @@ def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> l
         headers = {name.lower(): value for name, value in (request.get("headers") or {}).items()}
         misses += [f"header {name} is {headers.get(name.lower())!r}"
                    for name, value in criteria["headers"].items() if headers.get(name.lower()) != str(value)]
-    if criteria.get("body") is not None and not _body_matches(criteria["body"], request.get("body")):
-        misses.append(f"body is {(request.get('body') or '')[:120]!r}")
+    if criteria.get("body") is not None:
+        misses += filter(None, [_body_miss(criteria["body"], request.get("body"))])
     if criteria.get("code") is not None and request.get("code") != str(criteria["code"]):
         misses.append(f"code is {request.get('code')}")
     return misses
 
 
-def _body_matches(expected: Any, body: str | None) -> bool:
-    """Whether the JSON ``body`` holds ``expected`` (``_json_subset``)."""
+def _body_miss(expected: Any, body: str | None) -> str | None:
+    """How the JSON ``body`` differs from the subset ``expected``: the first field that differs and both
+    values (a near miss shows what to look at first), else None. However deep, a body that cannot be
+    read does not match."""
     try:
-        return _json_subset(expected, json.loads(body or "null"))
-    except (ValueError, RecursionError):  # however deep, a body that cannot be read does not match
-        return False
+        actual = json.loads(body or "null")
+    except (ValueError, RecursionError):
+        return f"body is not JSON: {(body or '')[:80]!r}"
+    try:
+        return _json_difference(expected, actual, "body")
+    except RecursionError:
+        return "body is nested too deep to compare"
 
 
-def _json_subset(expected: Any, actual: Any) -> bool:
-    if isinstance(expected, dict):
-        return isinstance(actual, dict) and all(
-            name in actual and _json_subset(value, actual[name]) for name, value in expected.items())
-    return expected == actual
+def _json_difference(expected: Any, actual: Any, where: str) -> str | None:
+    def shown(value: Any) -> str:
+        text = json.dumps(value, ensure_ascii=False)
+        return text if len(text) <= 60 else text[:57] + "..."
+
+    if not isinstance(expected, dict):
+        return None if expected == actual else f"{where} is {shown(actual)}, expected {shown(expected)}"
+    if not isinstance(actual, dict):
+        return f"{where} is {shown(actual)}, expected an object"
+    for name, value in expected.items():
+        if name not in actual:
+            return f"{where}.{name} is missing, expected {shown(value)}"
+        difference = _json_difference(value, actual[name], f"{where}.{name}")
+        if difference:
+            return difference
+    return None
 
 
 ###############################################################################
