@@ -59,6 +59,7 @@ From a shell: ``walletsvc serve --demo`` serves a seeded sandbox on
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import base64
 import binascii
@@ -6858,6 +6859,10 @@ def _control_dispatcher(threads: int) -> Any:
                     self.sleepers -= 1
                     self.set_thread_count(threads + self.sleepers)
 
+        def idle(self) -> bool:
+            """No request waiting for a thread, none being answered."""
+            return all(not pool.queue and not pool.active_count for pool in (self, self.control, self.health))
+
         def shutdown(self, cancel_pending: bool = True, timeout: float = 5) -> bool:
             self.health.shutdown(cancel_pending, timeout)
             self.control.shutdown(cancel_pending, timeout)
@@ -6919,6 +6924,8 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
     try:
         if workers == 1:
             server = _waitress_server(app, listener, threads)
+            if main_thread:
+                signal.signal(signal.SIGTERM, _draining(server, _thread.interrupt_main))
             if on_ready:
                 on_ready(base_url)
             log.info("serving on %s", base_url)
@@ -6937,6 +6944,34 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
             signal.signal(signal.SIGTERM, previous[0])
             signal.signal(signal.SIGINT, previous[1])
         listener.close()
+
+
+# How long a stopping server answers the requests it has (SIGTERM, Ctrl-C): a latency rule's whole wait
+# is longer (docs/operations.md).
+DRAIN_SECONDS = 5.0
+
+
+def _draining(server: Any, then: Callable[[], Any]) -> Callable[..., None]:
+    """A SIGTERM handler: the server stops accepting at once; a thread waits until what it has is
+    answered (DRAIN_SECONDS at most), then calls ``then`` (the serving loop goes on meanwhile)."""
+    def drain() -> None:
+        deadline = time.monotonic() + DRAIN_SECONDS
+        while time.monotonic() < deadline:
+            channels = [channel for channel in list(server._map.values()) if channel is not server]
+            if server.task_dispatcher.idle() and not any(
+                    getattr(channel, "requests", None) or getattr(channel, "total_outbufs_len", 0)
+                    for channel in channels):
+                break
+            time.sleep(0.02)
+        then()
+
+    def stop(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once (Ctrl-C still ends it, and ``then`` may use it)
+        server.accepting = False
+        with contextlib.suppress(Exception):
+            server.del_channel()  # (the listening socket, left open: another worker may still serve it)
+        threading.Thread(target=drain, daemon=True).start()
+    return stop
 
 
 def _leave_with(parent: int) -> None:
@@ -7060,6 +7095,7 @@ def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, read
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
                 threading.Thread(target=_leave_with, args=(parent,), daemon=True).start()
                 server = _waitress_server(app, listener, threads)
+                signal.signal(signal.SIGTERM, _draining(server, lambda: os._exit(0)))
                 log.info("worker %d serving", os.getpid())
                 server.run()
             except BaseException:  # reported, and the parent starts another
