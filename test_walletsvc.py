@@ -5262,6 +5262,25 @@ def test_a_scenarios_settings_are_the_sandboxs_in_every_process_and_every_later_
                      f" settlement='manual', which every process on {path} serves")]
 
 
+def test_the_banner_names_the_first_wallets_and_how_many_more_the_ready_file_all(tmp_path) -> None:
+    """Issue 45, item 5: a scenario of 20,000 wallets printed a 440 KB `wallets :` line. The banner names the
+    first five and says how many more; the ready file keeps them all."""
+    scenario = tmp_path / "many.json"
+    scenario.write_text(json.dumps({"workspaces": [{"name": "big", "keys": [{}], "wallets": [
+        {"name": f"w{n}", "currency": "USD"} for n in range(12)]}]}))
+    server = ServerProcess(str(tmp_path / "many.db"), tmp_path / "many.log", "--scenario", str(scenario),
+                           "--ready-file", str(tmp_path / "ready.json"))
+    server.start()
+    try:
+        line = next(line for line in _printed_banner(tmp_path / "many.log").splitlines()
+                    if line.startswith("wallets  :"))
+        assert line.count("wal_") == 5
+        assert line.endswith(" and 7 more (walletsvc wallet list, or --ready-file)")
+        assert len(json.loads((tmp_path / "ready.json").read_text())["wallets"]) == 12
+    finally:
+        server.stop()
+
+
 def test_request_command_signs_at_a_scenarios_frozen_clock(tmp_path) -> None:
     """The README's shop: a scenario with its clock frozen in 2030, `walletsvc request` with the banner's
     exports answers 200 (it answered GA2013 "-97957570 s from it")."""

@@ -7430,6 +7430,9 @@ def _first_key(world: list[dict]) -> dict:
             "wallets": [(wallet["name"], wallet["id"]) for wallet in workspace["wallets"]]}
 
 
+BANNER_WALLETS = 5  # wallets the banner names; it says how many more
+
+
 def demo_instructions(base_url: str, demo: dict, admin_token: str | None, database: str) -> str:
     """What ``serve --demo`` (or ``--scenario``) prints: one export line with the names every
     example uses, and examples that paste as printed and sign at the sandbox's clock, whatever it
@@ -7438,7 +7441,10 @@ def demo_instructions(base_url: str, demo: dict, admin_token: str | None, databa
     names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": demo["apiKey"], "WALLETSVC_SECRET": demo["secret"]}
     if admin_token:
         names["WALLETSVC_ADMIN_TOKEN"] = admin_token
-    wallets = ", ".join(f"{name} {wallet_id}" for name, wallet_id in demo["wallets"])
+    shown = demo["wallets"][:BANNER_WALLETS]  # (the ready file keeps them all)
+    wallets = ", ".join(f"{name} {wallet_id}" for name, wallet_id in shown)
+    if len(demo["wallets"]) > len(shown):
+        wallets += f" and {len(demo['wallets']) - len(shown):,} more (walletsvc wallet list, or --ready-file)"
     return f"""walletsvc sandbox at {base_url}
 database : {os.path.abspath(database)}
 wallets  : {wallets or "(none)"}
