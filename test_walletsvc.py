@@ -1200,6 +1200,15 @@ def test_undeclared_endpoint_is_denied_by_default(api: Api, method: str, path: s
         error(response, "50090201", 403)
 
 
+@pytest.mark.parametrize("path", ["/", "/_admin/", "/nothing/here"])
+def test_a_path_nothing_serves_says_where_the_api_and_the_console_are(svc, path: str) -> None:
+    """Issue 45, item 6: `/` and `/_admin/` answered a bare S404 though the banner's first line is the bare
+    URL: the detail points at the API and the console."""
+    app = webtest.TestApp(walletsvc.create_app(svc, admin_token="t"))
+    detail = error(app.get(path, expect_errors=True), "S404", 404)["detail"]
+    assert "/api/v1/" in detail and "/openapi.json" in detail and "/_admin/console" in detail
+
+
 def test_undeclared_endpoint_still_authenticates_first(api: Api) -> None:
     error(api.get("/api/v1/admin/keys", **{"X-Signature": "AAAA"}), "GA2012", 401)
     error(api.get("/api/v1/admin/keys", **{"X-Api-Key": None}), "GA2001", 401)

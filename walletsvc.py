@@ -5293,8 +5293,8 @@ class HttpApi:
         return through_serve
 
     def respond(self, environ: Mapping[str, Any], endpoint: Endpoint, url_args: dict,
-              handler: Callable) -> tuple[int, list, Iterable[bytes]]:
-        """Rendered one request routed to a declared ``endpoint``: status, headers, body."""
+                handler: Callable) -> tuple[int, list, Iterable[bytes]]:
+        """Answer one request routed to a declared ``endpoint``: status, headers, body."""
         request, refused = self.receive(environ, endpoint)
         decision = Decision(error=refused) if refused is not None else self.decide(request, url_args, handler)
         answer = self.commit(request, decision)
@@ -5304,11 +5304,18 @@ class HttpApi:
         return answer.status, answer.headers, _dropped(answer.body) if dropped else [answer.body]
 
     def fail(self, environ: Mapping[str, Any], exc: BaseException) -> tuple[int, list, Iterable[bytes]]:
-        """Rendered a request that reached no endpoint: bottle's 404, 405 or 500."""
+        """Answer a request that reached no endpoint: bottle's 404, 405 or 500 (a 404 says where the
+        API and the console are: ``/`` and ``/_admin/`` answer it too)."""
         request, too_large = self.receive(environ, None)  # the size limit comes first, a 404's too (contract)
         error, headers = too_large or exc, ()
         if too_large is None and isinstance(exc, bottle.HTTPError):
-            error = {404: not_found("path"), 405: MethodNotAllowed()}.get(
+            where = NotFound(f"The API is under /api/v1/ (GET /openapi.json lists its paths); the sandbox"
+                             f" console is at {CONSOLE_PATH}.",
+                             zh_extra=f"API 位于 /api/v1/（GET /openapi.json 列出其路径）；沙箱控制台位于"
+                             f" {CONSOLE_PATH}。",
+                             thing="path",
+                             thing_zh=_THINGS_ZH["path"])
+            error = {404: where, 405: MethodNotAllowed()}.get(
                 exc.status_code, exc.exception or RuntimeError(exc.body))
             if exc.status_code == 405 and exc.get_header("Allow"):
                 headers = (("Allow", exc.get_header("Allow")),)
