@@ -7642,6 +7642,7 @@ def test_a_start_on_an_empty_file_is_refused_saying_what_to_do(tmp_path, beside)
     path is made as before."""
     path = tmp_path / "cut.db"
     path.write_bytes(b"")
+    os.utime(path, (time.time() - 60, time.time() - 60))  # truncated a minute ago (a new one may be a peer's)
     if beside == "its -wal":
         pathlib.Path(f"{path}-wal").write_bytes(b"\0" * 32)
     started = _cli("serve", "--db", str(path), "--port", "0")

@@ -1085,6 +1085,9 @@ def _no_checkpoint_on_close(conn: sqlite3.Connection) -> None:
         config(handle, 1006, 1, None)
 
 
+EMPTY_NEW = 2.0  # seconds an empty database file may be a starting peer's, not yet written (refuse_empty)
+
+
 class DatabaseFile:
     """The database file and its -wal and -shm as this process opened them (docs/operations.md,
     When things go wrong): a write into a deleted or replaced file would be acknowledged and then
@@ -1124,15 +1127,19 @@ class DatabaseFile:
     @staticmethod
     def refuse_empty(path: str) -> None:
         """FileGone for an empty file given as a database (a walletsvc database truncated, or not one at
-        all): never served as a new sandbox. One a starting peer has just made has its first page
-        within microseconds: it is waited for, 0.2 s at most."""
-        for _ in range(20):
+        all): never served as a new sandbox. One made in the last EMPTY_NEW seconds may be a peer's that
+        starts at this moment (its first page comes once its first connection opens): it is waited
+        for, busy or not, 5 s at most."""
+        deadline = time.monotonic() + 5
+        while True:
             try:
-                if os.path.getsize(path) > 0:
-                    return
+                status = os.stat(path)
             except OSError:  # (no file: a new database is made)
                 return
-            if os.path.exists(path + "-wal"):
+            if status.st_size > 0:
+                return
+            if os.path.exists(path + "-wal") or time.time() - status.st_mtime > EMPTY_NEW \
+                    or time.monotonic() > deadline:
                 break  # (a -wal beside an empty file: it was a database)
             time.sleep(0.01)
         raise FileGone(f"{path}: the file is empty, so it is no walletsvc database (one truncated, or a file"
