@@ -1094,8 +1094,9 @@ class DatabaseFile:
     lost, so each batch checks them, by identity (a stat each), just before its COMMIT. Once one
     is found swapped, or the file malformed, every later use fails with ``gone``."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, shm_lost: Callable[[], None]) -> None:
         self.path = path
+        self._shm_lost = shm_lost  # (none of this process's connections on the file checkpoints as it closes)
         self._file = _identity(path)
         # The -wal and -shm as first seen (SQLite makes them with the first connection, removes them with
         # the last).
@@ -1158,10 +1159,8 @@ class DatabaseFile:
                 if what is None and now != known:
                     what = f"file's {suffix}"
             if what is not None:
-                if not self.shm_kept():  # (every database object of this process on the file)
-                    for database in list(_DATABASES):
-                        if database.file is not None and database.file._file == self._file:
-                            database.no_checkpoint_on_close()
+                if not self.shm_kept():
+                    self._shm_lost()
                 self.gone = FileGone(f"{self.path}: the database {what} was deleted or replaced while the"
                                      " server ran; nothing more is read from or written to it. Restart the"
                                      " server.")
@@ -1281,7 +1280,7 @@ class Database:
                     raise
                 time.sleep(0.01)
         if not self.memory:
-            self.file = DatabaseFile(path)
+            self.file = DatabaseFile(path, self._shm_lost)
 
     def _writer_state(self) -> None:
         """The write queue and this process's write connections (anew in a forked child)."""
@@ -1377,10 +1376,13 @@ class Database:
             self._held.add(local.held)
         return local.held
 
-    def no_checkpoint_on_close(self) -> None:
-        """None of this object's connections (every thread's) moves the -wal into the file as it closes."""
-        for conn in [*self._writers.values(), *(held.conn for held in list(self._held))]:
-            _no_checkpoint_on_close(conn)
+    def _shm_lost(self) -> None:
+        """None of the connections of this process on the file (every database object's, every
+        thread's) moves the -wal into the file as it closes."""
+        for database in list(_DATABASES):
+            if database.file is not None and self.file is not None and database.file._file == self.file._file:
+                for conn in [*database._writers.values(), *(held.conn for held in list(database._held))]:
+                    _no_checkpoint_on_close(conn)
 
     def write(self, units: Sequence[Unit], *, durable: bool = True) -> list:
         """The one door for writes: run ``units`` in order, in the next batch's transaction, and
