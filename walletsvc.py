@@ -2862,16 +2862,17 @@ _RESTORED = (*_WORLD_TABLES, "fault_rules", *(f"start_{table}" for table in _STA
 
 
 def _backup_source(path: str) -> sqlite3.Connection:
-    """The backup at ``path``, opened read-only in one read transaction (one state of it, even if
-    something writes to it meanwhile), once it is found whole, of this schema version, and with the
-    sandbox's own rows as walletsvc writes them (``_backup_problem``)."""
+    """The backup at ``path``, copied into memory (SQLite's backup API: one state of it), once it is
+    found whole, of this schema version, and with the sandbox's own rows as walletsvc writes them
+    (``_backup_problem``)."""
     if not os.path.isfile(path):
         raise RuntimeError(f"no backup at {path}")
-    source = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True,
-                             isolation_level=None)
+    source = sqlite3.connect(":memory:")
     try:
         try:
-            source.execute("BEGIN")
+            with contextlib.closing(sqlite3.connect(
+                    f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True)) as backup:
+                backup.backup(source)  # (one state of it, even if something writes to it meanwhile)
             problems = [row[0] for row in source.execute("PRAGMA integrity_check")]
             version = source.execute("SELECT version FROM schema_version").fetchone()
         except sqlite3.Error as exc:
