@@ -6942,7 +6942,7 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
         if workers == 1:
             server = _waitress_server(app, listener, threads)
             if main_thread:
-                signal.signal(signal.SIGTERM, _draining(server, _thread.interrupt_main))
+                signal.signal(signal.SIGTERM, _draining(server, lambda: _thread.interrupt_main(signal.SIGTERM)))
             if on_ready:
                 on_ready(base_url)
             log.info("serving on %s", base_url)
@@ -6970,7 +6970,10 @@ DRAIN_SECONDS = 5.0
 
 def _draining(server: Any, then: Callable[[], Any]) -> Callable[..., None]:
     """A SIGTERM handler: the server stops accepting at once; a thread waits until what it has is
-    answered (DRAIN_SECONDS at most), then calls ``then`` (the serving loop goes on meanwhile)."""
+    answered (DRAIN_SECONDS at most), then calls ``then`` (the serving loop goes on meanwhile). A
+    SIGTERM while it drains changes nothing; one delivered after (``then`` may send it) stops the loop."""
+    drained = threading.Event()
+
     def drain() -> None:
         deadline = time.monotonic() + DRAIN_SECONDS
         while time.monotonic() < deadline:
@@ -6980,10 +6983,14 @@ def _draining(server: Any, then: Callable[[], Any]) -> Callable[..., None]:
                     for channel in channels):
                 break
             time.sleep(0.02)
+        drained.set()
         then()
 
     def stop(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once (Ctrl-C still ends it, and ``then`` may use it)
+        if drained.is_set():
+            raise KeyboardInterrupt
+        if not server.accepting:
+            return
         server.accepting = False
         with contextlib.suppress(Exception):
             server.del_channel()  # (the listening socket, left open: another worker may still serve it)
