@@ -5239,7 +5239,8 @@ def test_a_scenarios_settings_are_the_sandboxs_in_every_process_and_every_later_
     """Issue 43, item 1 (docs/sandbox.md, Scenarios): a scenario's `settlement = "manual"` held only in the
     process that loaded it (a second serve on the file, and a restart without --scenario, settled at
     once). Now it is the sandbox's: a second server and a later start serve it, and a --set that
-    disagrees is said in one line while the sandbox's stands."""
+    disagrees is said in one line while the sandbox's stands (so does another scenario's, given to a
+    later start: the file resets to the one it started from)."""
     scenario = tmp_path / "manual.json"
     scenario.write_text(json.dumps({"settings": {"settlement": "manual"}, "workspaces": [{
         "name": "shop", "keys": [{"id": "ak_shop", "secret": "sk_shop"}],
@@ -5271,6 +5272,14 @@ def test_a_scenarios_settings_are_the_sandboxs_in_every_process_and_every_later_
     said = [line for line in (tmp_path / "later.log").read_text().splitlines() if "settlement" in line]
     assert said == [(f"walletsvc: --set settlement=immediate is not this sandbox's: its scenario says"
                      f" settlement='manual', which every process on {path} serves")]
+    other = tmp_path / "immediate.json"  # another scenario on a file that started: the file's stands
+    other.write_text(scenario.read_text().replace('"manual"', '"immediate"'))
+    again = ServerProcess(path, tmp_path / "again.log", "--scenario", str(other))
+    again.start()
+    try:
+        assert status_through(again, 4) == "PENDING"
+    finally:
+        again.stop()
 
 
 def test_the_banner_names_the_first_wallets_and_how_many_more_the_ready_file_all(tmp_path) -> None:

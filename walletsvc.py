@@ -7596,16 +7596,14 @@ def _serve_command(args: argparse.Namespace) -> int:
 def _command_line_settings(args: argparse.Namespace, scenario: Mapping[str, Any] | None) -> dict:
     """``--set`` with the sandbox's settings (docs/sandbox.md): a scenario's are the sandbox's, in the
     database, for every process on the file and every later start; a ``--set`` that disagrees is said
-    in one line, and the sandbox's stands."""
-    given = dict(args.set or ())
-    if scenario is None:
-        stored = None
-        with contextlib.suppress(sqlite3.Error, ValueError, OSError):
-            conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(args.db))}?mode=ro", uri=True)
-            with contextlib.closing(conn):
-                stored = conn.execute("SELECT body FROM start_scenario").fetchone()
-        scenario = json.loads(stored[0]) if stored else {}
-    sandbox = scenario.get("settings") or {}
+    in one line, and the sandbox's stands. A file that started from a scenario keeps its own, whatever
+    ``scenario`` (given on this command line) says (start_world)."""
+    given, stored = dict(args.set or ()), None
+    with contextlib.suppress(sqlite3.Error, ValueError, OSError):
+        conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(args.db))}?mode=ro", uri=True)
+        with contextlib.closing(conn):
+            stored = conn.execute("SELECT body FROM start_scenario").fetchone()
+    sandbox = (json.loads(stored[0]) if stored else scenario or {}).get("settings") or {}
     def converted(name: str, value: Any) -> Any:
         return getattr(Settings(**{name: value}), name)
 
