@@ -7748,6 +7748,31 @@ def test_a_lost_shm_made_anew_by_another_tool_still_refuses_a_second_server_and_
     assert (audit.returncode, audit.stdout) == (0, "[]\n"), audit.stdout + audit.stderr
 
 
+def test_a_worker_started_again_beside_one_that_lost_its_shm_is_refused_and_not_restarted(tmp_path) -> None:
+    """docs/operations.md (When things go wrong): no process joins a file one of its servers lost the -shm
+    of. `--workers 2` started a worker again after one died, and the new one served beside the one left
+    (it joined as a second `serve` is refused from joining). Now it is refused, says why, and is not
+    started again."""
+    path = tmp_path / "workers.db"
+    with demo_process(tmp_path, "workers", "--workers", "2") as (server, (key, secret, _admin, wallets)):
+        load = _TransferLoad(server.url, key, secret, wallets)
+        time.sleep(0.5)
+        os.remove(f"{path}-shm")
+        with contextlib.closing(sqlite3.connect(path)) as tool:  # (it makes a -shm anew)
+            tool.execute("SELECT count(*) FROM wallets").fetchone()
+        time.sleep(0.3)
+        load.stop()
+        log = tmp_path / "workers.log"
+        first = [int(pid) for pid in re.findall(r"worker (\d+) serving", log.read_text())]
+        assert len(first) == 2
+        os.kill(first[0], signal.SIGKILL)
+        time.sleep(1.5)
+        printed = log.read_text()
+        assert re.findall(r"worker (\d+) serving", printed) == [str(pid) for pid in first]
+        refused = re.findall(r"worker \d+ not started: .*", printed)
+        assert len(refused) == 1 and f"process {first[1]} still serves it" in refused[0], printed[-3000:]
+
+
 def test_a_file_another_program_wrote_while_no_server_ran_is_served(tmp_path, clock) -> None:
     """An ordinary tool beside the file (docs/operations.md): sqlite3 wrote the file while no server ran (its
     last connection moving the frames into the file as it closed), and another of its connections has

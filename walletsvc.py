@@ -1076,6 +1076,8 @@ def _no_checkpoint_on_close(conn: sqlite3.Connection) -> None:
     if hasattr(conn, "setconfig"):
         conn.setconfig(1006, True)  # SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE
         return
+    if sys.platform != "linux" or sys.implementation.name != "cpython":
+        return  # (the layout below is CPython's; elsewhere refuse_lost_shm finds none either)
     import _sqlite3
     import ctypes
     handle = ctypes.c_void_p.from_address(id(conn) + 2 * ctypes.sizeof(ctypes.c_void_p)).value
@@ -1104,26 +1106,28 @@ class DatabaseFile:
         self.gone: FileGone | None = None
 
     @staticmethod
-    def shm_lost_by(path: str) -> int | None:
-        """Another process that serves the file at ``path`` through a -shm that is no longer the one
-        at the path (deleted, and perhaps made anew by another tool), else None: it no longer
-        coordinates with a process that joins now. Linux's /proc/locks tells, in one read: every
-        open SQLite connection holds a read lock on the file's SHARED bytes, and one on its -shm
-        while it uses it; a process locking the file but not the -shm at the path (still after
-        50 ms, for a peer opening at this moment) lost its own. Elsewhere none is found."""
-        lost = None
+    def refuse_lost_shm(path: str) -> None:
+        """FileGone when another process serves the file at ``path`` through a -shm that is no longer
+        the one at the path (deleted, and perhaps made anew by another tool): it no longer
+        coordinates with a process that joins now, and both would corrupt the file. Linux's
+        /proc/locks tells, in one read: every open SQLite connection holds a read lock on the file's
+        SHARED bytes, and one on its -shm while it uses it; a process locking the file but not the
+        -shm at the path (still after 50 ms, for a peer opening at this moment) lost its own.
+        Elsewhere none is found."""
         for _ in range(6):
             try:
                 with open("/proc/locks", encoding="ascii", errors="replace") as table:
                     locks = table.read()
             except OSError:
-                return None
+                return
             holders = [_lock_holders(locks, path + suffix) for suffix in ("", "-shm")]
             lost = next(iter(sorted(holders[0] - holders[1] - {os.getpid()})), None)
             if lost is None:
-                return None
+                return
             time.sleep(0.01)
-        return lost
+        raise FileGone(f"{path}: process {lost} still serves it through a -shm that was deleted; a process"
+                       " that joined it now would no longer coordinate with that one, and both would"
+                       " corrupt the file. Stop that process first.")
 
     @staticmethod
     def refuse_empty(path: str) -> None:
@@ -1159,11 +1163,12 @@ class DatabaseFile:
                 if what is None and now != known:
                     what = f"file's {suffix}"
             if what is not None:
-                if not self.shm_kept():
-                    self._shm_lost()
                 self.gone = FileGone(f"{self.path}: the database {what} was deleted or replaced while the"
                                      " server ran; nothing more is read from or written to it. Restart the"
                                      " server.")
+                if not self.shm_kept():
+                    with contextlib.suppress(Exception):  # (gone stands whatever this meets)
+                        self._shm_lost()
         if self.gone is not None:
             raise copy.copy(self.gone)  # (one object raised again and again would pile up tracebacks)
 
@@ -1264,11 +1269,7 @@ class Database:
             DatabaseFile.refuse_empty(path)
             with contextlib.suppress(OSError):  # (there already, or not makeable: SQLite says what is wrong)
                 os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_WRONLY, 0o600))
-            lost = DatabaseFile.shm_lost_by(path)
-            if lost is not None:
-                raise FileGone(f"{path}: process {lost} still serves it through a -shm that was deleted;"
-                               " a process that joined it now would no longer coordinate with that one,"
-                               " and both would corrupt the file. Stop that process first.")
+            DatabaseFile.refuse_lost_shm(path)
         deadline = time.monotonic() + busy_timeout
         while True:  # two servers starting on one new file: the loser waits its turn (docs/operations.md)
             try:
@@ -6953,7 +6954,8 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
                 svc.close()
         else:
             svc.db.close()  # a child must not inherit an open connection: SQLite's locks would not be its own
-            _run_workers(app, listener, threads, workers, lambda: on_ready and on_ready(base_url))
+            _run_workers(app, listener, threads, workers, lambda: on_ready and on_ready(base_url),
+                         lambda: DatabaseFile.refuse_lost_shm(svc.db.path))
     except KeyboardInterrupt:
         log.info("stopped")
     finally:
@@ -7105,9 +7107,15 @@ def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
     return server
 
 
-def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, ready: Callable[[], Any]) -> None:
-    """Fork ``workers`` processes serving ``listener``; start another when one dies; on
-    Ctrl-C or SIGTERM, stop them all. Each child opens its own database connections."""
+# A worker's exit status when it would join a file it must not (Database, refuse_lost_shm): not started again.
+REFUSED_WORKER = 3
+
+
+def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, ready: Callable[[], Any],
+                 may_join: Callable[[], None]) -> None:
+    """Fork ``workers`` processes serving ``listener``; start another when one dies, unless it was
+    refused (``may_join`` raised FileGone in it); on Ctrl-C or SIGTERM, stop them all. Each child
+    opens its own database connections."""
 
     def start() -> int:
         parent = os.getpid()
@@ -7117,11 +7125,15 @@ def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, read
             try:
                 signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 signal.signal(signal.SIGINT, signal.SIG_IGN)
+                may_join()
                 threading.Thread(target=_leave_with, args=(parent,), daemon=True).start()
                 server = _waitress_server(app, listener, threads)
                 signal.signal(signal.SIGTERM, _draining(server, lambda: os._exit(0)))
                 log.info("worker %d serving", os.getpid())
                 server.run()
+            except FileGone as exc:
+                log.error("worker %d not started: %s", os.getpid(), exc)
+                code = REFUSED_WORKER
             except BaseException:  # reported, and the parent starts another
                 log.exception("worker %d stopped", os.getpid())
                 code = 1
@@ -7133,12 +7145,14 @@ def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, read
     ready()
     log.info("serving with %d workers", workers)
     try:
-        while True:
-            pid, _status = os.wait()
+        while children:
+            pid, status = os.wait()
             if pid in children:
                 children.discard(pid)
-                time.sleep(0.2)  # a worker that cannot start does not make the parent spin
-                children.add(start())
+                if os.waitstatus_to_exitcode(status) != REFUSED_WORKER:
+                    time.sleep(0.2)  # a worker that cannot start does not make the parent spin
+                    children.add(start())
+        raise RuntimeError("no worker serves any longer: each was refused (the log says why)")
     finally:
         for pid in children:
             with contextlib.suppress(ProcessLookupError):
