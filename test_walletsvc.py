@@ -7428,8 +7428,9 @@ def test_full_disk_answers_s503_and_never_half_applies(tmp_path, clock) -> None:
                                              usd(100 * done)]
     ledger_invariants(svc.db.path)
     _on_every_writer(svc, "PRAGMA max_page_count = 1073741823")
+    data(api.get(f"/api/v1/wallets/{source}"))  # room again: a read's nonce record commits,
+    data(api.app.get("/healthz"))               # and /healthz says the sandbox writes again
     data(api.transfer(body))  # the same bizId, retried once there is room: applied once
-    data(api.app.get("/healthz"))
     assert balances(svc, source, target)[1] == usd(100 * (done + 1))
     ledger_invariants(svc.db.path)
 

@@ -1315,7 +1315,7 @@ class Database:
                                    zh_extra=f"数据库文件 {self.path}（或其 -wal、-shm）已被删除、替换或损坏；"
                                    "不再读写。请重启服务器，或从副本恢复。")
         if _error_name(exc).startswith("SQLITE_FULL"):
-            self.full, self._fulls = True, self._fulls + 1  # (until money moves again: /healthz says so)
+            self.full, self._fulls = True, self._fulls + 1  # (until a write commits again: /healthz says so)
             return ServiceBusy(f"{self.path}: the disk is full: writes fail until there is room again;"
                                " nothing of a failed write was kept.",
                                zh_extra=f"{self.path}：磁盘已满：在腾出空间之前写入都会失败；失败的写入不会留下任何"
@@ -1401,7 +1401,7 @@ class Database:
             self._lead(write)
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
-        if self.full and durable and self._fulls == fulls:  # (money moved, and no disk was full meanwhile)
+        if self.full and self._fulls == fulls:  # (a write committed, and none failed for a full disk meanwhile)
             self.full = False
         return write.results
 
