@@ -436,13 +436,12 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.process: subprocess.Popen | None = None
         self.command = [sys.executable, "-m", "walletsvc"]  # (or -c, with a limit lowered first)
-        self.preexec_fn: Callable[[], Any] | None = None  # (run in the child before walletsvc starts)
 
     def start(self) -> None:
         with open(self.log_path, "ab") as log:
             self.process = subprocess.Popen(
                 [*self.command, "serve", "--db", self.db_path, "--port", str(self.port), *self.options],
-                stdout=log, stderr=subprocess.STDOUT, preexec_fn=self.preexec_fn)
+                stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
             assert self.process.poll() is None, self.log_path.read_text()[-2000:]
@@ -5230,8 +5229,11 @@ def test_the_app_under_test_signs_with_the_machines_clock_through_freeze_advance
         assert app.get("/api/v1/wallets", headers=at_sandbox).json["code"] == "2000"
         captured.append(at_sandbox)
         move()
-        for old in captured:  # replays, whichever clock they were signed at
-            error(app.get("/api/v1/wallets", headers=old, expect_errors=True), "GA2013", 401)
+        for n, old in enumerate(captured):  # replays, whichever clock they were signed at
+            refused = app.get("/api/v1/wallets", headers=old, expect_errors=True)
+            detail = error(refused, "GA2013", 401)["detail"]
+            if n % 2 == 0:  # (at the machine's clock: inside the window still, so refused as a replay)
+                assert "already used" in detail, detail
     sandbox.service.close()
 
 
@@ -5801,7 +5803,8 @@ def test_a_world_reset_keeps_replays_refused_and_the_journal_in_order(walletsvc_
     assert app.post(TRANSFER_PATH, body, headers=captured).json["success"] is True
     newest = sandbox.journal.entries()[-1]["seq"]
     world.reset()
-    error(app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True), "GA2013", 401)
+    replayed = error(app.post(TRANSFER_PATH, body, headers=captured, expect_errors=True), "GA2013", 401)
+    assert "already used" in replayed["detail"]
     assert world.client.get_wallet(world.wallets["alice"]["id"])["balance"] == "1000.00"
     sandbox.client.list_wallets()
     assert [entry["code"] for entry in sandbox.journal.entries(after=newest)] == ["GA2013", "2000", "2000"]
@@ -7688,7 +7691,7 @@ def test_sigterm_answers_every_request_under_way_then_stops_within_a_bound(tmp_p
     one process used to drain, then serve on for good."""
     server = ServerProcess(str(tmp_path / "drain.db"), tmp_path / "drain.log", "--demo", "--workers", workers)
     if sigint == "ignored":
-        server.preexec_fn = lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)
+        server.command = ["sh", "-c", 'trap "" INT; exec "$@"', "sh", *server.command]  # (exec keeps it so)
     server.start()
     try:
         key, secret, admin, wallets = _demo_of(tmp_path / "drain.log")
@@ -7978,6 +7981,7 @@ def test_a_backup_taken_while_two_workers_write_is_restored_into_every_process_a
             assert balances["bob"] == f"{copied['bob'] / 100:.2f}"
         replayed = requests.get(server.url + "/api/v1/wallets", headers=captured, timeout=10)
         assert (replayed.status_code, replayed.json()["code"]) == (401, "GA2013")
+        assert "already used" in replayed.json()["detail"]  # (the restore kept the nonce records)
         body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "1.00",
                            "currency": "USD"}).encode()
         after = requests.post(server.url + TRANSFER_PATH, data=body, timeout=10,
@@ -7991,8 +7995,9 @@ def test_a_backup_taken_while_two_workers_write_is_restored_into_every_process_a
 
 def test_a_restore_from_a_file_being_written_reads_one_state_of_it(tmp_path) -> None:
     """The attack on restore: a file still served under load read table by table gave a ledger that failed
-    its audit (10 of 10) or a bare FOREIGN KEY failure (12 of 12). Now the backup is read in one read
-    transaction: every restore is whole, and the restored ledger passes walletsvc audit."""
+    its audit (10 of 10) or a bare FOREIGN KEY failure (12 of 12). Now the backup is copied first with
+    SQLite's backup API (one state of it): every restore is whole, and the restored ledger passes
+    walletsvc audit."""
     live = tmp_path / "live.db"
     walletsvc.WalletService(str(live)).close()
     with demo_process(tmp_path, "source") as (server, (key, secret, _admin, wallets)):

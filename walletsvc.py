@@ -1401,7 +1401,7 @@ class Database:
             self._lead(write)
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
-        if self.full and self._fulls == fulls:  # (a write committed, and none failed for a full disk meanwhile)
+        if self.full and self._fulls == fulls:  # (one committed, and none failed for a full disk meanwhile)
             self.full = False
         return write.results
 
@@ -3345,8 +3345,9 @@ class Transferred(NamedTuple):
 class Clock:
     """The service clock: real time plus an offset, or frozen; every service has one.
 
-    Pass one as ``WalletService(clock=...)``: the timestamp window, createdAt,
-    nonce expiry and delayed settlement all read it, and its state moves into
+    Pass one as ``WalletService(clock=...)``: createdAt, delayed settlement and the
+    sandbox's side of the timestamp window read it (the machine's clock is always
+    the other side: docs/signing.md), and its state moves into
     the service's database (docs/sandbox.md), so that every process serving that
     file reads and moves the same clock. A database that already has a clock
     state keeps it (a restarted server keeps a frozen clock frozen). Unbound,
@@ -6942,8 +6943,9 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
     try:
         if workers == 1:
             server = _waitress_server(app, listener, threads)
-            if main_thread:
-                signal.signal(signal.SIGTERM, _draining(server, lambda: _thread.interrupt_main(signal.SIGTERM)))
+            if main_thread:  # (the drained loop ends by SIGTERM's handler: SIGINT's may be ignored)
+                drained = functools.partial(_thread.interrupt_main, signal.SIGTERM)
+                signal.signal(signal.SIGTERM, _draining(server, drained))
             if on_ready:
                 on_ready(base_url)
             log.info("serving on %s", base_url)
