@@ -1224,10 +1224,6 @@ def savepoint(conn: sqlite3.Connection, unit: Unit) -> Any:
     return result
 
 
-class _Probed(Exception):
-    """``Database.check_writable``'s probe, undone."""
-
-
 # The most time between two checkpoints of a process (Database._checkpoint): a quarter of a second
 # of writes in the -wal at most, and four checkpoints a second at most.
 CHECKPOINT_SECONDS = 0.25
@@ -1567,28 +1563,15 @@ class Database:
             return conn.execute(sql, params).fetchone()
 
     def check_writable(self) -> None:
-        """Raise sqlite3.OperationalError if this process cannot write the database
-        (a read-only file or directory, a full disk); nothing is changed. A database
-        locked by another writer passes: its requests answer S503 until it is free."""
-        def probe(conn: sqlite3.Connection) -> None:
-            conn.execute("UPDATE schema_version SET version = version")
-            raise _Probed  # (rolled back: a probe changes nothing)
+        """Raise sqlite3.OperationalError if this process cannot write the database (a read-only
+        file or directory, a full disk), by writing a value over itself. A database locked by
+        another writer passes: its requests answer S503 until it is free."""
         try:
-            self.write([probe], durable=False)
-        except _Probed:
-            pass
+            self.write([lambda conn: conn.execute("UPDATE schema_version SET version = version")],
+                       durable=False)
         except sqlite3.OperationalError as exc:
             if not _is_locked(exc):
                 raise
-
-    def integrity_problems(self) -> list[str]:
-        """What SQLite's integrity_check finds wrong in the file (none: a whole file)."""
-        try:
-            with self.connection() as conn:
-                problems = [row[0] for row in conn.execute("PRAGMA integrity_check").fetchall()]
-        except sqlite3.DatabaseError as exc:  # (too malformed to be read)
-            problems = [str(exc)]
-        return [] if problems == ["ok"] else problems
 
     @contextlib.contextmanager
     def snapshot(self) -> Iterator[sqlite3.Connection]:
@@ -3946,8 +3929,14 @@ class WalletService:
             for row in rows:
                 violations.append({"check": check, "detail": detail.format(**dict(row)), "rows": dict(row)})
 
-        problems = [] if self.db.memory else self.db.integrity_problems()
-        if problems:
+        problems = ["ok"]
+        if not self.db.memory:
+            with self.db.connection() as conn:
+                try:  # (a file too malformed to be read says so itself)
+                    problems = [row[0] for row in conn.execute("PRAGMA integrity_check")]
+                except sqlite3.DatabaseError as exc:
+                    problems = [str(exc)]
+        if problems != ["ok"]:
             detail = f"the database file is malformed: {'; '.join(problems[:3])}"
             return [{"check": "integrity", "detail": detail, "rows": {"problems": problems[:20]}}]
         with self.db.snapshot() as conn:
