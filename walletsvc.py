@@ -880,8 +880,8 @@ def parse_time(text: str) -> int | None:
     day_ms -= 0 if int(year) else 146097 * 86_400_000
     if hour is None:
         return day_ms
-    if int(hour) > 23 or int(minute) > 59 or int(second) > 60 or int(offset_hour or 0) > 23 \
-            or int(offset_minute or 0) > 59:
+    if (int(hour) > 23 or int(minute) > 59 or int(second) > 60 or int(offset_hour or 0) > 23
+            or int(offset_minute or 0) > 59):
         return None
     offset = (int(offset_hour or 0) * 60 + int(offset_minute or 0)) * 60_000
     minute_ms = day_ms + (int(hour) * 60 + int(minute)) * 60_000 - (offset if sign == "+" else -offset)
@@ -1143,8 +1143,8 @@ class DatabaseFile:
                 return
             if status.st_size > 0:
                 return
-            if os.path.exists(path + "-wal") or time.time() - status.st_mtime > EMPTY_NEW \
-                    or time.monotonic() > deadline:
+            if (os.path.exists(path + "-wal") or time.time() - status.st_mtime > EMPTY_NEW
+                    or time.monotonic() > deadline):
                 break  # (a -wal beside an empty file: it was a database)
             time.sleep(0.01)
         raise FileGone(f"{path}: the file is empty, so it is no walletsvc database (one truncated, or a file"
@@ -2398,8 +2398,8 @@ def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
             low, high = 0, len(value)
             while low < high:
                 middle = (low + high + 1) // 2
-                low, high = (middle, high) if _utf8_size(_JSON.encode([name, value[:middle]])) <= left \
-                    else (low, middle - 1)
+                fits = _utf8_size(_JSON.encode([name, value[:middle]])) <= left
+                low, high = (middle, high) if fits else (low, middle - 1)
             value = value[:low]
         kept.append((name, value))
         left -= _utf8_size(_JSON.encode([name, value]))
@@ -2723,8 +2723,8 @@ class Faults:
 
     def remove(self, fault_id: str) -> None:
         """Remove one rule; S404 if there is none with that id."""
-        number = fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_") \
-            else ""
+        number = (fault_id[len("fault_"):] if isinstance(fault_id, str) and fault_id.startswith("fault_")
+                  else "")
         def remove(conn: sqlite3.Connection) -> None:
             if not number.isdigit() or not conn.execute("DELETE FROM fault_rules WHERE id = ?",
                                                         (int(number[:18]),)).rowcount:
@@ -2866,9 +2866,9 @@ def _backup_source(path: str) -> sqlite3.Connection:
                                " restore another backup")
         version = version and version[0]
         if version != schema_version():
-            how = (f"open it once with this walletsvc (walletsvc audit --db {path} upgrades it), then restore"
-                   " it") if isinstance(version, int) and 4 <= version < schema_version() else \
-                "restore it with the walletsvc that made it"
+            how = ((f"open it once with this walletsvc (walletsvc audit --db {path} upgrades it), then"
+                    " restore it") if isinstance(version, int) and 4 <= version < schema_version()
+                   else "restore it with the walletsvc that made it")
             raise RuntimeError(f"{path} has schema version {version}; this walletsvc restores"
                                f" {schema_version()}: {how}")
         problem = _backup_problem(source)
@@ -2891,11 +2891,11 @@ def _backup_problem(source: sqlite3.Connection) -> str | None:
     if not (isinstance(last_ms, int) and last_ms >= 0 and isinstance(last_id, str)
             and re.fullmatch("([0-9a-f]{32})?", last_id)):
         return "its ledger_clock row is not a time and an id"
-    numbers = (frozen_at is None or (isinstance(frozen_at, (int, float)) and CLOCK_RANGE[0] <= frozen_at
-                                     <= CLOCK_RANGE[1])) and isinstance(offset, (int, float)) \
-        and abs(offset) <= CLOCK_RANGE[1] and (seed is None or (isinstance(seed, int) and ID_SEEDS[0] <= seed
-                                                                <= ID_SEEDS[1])) \
-        and isinstance(drawn, int) and drawn >= 0
+    numbers = ((frozen_at is None or (isinstance(frozen_at, (int, float))
+                                      and CLOCK_RANGE[0] <= frozen_at <= CLOCK_RANGE[1]))
+               and isinstance(offset, (int, float)) and abs(offset) <= CLOCK_RANGE[1]
+               and (seed is None or (isinstance(seed, int) and ID_SEEDS[0] <= seed <= ID_SEEDS[1]))
+               and isinstance(drawn, int) and drawn >= 0)
     if not numbers:
         return "its sandbox row's clock or id sequence is out of range"
     for number, rule in source.execute("SELECT id, rule FROM fault_rules"):
@@ -3011,8 +3011,8 @@ def _check_scenario_wallet(wallet: Mapping[str, Any], where: str) -> None:
 def _zero(amount: str, currency: str) -> bool:
     """Whether ``amount`` is zero as the currency writes it ("0", "0.00"): a balance, not a transfer's."""
     match = _DECIMAL.fullmatch(amount)
-    return bool(match) and not int(match.group(1)) and not int(match.group(2) or "0") \
-        and len(match.group(2) or "") <= CURRENCY_EXPONENTS[currency] and len(match.group(1)) == 1
+    return (bool(match) and not int(match.group(1)) and not int(match.group(2) or "0")
+            and len(match.group(2) or "") <= CURRENCY_EXPONENTS[currency] and len(match.group(1)) == 1)
 
 
 def _check_scenario_member(member: Mapping[str, Any], where: str) -> None:
@@ -3413,8 +3413,8 @@ class Clock:
         """The move that starts a clock at ``at``: frozen there, or running from there (a scenario's
         clock; a clock frozen already stays frozen, at ``at``)."""
         at = _clock_time(at)
-        return lambda frozen_at, offset: (at, offset) if frozen or frozen_at is not None \
-            else (None, at - time.time())
+        return lambda frozen_at, offset: ((at, offset) if frozen or frozen_at is not None
+                                          else (None, at - time.time()))
 
     def freeze(self, at: float | None = None) -> None:
         """Stop the clock, at ``at`` (epoch seconds) or now."""
@@ -3783,8 +3783,8 @@ class WalletService:
             mode = self.settings.settlement
             # Due on the service clock, from its own reading now (docs/contract.md): not from the ledger's
             # time, which a clock moved back and forth before may have left ahead.
-            settle_at = tx.clock_reading + int(self.settings.settlement_delay * 1000) \
-                if mode == Settlement.DELAYED else None
+            settle_at = (tx.clock_reading + int(self.settings.settlement_delay * 1000)
+                         if mode == Settlement.DELAYED else None)
             now, immediate = tx.now, mode == Settlement.IMMEDIATE
             row = {"id": transfer_id, "workspace_id": workspace_id, "biz_id": request.biz_id or transfer_id,
                    "source_wallet_id": source["id"], "target_wallet_id": target["id"], "amount": amount,
@@ -5125,9 +5125,9 @@ class Authenticator:
         their order."""
         signed = SignedHeaders.of(request.environ)
         now_ms = int(self.svc.clock() * 1000)
-        canonical = canonical_message(request.environ["REQUEST_METHOD"], request.path, signed.timestamp,
-                                      signed.nonce, body_hash(request.body)) \
-            if (signed.timestamp + signed.nonce).isascii() else None  # (else steps 4 and 5 refuse it)
+        canonical = (canonical_message(request.environ["REQUEST_METHOD"], request.path, signed.timestamp,
+                                       signed.nonce, body_hash(request.body))
+                     if (signed.timestamp + signed.nonce).isascii() else None)  # (else steps 4, 5 refuse it)
         lookup = Nonces.parameters(signed.api_key, signed.nonce, signed.stamp)
         key = self.db.one(self._KEY, lookup) if 0 < len(signed.api_key) <= 128 else None
         try:
@@ -5299,8 +5299,8 @@ class HttpApi:
         request, refused = self.receive(environ, endpoint)
         decision = Decision(error=refused) if refused is not None else self.decide(request, url_args, handler)
         answer = self.commit(request, decision)
-        dropped = decision.fault is not None and decision.fault.action == FaultAction.COMMIT_THEN_DROP \
-            and answer.code == SUCCESS_CODE
+        dropped = (decision.fault is not None and decision.fault.action == FaultAction.COMMIT_THEN_DROP
+                   and answer.code == SUCCESS_CODE)
         self.log(request, answer, decision.quiet, decision.fault if dropped else None)
         return answer.status, answer.headers, _dropped(answer.body) if dropped else [answer.body]
 
@@ -5444,8 +5444,8 @@ class HttpApi:
         race or the write failed. A request with nothing to write is rendered without one."""
         auth = decision.auth
         nonce = auth.nonce if auth is not None else None
-        journal = self.svc.journal.enabled and request.endpoint is not None \
-            and request.endpoint.surface is Surface.API
+        journal = (self.svc.journal.enabled and request.endpoint is not None
+                   and request.endpoint.surface is Surface.API)
         known = self.render(request, decision) if decision.unit is None else None
         if nonce is None and decision.unit is None and not journal:
             return known
@@ -5529,8 +5529,8 @@ class HttpApi:
         """The access log line (``walletsvc serve``), unless the request is quiet; for an answer a
         commit_then_drop rule drops, no status: the line says the rule dropped it."""
         if self.access_log is not None and not quiet:
-            outcome = f"{answer.status} {answer.code or '-'}" if dropped is None else \
-                f"dropped by fault rule {dropped.id} after the commit"
+            outcome = (f"{answer.status} {answer.code or '-'}" if dropped is None
+                       else f"dropped by fault rule {dropped.id} after the commit")
             self.access_log.info("%s %s %s %.1fms", request.environ.get("REQUEST_METHOD"),
                                  request.path.decode("latin-1"), outcome,
                                  (time.perf_counter() - request.started) * 1000)
@@ -7207,8 +7207,8 @@ class Sandbox:
         """A world of its own beside this one (``POST /_admin/scenarios``): the scenario (by default
         the one the sandbox started from) made again with fresh ids and a fresh key, sharing the service,
         the app, the clock and the server; its ``reset()`` resets only its workspace."""
-        scenario = {"workspaces": self.service.start_scenario()["workspaces"]} if scenario is None \
-            else scenario
+        if scenario is None:
+            scenario = {"workspaces": self.service.start_scenario()["workspaces"]}
         made = self.service.load_scenario(read_scenario(scenario), fresh_ids=True)
         world = dataclasses.replace(self, world_id=made["workspaces"][0]["id"])
         return world._enter(made["workspaces"][0])
@@ -7348,8 +7348,8 @@ def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
     ``.admin_token``. Reset before the test, audited after it; settings from
     ``@pytest.mark.walletsvc(...)``."""
     settings = _marked_settings(request)
-    sandbox = _made_for(walletsvc_session_sandboxes, settings, lambda s: Sandbox.create(**s)) if settings \
-        else walletsvc_session_sandbox
+    sandbox = (_made_for(walletsvc_session_sandboxes, settings, lambda s: Sandbox.create(**s)) if settings
+               else walletsvc_session_sandbox)
     yield sandbox.reset()
     sandbox.audit()
 
@@ -7380,8 +7380,8 @@ def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
     """``walletsvc_sandbox`` served over HTTP (``.url``; ``.client`` talks HTTP), for code under test
     that makes real requests. Reset before the test, audited after it; settings from the marker."""
     settings = _marked_settings(request)
-    sandbox = _made_for(walletsvc_session_lives, settings, _live_sandbox) if settings \
-        else walletsvc_session_live
+    sandbox = (_made_for(walletsvc_session_lives, settings, _live_sandbox) if settings
+               else walletsvc_session_live)
     yield sandbox.reset()
     sandbox.audit()
 
