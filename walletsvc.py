@@ -3326,19 +3326,10 @@ class Transferred(NamedTuple):
 
 
 class Clock:
-    """The service clock: real time plus an offset, or frozen; every service has one.
-
-    Pass one as ``WalletService(clock=...)``: createdAt, delayed settlement and the
-    sandbox's side of the timestamp window read it (the machine's clock is always
-    the other side: docs/signing.md), and its state moves into
-    the service's database (docs/sandbox.md), so that every process serving that
-    file reads and moves the same clock. A database that already has a clock
-    state keeps it (a restarted server keeps a frozen clock frozen). Unbound,
-    the clock keeps its state in memory. It only ever shows times in
-    CLOCK_RANGE: a change that would leave it is a ValueError. A service given
-    a plain function of its own (or none: ``time.time``) reads it through
-    ``Clock.following``, a clock that is not controllable.
-    """
+    """The service clock (docs/sandbox.md, The clock): real time plus an offset, or frozen. Given
+    as ``WalletService(clock=...)``, its state lives in the service's database, for every process
+    on the file (a database that has one keeps it); unbound, in memory. It shows only times in
+    CLOCK_RANGE (a change past it: ValueError). ``Clock.following`` wraps a plain function."""
 
     def __init__(self, frozen_at: float | None = None) -> None:
         self._lock = threading.Lock()
@@ -3692,15 +3683,22 @@ class WalletService:
                      balances: bool = False) -> dict:
         """One page of the workspace's wallets; filters ``currency``, ``status``. ``balances``:
         the same page as balances (available and pending too)."""
+        return self._page(ListQuery("wallets", workspace_id, "workspace_id"), query, WALLET_SORTS,
+                          WALLET_FILTERS, balance_resource if balances else wallet_resource)
+
+    def _page(self, listing: ListQuery, query: Mapping[str, Any] | None, sorts: Mapping[str, str],
+              filters: Mapping[str, ListFilter], resource: Callable[[sqlite3.Row], dict],
+              check: Callable[[sqlite3.Connection], Any] = lambda conn: None) -> dict:
+        """One page of a list, its sorts and filters read from ``query``, in one read snapshot that
+        ``check``s first (the wallet a list is of): what every list of the service answers."""
         self.settle_due()
         query = normalize_query(query)
-        page = parse_page_request(query, WALLET_SORTS)
-        wallets = ListQuery("wallets", workspace_id, "workspace_id")
-        wallets.narrow(WALLET_FILTERS, query)
+        page = parse_page_request(query, sorts)
+        listing.narrow(filters, query)
         with self.db.snapshot() as conn:
-            total = wallets.total(conn)
-            rows = wallets.page(conn, page, total)
-        resource = balance_resource if balances else wallet_resource
+            check(conn)
+            total = listing.total(conn)
+            rows = listing.page(conn, page, total)
         return page_response([resource(row) for row in rows], page, total)
 
     def deposit(self, wallet_id: str, amount: str, *, workspace_id: str | None = None) -> dict:
@@ -3730,16 +3728,10 @@ class WalletService:
     def list_flows(self, wallet_id: str, query: Mapping[str, Any] | None = None, *,
                    workspace_id: str | None = None) -> dict:
         """One page of a wallet's ledger; filters type, direction, createdFrom/To."""
-        self.settle_due()
-        query = normalize_query(query)
-        page = parse_page_request(query, FLOW_SORTS)
-        flows = ListQuery("flows", wallet_id, "wallet_id", counter="flows")
-        flows.narrow(FLOW_FILTERS, query)
-        with self.db.snapshot() as conn:
-            wallet = self._wallet(conn, wallet_id, workspace_id)
-            total = flows.total(conn)
-            rows = flows.page(conn, page, total)
-        return page_response([flow_resource(row, wallet["currency"]) for row in rows], page, total)
+        wallet: dict = {}  # (read in the page's snapshot: its currency shows each flow's amount)
+        return self._page(ListQuery("flows", wallet_id, "wallet_id", counter="flows"), query, FLOW_SORTS,
+                          FLOW_FILTERS, lambda row: flow_resource(row, wallet["currency"]),
+                          lambda conn: wallet.update(self._wallet(conn, wallet_id, workspace_id)))
 
     # Transfers ###############################################################
 
@@ -3891,38 +3883,19 @@ class WalletService:
         Filters: status, createdFrom (inclusive), createdTo (exclusive),
         bizIdPrefix.
         """
-        self.settle_due()
-        query = normalize_query(query)
-        page = parse_page_request(query, TRANSFER_SORTS)
         if wallet_id is None:
-            transfers = ListQuery("transfers", workspace_id, "workspace_id", counter="transfers")
-        else:
-            transfers = ListQuery("transfers", wallet_id, "source_wallet_id", "target_wallet_id",
-                                  counter="transfers")
-        transfers.narrow(TRANSFER_FILTERS, query)
-        with self.db.snapshot() as conn:
-            if wallet_id is not None:
-                self._wallet(conn, wallet_id, workspace_id)
-            total = transfers.total(conn)
-            rows = transfers.page(conn, page, total)
-        return page_response([transfer_resource(row) for row in rows], page, total)
+            listing = ListQuery("transfers", workspace_id, "workspace_id", counter="transfers")
+            return self._page(listing, query, TRANSFER_SORTS, TRANSFER_FILTERS, transfer_resource)
+        return self._page(ListQuery("transfers", wallet_id, "source_wallet_id", "target_wallet_id",
+                                    counter="transfers"), query, TRANSFER_SORTS, TRANSFER_FILTERS,
+                          transfer_resource, lambda conn: self._wallet(conn, wallet_id, workspace_id))
 
     # The auditor ############################################################
 
     def audit(self) -> list[dict]:
-        """Check every ledger invariant in one read transaction; the violations found.
-
-        Each violation is ``{"check": name, "detail": sentence, "rows": [...]}``
-        naming the rows involved; an empty list is a clean ledger. The checks:
-        money conserved (per currency, deposits - withdrawals = the sum of
-        balances); no negative balance or available; each wallet's flows sum to
-        its balance and, in commit order (createdAt, then id), form an unbroken
-        running balance ending at the balance; pending is the sum of the
-        wallet's PENDING outgoing orders; a COMPLETED order has its two flows, a
-        PENDING or FAILED one none; the counters equal the row counts; no bizId
-        twice in a workspace. A file's integrity comes first (SQLite's integrity_check): a
-        malformed file is reported as that alone, what is wrong in its first lines.
-        """
+        """Check every ledger invariant (_AUDITS; docs/operations.md) in one read transaction: each
+        violation as ``{"check", "detail", "rows"}`` (none: a clean ledger). A malformed file
+        (SQLite's integrity_check) is reported as that alone."""
         violations = []
 
         def report(check: str, detail: str, rows: Iterable) -> None:
@@ -4612,11 +4585,11 @@ def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
         if name not in properties:
             raise invalid(str(name)[:64], "unknown_field")
     for name in schema["required"]:
-        if body.get(name) is None and not (name in body and _JSON_TYPES["null"] in _types(properties[name])):
+        if body.get(name) is None and not (name in body and "null" in _type_names(properties[name])):
             raise invalid(name, "required")
     checked = {}
     for name, value in body.items():
-        integer = _JSON_TYPES["integer"] in _types(properties[name])
+        integer = "integer" in _type_names(properties[name])
         if integer and isinstance(value, float) and value.is_integer():
             value = int(value)
         _check_type(name, value, properties[name])
@@ -4632,10 +4605,6 @@ def _type_names(schema: Mapping[str, Any]) -> list[str]:
     if not kinds and "anyOf" in schema:
         return [kind for branch in schema["anyOf"] for kind in _type_names(branch)]
     return [kinds] if isinstance(kinds, str) else list(kinds)
-
-
-def _types(schema: Mapping[str, Any]) -> list[Callable[[Any], bool]]:
-    return [_JSON_TYPES[kind] for kind in _type_names(schema)]
 
 
 def _check_type(name: str, value: Any, schema: Mapping[str, Any]) -> None:
@@ -4671,17 +4640,15 @@ _PAGE_PARAMETERS = (
 )
 
 
-# The schema of each list filter that takes more than a choice (ListFilter.choices): what the
-# service's filter_time, currency_exponent and _biz_id accept.
+# The schema and description of each list filter that takes more than a choice (ListFilter.choices):
+# what the service's filter_time, currency_exponent and _biz_id accept.
 _FILTER_SCHEMAS = {
-    "currency": _CURRENCY_SCHEMA, "bizIdPrefix": _BIZ_ID_SCHEMA,
-    "createdFrom": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (inclusive)"},
-    "createdTo": {**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (exclusive)"},
-}
-_FILTER_DESCRIPTIONS = {"currency": "only in this currency",
-                        "bizIdPrefix": "only orders whose bizId starts so",
-                        "createdFrom": "only created at or after this time",
-                        "createdTo": "only created before this time"}
+    "currency": (_CURRENCY_SCHEMA, "only in this currency"),
+    "bizIdPrefix": (_BIZ_ID_SCHEMA, "only orders whose bizId starts so"),
+    "createdFrom": ({**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (inclusive)"},
+                    "only created at or after this time"),
+    "createdTo": ({**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (exclusive)"},
+                  "only created before this time")}
 
 
 def _choice(values: Sequence[str]) -> dict:
@@ -4701,10 +4668,10 @@ def _filters(sortable: Mapping[str, str], filters: Mapping[str, ListFilter]) -> 
                        "items": {"type": "string",
                                  "pattern": f"^({'|'.join(sortable)})(,{_ANY_CASE_DIRECTION})?$"}}}
     return (*_PAGE_PARAMETERS, sort,
-            *({"name": name, "in": "query",
-               "schema": _choice(list_filter.choices) if list_filter.choices else _FILTER_SCHEMAS[name],
-               "description": _FILTER_DESCRIPTIONS.get(name, f"only those whose {name} is this")}
-              for name, list_filter in filters.items()))
+            *({"name": name, "in": "query", "schema": schema, "description": description}
+              for name, list_filter in filters.items()
+              for schema, description in [_FILTER_SCHEMAS.get(name) or (
+                  _choice(list_filter.choices), f"only those whose {name} is this")]))
 
 
 _TRANSFER_PARAMETERS = _filters(TRANSFER_SORTS, TRANSFER_FILTERS)
@@ -5131,9 +5098,7 @@ class Authenticator:
         lookup = Nonces.parameters(signed.api_key, signed.nonce, signed.stamp)
         key = self.db.one(self._KEY, lookup) if 0 < len(signed.api_key) <= 128 else None
         try:
-            self.api_key(signed, key)
-            self.key_status(key)
-            self.workspace(key)
+            self.key(signed, key)
             self.timestamp(now_ms, signed)
             self.nonce(signed, key)
         except WalletError as exc:
@@ -5160,22 +5125,14 @@ class Authenticator:
             " WHERE k.id = :api_key")
 
     @staticmethod
-    def api_key(signed: SignedHeaders, key: sqlite3.Row | None) -> None:
-        """Step 1."""
+    def key(signed: SignedHeaders, key: sqlite3.Row | None) -> None:
+        """Steps 1-3: the key given, known, enabled; its workspace, and its member still in it."""
         if not signed.api_key:
             raise ApiKeyMissing()
         if key is None:
             raise ApiKeyNotFound()
-
-    @staticmethod
-    def key_status(key: sqlite3.Row) -> None:
-        """Step 2."""
         if not key["enabled"]:
             raise ApiKeyDisabled()
-
-    @staticmethod
-    def workspace(key: sqlite3.Row) -> None:
-        """Step 3: the key's workspace, and its member still in it."""
         if key["workspace_deleted"]:
             raise WorkspaceNotFound()
         if key["member_removed"]:
@@ -5257,18 +5214,9 @@ ADMIN_PATIENCE = 0.5  # seconds an admin write waits for the lock before S503 (t
 
 
 class HttpApi:
-    """The one request path (docs/contributing.md): every request any host hands the app comes
-    through ``respond``, in four steps, each one function:
-
-    - ``decide``: the request as received, the contract's pipeline (or the admin token), the
-      fault rules, then the handler: a read's data, a write's unit, or the error. Writes nothing.
-    - ``commit``: the request's one write: its nonce record, its unit and its journal entry.
-    - ``render``: the envelope (or a bare document), its status and headers, once.
-    - ``log``: the access log line.
-
-    It is also the app's bottle plugin, so that bottle's own dispatch (a route-merging
-    ``mount``, a hook someone added) ends up in ``respond`` too.
-    """
+    """The one request path: ``respond`` decides, commits, renders and logs every request
+    (docs/contributing.md). Also the app's bottle plugin, so that bottle's own dispatch (a
+    route-merging ``mount``, a hook someone added) ends up in ``respond`` too."""
 
     name = "walletsvc"
     api = 2
@@ -5599,18 +5547,9 @@ def _not_a_dropped_connection(record: logging.LogRecord) -> bool:
 
 
 class WalletApp(bottle.Bottle):
-    """The WSGI app: a ``bottle.Bottle`` whose declared routes answer through ``http.serve``.
-
-    Called as a WSGI app, it matches with bottle's router and hands the route
-    straight to ``http.respond``, without bottle's ``_handle`` (its thread-local
-    request and response, the plugin chain, casting the HTTPResponse): about a
-    sixth of a signed GET in process. It does
-    to the request what ``_handle`` does first (PATH_INFO decoded as UTF-8,
-    ``bottle.raw_path`` and ``bottle.app``), and a test pins its answers to
-    bottle's own dispatch for every kind of request. What bottle must see itself
-    (HEAD, a route someone else added, another plugin, a hook) goes through
-    bottle's dispatch, which ends in the same ``respond``.
-    """
+    """The WSGI app: a ``bottle.Bottle`` that hands a declared route straight to ``http.respond``,
+    without bottle's ``_handle`` (docs/embedding.md, How a request is served), doing first what
+    ``_handle`` does (PATH_INFO decoded as UTF-8, ``bottle.raw_path``, ``bottle.app``)."""
 
     built_with: list | None = None  # the plugins create_app installed: any other needs bottle's dispatch
 
@@ -5650,12 +5589,6 @@ class WalletApp(bottle.Bottle):
 ###############################################################################
 # OpenAPI document #############################################################
 ###############################################################################
-
-def _schema_ref(schema: str | dict | None) -> dict:
-    if schema is None:
-        return {"type": "null"}
-    return _ref(schema) if isinstance(schema, str) else schema
-
 
 SURFACE_TAGS = {
     Surface.API: ("The contract's nine endpoints, each request signed (see the security scheme Signature)"),
@@ -5769,22 +5702,19 @@ def _error_responses(errors: Iterable[type[WalletError]], head: bool = False) ->
     return answers
 
 
-def _error_examples(paths: Mapping[str, dict]) -> dict:
-    """An example of each error the operations of ``paths`` answer (components/examples)."""
-    answered = {reference["$ref"].rsplit("/", 1)[1] for operations in paths.values()
-                for operation in operations.values() for answer in operation["responses"].values()
-                for reference in answer.get("content", {}).get("application/json", {}).get("examples",
-                                                                                             {}).values()}
+def _error_examples(endpoints: list[Endpoint]) -> dict:
+    """An example of each error ``endpoints`` answer (components/examples; every operation lists S012)."""
+    answered = {InvalidParameter}.union(*(declaration.errors_answered for declaration in endpoints))
     return {error.code: {"summary": error.name, "value": {
         "version": API_VERSION, "timestamp": 1714564800000, "success": False, "code": error.code,
         "message": error.name, "data": None, "detail": re.sub(r"\{\w*\}", "...", error.messages[0])}}
-        for error in ERRORS if error.code in answered}
+        for error in ERRORS if error in answered}
 
 
 def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
     """OpenAPI 3.1 of ``endpoints``, from their declarations, with ``base_url`` as the server."""
     paths: dict[str, dict] = {}
-    surfaces = []
+    surfaces, endpoints = [], list(endpoints)
     for declared_endpoint in endpoints:
         openapi_path = re.sub(r"<(\w+)>", lambda name: "{" + PATH_PARAMETERS[name[1]][0] + "}",
                               declared_endpoint.path)
@@ -5820,7 +5750,7 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
         "components": {
             "schemas": dict(SCHEMAS),
             "headers": {**_HEADERS, **_REPLAYED},
-            "examples": _error_examples(paths),
+            "examples": _error_examples(endpoints),
             "securitySchemes": {
                 "ApiKey": {**header, "name": "X-Api-Key", "description": f"the API key; {see_signature}"},
                 "Timestamp": {**header, "name": "X-Timestamp",
@@ -5845,7 +5775,8 @@ def _operation(declared_endpoint: Endpoint, head: bool = False) -> dict:
     """The declared endpoint as an OpenAPI operation (HEAD: a GET's, answered without a body)."""
     surface = declared_endpoint.surface
     media = (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]
-    data_schema = _schema_ref(declared_endpoint.response)
+    data_schema = declared_endpoint.response or {"type": "null"}
+    data_schema = _ref(data_schema) if isinstance(data_schema, str) else data_schema
     success = data_schema if declared_endpoint.media else {
         "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
         "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
@@ -5869,13 +5800,9 @@ def _operation(declared_endpoint: Endpoint, head: bool = False) -> dict:
         "description": "\n\n".join(description), "tags": [surface],
         "parameters": [_path_parameter(name) for name in declared_endpoint.path_names]
         + list(declared_endpoint.query) + _LANGUAGE_PARAMETERS,
-        "responses": {"200": ok, **_error_responses(declared_endpoint.errors_answered, head)}}
-    if surface is not Surface.CONSOLE:
-        operation["security"] = {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
-                                 Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}],
-                                 Surface.PUBLIC: []}[surface]
-    else:
-        operation["security"] = []
+        "responses": {"200": ok, **_error_responses(declared_endpoint.errors_answered, head)},
+        "security": {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
+                     Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}]}.get(surface, [])}
     if declared_endpoint.links and not head:  # (to an operation of the same surface)
         operation["responses"]["200"]["links"] = {
             link: {"operationId": f"admin_{target}" if surface is Surface.ADMIN else target,
@@ -6027,19 +5954,8 @@ class ConsoleSession(NamedTuple):
 
 
 class Console:
-    """The sandbox console at /_admin/console (docs/sandbox.md): one HTML page and its session.
-
-    Logging in with the admin token sets an HttpOnly, SameSite=Strict cookie:
-    a random nonce, its expiry and their HMAC under the admin token (a new
-    admin token ends every session). The session is sandbox state: kept in the
-    database until it expires or logs out, so that a logout holds in every
-    process serving the file (``--workers``, a second server).
-    The cookie alone authorizes nothing: a request must also carry the page's
-    CSRF token (another HMAC of the nonce, readable only by a page of the same
-    origin) and must not come from another site (``Sec-Fetch-Site``, ``Origin``).
-    Its name carries the port: browsers share a host's cookies across its ports,
-    and two sandboxes on 127.0.0.1 must not log each other out.
-    """
+    """The sandbox console at /_admin/console: one HTML page and its session cookie, kept in the
+    database, and the CSRF check (docs/sandbox.md, The console, says how and why)."""
 
     SESSION_SECONDS = 12 * 3600
 
@@ -6051,11 +5967,9 @@ class Console:
         digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
-    cookie_name = staticmethod(console_cookie)
-
     def session(self, environ: Mapping[str, Any]) -> ConsoleSession | None:
         """The session the request's cookie names (None: no cookie), valid or not."""
-        name = self.cookie_name(environ) + "="
+        name = console_cookie(environ) + "="
         value = next((part.strip()[len(name):] for part in environ.get("HTTP_COOKIE", "").split(";")
                       if part.strip().startswith(name)), None)
         if value is None:
@@ -6069,18 +5983,6 @@ class Console:
 
     def session_value(self, nonce: str, expires: str) -> str:
         return f"{nonce}.{expires}.{self.mac('session', f'{nonce}.{expires}')}"
-
-    def begin(self, nonce: str, expires: int) -> None:
-        """Keep a new session (and forget those that expired)."""
-        def unit(conn: sqlite3.Connection) -> None:
-            conn.execute("DELETE FROM console_sessions WHERE expires <= ?", (int(time.time()),))
-            conn.execute("INSERT INTO console_sessions (nonce, expires) VALUES (?, ?)", (nonce, expires))
-        self.db.write([unit], durable=False)
-
-    def end(self, nonce: str) -> None:
-        """Log a session out in every process (its cookie, copied, no longer works anywhere)."""
-        self.db.write([lambda conn: conn.execute("DELETE FROM console_sessions WHERE nonce = ?", (nonce,))],
-                      durable=False)
 
     def same_origin(self, environ: Mapping[str, Any], nonce: str) -> bool:
         """The page's CSRF header is right and the browser does not say another site sent it."""
@@ -6099,7 +6001,7 @@ class Console:
         (/_admin/ itself when the path as sent does not say it plainly)."""
         head, found, _ = request.path.decode("latin-1").rpartition("/_admin/")
         path = head + found if found and re.fullmatch(r"[\w./~-]*", head) else "/_admin/"
-        attributes = [f"{self.cookie_name(request.environ)}={value}", f"Path={path}",
+        attributes = [f"{console_cookie(request.environ)}={value}", f"Path={path}",
                       f"Max-Age={max_age}", "HttpOnly", "SameSite=Strict"]
         if request.environ.get("wsgi.url_scheme") == "https":
             attributes.append("Secure")
@@ -6115,14 +6017,19 @@ class Console:
         if not self.key or not hmac.compare_digest(token, self.key):
             return self.login_form("That is not the admin token.")._replace(status=401)
         nonce, expires = secrets.token_urlsafe(18), str(int(time.time()) + self.SESSION_SECONDS)
-        self.begin(nonce, int(expires))
+
+        def begin(conn: sqlite3.Connection) -> None:  # (and forget the sessions that expired)
+            conn.execute("DELETE FROM console_sessions WHERE expires <= ?", (int(time.time()),))
+            conn.execute("INSERT INTO console_sessions (nonce, expires) VALUES (?, ?)", (nonce, int(expires)))
+        self.db.write([begin], durable=False)
         cookie = self.cookie(request, self.session_value(nonce, expires), self.SESSION_SECONDS)
         return Reply("", 303, (("Location", "console"), ("Set-Cookie", cookie)))
 
     def log_out(self, request: Received) -> Reply:
         session = self.session(request.environ)
-        if session is not None and session.valid:
-            self.end(session.nonce)
+        if session is not None and session.valid:  # (in every process: a copied cookie stops working too)
+            self.db.write([lambda conn: conn.execute("DELETE FROM console_sessions WHERE nonce = ?",
+                                                     (session.nonce,))], durable=False)
         return Reply(None, headers=(("Set-Cookie", self.cookie(request, "", 0)),))
 
     @staticmethod
@@ -6550,17 +6457,9 @@ def server_time(url: str, timeout: float = 10.0) -> int:
 
 
 class HmacAuth:
-    """Signs requests for ``requests`` and ``httpx`` (``auth=HmacAuth(key, secret)``), at the
-    server's clock.
-
-    ``clock`` left out, each request is signed at the time of the server it goes to, read from
-    ``GET /healthz`` beside it (below the same mount prefix) just before: a sandbox whose clock is
-    frozen or moved never refuses it. Where no server answers there (an httpx client on an
-    in-process transport), it signs at this machine's clock. ``clock=sandbox.clock`` (the pytest
-    sandbox's) or ``clock=time.time`` signs at that clock instead, without the extra request.
-    Imports neither library: a requests PreparedRequest and an httpx Request are told apart by
-    their attributes.
-    """
+    """Signs requests for ``requests`` and ``httpx`` (``auth=HmacAuth(key, secret)``) at the server's
+    clock, read from its /healthz (this machine's where none answers), or at ``clock`` (docs/signing.md).
+    Imports neither library: their requests are told apart by their attributes."""
 
     def __init__(self, api_key: str, secret: str, *, clock: Callable[[], float] | None = None) -> None:
         self.api_key = api_key
@@ -6596,24 +6495,10 @@ def _segment(value: str) -> str:
 
 
 class Client:
-    """A signed client of the nine endpoints, standard library only.
-
-    ``target`` is a base URL, which may carry a path prefix
-    (``"http://127.0.0.1:8080/payments"``), or a WSGI app for in-process use
-    (``prefix="/payments"`` when the app is mounted below one). The full path
-    sent is the path signed. One method per endpoint; each returns the envelope's ``data`` and raises the
-    WalletError subclass of the answer's code.
-
-    Left out, the target, key and secret are WALLETSVC_URL, WALLETSVC_KEY and
-    WALLETSVC_SECRET, else the demo's (``walletsvc serve --demo``). It signs at
-    the sandbox's clock: ``clock`` left out, it reads the server's time from
-    ``GET /healthz`` (unsigned, never journaled) before each request (in process,
-    given walletsvc's own app, it reads that app's service clock instead), so a
-    frozen or moved clock never refuses one; ``clock=sandbox.clock`` or
-    ``clock=time.time`` signs at that clock without it. Refused for its
-    timestamp all the same (GA2013: the clock moved in between), it takes the
-    server's time from the answer, keeps the difference and sends once more.
-    """
+    """A signed client of the nine endpoints, standard library only (docs/signing.md): ``target`` a
+    base URL (a path prefix in it is signed) or a WSGI app (``prefix=`` where it is mounted); left
+    out, WALLETSVC_URL, _KEY and _SECRET, else the demo's. It signs at the server's clock
+    (``clock=`` another), and once more at the time a GA2013 answer gives."""
 
     def __init__(self, target: str | Callable | None = None, api_key: str | None = None,
                  secret: str | None = None, *, prefix: str = "", timeout: float = 10.0,
@@ -6797,10 +6682,8 @@ HEADERS_WITHIN = 10.0
 
 def _raise_file_limit(needed: int) -> None:
     """Raise this process's soft limit on open files to ``needed`` (within the hard limit)."""
-    try:
-        import resource
-    except ImportError:  # not on this platform
-        return
+    import resource
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != resource.RLIM_INFINITY and soft < needed:
         resource.setrlimit(resource.RLIMIT_NOFILE,
@@ -6883,10 +6766,8 @@ def _control_dispatcher(threads: int) -> Any:
     return dispatcher
 
 
-# waitress's request threads by default, measured (docs/operations.md, 2 cores, wrk, 8 connections): one
-# thread answered 2,629 signed GETs a second against 1,811 with four (p99 8.6 ms against 9.8) and as many
-# transfers (1,006 against 1,014): more threads only hand the GIL around. A `latency` rule's request and
-# /healthz and /_admin/ get threads of their own whatever this is (_control_dispatcher).
+# waitress's request threads by default: more only hand the GIL around (docs/operations.md has the figures).
+# A `latency` rule's request and /healthz and /_admin/ get threads of their own (_control_dispatcher).
 SERVE_THREADS = 1
 
 
@@ -6898,12 +6779,8 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
     (docs/operations.md): one sandbox, since everything it is lives in the database."""
     import socket
 
-    if threads < 1 or workers < 1:
-        raise ValueError("--threads and --workers must be at least 1")
     if workers > 1 and svc.db.memory:
         raise ValueError("--workers needs a database file: processes share nothing else")
-    if not 0 <= port <= 65535:
-        raise ValueError(f"port {port} is not a TCP port (0-65535; 0 picks a free one)")
     app = create_app(svc, **settings)
     _raise_file_limit(WAITRESS_LIMITS["connection_limit"] + 64)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -6999,12 +6876,16 @@ def _leave_with(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
-    import waitress
-
+def _quiet_waitress() -> None:
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
     if _not_a_dropped_connection not in logging.getLogger("waitress").filters:
         logging.getLogger("waitress").addFilter(_not_a_dropped_connection)
+
+
+def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
+    import waitress
+
+    _quiet_waitress()
     dispatcher = _control_dispatcher(threads)
     app.http.sleep = dispatcher.sleep
     return guarding_slow_senders(answering_in_envelopes(waitress.create_server(
@@ -7012,15 +6893,6 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
         clear_untrusted_proxy_headers=False,
         max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1),
         **WAITRESS_LIMITS), app.http.settings.max_body_bytes))
-
-
-def _make_room(channels: list) -> None:
-    """Close the stalest of ``channels`` that is not being answered (one at a time: it closes on the
-    event loop's next turn)."""
-    if not any(channel.will_close for channel in channels):
-        waiting = [channel for channel in channels if not channel.requests and hasattr(channel, "staleness")]
-        if waiting:
-            min(waiting, key=lambda channel: channel.staleness()).will_close = True
 
 
 def guarding_slow_senders(server: Any) -> Any:
@@ -7057,7 +6929,10 @@ def guarding_slow_senders(server: Any) -> Any:
 
     def readable(accepting: Callable[[], bool] = server.readable) -> bool:
         if server.accepting and len(server._map) >= server.adj.connection_limit:
-            _make_room(list(server.active_channels.values()))
+            channels = list(server.active_channels.values())
+            waiting = [each for each in channels if not each.requests and hasattr(each, "staleness")]
+            if waiting and not any(each.will_close for each in channels):  # (it closes on the next turn)
+                min(waiting, key=lambda each: each.staleness()).will_close = True
         return accepting()
 
     server.channel_class = GuardedChannel
@@ -7159,14 +7034,8 @@ def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, read
 
 @dataclasses.dataclass
 class Sandbox:
-    """A ready fake wallet backend for one test.
-
-    ``service`` (the Python admin API), ``app`` (the WSGI app), ``clock`` (a
-    walletsvc.Clock), ``workspace``, a full-scope ``key``, ``wallets`` by name
-    (alice: USD 1000.00, bob: USD 1000.00, yen: JPY 100000), a signed
-    ``client`` (in-process, or over HTTP for a live sandbox) and ``url`` (live
-    only). Ids are seeded: the same test sees the same ids on every run.
-    """
+    """A ready fake wallet backend for one test (docs/testing.md says what each field holds). Ids are
+    seeded: the same test sees the same ids on every run."""
 
     service: WalletService
     app: bottle.Bottle
@@ -7261,9 +7130,7 @@ class LiveServer:
     def __init__(self, app: Callable, threads: int = 4) -> None:
         import waitress
 
-        logging.getLogger("waitress.queue").setLevel(logging.ERROR)
-        if _not_a_dropped_connection not in logging.getLogger("waitress").filters:
-            logging.getLogger("waitress").addFilter(_not_a_dropped_connection)
+        _quiet_waitress()
         self._server = answering_in_envelopes(waitress.create_server(
             app, host="127.0.0.1", port=0, threads=threads))
         self.url = f"http://127.0.0.1:{self._server.effective_port}"
@@ -7357,11 +7224,9 @@ def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
 @_fixture("session")
 def walletsvc_session_live() -> Iterator[Sandbox]:
     """The session's live Sandbox at default settings, on waitress on a random port of 127.0.0.1."""
-    sandbox = Sandbox.create()
-    server = LiveServer(sandbox.app)
-    sandbox.url = server.url
+    sandbox = _live_sandbox({})
     yield sandbox
-    server.stop()
+    sandbox.server.stop()
 
 
 @_fixture("session")
@@ -7533,13 +7398,18 @@ def _existing(path: str) -> str:
     return path
 
 
+def _on_service(path: str, action: Callable[[WalletService], Any]) -> Any:
+    """What ``action`` answers of the database at ``path``, closed after."""
+    svc = WalletService(path)
+    try:
+        return action(svc)
+    finally:
+        svc.close()
+
+
 def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], reads_only: bool) -> Callable:
     def run(args: argparse.Namespace) -> int:
-        svc = WalletService(_existing(args.db) if reads_only else args.db)
-        try:
-            result = action(svc, args)
-        finally:
-            svc.close()
+        result = _on_service(_existing(args.db) if reads_only else args.db, lambda svc: action(svc, args))
         print(_table(result) if args.table else json.dumps(result, indent=2, ensure_ascii=False))
         return 0
     return run
@@ -7678,11 +7548,7 @@ def _write_ready_file(path: str, base_url: str, admin_token: str | None, world: 
 
 
 def _audit_command(args: argparse.Namespace) -> int:
-    svc = WalletService(_existing(args.db))
-    try:
-        violations = svc.audit()
-    finally:
-        svc.close()
+    violations = _on_service(_existing(args.db), WalletService.audit)
     if args.table:
         print(_table(violations) if violations else "clean: every invariant holds")
     else:
@@ -7692,11 +7558,7 @@ def _audit_command(args: argparse.Namespace) -> int:
 
 def _copy_command(args: argparse.Namespace) -> int:
     """``walletsvc backup FILE`` and ``walletsvc restore FILE``, on the database at --db."""
-    svc = WalletService(_existing(args.db))
-    try:
-        getattr(svc, args.command)(args.file)
-    finally:
-        svc.close()
+    _on_service(_existing(args.db), lambda svc: getattr(svc, args.command)(args.file))
     print(f"backed up {args.db} to {args.file}" if args.command == "backup" else
           f"restored {args.file} into {args.db}: every server on it serves it from its next request")
     return 0
@@ -7857,15 +7719,15 @@ def build_parser() -> argparse.ArgumentParser:
                               help="a setting (docs/reference.md, Settings), e.g. busy_timeout=2; repeatable")
     serve_parser.set_defaults(run=_serve_command)
 
-    workspace = commands.add_parser("workspace", help="create, list, delete workspaces")
-    verbs = workspace.add_subparsers(dest="verb", required=True)
+    verbs = commands.add_parser("workspace", help="create, list, delete workspaces").add_subparsers(
+        dest="verb", required=True)
     _leaf(verbs, "create", common, "create a workspace", lambda svc, a: svc.create_workspace(a.name), "name")
     _leaf(verbs, "list", common, "list workspaces", lambda svc, a: svc.list_workspaces())
     _leaf(verbs, "delete", common, "delete a workspace (its keys answer GA2032)",
           lambda svc, a: svc.delete_workspace(a.workspace_id) or {"deleted": a.workspace_id}, "workspace_id")
 
-    member = commands.add_parser("member", help="add, remove, list members")
-    verbs = member.add_subparsers(dest="verb", required=True)
+    verbs = commands.add_parser("member", help="add, remove, list members").add_subparsers(dest="verb",
+                                                                                         required=True)
     _leaf(verbs, "add", common, "add a member", lambda svc, a: svc.add_member(a.workspace_id, a.name),
           "workspace_id", "name")
     _leaf(verbs, "remove", common, "remove a member (its keys answer GA2034)",
