@@ -676,16 +676,16 @@ class Settings:
     is a ValueError saying where it goes.
     """
 
-    timestamp_tolerance: int = _setting("http", 60, _between(int, 1, 86400))
+    timestamp_tolerance: int = _setting("http", 60, _between(int, 1, 86400))  # X-Timestamp's window, s
     nonce_records: int = _setting("http", 100_000, _between(int, 1000, 100_000_000))  # (Replay protection)
     max_body_bytes: int = _setting("http", 65536, _between(int, 0, 64 << 20))  # larger answers S413
     debug_signatures: bool = _setting("http", False, _boolean)  # GA2012 names the signing mistake
     trusted_proxies: tuple = _setting("http", (), _networks)  # whose X-Forwarded-For is believed
     admin_token: str | None = _setting("http", None, _optional_str)  # /_admin/ is 404 while unset
-    default_locale: str = _setting("http", "en-US", _one_of(*LOCALES))
+    default_locale: str = _setting("http", "en-US", _one_of(*LOCALES))  # when a request names none
     busy_timeout: float = _setting("service", 5.0, _between(float, 0.001, 600))  # then S503
     synchronous: str = _setting("service", "FULL", _one_of("FULL", "NORMAL"))  # file databases' pragma
-    settlement: str = _setting("service", Settlement.IMMEDIATE.value, _one_of(*Settlement))
+    settlement: str = _setting("service", Settlement.IMMEDIATE.value, _one_of(*Settlement))  # manual, delayed
     settlement_delay: float = _setting("service", 5.0, _between(float, 0, 366 * 86400))  # delayed: PENDING
     id_seed: int | None = _setting("service", None, _between(int, *ID_SEEDS, optional=True))  # tests only
     journal_size: int = _setting("service", 0, _between(int, 0, 100_000))  # serve keeps SANDBOX_JOURNAL_SIZE
