@@ -468,6 +468,103 @@ def _runs(trace: list[str]) -> list[str]:
 
 
 ###############################################################################
+# Anatomy: where a request's microseconds go ###################################
+###############################################################################
+
+# The C calls a part is named after, whoever makes them: SQLite's statements, the HMAC and digests, JSON.
+_C_PARTS = {"sqlite3": "SQLite statements", "_hashlib": "HMAC and SHA-256", "_operator": "HMAC and SHA-256",
+            "_json": "JSON"}
+
+
+class _Parts:
+    """A sys.setprofile callback charging the time between two events to the part running: a C call
+    of _C_PARTS to its part, else the section of ``owner`` (a file) whose Python runs, a library's
+    time going to the section that called it."""
+
+    def __init__(self, owner: str, sections: list[tuple[int, str]]) -> None:
+        self.owner, self.sections, self.starts = owner, sections, [line for line, _ in sections]
+        self.of_code: dict = {}
+        self.totals: dict[str, int] = {}
+        self.events: dict[str, int] = {}
+        self.part, self.last = "(outside)", time.perf_counter_ns()
+
+    def section(self, frame) -> str:
+        while frame is not None and frame.f_code.co_filename != self.owner:
+            frame = frame.f_back
+        if frame is None:
+            return "(outside)"
+        if frame.f_code not in self.of_code:
+            at = bisect.bisect_right(self.starts, frame.f_code.co_firstlineno) - 1
+            self.of_code[frame.f_code] = self.sections[max(at, 0)][1]
+        return self.of_code[frame.f_code]
+
+    def __call__(self, frame, event, arg) -> None:
+        now = time.perf_counter_ns()
+        self.totals[self.part] = self.totals.get(self.part, 0) + now - self.last
+        self.events[self.part] = self.events.get(self.part, 0) + 1
+        if event == "c_call":
+            module = getattr(arg, "__module__", None) or type(getattr(arg, "__self__", None)).__module__
+            self.part = _C_PARTS.get(module) or self.section(frame)
+        else:
+            self.part = self.section(frame.f_back if event == "return" else frame)
+        self.last = time.perf_counter_ns()
+
+    def traced(self, run, calls: int) -> dict[str, float]:
+        sys.setprofile(self)
+        try:
+            for _ in range(calls):
+                run()
+        finally:
+            sys.setprofile(None)
+        return self.totals
+
+
+def anatomy_of(run, calls: int, owner: str, sections: list[tuple[int, str]]) -> dict[str, float]:
+    """Microseconds per call of ``run``, by part (_Parts), measured under sys.setprofile with each
+    event's own cost (calibrated on empty calls) taken off, then scaled to ``run``'s untraced time."""
+    def empty() -> None:
+        pass
+
+    calibration = _Parts(owner, sections)
+    per_event = sum(calibration.traced(empty, calls * 20).values()) / max(sum(calibration.events.values()), 1)
+    parts = _Parts(owner, sections)
+    spent = {part: max(total - parts.events.get(part, 0) * per_event, 0)
+             for part, total in parts.traced(run, calls).items()}
+    untraced, whole = median_of_rounds(run, calls, 3), sum(spent.values()) or 1
+    return {part: untraced * value / whole for part, value in sorted(spent.items(), key=lambda kv: -kv[1])}
+
+
+def anatomy(tmp: str, calls: int) -> list:
+    """Where a signed GET and a create-transfer spend their time in process, part by part, beside the
+    floor's own parts (docs/operations.md keeps the table)."""
+    svc, _, key, wallets = seeded(os.path.join(tmp, "anatomy.db"))
+    app = walletsvc.create_app(svc)
+    floor = Floor(os.path.join(tmp, "anatomy-floor.db"), key, [svc.get_wallet(wallet) for wallet in wallets])
+    path = f"/api/v1/wallets/{wallets[0]}"
+    body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "0.01",
+                       "currency": "USD"}).encode()
+    floor_sections = [(1, "Python")]
+    rows = []
+    for name, method, target, payload in (("signed GET", "GET", path, b""),
+                                          ("create-transfer", "POST", TRANSFER, body)):
+        for label, served, owner, sections in (("walletsvc", app, walletsvc.__file__, module_sections()),
+                                               ("floor", floor, __file__, floor_sections)):
+            def one(served=served, method=method, target=target, payload=payload) -> None:
+                call_wsgi(served, method, target, payload,
+                          walletsvc.sign_request(method, target, payload, key["apiKey"], key["secret"]))
+            for _ in range(50):
+                one()
+            parts = anatomy_of(one, calls, owner, sections)
+            whole = sum(parts.values())
+            for part, micros in parts.items():
+                if micros >= 0.5:
+                    rows.append((f"anatomy, {name}, {label}: {part}", f"{micros:.1f} us",
+                                 f"of {whole:.0f} us", micros / whole, "report"))
+    svc.close()
+    return rows
+
+
+###############################################################################
 # Load generators: wrk, else Python ##############################################
 ###############################################################################
 
@@ -1271,8 +1368,8 @@ def scenario_load(tmp: str, wallets: int, limit: float) -> list:
 ###############################################################################
 
 
-SECTIONS = ("shape", "startup", "in_process", "previous", "http", "workers", "fsync", "isolation", "nonce",
-            "scenario", "scale")
+SECTIONS = ("shape", "anatomy", "startup", "in_process", "previous", "http", "workers", "fsync", "isolation",
+            "nonce", "scenario", "scale")
 
 
 def main() -> int:
@@ -1289,6 +1386,7 @@ def main() -> int:
     started = time.monotonic()
     with tempfile.TemporaryDirectory() as tmp:
         sections = {"shape": lambda: request_shape(tmp),
+                    "anatomy": lambda: anatomy(tmp, 100 if quick else 1000),
                     "startup": lambda: startup(rounds),
                     "in_process": lambda: in_process(tmp, 200 if quick else 1000, rounds),
                     "previous": lambda: previous_rows(tmp, args.previous, 200 if quick else 1000, rounds,
