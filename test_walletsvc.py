@@ -6818,7 +6818,7 @@ def test_console_under_a_mount_prefix_scopes_its_cookie_to_it(svc) -> None:
 ###############################################################################
 
 
-SCREENSHOTS = ("console-wallets.png", "console-journal.png")  # in docs/, shown in docs/sandbox.md
+SCREENSHOTS = ("console-wallets.png", "console-journal.png", "console-phone.png")  # docs/, in sandbox.md
 
 
 @pytest.fixture
@@ -6953,7 +6953,15 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     until(browser, lambda: wallets()["alice"][0] == "990.00" and wallets()["bob"][0] == "1010.00")
     browser.find_element(By.CSS_SELECTOR, f'tr[data-wallet="{ids["alice"]}"]').click()
     flows = until(browser, lambda: table_rows(browser, "#flows"))
-    assert flows[0][1:6] == ["TRANSFER_OUT", "DEBIT", "10.00", "990.00", ids["bob"]]
+    assert flows[0][1:6] == ["TRANSFER_OUT", "DEBIT", "10.00", "990.00", "bob"]  # (issue 45, item 6)
+    counterparty = browser.find_element(By.CSS_SELECTOR, "#flows tbody tr td:nth-child(6) span")
+    assert counterparty.get_attribute("title") == ids["bob"]  # the id, on hover
+    view("Transfers")
+    order = until(browser, lambda: browser.find_elements(By.CSS_SELECTOR,
+                                                         '#transfers tr[data-biz="console-1"]'))
+    assert order[0].text.split()[2:4] == ["alice", "bob"]  # names, not 36-character ids
+    view("Wallets")
+    until(browser, lambda: table_rows(browser, "#flows"))
     browser.save_screenshot(str(shots / SCREENSHOTS[0]))
 
     # A bad signature (the query string signed): the journal row opens on the server's diagnosis.
@@ -6984,12 +6992,27 @@ def test_console_in_a_real_browser(browser, demo_server, tmp_path) -> None:
     form.find_element(By.NAME, "body").send_keys('{"amount": "1.00"}')
     form.find_element(By.CSS_SELECTOR, "button").click()
     until(browser, lambda: table_rows(browser, "#faults .data"))
+    view("Wallets")  # a rule is active: every view's header says so, and leads to the Faults view
+    faults_on = until(browser, lambda: [link for link in browser.find_elements(By.ID, "faults-on")
+                                        if link.is_displayed()])
+    assert faults_on[0].text == "1 fault rule active"
+    browser.set_window_size(390, 500)  # a phone: the header stays at the top however far the page scrolls
+    browser.execute_script("window.scrollTo(0, document.body.scrollHeight)")
+    header = browser.find_element(By.TAG_NAME, "header")
+    assert browser.execute_script("return window.scrollY") > 0
+    assert browser.execute_script("return arguments[0].getBoundingClientRect().top", header) == 0
+    assert faults_on[0].is_displayed()
+    browser.save_screenshot(str(shots / SCREENSHOTS[2]))
+    browser.set_window_size(1280, 900)
+    faults_on[0].click()
+    until(browser, lambda: browser.find_element(By.ID, "faults").is_displayed())
     forced = requests.post(server.url + TRANSFER_PATH, auth=auth, timeout=10, json={**body, "amount": "1.00",
                                                                                    "bizId": "console-2"})
     assert (forced.status_code, forced.json()["code"]) == (422, "T2001")
     until(browser, lambda: table_rows(browser, "#faults .data")[0][8] == "1")  # fired once
     browser.find_element(By.CSS_SELECTOR, "#faults .data button").click()
     until(browser, lambda: "No fault rules." in browser.find_element(By.ID, "faults").text)
+    until(browser, lambda: not browser.find_element(By.ID, "faults-on").is_displayed())
     assert requests.get(server.url + "/_admin/faults", headers=admin, timeout=10).json()["data"] == []
 
     # Nothing went over the network but to the sandbox (Chromium's log of every request it made;
@@ -7088,7 +7111,7 @@ def test_console_completes_a_pending_transfer_in_a_real_browser(browser, tmp_pat
 
 
 def test_the_sandbox_page_shows_the_console_screenshots() -> None:
-    """The two screenshots the browser test takes (WALLETSVC_SCREENSHOTS=docs) are in docs/sandbox.md."""
+    """The screenshots the browser test takes (WALLETSVC_SCREENSHOTS=docs) are in docs/sandbox.md."""
     page = (README.parent / "docs" / "sandbox.md").read_text(encoding="utf-8")
     for name in SCREENSHOTS:
         assert f"]({name})" in page

@@ -7768,8 +7768,9 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 _CONSOLE_STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d2329; background: #f6f7f9; }
-header { display: flex; gap: 1.2em; align-items: center; padding: .6em 1.2em;
-         background: #1d2329; color: #fff; }
+header { display: flex; flex-wrap: wrap; gap: .4em 1.2em; align-items: center; padding: .6em 1.2em;
+         background: #1d2329; color: #fff; position: sticky; top: 0; z-index: 1; }
+header a#faults-on { color: #ffb86b; font-weight: 600; }
 header nav { display: flex; gap: .9em; flex: 1; }
 header a { color: #b9c6d3; text-decoration: none; }
 header a.here { color: #fff; border-bottom: 2px solid #5fb3ff; }
@@ -7798,7 +7799,8 @@ const FAULT_ACTIONS = __FAULT_ACTIONS__;
 const views = {wallets: showWallets, transfers: showTransfers, journal: showJournal, clock: showClock,
                faults: showFaults};
 const id = encodeURIComponent;
-const shown = {};
+const shown = {}, names = {};  // names: each wallet's name, by id, as the last lists of wallets said
+const wallet = walletId => names[walletId] ? el("span", {title: walletId}, names[walletId]) : code(walletId);
 let selectedWallet = null, openEntry = null, refreshing = false, failing = false;
 
 function el(tag, attributes, ...children) {
@@ -7858,6 +7860,7 @@ async function showWallets() {
   const list = (workspace, what) =>
     api("GET", `workspaces/${id(workspace.id)}/${what}?size=100&sort=createdAt,asc`);
   const pages = await Promise.all(workspaces.map(workspace => list(workspace, "wallets")));
+  pages.forEach(page => page.content.forEach(w => { names[w.id] = w.name; }));
   const balances = await Promise.all(workspaces.map(async workspace => Object.fromEntries(
     (await list(workspace, "balances")).content.map(balance => [balance.walletId, balance]))));
   show("#wallets .data", [workspaces, pages, balances, selectedWallet], () => workspaces.length
@@ -7875,11 +7878,11 @@ async function showWallets() {
     : el("p", {}, "No workspaces yet."));
   const flows = selectedWallet && await api("GET", `wallets/${id(selectedWallet)}/flows?size=100`);
   show("#flows", [selectedWallet, flows], () => flows
-    ? [el("h2", {}, "Flows of ", code(selectedWallet), ", newest first"), table(
+    ? [el("h2", {}, "Flows of ", wallet(selectedWallet), ", newest first"), table(
       ["At", "Type", "Direction", "Amount", "Balance after", "Counterparty", "bizId"],
       flows.content.map(f => el("tr", {}, cell(f.createdAt), cell(f.type), cell(f.direction),
                                 cell(f.amount, "num"), cell(f.balanceAfter, "num"),
-                                cell(code(f.counterpartyWalletId)), cell(f.bizId || "-"))))]
+                                cell(wallet(f.counterpartyWalletId)), cell(f.bizId || "-"))))]
     : []);
 }
 
@@ -7888,6 +7891,8 @@ async function showTransfers() {
   for (const workspace of await api("GET", "workspaces")) {
     const page = await api("GET", `workspaces/${id(workspace.id)}/transfers?size=100`);
     orders.push(...page.content.map(order => ({...order, workspaceId: workspace.id})));
+    const wallets = await api("GET", `workspaces/${id(workspace.id)}/wallets?size=100&sort=createdAt,asc`);
+    wallets.content.forEach(w => { names[w.id] = w.name; });
   }
   orders.sort((a, b) => b.createdAt.localeCompare(a.createdAt) || b.transferId.localeCompare(a.transferId));
   const decide = (order, verb, done) => /^\.\.?$/.test(order.bizId)  // browsers resolve it away in a URL
@@ -7896,10 +7901,10 @@ async function showTransfers() {
                            + "Python API or a client that sends the path as is"}, verb)
     : el("button", {onclick: () => act("POST", `transfers/${id(order.bizId)}/${verb.toLowerCase()}`,
                                        {workspaceId: order.workspaceId}, `${order.bizId}: ${done}.`)}, verb);
-  show("#transfers .data", orders, () => orders.length ? table(
+  show("#transfers .data", [orders, names], () => orders.length ? table(
     ["Created", "bizId", "From", "To", "Amount", "Status", ""],
     orders.map(o => el("tr", {"data-biz": o.bizId}, cell(o.createdAt), cell(o.bizId),
-                              cell(code(o.sourceWalletId)), cell(code(o.targetWalletId)),
+                              cell(wallet(o.sourceWalletId)), cell(wallet(o.targetWalletId)),
                               cell(`${o.amount} ${o.currency}`, "num"),
                               cell(o.status, o.status), cell(o.status === "PENDING"
                                 ? [decide(o, "Complete", "completed"), " ", decide(o, "Fail", "failed")]
@@ -7979,9 +7984,12 @@ async function refresh() {
   for (const link of document.querySelectorAll("nav a"))
     link.classList.toggle("here", link.hash === "#" + view);
   try {
-    const clock = await api("GET", "clock");
+    const [clock, rules] = await Promise.all([api("GET", "clock"), api("GET", "faults")]);
     document.getElementById("now").textContent =
       `service time ${clock.now}${clock.frozen ? " (frozen)" : ""}`;
+    const faultsOn = document.getElementById("faults-on");  // on every view: why requests may fail
+    faultsOn.hidden = !rules.length;
+    faultsOn.textContent = `${rules.length} fault rule${rules.length === 1 ? "" : "s"} active`;
     await views[view]();
     if (failing) say("");  // the server answers again
     failing = false;
@@ -8056,7 +8064,7 @@ _CONSOLE_PAGE = _PAGE_HEAD + """<meta name="csrf" content="__CSRF__">
   <strong>walletsvc console</strong>
   <nav><a href="#wallets">Wallets</a> <a href="#transfers">Transfers</a> <a href="#journal">Journal</a>
     <a href="#clock">Clock</a> <a href="#faults">Faults</a></nav>
-  <span id="now"></span>
+  <span id="now"></span> <a id="faults-on" href="#faults" hidden></a>
   <button id="reset" class="danger">Reset</button>
   <button id="logout">Log out</button>
 </header>
