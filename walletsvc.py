@@ -3675,6 +3675,29 @@ class WalletService:
                                           description)
         return self.db.write([self.transfer_unit(workspace_id, request)])[0].order
 
+    def create_transfers(self, workspace_id: str, transfers: Iterable[Mapping[str, Any]]) -> list[dict]:
+        """Many transfers in one write, all or nothing, for seeding a big ledger (docs/testing.md): each
+        a dict of ``create_transfer``'s arguments by name; the orders. Each is checked first; one that
+        fails says which (``transfers[N]`` in the error's notes)."""
+        def noted(n: int, call: Callable[[], T]) -> T:
+            try:
+                return call()
+            except (WalletError, TypeError) as exc:
+                exc.add_note(f"in transfers[{n}]")
+                raise
+
+        def checked(source_wallet_id: str, target_wallet_id: str, amount: str | decimal.Decimal,
+                    currency: str, *, biz_id: str | None = None, description: str | None = None) -> Unit:
+            return self.transfer_unit(workspace_id, TransferRequest.checked(
+                source_wallet_id, target_wallet_id, amount, currency, biz_id, description))
+
+        if not isinstance(workspace_id, str):
+            raise WorkspaceNotFound()
+        units = [noted(n, lambda given=given: checked(**given)) for n, given in enumerate(transfers)]
+        moved = self.db.write([lambda conn, n=n, unit=unit: noted(n, lambda: unit(conn))
+                               for n, unit in enumerate(units)])
+        return [transferred.order for transferred in moved]
+
     def transfer_unit(self, workspace_id: str, request: TransferRequest) -> Unit:
         """The write unit of a transfer, the one way money moves between wallets (``create_transfer``
         commits it alone, the HTTP API with the request's nonce and journal entry): Transferred (the
