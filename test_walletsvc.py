@@ -5237,6 +5237,36 @@ def test_the_app_under_test_signs_with_the_machines_clock_through_freeze_advance
     sandbox.service.close()
 
 
+def test_long_work_says_what_it_does_on_a_terminal_and_nothing_elsewhere(tmp_path, monkeypatch) -> None:
+    """Issue 45, item 5 (docs/reference.md): `walletsvc audit` on 200,000 transfers ran 11-14 s with nothing
+    printed. On a terminal, a line names the work and its seconds once it has run a while (here at once),
+    and is cleared at the end; a stderr that is no terminal gets nothing. The audit tells each check."""
+    path = str(tmp_path / "progress.db")
+    svc = walletsvc.WalletService(path)
+    make_world(svc)
+    steps: list[str] = []
+    assert svc.audit(progress=steps.append) == []
+    svc.close()
+    assert steps[0] == "the file's integrity" and len(steps) > 5
+    assert all(re.fullmatch(r"\w+ \((\d+) of (\d+)\)", step) for step in steps[1:])
+    assert steps[-1].endswith(f"({len(steps) - 1} of {len(steps) - 1})")
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    monkeypatch.setattr(walletsvc, "PROGRESS_AFTER", 0)  # (1.5 s of work, not waited for here)
+    for stderr, said in [(Terminal(), True), (io.StringIO(), False)]:
+        monkeypatch.setattr(sys, "stderr", stderr)
+        assert walletsvc.main(["audit", "--db", path]) == 0
+        printed = stderr.getvalue()
+        if said:
+            assert printed.startswith(f"\r\x1b[Kwalletsvc: auditing {path}") and printed.endswith("\r\x1b[K")
+            assert re.search(r"\(\d+ s\)", printed)
+        else:
+            assert printed == ""
+
+
 def test_create_transfers_moves_many_in_one_write_all_or_nothing(svc, world: dict) -> None:
     """Issue 45, item 5 (docs/embedding.md): seeding 200,000 transfers one create_transfer at a time took
     416 s. create_transfers checks every item, then moves them in one write: all or nothing, the failing

@@ -3844,10 +3844,10 @@ class WalletService:
 
     # The auditor ############################################################
 
-    def audit(self) -> list[dict]:
+    def audit(self, progress: Callable[[str], Any] = lambda doing: None) -> list[dict]:
         """Check every ledger invariant (_AUDITS; docs/operations.md) in one read transaction: each
         violation as ``{"check", "detail", "rows"}`` (none: a clean ledger). A malformed file
-        (SQLite's integrity_check) is reported as that alone."""
+        (SQLite's integrity_check) is reported as that alone. ``progress`` is told each check."""
         violations = []
 
         def report(check: str, detail: str, rows: Iterable) -> None:
@@ -3856,6 +3856,7 @@ class WalletService:
 
         problems = ["ok"]
         if not self.db.memory:
+            progress("the file's integrity")
             with self.db.connection() as conn:
                 try:  # (a file too malformed to be read says so itself)
                     problems = [row[0] for row in conn.execute("PRAGMA integrity_check")]
@@ -3865,7 +3866,8 @@ class WalletService:
             detail = f"the database file is malformed: {'; '.join(problems[:3])}"
             return [{"check": "integrity", "detail": detail, "rows": {"problems": problems[:20]}}]
         with self.db.snapshot() as conn:
-            for check, detail, sql in _AUDITS:
+            for number, (check, detail, sql) in enumerate(_AUDITS, 1):
+                progress(f"{check} ({number} of {len(_AUDITS)})")
                 report(check, detail, conn.execute(sql).fetchall())
         return violations
 
@@ -7394,7 +7396,8 @@ def _serve_command(args: argparse.Namespace) -> int:
         raise RuntimeError(f"cannot serve {args.db}: {exc}: restore it from a copy, or serve a new file"
                            " (--db)") from exc
     try:
-        world = start_world(svc, scenario) if scenario else None
+        with _progress(f"loading {args.scenario or 'the demo'} into {args.db}"):
+            world = start_world(svc, scenario) if scenario else None
     except BaseException:
         _undo_start(svc, made)
         raise
@@ -7499,8 +7502,42 @@ def _write_ready_file(path: str, base_url: str, admin_token: str | None, world: 
         raise
 
 
+# Seconds long work runs before a terminal is told what it is doing (_progress).
+PROGRESS_AFTER = 1.5
+
+
+@contextlib.contextmanager
+def _progress(what: str) -> Iterator[Callable[[str], None]]:
+    """A line on stderr saying what long work is doing, and for how long: once it has run
+    PROGRESS_AFTER seconds, rewritten every second, cleared at the end; none when stderr is not a
+    terminal. Yields the function the work tells what it does now."""
+    stream, doing, done, started = sys.stderr, [""], threading.Event(), time.monotonic()
+
+    def show() -> None:
+        wait, shown = PROGRESS_AFTER, False
+        while not done.wait(wait):
+            now = f": {doing[0]}" if doing[0] else ""
+            stream.write(f"\r\x1b[Kwalletsvc: {what}{now} ({time.monotonic() - started:.0f} s)")
+            stream.flush()
+            wait, shown = 1.0, True
+        if shown:
+            stream.write("\r\x1b[K")
+            stream.flush()
+
+    thread = threading.Thread(target=show, daemon=True)
+    if stream.isatty():
+        thread.start()
+    try:
+        yield lambda now: doing.__setitem__(0, now)
+    finally:
+        done.set()
+        if thread.is_alive():
+            thread.join()
+
+
 def _audit_command(args: argparse.Namespace) -> int:
-    violations = _on_service(_existing(args.db), WalletService.audit)
+    with _progress(f"auditing {args.db}") as progress:
+        violations = _on_service(_existing(args.db), lambda svc: svc.audit(progress))
     if args.table:
         print(_table(violations) if violations else "clean: every invariant holds")
     else:
