@@ -280,12 +280,8 @@ _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
 ###############################################################################
 
 class WalletError(Exception):
-    """Root of every error walletsvc raises on purpose.
-
-    Each subclass carries the catalog's ``code``, ``name`` and HTTP ``status``
-    and a message in each locale; ``detail(locale)`` renders the human sentence
-    that travels in the envelope's ``detail`` field.
-    """
+    """Root of every error walletsvc raises on purpose: the catalog's ``code``, ``name`` and ``status``, and
+    ``detail(locale)``, the envelope's sentence in each locale (docs/reference.md, Error catalog)."""
 
     code = "S500"
     name = "INTERNAL_ERROR"
@@ -599,9 +595,8 @@ def not_found(thing: str) -> NotFound:
 ###############################################################################
 
 def _between(kind: type, minimum: float, maximum: float, *, optional: bool = False) -> Callable[[Any], Any]:
-    """A setting's converter: a ``kind`` (int or float) from ``minimum`` to ``maximum``, or (when
-    ``optional``) None; a ValueError naming the range otherwise, so that a value out of it is refused
-    where it is given and never stored."""
+    """A setting's converter: a ``kind`` (int or float) from ``minimum`` to ``maximum`` (or None when
+    ``optional``), else a ValueError naming the range (docs/reference.md, Settings)."""
     def convert(value: Any) -> Any:
         if optional and value in (None, ""):
             return None
@@ -667,14 +662,8 @@ def _setting(layer: str, default: Any, convert: Callable[[Any], Any]) -> Any:
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Every setting of walletsvc, with its converter, default and meaning.
-
-    Values given as strings (from the CLI or the environment) are converted;
-    an unknown setting is an error, never silently ignored. Each setting
-    belongs to the layer that reads it (LAYERS): ``WalletService`` takes the
-    service's, ``create_app`` the HTTP layer's; one given to the other layer
-    is a ValueError saying where it goes.
-    """
+    """Every setting, with its converter, default and layer (LAYERS); strings are converted, and an unknown
+    or misplaced setting is a ValueError saying where it goes (docs/reference.md, Settings)."""
 
     timestamp_tolerance: int = _setting("http", 60, _between(int, 1, 86400))  # X-Timestamp's window, s
     nonce_records: int = _setting("http", 100_000, _between(int, 1000, 100_000_000))  # (Replay protection)
@@ -790,13 +779,8 @@ def currency_exponent(currency: Any, field: str = "currency") -> int:
 
 
 def parse_amount(amount: Any, currency: str, field: str = "amount") -> int:
-    """An amount (amount_pattern) as integer minor units; never rounds.
-
-    Accepts ``str`` (and, from Python, ``decimal.Decimal``), as every caller does;
-    refuses ints and floats (an amount is never a number), exponents, signs, zero,
-    leading zeros, more decimals than the currency allows, and 10**18 minor units
-    or more.
-    """
+    """An amount (amount_pattern: a ``str``, or from Python a ``decimal.Decimal``) as integer minor units,
+    never rounded; S012 otherwise (docs/reference.md, POST /api/v1/transfer/command/create)."""
     exponent = currency_exponent(currency)
     if isinstance(amount, decimal.Decimal) and amount.is_finite():
         amount = format(amount, "f")
@@ -1061,10 +1045,9 @@ EMPTY_NEW = 2.0  # seconds an empty database file may be a starting peer's, not 
 
 
 class DatabaseFile:
-    """The database file and its -wal and -shm as this process opened them (docs/operations.md,
-    When things go wrong): a write into a deleted or replaced file would be acknowledged and then
-    lost, so each batch checks them, by identity (a stat each), just before its COMMIT. Once one
-    is found swapped, or the file malformed, every later use fails with ``gone``."""
+    """The database file and its -wal and -shm as this process opened them, checked by identity (a stat
+    each) just before each batch's COMMIT; once one is swapped or the file malformed, every later use
+    fails with ``gone`` (docs/operations.md, When things go wrong)."""
 
     def __init__(self, path: str, shm_lost: Callable[[], None]) -> None:
         self.path = path
@@ -1077,13 +1060,10 @@ class DatabaseFile:
 
     @staticmethod
     def refuse_lost_shm(path: str) -> None:
-        """FileGone when another process serves the file at ``path`` through a -shm that is no longer
-        the one at the path (deleted, and perhaps made anew by another tool): it no longer
-        coordinates with a process that joins now, and both would corrupt the file. Linux's
-        /proc/locks tells, in one read: every open SQLite connection holds a read lock on the file's
-        SHARED bytes, and one on its -shm while it uses it; a process locking the file but not the
-        -shm at the path (still after 50 ms, for a peer opening at this moment) lost its own.
-        Elsewhere none is found."""
+        """FileGone when another process serves the file at ``path`` through a -shm that is no longer the
+        one at the path (docs/operations.md, When things go wrong). Every open SQLite connection locks the
+        file's SHARED bytes, and its -shm while it uses it: a process locking the file but not the -shm
+        (still after 50 ms, for a peer opening at this moment) lost its own. Elsewhere than Linux: none."""
         for _ in range(6):
             try:
                 with open("/proc/locks", encoding="ascii", errors="replace") as table:
@@ -1101,10 +1081,9 @@ class DatabaseFile:
 
     @staticmethod
     def refuse_empty(path: str) -> None:
-        """FileGone for an empty file given as a database (a walletsvc database truncated, or not one at
-        all): never served as a new sandbox. One made in the last EMPTY_NEW seconds may be a peer's that
-        starts at this moment (its first page comes once its first connection opens): it is waited
-        for, busy or not, 5 s at most."""
+        """FileGone for an empty file given as a database (docs/operations.md, When things go wrong). One
+        made in the last EMPTY_NEW seconds may be a starting peer's (its first page comes once its first
+        connection opens): it is waited for, busy or not, 5 s at most."""
         deadline = time.monotonic() + 5
         while True:
             try:
@@ -1203,18 +1182,11 @@ MAX_BATCH = 64
 
 
 class Database:
-    """SQLite done one way: WAL, foreign keys, and one door for writes.
-
-    Reads use one connection per thread (and per process: a forked child opens its own).
-    Every write goes through ``write(units)``, the LevelDB way (``DBImpl::Write``): the first
-    waiting thread leads, takes the callers queued behind it (up to MAX_BATCH) and runs their
-    units in one BEGIN IMMEDIATE transaction (``_run``), each caller's in a savepoint of its
-    own, checks the file (``DatabaseFile``), commits once (with a disk sync if any caller asked
-    for one), hands every caller its results and, when one is due, checkpoints. No write waits
-    in SQLite's busy handler for a lock its own process holds; other processes are waited for by
-    the leader alone, in short steps. ``":memory:"`` is one connection shared by every thread
-    under a lock.
-    """
+    """SQLite done one way: WAL, foreign keys, and one door for writes, ``write(units)``, the LevelDB way
+    (docs/contributing.md, The request path: decide, commit, render, log). Reads use one connection per
+    thread and per process (a forked child opens its own); ``":memory:"`` one shared under a lock. No
+    write waits in SQLite's busy handler for a lock its own process holds; other processes are waited
+    for by the leader alone, in short steps (docs/contract.md, Choices where the contract is silent)."""
 
     def __init__(self, path: str, busy_timeout: float = 5.0, synchronous: str = "FULL") -> None:
         self.path = path
@@ -1347,13 +1319,11 @@ class Database:
                     _no_checkpoint_on_close(conn)
 
     def write(self, units: Sequence[Unit], *, durable: bool = True) -> list:
-        """The one door for writes: run ``units`` in order, in the next batch's transaction, and
-        return their results once it committed. They are all or nothing: if one raises, the
-        caller's units roll back alone (a savepoint) and the exception is raised here; if the
-        batch fails (a busy or missing database), nothing of it is kept and each caller gets a
-        copy of that error. ``durable=False``: the commit need not wait for a disk sync (records
-        whose loss in a power cut costs no money, docs/operations.md), unless another caller in
-        the batch needs one. A unit never writes through this door itself (RuntimeError)."""
+        """The one door for writes: ``units`` in order, in the next batch's transaction, each caller's in a
+        savepoint; their results once it committed (docs/contract.md, Writes, and when an answer is given).
+        A failed batch keeps nothing, and raises a copy of its error in each caller. ``durable=False``: no
+        disk sync needed (records whose loss in a power cut costs no money), unless another caller in the
+        batch needs one. A unit never writes through this door itself (RuntimeError)."""
         if self._leader == threading.get_ident():
             raise RuntimeError("a write unit wrote through Database.write: give its writes to its own unit")
         write, fulls = _Write(units, durable), self._fulls
@@ -1418,12 +1388,11 @@ class Database:
             self._pass_turn(batch[:1])
 
     def _run(self, conn: sqlite3.Connection, batch: list[_Write]) -> None:
-        """BEGIN, every caller's units, COMMIT: the only transaction that writes. BEGIN waits for
-        another process's batch in steps of 50 to 250 us (SQLite's busy handler sleeps up to 100 ms),
-        at most this thread's patience. Just before COMMIT, the file is checked: found swapped,
-        what this process committed before goes from its -wal into the file it opened and the -wal
-        is left empty, so that a stale one cannot corrupt a new file at the path (not with its
-        -shm lost: its index of the -wal is no longer the one other processes write by)."""
+        """BEGIN, every caller's units, COMMIT: the only transaction that writes (BEGIN waits in steps of 50
+        to 250 us, this thread's patience at most). The file is checked just before COMMIT (docs/sandbox.md,
+        One sandbox, however many processes): found swapped, the -wal goes into the file this process opened
+        and is left empty, so that a stale one cannot corrupt a new file at the path (not with its -shm
+        lost: its index of the -wal is no longer the one other processes write by)."""
         deadline, pause = time.monotonic() + self._patience(), 0.00005
         while True:
             try:
@@ -1463,12 +1432,9 @@ class Database:
             self._leader = None
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        """Move the -wal's frames into the file, at most every CHECKPOINT_SECONDS, after a batch
-        committed, in no transaction, while its leader still holds the turn. Never inside a commit
-        (SQLite's automatic one syncs the -wal again at every commit when readers are about).
-        RESTART waits for readers, 5 ms at most, so that the next write starts the -wal over even
-        while two processes write without a pause; busy, it moves what it can and the next one
-        the rest (docs/operations.md)."""
+        """Move the -wal's frames into the file, at most every CHECKPOINT_SECONDS, after a batch committed,
+        in no transaction, while its leader still holds the turn: RESTART, 5 ms at most for readers (why:
+        docs/operations.md, Benchmarks); busy, it moves what it can and the next one the rest."""
         now = time.monotonic()
         if self.memory or now < self._checkpoint_at:
             return
@@ -1613,11 +1579,8 @@ def body_hash(body: bytes) -> str:
 
 def canonical_message(method: str, path: str | bytes, timestamp: str, nonce: str,
                       body_sha256: str) -> bytes:
-    """The five components of docs/contract.md joined by LF, no trailing LF.
-
-    ``path`` is the path exactly as sent (percent-encoding kept, no query
-    string); the one function both the server check and the clients use.
-    """
+    """The five lines of docs/contract.md (Signing) joined by LF, no trailing LF; ``path`` exactly as sent
+    (percent-encoding kept, no query). The one function both the server's check and the clients use."""
     if isinstance(path, str):
         path = path.encode("utf-8")
     return b"\n".join((method.upper().encode("ascii"), path, timestamp.encode("ascii"),
@@ -1631,11 +1594,8 @@ def compute_signature(secret: str, message: bytes) -> str:
 
 def sign_request(method: str, path: str, body: bytes | str | None, api_key: str, secret: str, *,
                  timestamp: int | None = None, nonce: str | None = None) -> dict[str, str]:
-    """The four authentication headers for one request.
-
-    ``path`` excludes the query string; ``body`` must be the exact bytes that
-    will be sent (a str is sent as UTF-8).
-    """
+    """The four authentication headers for one request (docs/contract.md, Signing): ``path`` without the
+    query string, ``body`` the exact bytes that will be sent (a str is sent as UTF-8)."""
     if isinstance(body, str):
         body = body.encode("utf-8")
     timestamp_text = str(int(time.time()) if timestamp is None else timestamp)
@@ -1655,13 +1615,9 @@ class Diagnosis(NamedTuple):
 
 def diagnose_signature(secret: str, environ: Mapping[str, Any], path: bytes, body: bytes, timestamp: str,
                        nonce: str, provided: str) -> Diagnosis | None:
-    """The common signing mistake the client's signature matches, in English and Chinese, or None.
-
-    Each candidate is the canonical message (or the digest's encoding) as a
-    client who made that mistake computes it, signed with the key's secret and
-    compared with what the client sent (``path``: as sent; ``body``: as read). Runs
-    only for a failed signature with ``debug_signatures`` on.
-    """
+    """The common signing mistake the client's signature matches, in English and Chinese, or None
+    (docs/signing.md, When a signature is refused): each candidate message as a client who made that
+    mistake computes it (``path``: as sent; ``body``: as read), signed, compared with what it sent."""
     method = environ["REQUEST_METHOD"]
 
     def message(path_: bytes = path, digest: str | None = None, tail: bytes = b"") -> bytes:
@@ -1760,21 +1716,8 @@ class PendingNonce(NamedTuple):
 class Nonces:
     """Replay protection, in one place: what the key's lookup reads for the nonce check
     (docs/contract.md, step 5: ``Authenticator.nonce``), the record made once the signature passed,
-    and forgetting by count (docs/contract.md, Replay protection).
-
-    Records are kept exactly, however the clock moves: a nonce recorded for a key is
-    refused for that key while its record is kept, at any time. Past ``bound`` records
-    the oldest become digests, a few hundred at a time: 64 bits of BLAKE2b over (key,
-    nonce), still refused as used, a fraction of a record's size, kept up to
-    ``DIGESTS`` times the bound (a frozen clock puts every request in one second, and
-    must not turn fresh requests into refusals before that). Only past the digests'
-    bound is what they held forgotten: each batch of digests left its keys' seconds
-    behind, and a request of such a key signed in such a second is refused (it may be a
-    replay of a forgotten one). The forgotten seconds of a key are kept as runs of
-    consecutive seconds (lo, hi), so that a key under steady load leaves one row, not
-    one a second; a run never covers a second that held no forgotten record. Nothing
-    else names the nonce tables.
-    """
+    and forgetting by count: records, then digests, then runs of forgotten seconds per key
+    (docs/contract.md, Replay protection). Nothing else names the nonce tables."""
 
     # What step 1's key lookup reads for step 5 (``k`` the key's row; :nonce, :digest, :stamp the
     # request's, ``parameters`` gives them). A key's runs never overlap: the one that could hold
@@ -1960,10 +1903,8 @@ def _page_and_size(query: Query) -> tuple[int, int]:
 
 
 def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest:
-    """page (default 0, >= 0), size (default 20, >= 1, capped at 100), sort.
-
-    ``sortable`` maps the API's field names to columns; anything else is S012.
-    """
+    """page, size and sort (docs/contract.md, Paging); ``sortable`` maps the API's field names to
+    columns, anything else is S012."""
     number, size = _page_and_size(query)
     order = []
     if len(query.get("sort", ())) > MAX_SORT_KEYS:
@@ -2390,17 +2331,9 @@ _JOURNAL_SHOW = tuple((name, _JOURNAL_NAMES.get(name) or _camel(name), _JOURNAL_
 
 
 class Journal:
-    """The last ``size`` requests the API surface received, in the database (docs/sandbox.md),
-    with assertion helpers: every process serving the file writes and reads the same journal.
-
-    Each entry as read: seq (increasing), at, method, path (raw, as sent),
-    query, apiKey, status, code, canonicalMessage (as the server computed it),
-    signature (valid, invalid or unchecked), replayed (an idempotent replay),
-    headers (as received), body, responseBody, elapsedMs and diagnosis. Each
-    field a client controls is cut at FIELD_BYTES, the headers together too
-    (a cut one says how much was cut), so an entry holds at most ENTRY_BYTES
-    and the journal at most ``size`` x ENTRY_BYTES, whatever arrives.
-    """
+    """The last ``size`` requests the API surface received, in the database, with assertion helpers: every
+    process serving the file writes and reads the same journal. Its entries, and their caps at FIELD_BYTES
+    (a cut field says how much was cut), are docs/sandbox.md's (The journal)."""
 
     FIELD_BYTES = 2048
     ENTRY_BYTES = 9 * FIELD_BYTES  # seven capped fields, the headers, and the short fixed ones
@@ -2493,12 +2426,8 @@ def _journal_entry(row: sqlite3.Row) -> dict:
 
 
 def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> list[str]:
-    """What of ``criteria`` a request (a journal entry's shape) does not match; empty: a match.
-
-    The matchers journal assertions and fault rules share: ``method``, ``path``
-    (a glob), ``query`` and ``headers`` (name: value; header names in any
-    case), ``body`` (a subset of the JSON body) and ``code`` (journal only).
-    """
+    """What of ``criteria`` a request (a journal entry's shape) does not match (empty: a match), by the
+    matchers journal assertions and fault rules share (docs/sandbox.md, Faults)."""
     misses = []
     method, path = criteria.get("method"), criteria.get("path")
     if method not in (None, "*") and request["method"] != method.upper():
@@ -2591,14 +2520,8 @@ class FaultRule(NamedTuple):
 
 
 class Faults:
-    """Fault rules applied to authenticated /api/ requests that match them, kept in the
-    database (docs/sandbox.md): every process serving the file applies the same rules, and a
-    rule with ``times`` fires that many times across all of them.
-
-    A rule's ``action`` is a FaultAction; any rule may add ``latency`` seconds. ``times`` fires a
-    rule that many times (None: always).
-    At most MAX_RULES rules are in force at once.
-    """
+    """Fault rules applied to authenticated /api/ requests that match them, kept in the database for every
+    process on the file (docs/sandbox.md, Faults; One sandbox, however many processes)."""
 
     MAX_RULES = 100
     MAX_TIMES = 2**31  # (None: always)
@@ -2710,10 +2633,9 @@ class Faults:
 
     def take(self, method: str, path: str, workspace_id: str,
              request: Callable[[], Mapping[str, Any]] = dict) -> FaultRule | None:
-        """The first rule matching this request that is not spent, counted as fired (once,
-        across processes: the count is taken in the database). A spent rule (fired ``times``
-        times) stays listed with its count. A request pays nothing for them when none is in force
-        (the key's lookup says so: ``Authenticator``)."""
+        """The first rule matching this request that is not spent, counted as fired (once, across
+        processes: the count is taken in the database). Asked only when the key's lookup says a rule
+        is in force (``Authenticator``)."""
         _, rules, spent = self._rules()
         for rule in (*self.builtin, *rules):
             if rule.number in spent or not (
@@ -3188,14 +3110,10 @@ def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
 
 
 class IdSequence:
-    """The ids and secrets one write transaction issues (docs/sandbox.md).
-
-    An id is 48 bits of time (or sequence) and 80 bits of randomness, and sorts
-    after the last id committed in the database (``last_id``): random ids take
-    the transaction's millisecond, or count on from the last id within it;
-    seeded ids count on from the last id, with bits drawn from the seed's
-    sequence, so the same starting state and seed give the same ids.
-    """
+    """The ids and secrets one write transaction issues (docs/sandbox.md, One sandbox, however many
+    processes): 48 bits of time (or sequence) and 80 of randomness, after ``last_id``. Random ids take the
+    transaction's millisecond, or count on from the last id within it; seeded ones count on from the last
+    id, with bits drawn from the seed's sequence."""
 
     __slots__ = ("drawn", "first", "high", "low", "now", "seed")
 
@@ -3376,15 +3294,10 @@ class Clock:
 
 
 class WalletService:
-    """The service: workspaces, members, keys, wallets, the ledger and transfers over one SQLite
-    database, with the sandbox's state in that database too (docs/sandbox.md): the clock, the id
-    seed, the journal, the fault rules and the starting state. Its time comes from ``clock`` (a
-    Clock, or a function of the caller's) and its ids from an IdSequence per write.
-
-    Thread-safe, and safe for several processes sharing one database file.
-    Every method returns plain dicts shaped like the HTTP API's JSON and raises
-    WalletError subclasses carrying the catalog's code, name and status.
-    """
+    """The service: workspaces, members, keys, wallets, the ledger and transfers over one SQLite database,
+    with the sandbox's state in it too (docs/sandbox.md, One sandbox, however many processes); its time
+    from ``clock`` (a Clock, or a function), its ids from an IdSequence per write. Thread-safe, and safe
+    for several processes on one file; dicts and WalletErrors (docs/embedding.md, The Python API)."""
 
     def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
                  clock: Callable[[], float] | None = None, **setting_values: Any) -> None:
@@ -3407,14 +3320,9 @@ class WalletService:
         return int(self.clock() * 1000)
 
     def unit(self, work: Callable[[Tx], T], *, settle: bool = True) -> Callable[[sqlite3.Connection], T]:
-        """``work`` as a write unit (``Database.write``), given the transaction's time and ids (a Tx).
-
-        The time is the service clock read inside the transaction, never before the last
-        write's in this database (whatever the clock or the number of processes says), so
-        the ledger reads in commit order. The last write's time and id live in the
-        database's ``ledger_clock`` row; the ids from an IdSequence. Delayed orders
-        whose time has come settle first, in the same transaction.
-        """
+        """``work`` as a write unit (``Database.write``), given the transaction's time (the service clock
+        read inside it, never before ``ledger_clock``'s: docs/operations.md, When things go wrong) and ids
+        (a Tx). Delayed orders whose time has come settle first, in the same transaction."""
         def run(conn: sqlite3.Connection) -> T:
             last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
             now = self.now_in(conn)
@@ -3676,9 +3584,9 @@ class WalletService:
         return self.db.write([self.transfer_unit(workspace_id, request)])[0].order
 
     def create_transfers(self, workspace_id: str, transfers: Iterable[Mapping[str, Any]]) -> list[dict]:
-        """Many transfers in one write, all or nothing, for seeding a big ledger (docs/testing.md): each
-        a dict of ``create_transfer``'s arguments by name; the orders. Each is checked first; one that
-        fails says which (``transfers[N]`` in the error's notes)."""
+        """Many transfers in one write, all or nothing, for seeding a big ledger (docs/embedding.md, The
+        Python API): each a dict of ``create_transfer``'s arguments by name; the orders. Each is checked
+        first; one that fails says which (``transfers[N]`` in the error's notes)."""
         def noted(n: int, call: Callable[[], T]) -> T:
             try:
                 return call()
@@ -3795,11 +3703,8 @@ class WalletService:
         return transfer_resource(self._finish(tx, order["id"], status))
 
     def settle_due(self) -> int:
-        """Complete delayed-settlement orders whose time has come; returns how many.
-
-        Every write settles them first (``unit``) and every read calls this, so the clock
-        alone drives them.
-        """
+        """Complete delayed-settlement orders whose time has come (docs/sandbox.md, Settlement, ids and magic
+        values); how many. Every write settles them first (``unit``), every read calls this."""
         if self.settings.settlement != Settlement.DELAYED:
             return 0
         now = self.now_ms()
@@ -3830,11 +3735,8 @@ class WalletService:
 
     def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
                        wallet_id: str | None = None) -> dict:
-        """One page of the workspace's transfer orders (or of one wallet's: either side).
-
-        Filters: status, createdFrom (inclusive), createdTo (exclusive),
-        bizIdPrefix.
-        """
+        """One page of the workspace's transfer orders, or of one wallet's (either side); its filters:
+        docs/reference.md, Endpoints."""
         if wallet_id is None:
             listing = ListQuery("transfers", workspace_id, "workspace_id", counter="transfers")
             return self._page(listing, query, TRANSFER_SORTS, TRANSFER_FILTERS, transfer_resource)
@@ -3970,10 +3872,7 @@ class WalletService:
     # The starting state ######################################################
 
     def save_start(self) -> None:
-        """Make the state as it is now the starting state that ``reset`` returns to
-        (docs/sandbox.md): every workspace, member, key, wallet, order and flow, the
-        clock and the id sequence. ``walletsvc serve --demo`` and the pytest
-        sandbox call it once their world is seeded."""
+        """Make the state as it is now the starting state ``reset`` returns to (docs/sandbox.md, Reset)."""
         self.db.write([self.saving_start])
 
     def saving_start(self, conn: sqlite3.Connection) -> None:
@@ -3990,10 +3889,8 @@ class WalletService:
             self._save_world(conn, workspace_id)
 
     def reset(self) -> None:
-        """Back to the starting state (``save_start``; without one, an empty database), in
-        one transaction: the same workspaces, keys, secrets, wallets and balances, the
-        clock and the id sequence as they started; no journal, no fault rules, no nonce
-        records. A busy database or a crash leaves it as it was or reset, never between."""
+        """Back to the starting state (``save_start``; without one, an empty database), in one transaction
+        (docs/sandbox.md, Reset)."""
         def reset(conn: sqlite3.Connection) -> None:
             Journal.emptied(conn)
             Nonces.clear(conn)
@@ -4018,9 +3915,8 @@ class WalletService:
     # Backup and restore (docs/operations.md) #################################
 
     def backup(self, path: str) -> None:
-        """Copy the database to ``path`` while it is served (SQLite's online backup: one consistent
-        state, whatever other processes write meanwhile), made private (0600) beside it and renamed
-        over it whole."""
+        """Copy the database to ``path`` while it is served: SQLite's online backup, made private beside it
+        and renamed over it whole (docs/operations.md, When things go wrong)."""
         if self.db.memory:
             raise RuntimeError("an in-memory database has no file to back up")
         target = os.path.abspath(path)
@@ -4046,12 +3942,8 @@ class WalletService:
             raise
 
     def restore(self, path: str) -> None:
-        """Make the sandbox what the backup at ``path`` holds, in one write through the write door:
-        every process serving the file serves it from its next request. Kept as they are: the nonce
-        records (a request accepted since the backup is still refused when replayed), the journal
-        (its entries only grow), the admin token and console sessions of the servers running, and
-        the ledger clock where it is later than the copy's (ids and times still increase). Refused,
-        changing nothing, when the file is no whole walletsvc database of this schema version."""
+        """Make the sandbox what the backup at ``path`` holds, in one write through the write door, keeping
+        what guards access; or refuse it, changing nothing (docs/operations.md, When things go wrong)."""
         if self.db.memory:
             raise RuntimeError("an in-memory database has no file to restore into")
         source = _backup_source(path)
@@ -4086,11 +3978,9 @@ class WalletService:
     # Worlds: scenarios, instantiated side by side (docs/sandbox.md) ##############
 
     def load_scenario(self, scenario: Mapping[str, Any], *, fresh_ids: bool = False) -> dict:
-        """Make a scenario's workspaces, members, keys and wallets (with their balances and
-        statuses) in one transaction; each workspace becomes a world ``reset_workspace``
-        returns to. With ``fresh_ids`` the ids and secrets the scenario fixes are ignored:
-        a second copy beside the first (``POST /_admin/scenarios``). Returns the world:
-        ``{"workspaces": [{..., "members", "keys" (with secrets), "wallets"}]}``."""
+        """Make a scenario's workspaces, members, keys and wallets in one transaction, each a world
+        ``reset_workspace`` returns to; with ``fresh_ids``, a second copy beside the first, as ``POST
+        /_admin/scenarios`` makes and answers it (docs/sandbox.md, Parallel worlds)."""
         scenario = check_scenario(scenario)
         made = self.write(self.loading_scenario(scenario, fresh_ids))
         return {"workspaces": [self.describe_world(workspace_id) for workspace_id in made]}
@@ -4159,11 +4049,8 @@ class WalletService:
                 "wallets": [wallet_resource(row) for row in wallets]}
 
     def reset_workspace(self, workspace_id: str) -> dict:
-        """Return one workspace to the state its world began in (``load_scenario``, or the
-        saved starting state), in one transaction: its members, keys, wallets, orders and
-        flows; its keys' journal entries and its fault rules go (the nonce records stay: a
-        request captured before is refused after). Other workspaces, and the clock, are
-        untouched. GA2032 for no such workspace, S404 for one no world began with."""
+        """Return one workspace to the state its world began in, in one transaction (docs/sandbox.md,
+        Parallel worlds). GA2032 for no such workspace, S404 for one no world began with."""
         def reset(conn: sqlite3.Connection) -> None:
             saved = conn.execute("SELECT rows FROM world_starts WHERE workspace_id = ?",
                                  (workspace_id,)).fetchone()
@@ -4530,10 +4417,9 @@ SCHEMAS: Mapping[str, dict] = {
 }
 
 def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
-    """S012 unless ``body`` has only the schema's fields, every required one
-    (null only where its type allows), and each of its declared JSON type; as
-    JSON Schema has it, an integer may be written 465.0 (it is then the int).
-    Values are the service's to check."""
+    """S012 unless ``body`` has only the schema's fields, every required one (null only where its type
+    allows), each of its JSON type (an integer may be written 465.0, then the int: docs/contract.md,
+    Choices where the contract is silent). Values are the service's to check."""
     properties = schema["properties"]
     for name in body:
         if name not in properties:
@@ -4679,11 +4565,9 @@ SURFACE_ERRORS = {
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
-    """One HTTP endpoint as declared on its handler with ``@endpoint``.
-
-    Routing, the scope check, body checking, ``/openapi.json`` and Client's
-    methods all read this, and nothing else, about the endpoint.
-    """
+    """One HTTP endpoint as declared on its handler with ``@endpoint``: routing, the scope check, body
+    checking, ``/openapi.json`` and Client's methods read this, and nothing else, about it
+    (docs/contributing.md, Adding an endpoint)."""
 
     method: str
     path: str  # a bottle rule: /api/v1/wallets/<wallet_id>
@@ -4972,11 +4856,9 @@ def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
 
 
 def client_ip(environ: Mapping[str, Any], trusted_proxies: Sequence) -> Any:
-    """REMOTE_ADDR, or X-Forwarded-For when REMOTE_ADDR is a trusted proxy.
-
-    Walks X-Forwarded-For from the right and takes the first hop that is not a
-    trusted proxy; an unparsable hop yields None, which no whitelist admits.
-    """
+    """REMOTE_ADDR, or X-Forwarded-For read from the right when REMOTE_ADDR is a trusted proxy
+    (docs/contract.md, Choices where the contract is silent); an unparsable hop yields None, which no
+    whitelist admits."""
     remote = _ip(environ.get("REMOTE_ADDR"))
 
     def trusted(address: Any) -> bool:
@@ -5025,12 +4907,9 @@ _SIGNED_KEYS = tuple(environ_key(name) for name in ("X-Api-Key", "X-Timestamp", 
 
 
 class Authenticator:
-    """Steps 1-7 of the contract's validation pipeline, in that order.
-
-    Step 8 (the scope) needs the route and is checked by the HTTP layer. The
-    first failure raises and ends processing. Nothing here writes: a nonce that
-    passed is left pending, for the request's one write at its end.
-    """
+    """Steps 1-7 of the contract's validation pipeline, in order (docs/contract.md, The validation
+    pipeline); step 8 needs the route (``HttpApi.check_scope``). Nothing here writes: a nonce that
+    passed is left pending, for the request's one write at its end."""
 
     def __init__(self, svc: WalletService, settings: Settings) -> None:
         self.svc = svc
@@ -5039,11 +4918,8 @@ class Authenticator:
         self.nonces = Nonces(settings.nonce_records)
 
     def authenticate(self, request: Received) -> Authenticated:
-        """The request's Principal, or the first failure of steps 1-7 (``refused``), with what the
-        journal keeps: the canonical message, the signature's verdict, the service clock's
-        reading and the nonce to record (once the signature passed). The message and the key's
-        row (with all the later steps ask of the database) are read first, the steps then run in
-        their order."""
+        """The request's Principal or first failure of steps 1-7 (``refused``), what the journal keeps, and
+        the nonce to record (docs/contributing.md, The request path: decide, commit, render, log)."""
         signed = SignedHeaders.of(request.environ)
         now_ms = int(self.svc.clock() * 1000)
         canonical = (canonical_message(request.environ["REQUEST_METHOD"], request.path, signed.timestamp,
@@ -5093,10 +4969,8 @@ class Authenticator:
             raise NotWorkspaceMember()
 
     def timestamp(self, now_ms: int, signed: SignedHeaders) -> None:
-        """Step 4: X-Timestamp within the window of the machine's clock, as an app in production
-        signs, or of the service clock's, as walletsvc's own clients sign at a sandbox clock frozen or
-        moved (docs/signing.md): the sandbox clock moves business time, never the signature window.
-        Replay protection holds across both (nonce records are kept however the clocks stand)."""
+        """Step 4: X-Timestamp within the window of the machine's clock or of the service clock's
+        (docs/signing.md, The server's time; docs/contract.md, Signing)."""
         timestamp, tolerance = signed.timestamp, self.settings.timestamp_tolerance
         if signed.stamp < 0:
             if re.fullmatch(r"1[0-9]{12}", timestamp):  # 13 digits: milliseconds
@@ -5339,11 +5213,9 @@ class HttpApi:
     # 2. Commit ###############################################################
 
     def commit(self, request: Received, decision: Decision) -> Rendered:
-        """The request's one write (docs/operations.md), as one unit: its nonce record, its write unit
-        (durable: answered only once its batch committed) and its journal entry, which keeps the
-        answer. A read's answer is known before: it is rendered first, outside the write; a write's
-        is rendered inside the unit, once it is applied. Rendered again only when the nonce lost a
-        race or the write failed. A request with nothing to write is rendered without one."""
+        """The request's one write, as one unit: its nonce record, its write unit and its journal entry
+        (docs/contributing.md, The request path: decide, commit, render, log). Rendered again only when
+        the nonce lost a race or the write failed; a request with nothing to write is rendered without one."""
         auth = decision.auth
         nonce = auth.nonce if auth is not None else None
         journal = (self.svc.journal.enabled and request.endpoint is not None
@@ -5787,10 +5659,8 @@ _WHITELIST_RULE = ("ipWhitelist", ("each entry is an address or a CIDR block wit
 ###############################################################################
 
 class WalletApi:
-    """Handlers of the contract's nine endpoints, and of the public ``/healthz`` and ``/openapi.json``.
-
-    Each is declared with ``@endpoint`` and is one call of the service.
-    """
+    """Handlers of the contract's nine endpoints, and of the public ``/healthz`` and ``/openapi.json``:
+    each declared with ``@endpoint``, and one call of the service."""
 
     def __init__(self, svc: WalletService, http: HttpApi) -> None:
         self.svc, self.http = svc, http
@@ -6012,10 +5882,8 @@ _SCENARIO_RULES = (("id", "the fixed ids of one scenario differ from each other"
 
 
 class AdminApi:
-    """Handlers of /_admin/: the Python admin API over HTTP, for test suites in any language.
-
-    Served only when an admin token is configured: otherwise the whole surface is 404.
-    """
+    """Handlers of /_admin/: the Python admin API over HTTP, served only when an admin token is configured
+    (docs/sandbox.md, The admin surface)."""
 
     def __init__(self, svc: WalletService, console: Console) -> None:
         self.svc = svc
@@ -6228,11 +6096,8 @@ class AdminApi:
                        for name, description in (("after", "only entries whose seq is greater"),
                                                  ("last", "only the newest so many matching entries")))])
     def journal(self, request: Received) -> dict:
-        """Query parameters ``method``, ``path``, ``code``, ``query.NAME`` or ``query[NAME]``,
-        ``header.NAME`` or ``header[NAME]``, ``body``
-        (JSON); ``after``: only entries whose seq is greater (what is new since a poll);
-        ``last``: only the newest so many of the matching entries; ``page`` and ``size`` as
-        the API's lists take them."""
+        """A page of the journal, filtered as docs/sandbox.md says (The admin surface); ``query[NAME]`` and
+        ``header[NAME]`` are taken for ``query.NAME`` and ``header.NAME``."""
         query = request.query
         after, last = (_page_integer(query, name, -1, 0) for name in ("after", "last"))
         number, size = _page_and_size(query)
@@ -6333,13 +6198,8 @@ class AdminApi:
 ###############################################################################
 
 def create_app(svc: WalletService, **settings: Any) -> WalletApp:
-    """The WSGI app (a ``bottle.Bottle``) serving ``svc``.
-
-    ``settings`` are the HTTP layer's (see Settings); a service setting or an
-    unknown name raises ValueError. Serve it with any WSGI server or mount it
-    anywhere (bottle ``mount``, werkzeug ``DispatcherMiddleware``): the signed
-    path is the full path the client sent, prefix included.
-    """
+    """The WSGI app (a ``bottle.Bottle``) serving ``svc``, with the HTTP layer's ``settings``
+    (docs/reference.md, Settings), to serve or mount anywhere (docs/embedding.md, Mounting under a prefix)."""
     layer = svc.settings.replace("http", **settings)
     http = HttpApi(svc, layer, Console(layer.admin_token or "", svc.db))
     app = WalletApp(http)
@@ -6616,16 +6476,12 @@ curl -s "$WALLETSVC_URL$P" -H "X-Api-Key: $WALLETSVC_KEY" -H "X-Timestamp: $TS" 
 """
 
 
-# waitress's settings for `walletsvc serve` (docs/operations.md), each against one attack.
+# waitress's settings for `walletsvc serve`, each against one attack: docs/operations.md (When things go
+# wrong, A hostile network) says what each protects against, with the figures.
 WAITRESS_LIMITS = {
-    # Idle and slow-sending (slowloris) connections are read by waitress's event loop, not by
-    # worker threads: with room for a thousand of them, none keeps a fresh client out.
-    "connection_limit": 1000,
-    # An idle or stalled connection is closed after 30 s (checked every 5 s), not 120 s.
+    "connection_limit": 1000,  # idle and slowloris connections: read by the event loop, not worker threads
     "channel_timeout": 30,
     "cleanup_interval": 5,
-    # A request line and headers of at most 64 KiB (waitress's default: 256 KiB) bound what an
-    # unauthenticated client can make the server hold per connection.
     "max_request_header_size": 65536,
 }
 BODY_BUFFER_BYTES = 1 << 20  # the largest body waitress buffers; larger ones get its 413 unread
@@ -6650,16 +6506,11 @@ _CONTROL_PATH = re.compile(r"(/(?!api/)[^/]+)*/(_admin/.*|healthz)")  # below an
 
 MAX_SLEEPERS = 256  # requests a latency rule keeps waiting at once, each with a thread started beside it
 
-# waitress's internals this section leans on, where waitress has no public API for the need (setup.cfg
-# pins waitress below 4; test_the_waitress_internals_serving_leans_on_are_there names each, so that a
-# waitress that moves one fails there first):
-# - create_server(_dispatcher=...): its own task dispatcher is the only place requests can be sorted
-#   onto threads (control threads, latency rules' extra threads); there is no option for it;
-# - HTTPChannel.error_task_class and ErrorTask.execute: waitress answers what it cannot parse itself,
-#   in text, before any app runs; subclassing them is the only way to answer in the envelope;
-# - server._map, server.trigger and wasyncore.close_all: closing a server's open connections from
-#   outside its loop (LiveServer.stop); server.close() closes only the listener;
-# - a server's readable, maintenance and active_channels, and a channel's parser state: below.
+# waitress's internals this section leans on, where waitress has no public API for the need (why each, and
+# the test that names them: docs/operations.md, When things go wrong, Which waitress): create_server's
+# _dispatcher; HTTPChannel.error_task_class and ErrorTask.execute; server._map, server.trigger and
+# wasyncore.close_all (server.close() closes only the listener); a server's readable, maintenance and
+# active_channels, and a channel's parser state (guarding_slow_senders).
 
 
 def _control_dispatcher(threads: int) -> Any:
@@ -6686,10 +6537,8 @@ def _control_dispatcher(threads: int) -> Any:
                 self.control.add_task(task)
 
         def sleep(self, seconds: float) -> None:
-            """A request's latency rule: while it sleeps, one more worker thread serves the
-            others, so that a request no rule matches never waits behind the sleepers. Past
-            MAX_SLEEPERS sleeping at once, the request is answered S503 at once instead
-            (docs/sandbox.md): a sleeper without a thread of its own would hold a worker."""
+            """A request's latency rule, with one more worker thread while it sleeps; past MAX_SLEEPERS, S503
+            at once (docs/sandbox.md, Faults): a sleeper without a thread of its own would hold a worker."""
             with self.sleepers_lock:
                 if self.sleepers >= MAX_SLEEPERS:
                     raise ServiceBusy(text=f"{MAX_SLEEPERS} requests are already held by latency fault rules"
@@ -6727,10 +6576,8 @@ SERVE_THREADS = 1
 
 def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads: int = SERVE_THREADS, *,
           workers: int = 1, on_ready: Callable[[str], None] | None = None, **settings: Any) -> None:
-    """Serve ``svc`` on waitress until interrupted (Ctrl-C or SIGTERM), with WAITRESS_LIMITS.
-
-    ``workers`` > 1 forks that many processes serving one listening socket and one database
-    (docs/operations.md): one sandbox, since everything it is lives in the database."""
+    """Serve ``svc`` on waitress until interrupted (Ctrl-C or SIGTERM), with WAITRESS_LIMITS; ``workers`` > 1
+    forks that many on one socket and one database (docs/sandbox.md, One sandbox, however many processes)."""
     import socket
 
     if workers > 1 and svc.db.memory:
@@ -6850,14 +6697,10 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
 
 
 def guarding_slow_senders(server: Any) -> Any:
-    """A waitress ``server`` that slow senders cannot fill (docs/operations.md): a connection whose
-    request line and headers are not complete HEADERS_WITHIN seconds after their first byte is closed,
-    and at the connection limit the stalest connection that is not being answered (the earliest
-    unfinished headers, else the longest idle) is closed to make room for the next one.
-
-    waitress's internals (no option does this: it bounds a connection's silence, not how long its
-    headers take, and stops accepting at its limit): the server's readable, maintenance and
-    active_channels; a channel's request (headers_finished), requests, last_activity and will_close."""
+    """A waitress ``server`` that slow senders cannot fill (docs/operations.md, When things go wrong: A
+    hostile network). No waitress option does this (it bounds a connection's silence, not how long its
+    headers take, and stops accepting at its limit); its internals used: the server's readable, maintenance
+    and active_channels; a channel's request (headers_finished), requests, last_activity and will_close."""
     class GuardedChannel(server.channel_class):
         headers_since: float | None = None  # when the first byte of unfinished headers came
 
@@ -6895,11 +6738,9 @@ def guarding_slow_senders(server: Any) -> Any:
 
 
 def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
-    """A waitress ``server`` whose own answers to what it cannot parse (a malformed header, a body or
-    headers over its limits), which never reach the app, are the error envelope too (docs/contract.md),
-    not waitress's text: S413 for a body over its limit (saying the app's ``limit``, not the size
-    waitress buffers), S012 otherwise, with waitress's status where HOST_REFUSALS lists it, else 400
-    (its 501 for a Transfer-Encoding it does not take: the client's to change, so a 4xx)."""
+    """A waitress ``server`` whose own answers to what it cannot parse are the error envelope too
+    (docs/contract.md, Choices where the contract is silent): S413 says the app's ``limit``, not the size
+    waitress buffers; its 501 for a Transfer-Encoding is a 400 (the client's to change, so a 4xx)."""
     from waitress.channel import HTTPChannel
     from waitress.task import ErrorTask
 
@@ -7424,10 +7265,9 @@ def _serve_command(args: argparse.Namespace) -> int:
 
 
 def _command_line_settings(args: argparse.Namespace, scenario: Mapping[str, Any] | None) -> dict:
-    """``--set`` with the sandbox's settings (docs/sandbox.md): a scenario's are the sandbox's, in the
-    database, for every process on the file and every later start; a ``--set`` that disagrees is said
-    in one line, and the sandbox's stands. A file that started from a scenario keeps its own, whatever
-    ``scenario`` (given on this command line) says (start_world)."""
+    """``--set`` with the sandbox's settings, which stand where a ``--set`` disagrees (docs/sandbox.md,
+    Scenarios). A file that started from a scenario keeps its own, whatever ``scenario`` (given on this
+    command line) says (start_world)."""
     given, stored = dict(args.set or ()), None
     with contextlib.suppress(sqlite3.Error, ValueError, OSError):
         conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(args.db))}?mode=ro", uri=True)
@@ -7586,9 +7426,8 @@ def _target(given_url: str, args: argparse.Namespace,
 
 def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
     """The URL, key and secret of ``request`` and ``sign``: given, else WALLETSVC_URL, WALLETSVC_KEY and
-    WALLETSVC_SECRET,
-    else the demo's, which is said on stderr with the URL: a folder without its variables must not
-    quietly reach the demo in place of the app meant (docs/reference.md)."""
+    WALLETSVC_SECRET, else the demo's, said on stderr with the URL (docs/reference.md, walletsvc request
+    and walletsvc sign)."""
     given = {"url": args.url, "key": args.key, "secret": args.secret}
     defaults = {"url": ("WALLETSVC_URL", DEMO_URL), "key": ("WALLETSVC_KEY", DEMO_KEY),
                 "secret": ("WALLETSVC_SECRET", DEMO_SECRET)}
