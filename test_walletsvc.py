@@ -7799,6 +7799,17 @@ def test_sigterm_answers_every_request_under_way_then_stops_within_a_bound(tmp_p
     assert stopped < 5 + 1, stopped
 
 
+def _shm_lost_under_load(path: pathlib.Path, load: _TransferLoad) -> dict:
+    """The -shm of the file at ``path`` deleted under ``load``, then made anew by another tool opening the
+    file; the load's answers once it stopped."""
+    time.sleep(0.5)
+    os.remove(f"{path}-shm")
+    with contextlib.closing(sqlite3.connect(path)) as tool:  # (it makes a -shm anew)
+        tool.execute("SELECT count(*) FROM wallets").fetchone()
+    time.sleep(0.3)
+    return load.stop()
+
+
 def test_a_lost_shm_made_anew_by_another_tool_still_refuses_a_second_server_and_loses_nothing(
         tmp_path) -> None:
     """The attack on the file guard's removal: the -shm deleted under a server under load, then made anew by
@@ -7808,13 +7819,7 @@ def test_a_lost_shm_made_anew_by_another_tool_still_refuses_a_second_server_and_
     checkpoints as it closes: what another program committed through the new -shm is kept."""
     path = tmp_path / "live.db"
     with demo_process(tmp_path, "live") as (server, (key, secret, _admin, wallets)):
-        load = _TransferLoad(server.url, key, secret, wallets)
-        time.sleep(0.5)
-        os.remove(f"{path}-shm")
-        with contextlib.closing(sqlite3.connect(path)) as tool:  # (it makes a -shm anew)
-            tool.execute("SELECT count(*) FROM wallets").fetchone()
-        time.sleep(0.3)
-        answers = load.stop()
+        answers = _shm_lost_under_load(path, _TransferLoad(server.url, key, secret, wallets))
         second = _cli("serve", "--db", str(path), "--port", "0")
         assert second.returncode != 0 and "Traceback" not in second.stderr
         assert f"process {server.process.pid} still serves it" in second.stderr, second.stderr
@@ -7837,13 +7842,7 @@ def test_a_worker_started_again_beside_one_that_lost_its_shm_is_refused_and_not_
     started again."""
     path = tmp_path / "workers.db"
     with demo_process(tmp_path, "workers", "--workers", "2") as (server, (key, secret, _admin, wallets)):
-        load = _TransferLoad(server.url, key, secret, wallets)
-        time.sleep(0.5)
-        os.remove(f"{path}-shm")
-        with contextlib.closing(sqlite3.connect(path)) as tool:  # (it makes a -shm anew)
-            tool.execute("SELECT count(*) FROM wallets").fetchone()
-        time.sleep(0.3)
-        load.stop()
+        _shm_lost_under_load(path, _TransferLoad(server.url, key, secret, wallets))
         log = tmp_path / "workers.log"
         first = [int(pid) for pid in re.findall(r"worker (\d+) serving", log.read_text())]
         assert len(first) == 2
