@@ -474,6 +474,8 @@ def _runs(trace: list[str]) -> list[str]:
 # The C calls a part is named after, whoever makes them: SQLite's statements, the HMAC and digests, JSON.
 _C_PARTS = {"sqlite3": "SQLite statements", "_hashlib": "HMAC and SHA-256", "_operator": "HMAC and SHA-256",
             "_json": "JSON"}
+# The libraries whose Python is a part of its own, whoever calls them: the access log is the logging package's.
+_LIBRARY_PARTS = {os.path.dirname(logging.__file__): "The access log (logging)"}
 
 
 class _Parts:
@@ -490,6 +492,9 @@ class _Parts:
 
     def section(self, frame) -> str:
         while frame is not None and frame.f_code.co_filename != self.owner:
+            library = _LIBRARY_PARTS.get(os.path.dirname(frame.f_code.co_filename))
+            if library is not None:
+                return library
             frame = frame.f_back
         if frame is None:
             return "(outside)"
@@ -536,32 +541,60 @@ def anatomy_of(run, calls: int, owner: str, sections: list[tuple[int, str]]) -> 
 
 def anatomy(tmp: str, calls: int) -> list:
     """Where a signed GET and a create-transfer spend their time in process, part by part, beside the
-    floor's own parts (docs/operations.md keeps the table)."""
-    svc, _, key, wallets = seeded(os.path.join(tmp, "anatomy.db"))
-    app = walletsvc.create_app(svc)
-    floor = Floor(os.path.join(tmp, "anatomy-floor.db"), key, [svc.get_wallet(wallet) for wallet in wallets])
-    path = f"/api/v1/wallets/{wallets[0]}"
-    body = json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1], "amount": "0.01",
-                       "currency": "USD"}).encode()
-    floor_sections = [(1, "Python")]
+    floor's own parts (docs/operations.md keeps the table): an embedded service at its defaults, and as
+    `walletsvc serve` runs it (the journal on, an access log line written per request)."""
+    embedded = seeded(os.path.join(tmp, "anatomy.db"))
+    as_served = seeded(os.path.join(tmp, "anatomy-served.db"), journal_size=walletsvc.SANDBOX_JOURNAL_SIZE)
+    key, wallets = embedded[2], embedded[3]
+    floor = Floor(os.path.join(tmp, "anatomy-floor.db"), key,
+                  [embedded[0].get_wallet(wallet) for wallet in wallets])
+    sides = [("walletsvc", walletsvc.create_app(embedded[0]), embedded, walletsvc.__file__, module_sections()),
+             ("as served", walletsvc.create_app(as_served[0]), as_served, walletsvc.__file__, module_sections()),
+             ("floor", floor, embedded, __file__, [(1, "Python")])]
     rows = []
-    for name, method, target, payload in (("signed GET", "GET", path, b""),
-                                          ("create-transfer", "POST", TRANSFER, body)):
-        for label, served, owner, sections in (("walletsvc", app, walletsvc.__file__, module_sections()),
-                                               ("floor", floor, __file__, floor_sections)):
-            def one(served=served, method=method, target=target, payload=payload) -> None:
-                call_wsgi(served, method, target, payload,
-                          walletsvc.sign_request(method, target, payload, key["apiKey"], key["secret"]))
-            for _ in range(50):
-                one()
-            parts = anatomy_of(one, calls, owner, sections)
-            whole = sum(parts.values())
-            for part, micros in parts.items():
-                if micros >= 0.5:
-                    rows.append((f"anatomy, {name}, {label}: {part}", f"{micros:.1f} us",
-                                 f"of {whole:.0f} us", micros / whole, "report"))
-    svc.close()
+    with access_log_to(os.path.join(tmp, "anatomy-access.log")) as access_log:
+        sides[1][1].http.access_log = access_log
+        for name in ("signed GET", "create-transfer"):
+            for label, served, (_, _, key, wallets), owner, sections in sides:
+                method, target, payload = anatomy_request(name, wallets)
+
+                def one(served=served, method=method, target=target, payload=payload, key=key) -> None:
+                    call_wsgi(served, method, target, payload,
+                              walletsvc.sign_request(method, target, payload, key["apiKey"], key["secret"]))
+                for _ in range(50):
+                    one()
+                parts = anatomy_of(one, calls, owner, sections)
+                whole = sum(parts.values())
+                rows += [(f"anatomy, {name}, {label}: {part}", f"{micros:.1f} us", f"of {whole:.0f} us",
+                          micros / whole, "report") for part, micros in parts.items() if micros >= 0.5]
+    for svc, *_ in (embedded, as_served):
+        svc.close()
     return rows
+
+
+def anatomy_request(name: str, wallets: list[str]) -> tuple[str, str, bytes]:
+    if name == "signed GET":
+        return "GET", f"/api/v1/wallets/{wallets[0]}", b""
+    return "POST", TRANSFER, json.dumps({"sourceWalletId": wallets[0], "targetWalletId": wallets[1],
+                                         "amount": "0.01", "currency": "USD"}).encode()
+
+
+@contextlib.contextmanager
+def access_log_to(path: str):
+    """The access log as `walletsvc serve` writes it (its logger and line format), into the file at ``path``."""
+    logger = logging.getLogger("walletsvc.access")
+    handler = logging.FileHandler(path)
+    handler.setFormatter(logging.Formatter(walletsvc.LOG_FORMAT))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+    try:
+        yield logger
+    finally:
+        logger.removeHandler(handler)
+        handler.close()
+        logger.propagate = True
+        logger.setLevel(logging.NOTSET)
 
 
 ###############################################################################

@@ -7210,8 +7210,11 @@ def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], r
     return run
 
 
+LOG_FORMAT = "%(asctime)s %(name)s %(message)s"  # `walletsvc serve`'s lines on stderr, the access log's among them
+
+
 def _serve_command(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    logging.basicConfig(level=logging.INFO, format=LOG_FORMAT)
     made = [path for path in (args.db, f"{args.db}-wal", f"{args.db}-shm") if not os.path.exists(path)]
     scenario = DEMO_SCENARIO if args.demo else read_scenario(args.scenario) if args.scenario else None
     token = {} if args.admin_token is None else {"admin_token": args.admin_token}  # ('' is refused)
