@@ -474,7 +474,7 @@ def _runs(trace: list[str]) -> list[str]:
 # The C calls a part is named after, whoever makes them: SQLite's statements, the HMAC and digests, JSON.
 _C_PARTS = {"sqlite3": "SQLite statements", "_hashlib": "HMAC and SHA-256", "_operator": "HMAC and SHA-256",
             "_json": "JSON"}
-# The libraries whose Python is a part of its own, whoever calls them: the access log is the logging package's.
+# Libraries whose Python is a part of its own, whoever calls them: the access log is the logging package's.
 _LIBRARY_PARTS = {os.path.dirname(logging.__file__): "The access log (logging)"}
 
 
@@ -542,14 +542,16 @@ def anatomy_of(run, calls: int, owner: str, sections: list[tuple[int, str]]) -> 
 def anatomy(tmp: str, calls: int) -> list:
     """Where a signed GET and a create-transfer spend their time in process, part by part, beside the
     floor's own parts (docs/operations.md keeps the table): an embedded service at its defaults, and as
-    `walletsvc serve` runs it (the journal on, an access log line written per request)."""
+    `walletsvc serve` runs it (the journal on, the clock in the database, an access log line written)."""
     embedded = seeded(os.path.join(tmp, "anatomy.db"))
-    as_served = seeded(os.path.join(tmp, "anatomy-served.db"), journal_size=walletsvc.SANDBOX_JOURNAL_SIZE)
+    as_served = seeded(os.path.join(tmp, "anatomy-served.db"), journal_size=walletsvc.SANDBOX_JOURNAL_SIZE,
+                       clock=walletsvc.Clock())
     key, wallets = embedded[2], embedded[3]
     floor = Floor(os.path.join(tmp, "anatomy-floor.db"), key,
                   [embedded[0].get_wallet(wallet) for wallet in wallets])
-    sides = [("walletsvc", walletsvc.create_app(embedded[0]), embedded, walletsvc.__file__, module_sections()),
-             ("as served", walletsvc.create_app(as_served[0]), as_served, walletsvc.__file__, module_sections()),
+    module, sections = walletsvc.__file__, module_sections()
+    sides = [("walletsvc", walletsvc.create_app(embedded[0]), embedded, module, sections),
+             ("as served", walletsvc.create_app(as_served[0]), as_served, module, sections),
              ("floor", floor, embedded, __file__, [(1, "Python")])]
     rows = []
     with access_log_to(os.path.join(tmp, "anatomy-access.log")) as access_log:
@@ -581,16 +583,20 @@ def anatomy_request(name: str, wallets: list[str]) -> tuple[str, str, bytes]:
 
 @contextlib.contextmanager
 def access_log_to(path: str):
-    """The access log as `walletsvc serve` writes it (its logger and line format), into the file at ``path``."""
+    """The access log as `walletsvc serve` writes it (its logger, formatter and records), into the file at
+    ``path``; logging as it was after."""
     logger = logging.getLogger("walletsvc.access")
     handler = logging.FileHandler(path)
-    handler.setFormatter(logging.Formatter(walletsvc.LOG_FORMAT))
+    handler.setFormatter(walletsvc.LogFormatter())
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
     logger.propagate = False
+    kept = (logging.logThreads, logging.logProcesses, logging.logMultiprocessing, logging._srcfile)
+    walletsvc.lean_log_records()
     try:
         yield logger
     finally:
+        logging.logThreads, logging.logProcesses, logging.logMultiprocessing, logging._srcfile = kept
         logger.removeHandler(handler)
         handler.close()
         logger.propagate = True

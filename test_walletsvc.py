@@ -4882,7 +4882,9 @@ def test_demo_prints_examples_that_work_as_printed(tmp_path) -> None:
         output, _ = server.communicate(timeout=15)
     assert server.returncode == 0  # SIGTERM (like Ctrl-C) shuts down cleanly
     log_lines = [line for line in output.splitlines() if "walletsvc.access" in line]
-    assert re.search(r"GET /api/v1/wallets 200 2000 \d+\.\dms", "\n".join(log_lines))
+    # docs/reference.md (walletsvc serve): the time, the logger, method, path, status, code, milliseconds
+    assert re.search(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} walletsvc\.access GET /api/v1/wallets 200 2000"
+                     r" \d+\.\dms$", "\n".join(log_lines), re.MULTILINE), log_lines
     assert "Traceback" not in output and "Task queue depth" not in output
     again, second_banner = _start_demo(tmp_path / "demo.db")  # same database: same credentials
     again.send_signal(signal.SIGTERM)
@@ -9194,3 +9196,14 @@ def test_bench_quick_runs_every_section_and_prints_every_target_figure() -> None
                "nonce records after 5,000 requests over 300 s"]
     assert [figure for figure in figures if figure not in rows] == []
     assert all(len(rows[figure]) == 5 for figure in figures)  # name, value, baseline, ratio, target
+
+
+def test_serve_log_lines_show_each_record_time_as_logging_itself_would() -> None:
+    # serve's formatter formats each second's date once; every line must still read as the standard
+    # library's own formatter writes it (milliseconds too), across seconds and back again.
+    ours, standard = walletsvc.LogFormatter(), logging.Formatter("%(asctime)s %(name)s %(message)s")
+    start = 1795899820.0
+    for created in (start, start + 0.25, start + 1.999, start + 2.0, start, start + 86400.5):
+        record = logging.LogRecord("walletsvc.access", logging.INFO, __file__, 1, "GET %s", ("/x",), None)
+        record.created, record.msecs = created, (created - int(created)) * 1000
+        assert ours.format(record) == standard.format(record)
