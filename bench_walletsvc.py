@@ -12,8 +12,10 @@ transaction, the JSON envelope). Medians of several rounds; prints a table.
 Only walletsvc's public surfaces are used (WalletService, create_app, sign_request, Sandbox,
 Clock, `walletsvc serve` in a child process, the /_admin/ HTTP surface), so that the bench keeps
 working while its internals change; the bulk dataset of the scale section alone writes SQL to
-the tables of schema.sql. wrk and strace are used when installed; without them the figures come
-from a Python load generator, and what cannot be measured prints "n/a".
+the tables of schema.sql, and the anatomy's side "as served" sets its access log up as `walletsvc
+serve` does (its LogFormatter and lean_log_records). wrk and strace are used when installed;
+without them the figures come from a Python load generator, and what cannot be measured prints
+"n/a".
 """
 
 from __future__ import annotations
@@ -498,9 +500,10 @@ class _Parts:
             frame = frame.f_back
         if frame is None:
             return "(outside)"
-        if frame.f_code not in self.of_code:
+        if frame.f_code not in self.of_code:  # (called by a library of its own part: in that part)
+            caller = frame.f_back and _LIBRARY_PARTS.get(os.path.dirname(frame.f_back.f_code.co_filename))
             at = bisect.bisect_right(self.starts, frame.f_code.co_firstlineno) - 1
-            self.of_code[frame.f_code] = self.sections[max(at, 0)][1]
+            self.of_code[frame.f_code] = caller or self.sections[max(at, 0)][1]
         return self.of_code[frame.f_code]
 
     def __call__(self, frame, event, arg) -> None:

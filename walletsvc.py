@@ -4960,7 +4960,7 @@ class Authenticator:
             "       m.removed_at IS NOT NULL AS member_removed,"
             f"      {Nonces.LOOKUP}, s.fault_rules AS faults, s.clock_frozen_at, s.clock_offset"
             "  FROM api_keys k JOIN workspaces w ON w.id = k.workspace_id"
-            "                  JOIN members m ON m.id = k.member_id CROSS JOIN sandbox s"
+            "                  JOIN members m ON m.id = k.member_id LEFT JOIN sandbox s"
             " WHERE k.id = :api_key")
 
     @staticmethod
