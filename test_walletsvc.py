@@ -7892,7 +7892,7 @@ def test_a_file_another_program_wrote_while_no_server_ran_is_served(tmp_path, cl
 
 def test_the_wal_starts_over_however_long_a_service_writes(tmp_path, clock) -> None:
     """docs/operations.md: once a checkpoint took every frame, the next write starts the -wal over, so it
-    stays as large as a quarter of a second of writes (a checkpoint inside a transaction never lets it:
+    stays as large as a tenth of a second of writes (a checkpoint inside a transaction never lets it:
     350 MB after 3,000 transfers, and growing)."""
     path = tmp_path / "bounded.db"
     svc = walletsvc.WalletService(str(path), clock=clock)
