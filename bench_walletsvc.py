@@ -552,13 +552,13 @@ def anatomy(tmp: str, calls: int) -> list:
     key, wallets = embedded[2], embedded[3]
     floor = Floor(os.path.join(tmp, "anatomy-floor.db"), key,
                   [embedded[0].get_wallet(wallet) for wallet in wallets])
+    served_app = walletsvc.create_app(as_served[0])
     module, sections = walletsvc.__file__, module_sections()
     sides = [("walletsvc", walletsvc.create_app(embedded[0]), embedded, module, sections),
-             ("as served", walletsvc.create_app(as_served[0]), as_served, module, sections),
+             ("as served", served_app, as_served, module, sections),
              ("floor", floor, embedded, __file__, [(1, "Python")])]
     rows = []
-    with access_log_to(os.path.join(tmp, "anatomy-access.log")) as access_log:
-        sides[1][1].http.access_log = access_log
+    with access_log_to(os.path.join(tmp, "anatomy-access.log")) as served_app.http.access_log:
         for name in ("signed GET", "create-transfer"):
             for label, served, (_, _, key, wallets), owner, sections in sides:
                 method, target, payload = anatomy_request(name, wallets)
