@@ -107,38 +107,11 @@ from typing import Any, NamedTuple, NoReturn, Self, TypeVar
 import bottle
 
 __all__ = [
-    "API_VERSION",
-    "CURRENCY_EXPONENTS",
-    "ERRORS",
-    "SCOPES",
-    "WAITRESS_LIMITS",
-    "AdminApi",
-    "Client",
-    "Clock",
-    "Direction",
-    "Endpoint",
-    "FlowType",
-    "HmacAuth",
-    "Principal",
-    "Received",
-    "Reply",
-    "Role",
-    "Sandbox",
-    "Settings",
-    "Settlement",
-    "TransferStatus",
-    "WalletApi",
-    "WalletApp",
-    "WalletError",
-    "WalletService",
-    "WalletStatus",
-    "body_hash",
-    "canonical_message",
-    "create_app",
-    "endpoint",
-    "main",
-    "server_time",
-    "sign_request",
+    "API_VERSION", "CURRENCY_EXPONENTS", "ERRORS", "SCOPES", "WAITRESS_LIMITS", "AdminApi", "Client",
+    "Clock", "Direction", "Endpoint", "FlowType", "HmacAuth", "Principal", "Received", "Reply", "Role",
+    "Sandbox", "Settings", "Settlement", "TransferStatus", "WalletApi", "WalletApp", "WalletError",
+    "WalletService", "WalletStatus", "body_hash", "canonical_message", "create_app", "endpoint", "main",
+    "server_time", "sign_request",
 ]
 __version__ = "0.1.0"
 
@@ -307,74 +280,62 @@ class WalletError(Exception):
 
 class ApiKeyMissing(WalletError):
     code, name, status = "GA2001", "API_KEY_MISSING", 401
-    messages = ("The X-Api-Key header is missing.",
-                "缺少 X-Api-Key 请求头。")
+    messages = ("The X-Api-Key header is missing.", "缺少 X-Api-Key 请求头。")
 
 
 class ApiKeyNotFound(WalletError):
     code, name, status = "GA2011", "API_KEY_NOT_FOUND", 401
-    messages = ("The API key does not exist.",
-                "API 密钥不存在。")
+    messages = ("The API key does not exist.", "API 密钥不存在。")
 
 
 class ApiKeyDisabled(WalletError):
     code, name, status = "GA2021", "API_KEY_DISABLED", 403
-    messages = ("The API key has been disabled.",
-                "API 密钥已被停用。")
+    messages = ("The API key has been disabled.", "API 密钥已被停用。")
 
 
 class WorkspaceNotFound(WalletError):
     code, name, status = "GA2032", "WORKSPACE_NOT_FOUND", 404
-    messages = ("The workspace does not exist.",
-                "工作空间不存在。")
+    messages = ("The workspace does not exist.", "工作空间不存在。")
 
 
 class NotWorkspaceMember(WalletError):
     code, name, status = "GA2034", "NOT_WORKSPACE_MEMBER", 403
-    messages = ("The key's member no longer belongs to the workspace.",
-                "该密钥所属成员已不在工作空间中。")
+    messages = ("The key's member no longer belongs to the workspace.", "该密钥所属成员已不在工作空间中。")
 
 
 class RequestExpired(WalletError):
     code, name, status = "GA2013", "REQUEST_EXPIRED", 401
-    messages = ("{reason}",
-                "{reason_zh}")
+    messages = ("{reason}", "{reason_zh}")
 
 
 class SignatureInvalid(WalletError):
     code, name, status = "GA2012", "SIGNATURE_INVALID", 401
-    messages = ("The request signature is invalid.",
-                "请求签名无效。")
+    messages = ("The request signature is invalid.", "请求签名无效。")
 
 
 class IpNotWhitelisted(WalletError):
     code, name, status = "GA2022", "IP_NOT_WHITELISTED", 403
-    messages = ("The client IP address is not in the key's whitelist.",
-                "客户端 IP 地址不在密钥的白名单中。")
+    messages = ("The client IP address is not in the key's whitelist.", "客户端 IP 地址不在密钥的白名单中。")
 
 
 class ScopeRequired(WalletError):
     code, name, status = "GA2024", "SCOPE_REQUIRED", 403
-    messages = ("The API key lacks the scope {scope}.",
-                "API 密钥缺少权限范围 {scope}。")
+    messages = ("The API key lacks the scope {scope}.", "API 密钥缺少权限范围 {scope}。")
 
 
 class ApiAccessDenied(WalletError):
     code, name, status = "50090201", "API_ACCESS_DENIED", 403
-    messages = ("Not open to API keys (deny by default).",
-                "不对 API 密钥开放（默认拒绝）。")
+    messages = ("Not open to API keys (deny by default).", "不对 API 密钥开放（默认拒绝）。")
 
 
 class InvalidParameter(WalletError):
     code, name, status = "S012", "INVALID_PARAMETER", 400
-    messages = ("Invalid parameter '{field}': {reason}.",
-                "参数 '{field}' 无效：{reason_zh}。")
+    messages = ("Invalid parameter '{field}': {reason}.", "参数 '{field}' 无效：{reason_zh}。")
 
 
 class NotFound(WalletError):
     code, name, status = "S404", "NOT_FOUND", 404
-    messages = ("No such {thing}.",
-                "{thing_zh}不存在。")
+    messages = ("No such {thing}.", "{thing_zh}不存在。")
 
 
 class Unauthorized(WalletError):
@@ -391,20 +352,17 @@ class CrossSiteRefused(WalletError):
 
 class MethodNotAllowed(WalletError):
     code, name, status = "S405", "METHOD_NOT_ALLOWED", 405
-    messages = ("This method is not allowed on this path.",
-                "该路径不支持此请求方法。")
+    messages = ("This method is not allowed on this path.", "该路径不支持此请求方法。")
 
 
 class PayloadTooLarge(WalletError):
     code, name, status = "S413", "PAYLOAD_TOO_LARGE", 413
-    messages = ("The request body exceeds {limit} bytes.",
-                "请求体超过 {limit} 字节。")
+    messages = ("The request body exceeds {limit} bytes.", "请求体超过 {limit} 字节。")
 
 
 class UnsupportedMediaType(WalletError):
     code, name, status = "S415", "UNSUPPORTED_MEDIA_TYPE", 415
-    messages = ("The request body must be application/json.",
-                "请求体必须是 application/json。")
+    messages = ("The request body must be application/json.", "请求体必须是 application/json。")
 
 
 class InternalError(WalletError):
@@ -413,26 +371,22 @@ class InternalError(WalletError):
 
 class ServiceBusy(WalletError):
     code, name, status = "S503", "SERVICE_BUSY", 503
-    messages = ("The database is busy or unavailable; retry later.",
-                "数据库繁忙或不可用，请稍后重试。")
+    messages = ("The database is busy or unavailable; retry later.", "数据库繁忙或不可用，请稍后重试。")
 
 
 class WalletNotFound(WalletError):
     code, name, status = "W1001", "WALLET_NOT_FOUND", 404
-    messages = ("Wallet {wallet_id} does not exist.",
-                "钱包 {wallet_id} 不存在。")
+    messages = ("Wallet {wallet_id} does not exist.", "钱包 {wallet_id} 不存在。")
 
 
 class WalletNotActive(WalletError):
     code, name, status = "W1002", "WALLET_NOT_ACTIVE", 422
-    messages = ("Wallet {wallet_id} is {state}.",
-                "钱包 {wallet_id} 的状态为 {state}。")
+    messages = ("Wallet {wallet_id} is {state}.", "钱包 {wallet_id} 的状态为 {state}。")
 
 
 class TransferNotFound(WalletError):
     code, name, status = "T1001", "TRANSFER_NOT_FOUND", 404
-    messages = ("Transfer order {biz_id} does not exist.",
-                "转账订单 {biz_id} 不存在。")
+    messages = ("Transfer order {biz_id} does not exist.", "转账订单 {biz_id} 不存在。")
 
 
 class InsufficientBalance(WalletError):
@@ -449,8 +403,7 @@ class CurrencyMismatch(WalletError):
 
 class SameWallet(WalletError):
     code, name, status = "T2003", "SAME_WALLET", 422
-    messages = ("The source and target wallets are the same.",
-                "转出和转入钱包相同。")
+    messages = ("The source and target wallets are the same.", "转出和转入钱包相同。")
 
 
 class IdempotencyConflict(WalletError):
