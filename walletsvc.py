@@ -241,11 +241,8 @@ _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "string": lambda value: isinstance(value, str),
     "integer": lambda value: isinstance(value, int) and not isinstance(value, bool),
     "number": lambda value: isinstance(value, (int, float)) and not isinstance(value, bool),
-    "boolean": lambda value: isinstance(value, bool),
-    "array": lambda value: isinstance(value, list),
-    "object": lambda value: isinstance(value, dict),
-    "null": lambda value: value is None,
-}
+    "boolean": lambda value: isinstance(value, bool), "array": lambda value: isinstance(value, list),
+    "object": lambda value: isinstance(value, dict), "null": lambda value: value is None}
 
 
 ###############################################################################
@@ -424,51 +421,35 @@ ERRORS_BY_CODE: Mapping[str, type[WalletError]] = {error.code: error for error i
 
 # Why a parameter was refused, in each locale (InvalidParameter's reason).
 _REASONS = {
-    "required": ("is required",
-                 "为必填项"),
+    "required": ("is required", "为必填项"),
     "status_of_code": (("is required: {code} is not a code of the error catalog, so give the HTTP status"
                         " to answer it with (e.g. 503)"),
                        "为必填项：{code} 不是错误目录中的代码，请给出应答所用的 HTTP 状态码（例如 503）"),
-    "string": ("must be a string",
-               "必须是字符串"),
-    "integer": ("must be an integer",
-                "必须是整数"),
-    "number": ("must be a number",
-               "必须是数字"),
-    "boolean": ("must be true or false",
-                "必须是 true 或 false"),
-    "array": ("must be an array",
-              "必须是数组"),
-    "type": ("must be JSON {kinds}",
-             "必须是 JSON {kinds}"),
-    "minimum": ("must be at least {minimum}",
-                "不能小于 {minimum}"),
-    "maximum": ("must be at most {maximum}",
-                "不能大于 {maximum}"),
-    "one_of": ("must be one of {choices}",
-               "必须是以下之一：{choices}"),
-    "unknown_field": ("is not a known field",
-                      "不是可识别的字段"),
+    "string": ("must be a string", "必须是字符串"),
+    "integer": ("must be an integer", "必须是整数"),
+    "number": ("must be a number", "必须是数字"),
+    "boolean": ("must be true or false", "必须是 true 或 false"),
+    "array": ("must be an array", "必须是数组"),
+    "type": ("must be JSON {kinds}", "必须是 JSON {kinds}"),
+    "minimum": ("must be at least {minimum}", "不能小于 {minimum}"),
+    "maximum": ("must be at most {maximum}", "不能大于 {maximum}"),
+    "one_of": ("must be one of {choices}", "必须是以下之一：{choices}"),
+    "unknown_field": ("is not a known field", "不是可识别的字段"),
     "sort_field": ("cannot sort by '{value}'; sortable fields: {choices}",
                    "不能按 '{value}' 排序；可排序字段：{choices}"),
-    "sort_direction": ("the direction must be asc or desc",
-                       "排序方向必须是 asc 或 desc"),
-    "sort_keys": ("takes at most {maximum} sort keys",
-                  "最多接受 {maximum} 个排序键"),
-    "currency": ("'{value}' is not an ISO 4217 currency code",
-                 "'{value}' 不是 ISO 4217 币种代码"),
+    "sort_direction": ("the direction must be asc or desc", "排序方向必须是 asc 或 desc"),
+    "sort_keys": ("takes at most {maximum} sort keys", "最多接受 {maximum} 个排序键"),
+    "currency": ("'{value}' is not an ISO 4217 currency code", "'{value}' 不是 ISO 4217 币种代码"),
     "amount": ("must be a positive decimal string such as \"10.00\" (no sign, exponent or leading zero)",
                "必须是正的十进制字符串，例如 \"10.00\"（不带符号、指数或前导零）"),
     "decimals": ("{currency} allows at most {exponent} decimal places",
                  "{currency} 最多允许 {exponent} 位小数"),
-    "range": ("must be an integer from {minimum} to {maximum}",
-              "必须是 {minimum} 到 {maximum} 之间的整数"),
+    "range": ("must be an integer from {minimum} to {maximum}", "必须是 {minimum} 到 {maximum} 之间的整数"),
     "one_name": ("takes one name in its brackets ({kind}[NAME]=VALUE), not a nested one",
                  "方括号中只能有一个名称（{kind}[NAME]=VALUE），不能嵌套"),
     "mapping": ("must be a mapping of parameter names to values, such as {{\"size\": 5}}",
                 "必须是参数名到值的映射，例如 {{\"size\": 5}}"),
-    "too_large": ("is too large",
-                  "过大"),
+    "too_large": ("is too large", "过大"),
     "time": ("must be RFC 3339 (2027-01-15T08:00:00Z, or a date) or epoch milliseconds",
              "必须是 RFC 3339 时间（2027-01-15T08:00:00Z，或日期）或毫秒时间戳"),
     "time_iso": ("must be RFC 3339 (2027-01-15T08:00:00Z, or a date), or a JSON number of epoch seconds",
@@ -479,49 +460,36 @@ _REASONS = {
                 "看起来是毫秒时间戳；请发送秒级时间戳（或 RFC 3339 时间）"),
     "clock_range": ("must keep the clock between 1970-01-01 and 9999-12-31",
                     "必须使时钟保持在 1970-01-01 至 9999-12-31 之间"),
-    "biz_id": ("must be 1-64 characters of A-Z a-z 0-9 . _ : -",
-               "必须是 1-64 个 A-Z a-z 0-9 . _ : - 字符"),
-    "max_length": ("must be at most {maximum} characters",
-                   "最多 {maximum} 个字符"),
-    "length": ("must be 1-{maximum} characters",
-               "必须是 1-{maximum} 个字符"),
-    "json": ("is not a JSON object",
-             "不是 JSON 对象"),
-    "http": ("is not valid HTTP: {problem}",
-             "不是有效的 HTTP：{problem}"),
+    "biz_id": ("must be 1-64 characters of A-Z a-z 0-9 . _ : -", "必须是 1-64 个 A-Z a-z 0-9 . _ : - 字符"),
+    "max_length": ("must be at most {maximum} characters", "最多 {maximum} 个字符"),
+    "length": ("must be 1-{maximum} characters", "必须是 1-{maximum} 个字符"),
+    "json": ("is not a JSON object", "不是 JSON 对象"),
+    "http": ("is not valid HTTP: {problem}", "不是有效的 HTTP：{problem}"),
     "surrogate": ("holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is no character",
                   "含有单独的 UTF-16 代理项（\\ud800-\\udfff），它不是字符"),
-    "nul": ("must not contain the NUL character",
-            "不能包含 NUL 字符"),
-    "duplicate": ("appears more than once",
-                  "重复出现"),
+    "nul": ("must not contain the NUL character", "不能包含 NUL 字符"),
+    "duplicate": ("appears more than once", "重复出现"),
     "unsigned_key": (("is not signed, so it is accepted only when equal to the body's bizId; send the key as"
                      " bizId in the signed body"),
                      "不在签名范围内，仅在与请求体的 bizId 相同时接受；请将该键作为 bizId 放入签名的请求体"),
-    "ip": ("'{value}' is not an IP address or CIDR block",
-           "'{value}' 不是 IP 地址或 CIDR 网段"),
+    "ip": ("'{value}' is not an IP address or CIDR block", "'{value}' 不是 IP 地址或 CIDR 网段"),
     "host_bits": ("'{value}' has host bits set: write {network} (a block is never widened)",
                   "'{value}' 含有主机位：请写作 {network}（网段不会被自动放宽）"),
-    "setting": ("{problem}",
-                "{problem}"),
+    "setting": ("{problem}", "{problem}"),
     "empty_whitelist": ("must not be empty: leave it out (or null) for no whitelist",
                         "不能为空：不设白名单时请省略（或设为 null）"),
-    "scope": ("'{value}' is not a scope; scopes: {choices}",
-              "'{value}' 不是权限范围；可选：{choices}"),
-    "state": ("is {state}",
-              "状态为 {state}"),
+    "scope": ("'{value}' is not a scope; scopes: {choices}", "'{value}' 不是权限范围；可选：{choices}"),
+    "state": ("is {state}", "状态为 {state}"),
     "closed": ("cannot change: the wallet is CLOSED, which is final",
                "无法更改：钱包已关闭（CLOSED 为最终状态）"),
-    "taken": ("'{value}' is already taken",
-              "'{value}' 已被占用"),
+    "taken": ("'{value}' is already taken", "'{value}' 已被占用"),
     "scenario_id": ("must be an id starting {prefix} (1-64 of A-Z a-z 0-9 _ . : -)",
                     "必须是以 {prefix} 开头的 id（1-64 个 A-Z a-z 0-9 _ . : - 字符）"),
     "secret": ("must be 1-128 printable ASCII characters without spaces",
                "必须是 1-128 个不含空格的可打印 ASCII 字符"),
     "scenario_amount": ("must be a string such as \"1000.00\" (a TOML or JSON number could be rounded)",
                         "必须是字符串，例如 \"1000.00\"（TOML 或 JSON 数字可能被舍入）"),
-    "too_many": ("has reached its limit of {maximum}; remove some first",
-                 "已达上限 {maximum}，请先删除一些"),
+    "too_many": ("has reached its limit of {maximum}; remove some first", "已达上限 {maximum}，请先删除一些"),
 }
 
 
@@ -548,8 +516,7 @@ def not_found(thing: str) -> NotFound:
 ###############################################################################
 
 def _between(kind: type, minimum: float, maximum: float, *, optional: bool = False) -> Callable[[Any], Any]:
-    """A setting's converter: a ``kind`` (int or float) from ``minimum`` to ``maximum`` (or None when
-    ``optional``), else a ValueError naming the range (docs/reference.md, Settings)."""
+    """A setting's converter: a ``kind`` from ``minimum`` to ``maximum`` (None when ``optional``)."""
     def convert(value: Any) -> Any:
         if optional and value in (None, ""):
             return None
@@ -656,10 +623,8 @@ class Settings:
         if unknown:
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(self.names())}")
         for name in changes:
-            if layer is not None and self.layer_of(name) != layer:
-                where = self.layer_of(name)
-                raise ValueError(f"{name} is a setting of the"
-                                 f" {'HTTP layer' if where == 'http' else 'service'}:"
+            if layer is not None and (where := self.layer_of(name)) != layer:
+                raise ValueError(f"{name} is a setting of the {'HTTP layer' if where == 'http' else where}:"
                                  f" pass it to {LAYERS[where]}")
         return dataclasses.replace(self, **changes)
 
@@ -675,8 +640,7 @@ def split_settings(values: Mapping[str, Any]) -> tuple[dict, dict]:
 # Money and time ###############################################################
 ###############################################################################
 
-# ISO 4217 active codes and their minor-unit exponents; every code not listed
-# in _EXPONENT_0/_3/_4 has two decimals.
+# ISO 4217 active codes by minor-unit exponent: every code not in _EXPONENT_0/_3/_4 has two decimals.
 _EXPONENT_0 = "BIF CLP DJF GNF ISK JPY KMF KRW PYG RWF UGX UYI VND VUV XAF XOF XPF"
 _EXPONENT_3 = "BHD IQD JOD KWD LYD OMR TND"
 _EXPONENT_4 = "CLF UYW"
@@ -689,11 +653,8 @@ _EXPONENT_2 = (
     "SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS TMT TOP TRY TTD TWD TZS "
     "UAH USD USN UYU UZS VED VES WST XCD XCG YER ZAR ZMW ZWG"
 )
-CURRENCY_EXPONENTS: Mapping[str, int] = {
-    code: exponent
-    for exponent, codes in ((0, _EXPONENT_0), (2, _EXPONENT_2), (3, _EXPONENT_3), (4, _EXPONENT_4))
-    for code in codes.split()
-}
+CURRENCY_EXPONENTS: Mapping[str, int] = {code: exponent for exponent, codes in (
+    (0, _EXPONENT_0), (2, _EXPONENT_2), (3, _EXPONENT_3), (4, _EXPONENT_4)) for code in codes.split()}
 _AMOUNT_FORMATS = {code: (10**exponent, f"%d.%0{exponent}d" if exponent else "%d")
                    for code, exponent in CURRENCY_EXPONENTS.items()}
 MAX_MINOR_UNITS = 10**18  # keeps every balance inside SQLite's 64-bit integers
@@ -706,9 +667,8 @@ def _whole_digits(exponent: int) -> int:
 
 
 def amount_pattern(exponent: int) -> str:
-    """The regex of an amount in a currency with this exponent: a positive decimal string, no sign,
-    exponent or leading zero, at most ``exponent`` decimals; under 10**18 minor units. The
-    service checks amounts with it and the document states it."""
+    """The regex of an amount with this exponent: positive, no sign, exponent or leading zero, at most
+    ``exponent`` decimals, under 10**18 minor units (the service checks it, the document states it)."""
     def up_to(digits: int) -> str:
         return f"[0-9]{{0,{digits}}}" if digits else ""
 
@@ -810,9 +770,8 @@ MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is ta
 
 
 def admin_time(value: Any, field: str) -> float | None:
-    """A time given to the admin surface (docs/sandbox.md), as epoch seconds: a JSON number is epoch
-    seconds, a string RFC 3339 (ISO-8601 with an offset, or a date); a value that looks like
-    milliseconds is refused, saying so."""
+    """A time the admin surface takes (docs/sandbox.md), as epoch seconds: a JSON number of seconds, or RFC
+    3339; a value that looks like milliseconds is refused, saying so."""
     if value is None:
         return None
     if isinstance(value, datetime.datetime):  # (a TOML datetime; naive means UTC)
@@ -861,23 +820,17 @@ def _schema_sql() -> str:
 @functools.lru_cache(maxsize=1)
 def schema_version() -> int:
     """The schema version schema.sql makes (its schema_version row): the one place it is written."""
-    conn = sqlite3.connect(":memory:")
-    try:
+    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
         conn.deserialize(_schema_image())
         return conn.execute("SELECT version FROM schema_version").fetchone()[0]
-    finally:
-        conn.close()
 
 
 @functools.lru_cache(maxsize=1)
 def _schema_image() -> bytes:
     """An empty database with the schema applied, serialized (immutable, made once)."""
-    conn = sqlite3.connect(":memory:", isolation_level=None)
-    try:
+    with contextlib.closing(sqlite3.connect(":memory:", isolation_level=None)) as conn:
         conn.executescript(_schema_sql())
         return conn.serialize()
-    finally:
-        conn.close()
 
 
 def _version_of(conn: sqlite3.Connection) -> int | None:
@@ -889,9 +842,8 @@ def _version_of(conn: sqlite3.Connection) -> int | None:
 
 
 def _upgrade_schema(conn: sqlite3.Connection) -> None:
-    """The unit that makes or upgrades the schema (from version 4, the first released):
-    schema.sql is idempotent and makes what is new; what is gone is dropped. Looked at under the
-    write lock, so that of two processes upgrading one file the second finds nothing to do."""
+    """The unit that makes or upgrades the schema (from version 4, the first released); run under the write
+    lock, so that of two processes upgrading one file the second finds nothing to do."""
     version = _version_of(conn)
     if version is not None and version >= schema_version():
         return
@@ -935,8 +887,7 @@ class BatchLost(sqlite3.OperationalError):
 
 
 class FileGone(sqlite3.OperationalError):
-    """The database file, its -wal or its -shm is no longer the one this process opened, or the
-    file is malformed (S503)."""
+    """The database file, -wal or -shm was swapped since this process opened it, or is malformed (S503)."""
 
     sqlite_errorname = "SQLITE_CANTOPEN"
 
@@ -976,10 +927,8 @@ def _lock_holders(locks: str, path: str) -> set[int]:
 
 
 def _no_checkpoint_on_close(conn: sqlite3.Connection) -> None:
-    """The last connection of a process to close moves the -wal into the file and deletes it: with a
-    lost -shm, from an index of the -wal that other processes no longer write by, over their frames.
-    SQLite's NO_CKPT_ON_CLOSE stops that (Python 3.11's sqlite3 has no setconfig: the connection's
-    sqlite3 handle is the first field of its object, and sqlite3_db_config is called for it)."""
+    """SQLite's NO_CKPT_ON_CLOSE: the last connection to close must not move the -wal into the file by a lost
+    -shm, over other processes' frames (3.11 lacks setconfig: sqlite3_db_config on the handle)."""
     if hasattr(conn, "setconfig"):
         conn.setconfig(1006, True)  # SQLITE_DBCONFIG_NO_CKPT_ON_CLOSE
         return
@@ -998,25 +947,21 @@ EMPTY_NEW = 2.0  # seconds an empty database file may be a starting peer's, not 
 
 
 class DatabaseFile:
-    """The database file and its -wal and -shm as this process opened them, checked by identity (a stat
-    each) just before each batch's COMMIT; once one is swapped or the file malformed, every later use
-    fails with ``gone`` (docs/operations.md, When things go wrong)."""
+    """The database file, -wal and -shm as this process opened them, checked by identity before each COMMIT;
+    once one is swapped or malformed, every later use fails with ``gone`` (docs/operations.md)."""
 
     def __init__(self, path: str, shm_lost: Callable[[], None]) -> None:
         self.path = path
         self._shm_lost = shm_lost  # (none of this process's connections on the file checkpoints as it closes)
         self._file = _identity(path)
-        # The -wal and -shm as first seen (SQLite makes them with the first connection, removes them with
-        # the last).
+        # The -wal and -shm as first seen (made with the first connection, removed with the last).
         self._companions = {suffix: _identity(path + suffix) for suffix in ("-wal", "-shm")}
         self.gone: FileGone | None = None
 
     @staticmethod
     def refuse_lost_shm(path: str) -> None:
-        """FileGone when another process serves the file at ``path`` through a -shm that is no longer the
-        one at the path (docs/operations.md, When things go wrong). Every open SQLite connection locks the
-        file's SHARED bytes, and its -shm while it uses it: a process locking the file but not the -shm
-        (still after 50 ms, for a peer opening at this moment) lost its own. Elsewhere than Linux: none."""
+        """FileGone when another process serves ``path`` through a -shm that is no longer the one at the path:
+        it locks the file but not the -shm, still after 50 ms (docs/operations.md; Linux only)."""
         for _ in range(6):
             try:
                 with open("/proc/locks", encoding="ascii", errors="replace") as table:
@@ -1034,9 +979,8 @@ class DatabaseFile:
 
     @staticmethod
     def refuse_empty(path: str) -> None:
-        """FileGone for an empty file given as a database (docs/operations.md, When things go wrong). One
-        made in the last EMPTY_NEW seconds may be a starting peer's (its first page comes once its first
-        connection opens): it is waited for, busy or not, 5 s at most."""
+        """FileGone for an empty file given as a database (docs/operations.md); one made in the last EMPTY_NEW
+        seconds may be a starting peer's, and is waited for, 5 s at most."""
         deadline = time.monotonic() + 5
         while True:
             try:
@@ -1075,8 +1019,7 @@ class DatabaseFile:
             raise copy.copy(self.gone)  # (one object raised again and again would pile up tracebacks)
 
     def shm_kept(self) -> bool:
-        """Whether this process's -shm is still the one at the path (its index of the -wal is the
-        one other processes write by)."""
+        """Whether this process's -shm is still the one at the path (the -wal index others write by)."""
         return _identity(self.path + "-shm") == self._companions.get("-shm")
 
     def malformed(self, exc: sqlite3.Error) -> None:
@@ -1091,8 +1034,7 @@ class DatabaseFile:
 
 
 class _Write:
-    """One caller's place in a database's write queue: its units, then their results or the
-    exception that undid them."""
+    """One caller's place in the write queue: its units, then their results or the error that undid them."""
 
     __slots__ = ("done", "durable", "error", "own_error", "results", "taken", "units")
 
@@ -1126,10 +1068,8 @@ def savepoint(conn: sqlite3.Connection, unit: Unit) -> Any:
     return result
 
 
-# The most time between two checkpoints of a process (Database._checkpoint): a tenth of a second of
-# writes in the -wal at most, ten checkpoints a second at most. Each syncs the frames written since the
-# last (a read's commit does not): a quarter of a second's took 13 ms, and put the GET's p99 over HTTP at
-# 12.4-13.5 ms against 8.4-8.8, answering as many (docs/operations.md, Benchmarks).
+# The most time between two checkpoints of a process (Database._checkpoint), each syncing the frames
+# written since the last: why a tenth of a second, docs/operations.md (Benchmarks).
 CHECKPOINT_SECONDS = 0.1
 # Units one leader takes into one transaction: enough to share a commit among every request
 # thread, small enough that a batch holds the lock for a few milliseconds at most.
@@ -1137,11 +1077,8 @@ MAX_BATCH = 64
 
 
 class Database:
-    """SQLite done one way: WAL, foreign keys, and one door for writes, ``write(units)``, the LevelDB way
-    (docs/contributing.md, The request path: decide, commit, render, log). Reads use one connection per
-    thread and per process (a forked child opens its own); ``":memory:"`` one shared under a lock. No
-    write waits in SQLite's busy handler for a lock its own process holds; other processes are waited
-    for by the leader alone, in short steps (docs/contract.md, Choices where the contract is silent)."""
+    """SQLite one way: WAL, foreign keys, one door for writes (``write``; docs/contributing.md); a read
+    connection per thread and process (``:memory:``: one, locked); only the leader waits for others."""
 
     def __init__(self, path: str, busy_timeout: float = 5.0, synchronous: str = "FULL") -> None:
         self.path = path
@@ -1191,9 +1128,8 @@ class Database:
             self.file.check()
 
     def unavailable(self, exc: sqlite3.Error) -> ServiceBusy | None:
-        """What a storage error answers, in one place: S503 saying why once the file is gone or
-        malformed (every later use fails too), S503 "busy" when it is locked, read-only, full or
-        failing (try again), None when it is a bug."""
+        """What a storage error answers: S503 saying why once the file is gone or malformed, S503 "busy" when
+        it is locked, read-only, full or failing, None for a bug."""
         if self.file is not None:
             self.file.malformed(exc)
             try:
@@ -1225,7 +1161,7 @@ class Database:
         conn.create_aggregate("exact_sum", 1, _ExactSum)
         conn.execute("PRAGMA foreign_keys = ON")
         # No connection waits in SQLite's busy handler (it sleeps in steps of up to 100 ms): a writer
-        # waits in _begin, in steps of at most 250 us; a WAL reader is never blocked by a writer.
+        # waits in _run, in steps of at most 250 us; a WAL reader is never blocked by a writer.
         conn.execute("PRAGMA busy_timeout = 0")
         conn.execute("PRAGMA temp_store = MEMORY")  # no statement journal file made and unlinked per transfer
         if not self.memory:
@@ -1249,8 +1185,7 @@ class Database:
                                f"this walletsvc expects {schema_version()}")
 
     def connection(self) -> _Held:
-        """``with db.connection() as conn``: this thread's read connection (the shared one,
-        under the lock, for ``:memory:``)."""
+        """``with db.connection() as conn``: this thread's read connection (``:memory:``: the shared one)."""
         if self.memory:
             if self._shared is None:
                 with self._lock:
@@ -1266,19 +1201,15 @@ class Database:
         return local.held
 
     def _shm_lost(self) -> None:
-        """None of the connections of this process on the file (every database object's, every
-        thread's) moves the -wal into the file as it closes."""
+        """No connection of this process on the file (any database's, any thread's) checkpoints on close."""
         for database in list(_DATABASES):
             if database.file is not None and self.file is not None and database.file._file == self.file._file:
                 for conn in [*database._writers.values(), *(held.conn for held in list(database._held))]:
                     _no_checkpoint_on_close(conn)
 
     def write(self, units: Sequence[Unit], *, durable: bool = True) -> list:
-        """The one door for writes: ``units`` in order, in the next batch's transaction, each caller's in a
-        savepoint; their results once it committed (docs/contract.md, Writes, and when an answer is given).
-        A failed batch keeps nothing, and raises a copy of its error in each caller. ``durable=False``: no
-        disk sync needed (records whose loss in a power cut costs no money), unless another caller in the
-        batch needs one. A unit never writes through this door itself (RuntimeError)."""
+        """The one door for writes: ``units`` in the next batch's transaction, each caller's in a savepoint;
+        their results once committed (docs/contract.md). ``durable=False``: no sync needed."""
         if self._leader == threading.get_ident():
             raise RuntimeError("a write unit wrote through Database.write: give its writes to its own unit")
         write, fulls = _Write(units, durable), self._fulls
@@ -1292,8 +1223,7 @@ class Database:
         return write.results
 
     def _wait_for_turn(self, write: _Write) -> None:
-        """Queue ``write``; return when it is at the front (this thread leads) or when a
-        leader has run it. BatchLost if it waited past this thread's patience untaken."""
+        """Queue ``write`` till it leads or a leader ran it; BatchLost past this thread's patience untaken."""
         deadline = time.monotonic() + self._patience()
         with self._turn:
             if os.getpid() != self._writer_pid:
@@ -1315,9 +1245,8 @@ class Database:
                 raise
 
     def _lead(self, own: _Write) -> None:
-        """Take the callers queued behind the leader's ``own`` write and run them (``_run``). Every
-        caller gets its outcome, whatever interrupts the leader; then the leader checkpoints, if one
-        is due, before the next one leads."""
+        """Run the callers queued behind the leader's ``own`` write (``_run``); each gets its outcome whatever
+        interrupts the leader, which then checkpoints if one is due."""
         batch = [own]
         try:
             with self._turn:
@@ -1343,11 +1272,9 @@ class Database:
             self._pass_turn(batch[:1])
 
     def _run(self, conn: sqlite3.Connection, batch: list[_Write]) -> None:
-        """BEGIN, every caller's units, COMMIT: the only transaction that writes (BEGIN waits in steps of 50
-        to 250 us, this thread's patience at most). The file is checked just before COMMIT (docs/sandbox.md,
-        One sandbox, however many processes): found swapped, the -wal goes into the file this process opened
-        and is left empty, so that a stale one cannot corrupt a new file at the path (not with its -shm
-        lost: its index of the -wal is no longer the one other processes write by)."""
+        """BEGIN (in 50-250 us steps), every caller's units, COMMIT: the only transaction that writes. The
+        file is checked just before COMMIT: found swapped, the -wal goes into the file this process opened
+        and is left empty, so a stale one cannot corrupt a new file at the path (not with its -shm lost)."""
         deadline, pause = time.monotonic() + self._patience(), 0.00005
         while True:
             try:
@@ -1387,9 +1314,8 @@ class Database:
             self._leader = None
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        """Move the -wal's frames into the file, at most every CHECKPOINT_SECONDS, after a batch committed,
-        in no transaction, while its leader still holds the turn: RESTART, 5 ms at most for readers (why:
-        docs/operations.md, Benchmarks); busy, it moves what it can and the next one the rest."""
+        """Move the -wal into the file after a batch, at most every CHECKPOINT_SECONDS, while the leader holds
+        the turn: RESTART, 5 ms at most for readers (docs/operations.md, Benchmarks)."""
         now = time.monotonic()
         if self.memory or now < self._checkpoint_at:
             return
@@ -1402,8 +1328,7 @@ class Database:
                 conn.execute("PRAGMA busy_timeout = 0")
 
     def _pass_turn(self, batch: list[_Write]) -> None:
-        """These writes are done: out of the queue, and (the leader's own among them) the next in
-        line leads."""
+        """These writes are done: out of the queue, and the next in line leads."""
         with self._turn:
             for write in batch:
                 write.done = True
@@ -1411,10 +1336,8 @@ class Database:
             self._turn.notify_all()
 
     def _writer(self, durable: bool) -> sqlite3.Connection:
-        """The connection a batch writes through, chosen by its durability, not by switching
-        pragmas: the process's one durable writer (``synchronous`` as configured), or for a batch
-        that need not wait for a disk sync, the leader's own connection (every connection but the
-        durable writer is synchronous NORMAL: in WAL mode, no fsync at commit)."""
+        """A batch's connection, by durability: the process's durable writer (``synchronous`` as configured),
+        or the leader's own connection (synchronous NORMAL: no fsync at commit in WAL mode)."""
         if self.memory:
             with self.connection() as conn:
                 return conn
@@ -1449,9 +1372,8 @@ class Database:
             return conn.execute(sql, params).fetchone()
 
     def check_writable(self) -> None:
-        """Raise sqlite3.OperationalError if this process cannot write the database (a read-only
-        file or directory, a full disk), by writing a value over itself. A database locked by
-        another writer passes: its requests answer S503 until it is free."""
+        """sqlite3.OperationalError unless this process can write the database (a read-only file, a full
+        disk): a value written over itself; locked by another writer passes (S503 until free)."""
         try:
             self.write([lambda conn: conn.execute("UPDATE schema_version SET version = version")],
                        durable=False)
@@ -1474,9 +1396,8 @@ class Database:
                     conn.execute("COMMIT")
 
     def close(self) -> None:
-        """Close this thread's connection (all of them, for ``:memory:``), and the process's
-        write connections when no write is under way; the file is looked at first (a -shm lost
-        since the last write: none of them checkpoints as it closes)."""
+        """Close this thread's connection (all, for ``:memory:``) and, no write under way, the write
+        connections; the file is looked at first (a lost -shm: none of them checkpoints as it closes)."""
         with contextlib.suppress(FileGone):
             self.check_file()
         with self._lock:
@@ -1532,8 +1453,7 @@ def body_hash(body: bytes) -> str:
     return hashlib.sha256(body).hexdigest() if body else EMPTY_BODY_HASH
 
 
-def canonical_message(method: str, path: str | bytes, timestamp: str, nonce: str,
-                      body_sha256: str) -> bytes:
+def canonical_message(method: str, path: str | bytes, timestamp: str, nonce: str, body_sha256: str) -> bytes:
     """The five lines of docs/contract.md (Signing) joined by LF, no trailing LF; ``path`` exactly as sent
     (percent-encoding kept, no query). The one function both the server's check and the clients use."""
     if isinstance(path, str):
@@ -1555,8 +1475,7 @@ def sign_request(method: str, path: str, body: bytes | str | None, api_key: str,
         body = body.encode("utf-8")
     timestamp_text = str(int(time.time()) if timestamp is None else timestamp)
     nonce = nonce or str(uuid.uuid4())
-    message = canonical_message(method, path.split("?", 1)[0], timestamp_text, nonce,
-                                body_hash(body or b""))
+    message = canonical_message(method, path.split("?", 1)[0], timestamp_text, nonce, body_hash(body or b""))
     return {"X-Api-Key": api_key, "X-Timestamp": timestamp_text, "X-Nonce": nonce,
             "X-Signature": compute_signature(secret, message)}
 
@@ -1571,8 +1490,7 @@ class Diagnosis(NamedTuple):
 def diagnose_signature(secret: str, environ: Mapping[str, Any], path: bytes, body: bytes, timestamp: str,
                        nonce: str, provided: str) -> Diagnosis | None:
     """The common signing mistake the client's signature matches, in English and Chinese, or None
-    (docs/signing.md, When a signature is refused): each candidate message as a client who made that
-    mistake computes it (``path``: as sent; ``body``: as read), signed, compared with what it sent."""
+    (docs/signing.md): each mistaken message signed and compared with what it sent."""
     method = environ["REQUEST_METHOD"]
 
     def message(path_: bytes = path, digest: str | None = None, tail: bytes = b"") -> bytes:
@@ -1647,9 +1565,8 @@ def _body_mistakes(message: Callable[..., bytes], secret: str,
 
 def _signed_in_milliseconds(secret: str, method: str, path: bytes, body: bytes, timestamp: str, nonce: str,
                             decoded: bytes) -> bool:
-    """Whether the header says seconds and the signed message one of that second's thousand
-    milliseconds: the key and path absorbed once, copied per millisecond (measured: 1.5 ms for the
-    thousand, 3.5 ms with hmac.digest)."""
+    """Whether the signed message had one of that second's thousand milliseconds: the key and path absorbed
+    once, copied per millisecond (1.5 ms, 3.5 ms with hmac.digest)."""
     signed = hmac.new(secret.encode("utf-8"), f"{method}\n".encode("latin-1") + path + b"\n", "sha256")
     tail = f"\n{nonce}\n{body_hash(body)}".encode("ascii")  # (the path absorbed once, however long)
     for millis in range(int(timestamp) * 1000, int(timestamp) * 1000 + 1000):
@@ -1669,10 +1586,8 @@ class PendingNonce(NamedTuple):
 
 
 class Nonces:
-    """Replay protection, in one place: what the key's lookup reads for the nonce check
-    (docs/contract.md, step 5: ``Authenticator.nonce``), the record made once the signature passed,
-    and forgetting by count: records, then digests, then runs of forgotten seconds per key
-    (docs/contract.md, Replay protection). Nothing else names the nonce tables."""
+    """Replay protection in one place (docs/contract.md, step 5 and Replay protection): the lookup's nonce
+    check, the record, and forgetting by count. Nothing else names the nonce tables."""
 
     # What step 1's key lookup reads for step 5 (``k`` the key's row; :nonce, :digest, :stamp the
     # request's, ``parameters`` gives them). A key's runs never overlap: the one that could hold
@@ -1706,8 +1621,7 @@ class Nonces:
         return {"api_key": api_key, "nonce": nonce, "stamp": stamp, "digest": cls.digest(api_key, nonce)}
 
     def record(self, conn: sqlite3.Connection, pending: PendingNonce) -> None:
-        """Record ``pending`` in ``conn``'s transaction; GA2013 if another request recorded it
-        first or its second was forgotten meanwhile."""
+        """Record ``pending`` in ``conn``'s transaction; GA2013 if recorded first or its second forgotten."""
         parameters = self.parameters(*pending)
         recorded = conn.execute(self._RECORD, parameters).fetchone()
         if recorded is None:  # (used, or its second forgotten since the lookup: the detail says which)
@@ -1719,9 +1633,8 @@ class Nonces:
             self._digest(conn, seq - self.bound)
 
     def _digest(self, conn: sqlite3.Connection, through: int) -> None:
-        """The records up to seq ``through`` become digests (numbered on from the newest digest), and
-        their keys' seconds are noted with the batch's last digest; past the digests' bound, the oldest
-        batches are forgotten."""
+        """The records up to seq ``through`` become digests, their keys' seconds noted with the batch's last
+        digest; past the digests' bound, the oldest batches are forgotten."""
         records = conn.execute("DELETE FROM nonce_records WHERE seq <= ? RETURNING seq, api_key, nonce, ts",
                                (through,)).fetchall()
         records = sorted(map(tuple, records))  # (RETURNING promises no order)
@@ -1736,9 +1649,8 @@ class Nonces:
 
     @staticmethod
     def _forget(conn: sqlite3.Connection, before: int) -> None:
-        """Forget the digests of the batches that ended at or before digest ``before``, each key's
-        seconds joined to its runs: a run grows only by a second next to it, and two runs that come
-        to touch become one."""
+        """Forget the digests of the batches ended at or before digest ``before``, each key's seconds joined
+        to its runs (a run grows by an adjacent second; touching runs merge)."""
         (through,) = conn.execute("SELECT max(upto) FROM nonce_digest_seconds WHERE upto <= ?",
                                   (before,)).fetchone()
         if through is None:
@@ -1794,8 +1706,6 @@ Query = Mapping[str, Sequence[str]]
 
 def parse_query_string(query_string: str) -> dict[str, list[str]]:
     """Every value of every parameter, UTF-8 decoded, blanks kept."""
-    if not query_string:
-        return {}
     return urllib.parse.parse_qs(query_string, keep_blank_values=True, errors="replace")
 
 
@@ -1858,8 +1768,7 @@ def _page_and_size(query: Query) -> tuple[int, int]:
 
 
 def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest:
-    """page, size and sort (docs/contract.md, Paging); ``sortable`` maps the API's field names to
-    columns, anything else is S012."""
+    """page, size and sort (docs/contract.md, Paging); ``sortable``: API field name to column."""
     number, size = _page_and_size(query)
     order = []
     if len(query.get("sort", ())) > MAX_SORT_KEYS:
@@ -1893,10 +1802,8 @@ def filter_time(query: Query, name: str) -> int | None:
 
 @dataclasses.dataclass(frozen=True)
 class ListFilter:
-    """One query parameter a list takes: the rows it keeps (``clauses``, SQL with one ? each) for
-    the values ``read`` gives (one a clause; None: the parameter is not given), and the ``choices``
-    it takes, if it takes only some. A list's filters, by parameter name, serve its WalletService method
-    and its OpenAPI parameters alike."""
+    """One query parameter of a list: the rows it keeps (``clauses``, one ? each) for the values ``read``
+    gives (None: not given), and its ``choices``; it serves the list's method and OpenAPI alike."""
 
     clauses: tuple[str, ...]
     read: Callable[[Query, str], tuple]
@@ -1914,9 +1821,8 @@ TO_FILTER = ListFilter(("created_at < ?",), lambda query, name: (filter_time(que
 
 
 class ListQuery:
-    """One list's query, built the one way (as sqlite-utils' ``rows_where`` serves every
-    caller): the rows of ``table`` that a workspace or wallet owns (in any of ``columns``),
-    narrowed by ``where``, counted (``total``), then one page of them ordered and cut (``page``)."""
+    """One list's query, built one way: the rows of ``table`` an owner holds (in any of ``columns``), narrowed
+    by ``where``, counted (``total``), one page ordered and cut (``page``)."""
 
     def __init__(self, table: str, owner_id: str, *columns: str, counter: str | None = None) -> None:
         self.table, self.owner_id, self.columns, self.counter = table, owner_id, columns, counter
@@ -1951,8 +1857,7 @@ class ListQuery:
         return " UNION ALL ".join(selects), [p for _ in self.columns for p in (self.owner_id, *self.params)]
 
     def total(self, conn: sqlite3.Connection) -> int:
-        """How many rows match: the count the triggers keep when only counted filters are
-        used, else SQLite's count."""
+        """How many rows match: the triggers' count when only counted filters are used, else SQLite's."""
         if self.counter is not None and not self.uncounted:
             row = conn.execute("SELECT n FROM counters WHERE owner_id = ? AND name = ?",
                                (self.owner_id, ":".join([self.counter, *self.counted]))).fetchone()
@@ -1971,15 +1876,8 @@ class ListQuery:
 
 def page_response(items: list, request: PageRequest, total: int) -> dict:
     """The page object of docs/contract.md: content plus accurate page metadata."""
-    return {
-        "content": items,
-        "page": {
-            "size": request.size,
-            "number": request.number,
-            "totalElements": total,
-            "totalPages": -(-total // request.size),
-        },
-    }
+    return {"content": items, "page": {"size": request.size, "number": request.number, "totalElements": total,
+                                       "totalPages": -(-total // request.size)}}
 
 
 ###############################################################################
@@ -2097,14 +1995,10 @@ def ip_whitelist_entries(value: Any, field: str = "ipWhitelist") -> list[str]:
 
 
 def api_key_scopes(value: Any, field: str = "scopes") -> list[str]:
-    """A key's scopes as stored: each one of SCOPES, at least one, each once; S012 naming the
-    first that is not."""
-    if isinstance(value, str):
-        scopes = [value]
-    elif isinstance(value, Iterable):
-        scopes = list(value)
-    else:
+    """A key's scopes as stored: each of SCOPES, at least one, each once; else S012."""
+    if not isinstance(value, Iterable):
         raise invalid(field, "array")
+    scopes = [value] if isinstance(value, str) else list(value)
     for scope in scopes:
         if scope not in SCOPES:
             raise invalid(field, "scope", value=str(scope)[:40], choices=", ".join(SCOPES))
@@ -2187,8 +2081,7 @@ class Verdict(enum.StrEnum):
 
 
 class JournalEntry(NamedTuple):
-    """One request as the journal keeps it (before capping): epoch ms, the path and canonical
-    message as raw bytes, the headers as (name, value) pairs."""
+    """One request as the journal keeps it, before capping (path, canonical message: raw bytes)."""
 
     at: int
     method: str
@@ -2217,8 +2110,7 @@ def _utf8_cut(value: str, limit: int) -> str:
 
 
 def _capped(value: Any, limit: int) -> Any:
-    """``value`` (bytes or str) cut to ``limit`` bytes (a str's as stored, in UTF-8), marked with how
-    many bytes were cut."""
+    """``value`` (bytes, or str as stored in UTF-8) cut to ``limit`` bytes, saying how many were cut."""
     if isinstance(value, bytes) and len(value) > limit:
         return value[:limit] + f"...[{len(value) - limit} more]".encode()
     if isinstance(value, str) and _utf8_size(value) > limit:
@@ -2272,8 +2164,7 @@ def _text_of(encoding: str) -> Callable[[Any], str | None]:
 # (each field a client controls is cut at FIELD_BYTES), and how each is shown, where it is not
 # as kept, under its name (camelCase, or the one here).
 _JOURNAL_KEPT: Mapping[str, Callable[[Any, int], Any]] = {
-    **dict.fromkeys(("method", "path", "query", "api_key", "canonical", "body", "response_body"),
-                    _capped),
+    **dict.fromkeys(("method", "path", "query", "api_key", "canonical", "body", "response_body"), _capped),
     "replayed": lambda value, limit: int(value), "headers": _capped_headers}
 _JOURNAL_SHOWN: Mapping[str, Callable[[Any], Any]] = {
     "at": iso_time, "path": _text_of("latin-1"), "canonical": _text_of("latin-1"), "replayed": bool,
@@ -2286,12 +2177,10 @@ _JOURNAL_SHOW = tuple((name, _JOURNAL_NAMES.get(name) or _camel(name), _JOURNAL_
 
 
 class Journal:
-    """The last ``size`` requests the API surface received, in the database, with assertion helpers: every
-    process serving the file writes and reads the same journal. Its entries, and their caps at FIELD_BYTES
-    (a cut field says how much was cut), are docs/sandbox.md's (The journal)."""
+    """The last ``size`` requests the API surface received, in the database (every process shares it), with
+    assertion helpers; entries and their caps: docs/sandbox.md (The journal)."""
 
     FIELD_BYTES = 2048
-    ENTRY_BYTES = 9 * FIELD_BYTES  # seven capped fields, the headers, and the short fixed ones
     _INSERT = (f"INSERT INTO journal (seq, {', '.join(JournalEntry._fields)}) VALUES"
                " (coalesce((SELECT max(seq) FROM journal), (SELECT journal_floor FROM sandbox)) + 1,"
                f" {', '.join('?' * len(JournalEntry._fields))}) RETURNING seq")
@@ -2303,8 +2192,7 @@ class Journal:
         self.enabled = size > 0
 
     def record(self, conn: sqlite3.Connection, entry: JournalEntry) -> None:
-        """Keep ``entry`` in ``conn``'s transaction (a request's one write) and forget the oldest
-        beyond ``size``."""
+        """Keep ``entry`` in ``conn``'s transaction and forget the oldest beyond ``size``."""
         cap = self.FIELD_BYTES
         values = tuple(keep(value, cap) for keep, value in zip(_JOURNAL_KEEP, entry, strict=True))
         seq = conn.execute(self._INSERT, values).fetchone()[0]
@@ -2317,8 +2205,7 @@ class Journal:
 
     @staticmethod
     def emptied(conn: sqlite3.Connection, api_keys: Sequence[str] | None = None) -> None:
-        """The unit that forgets every entry, or those of ``api_keys`` (a world's reset): seq goes on
-        from the newest, never back."""
+        """The unit that forgets every entry, or those of ``api_keys``: seq goes on, never back."""
         conn.execute("UPDATE sandbox SET journal_floor = max(journal_floor,"
                      " coalesce((SELECT max(seq) FROM journal), 0))")
         if api_keys is None:
@@ -2328,9 +2215,8 @@ class Journal:
 
     def entries(self, method: str | None = None, path: str | None = None, *, after: int | None = None,
                 **criteria: Any) -> list[dict]:
-        """Entries, oldest first, that match (``request_misses``): ``path`` may be a glob
-        (``/api/v1/wallets/*``); ``query``, ``headers``, ``body`` (a JSON subset), ``code``;
-        ``after``: only entries whose seq is greater."""
+        """Matching entries, oldest first (``request_misses``): ``path`` may be a glob; ``query``,
+        ``headers``, ``body`` (a JSON subset), ``code``; ``after``: seq greater than it."""
         sql = "SELECT * FROM journal WHERE seq > ? AND seq > (SELECT max(seq) FROM journal) - ?"
         params = [min(after or 0, 1 << 62), self.size]  # (up to TRIM_EVERY more are kept until the next trim)
         if method not in (None, "*"):
@@ -2343,9 +2229,8 @@ class Journal:
 
     def assert_called(self, method: str | None = None, path: str | None = None, *, times: int | None = None,
                       at_least: int | None = None, never: bool = False, **criteria: Any) -> list[dict]:
-        """Fail unless matching requests were received: at least once, or exactly ``times``,
-        ``at_least`` so many, or ``never``. The failure lists the closest entries and what
-        differed, the way WireMock shows near misses."""
+        """Fail unless matching requests were received (at least once, ``times``, ``at_least`` or ``never``),
+        listing the closest entries and what differed, as WireMock does."""
         __tracebackhide__ = True  # pytest shows the test's line, not walletsvc's frames
         calls = self.entries(method, path, **criteria)
         if never:
@@ -2405,9 +2290,8 @@ def request_misses(request: Mapping[str, Any], criteria: Mapping[str, Any]) -> l
 
 
 def _body_miss(expected: Any, body: str | None) -> str | None:
-    """How the JSON ``body`` differs from the subset ``expected``: the first field that differs and both
-    values (a near miss shows what to look at first), else None. However deep, a body that cannot be
-    read does not match."""
+    """The first field where the JSON ``body`` differs from the subset ``expected``, with both values, else
+    None; a body that cannot be read (however deep) does not match."""
     try:
         actual = json.loads(body or "null")
     except (ValueError, RecursionError):
@@ -2493,8 +2377,7 @@ class Faults:
             workspace_id: str | None = None, code: str | None = None, status: int | None = None,
             latency: float = 0.0, times: int | None = None, query: Mapping | None = None,
             headers: Mapping | None = None, body: Mapping | None = None) -> dict:
-        """Add a rule (see the class); the rule as stored, with its ``id``. ``query``,
-        ``headers`` and ``body`` match as in ``request_misses``."""
+        """Add a rule (see the class); the rule as stored, with its ``id`` (matchers: ``request_misses``)."""
         if action not in tuple(FaultAction):
             raise invalid("action", "one_of", choices=", ".join(FaultAction))
         if isinstance(code, str) and not 1 <= len(code) <= 64:  # whatever the action (/openapi.json)
@@ -2568,8 +2451,7 @@ class Faults:
 
     @staticmethod
     def cleared(conn: sqlite3.Connection, workspace_id: str | None = None) -> None:
-        """The unit that removes every rule (``clear``; the sandbox's reset: ids start again from
-        fault_1), or those of one workspace (its world's reset)."""
+        """The unit that removes every rule (ids restart at fault_1), or one workspace's (its reset)."""
         if workspace_id is None:
             conn.execute("DELETE FROM fault_rules")
             conn.execute("UPDATE sandbox SET fault_next = 0")
@@ -2580,17 +2462,15 @@ class Faults:
 
     @staticmethod
     def changed(conn: sqlite3.Connection) -> None:
-        """After the rules' table changed: their count anew, numbering on past the highest, and a new
-        version (every process reads them again)."""
+        """After the rules changed: their count anew, numbering past the highest, and a new version."""
         conn.execute("UPDATE sandbox SET fault_rules = (SELECT count(*) FROM fault_rules),"
                      " fault_next = max(fault_next, coalesce((SELECT max(id) FROM fault_rules), 0)),"
                      " fault_version = fault_version + 1")
 
     def take(self, method: str, path: str, workspace_id: str,
              request: Callable[[], Mapping[str, Any]] = dict) -> FaultRule | None:
-        """The first rule matching this request that is not spent, counted as fired (once, across
-        processes: the count is taken in the database). Asked only when the key's lookup says a rule
-        is in force (``Authenticator``)."""
+        """The first unspent rule matching this request, counted as fired once across processes (in the
+        database); asked only when the key's lookup says a rule is in force."""
         _, rules, spent = self._rules()
         for rule in (*self.builtin, *rules):
             if rule.number in spent or not (
@@ -2674,9 +2554,8 @@ _RESTORED = (*_WORLD_TABLES, "fault_rules", *(f"start_{table}" for table in _STA
 
 
 def _backup_source(path: str) -> sqlite3.Connection:
-    """The backup at ``path``, copied into memory (SQLite's backup API: one state of it), once it is
-    found whole, of this schema version, and with the sandbox's own rows as walletsvc writes them
-    (``_backup_problem``)."""
+    """The backup at ``path`` copied into memory (SQLite's backup API: one state of it), once found whole, of
+    this schema version and with sane sandbox rows (``_backup_problem``)."""
     if not os.path.isfile(path):
         raise RuntimeError(f"no backup at {path}")
     source = sqlite3.connect(":memory:")
@@ -2735,17 +2614,14 @@ def _backup_problem(source: sqlite3.Connection) -> str | None:
 
 
 def _world_where(table: str, workspace_id: str, wallets: list[str]) -> tuple[str, list[str]]:
-    """The condition that picks ``table``'s rows of one workspace's world (its wallets
-    ``wallets``), and its parameters."""
+    """The condition (and its parameters) that picks ``table``'s rows of one workspace's world."""
     column, holds = _WORLD_TABLES[table]
     ids = {"workspace": [workspace_id], "wallets": wallets, "either": [workspace_id, *wallets]}[holds]
     return f"{column} IN ({', '.join('?' * len(ids))})", ids
 
 
-# Scenarios (docs/sandbox.md): a declared world, as a dict (from TOML, JSON or Python). Each
-# object's fields and the kind of value each holds; a field not listed is refused. A kind is a
-# nested object or list of them (named as the field), an id with its type prefix, or a key of
-# _SCENARIO_KINDS: the checks the admin API makes of the same values.
+# Scenarios (docs/sandbox.md): each object's fields (no other is taken) and the kind each holds: a nested
+# object or list of them (named as the field), an id with its type prefix, or a key of _SCENARIO_KINDS.
 _SCENARIO_OBJECTS: Mapping[str, Mapping[str, str]] = {
     "scenario": {"workspaces": "list", "clock": "object", "settings": "settings"},
     "clock": {"at": "time", "frozen": "boolean"},
@@ -2902,9 +2778,8 @@ DEMO_SCENARIO: Mapping[str, Any] = {"workspaces": [{
 
 
 def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
-    """A scenario from a TOML or JSON file (``.json``: JSON, else TOML), or a dict as it is,
-    checked (``check_scenario``). A file that cannot be read or parsed, or a wrong field, is a
-    ValueError naming the file, the line and the field."""
+    """A scenario from a TOML or JSON (``.json``) file, or a dict, checked (``check_scenario``); a ValueError
+    names the file, the line and the field otherwise."""
     if isinstance(source, Mapping):
         return check_scenario(source)
     path = os.fspath(source)
@@ -2917,8 +2792,7 @@ def read_scenario(source: str | os.PathLike | Mapping[str, Any]) -> dict:
         scenario = json.loads(text) if path.endswith(".json") else tomllib.loads(text)
     except RecursionError:
         raise ValueError(f"scenario {path}: line {_too_deep(text, not path.endswith('.json'))}: nested deeper"
-                         " than a scenario can be"
-                         f" (at most {SCENARIO_DEPTH} levels)") from None
+                         f" than a scenario can be (at most {SCENARIO_DEPTH} levels)") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"scenario {path}: line {exc.lineno}: {exc.msg}") from None
     except tomllib.TOMLDecodeError as exc:
@@ -2937,8 +2811,7 @@ SCENARIO_DEPTH = 8  # levels of [ and { a scenario's values need at most (an ipW
 
 
 def _too_deep(text: str, toml: bool) -> int:
-    """The line where brackets first nest deeper than SCENARIO_DEPTH (strings and TOML's table
-    headers left out)."""
+    """The line where brackets first nest deeper than SCENARIO_DEPTH (strings, TOML headers left out)."""
     depth = 0
     for number, line in enumerate(text.splitlines(), 1):
         if toml and line.lstrip().startswith("["):
@@ -2951,9 +2824,8 @@ def _too_deep(text: str, toml: bool) -> int:
 
 
 def _line_of(text: str, scenario: Any, field: str) -> int | None:
-    """The line of ``field`` (``workspaces[0].wallets[2].currency``) in the file it was read from:
-    the n-th line that sets a key of its name, n counted in document order; for a missing
-    field, the line of its object's first key."""
+    """The line that sets ``field`` (``workspaces[0].wallets[2].currency``) in ``text``: the n-th line setting
+    its key, in document order; a missing field: its object's first key."""
     steps = [int(index) if index else name for name, index in re.findall(r"([A-Za-z_]\w*)|\[(\d+)\]", field)]
     key, parent = steps[-1], scenario
     for step in steps[:-1]:
@@ -2964,27 +2836,17 @@ def _line_of(text: str, scenario: Any, field: str) -> int | None:
         path = "".join(f"[{step}]" if isinstance(step, int) else f".{step}"
                        for step in steps[:-1]).lstrip(".")
         return _line_of(text, scenario, f"{path}.{next(iter(parent))}")
-    count, found = 0, False
 
-    def walk(node: Any) -> None:
-        nonlocal count, found
-        if found:
-            return
-        if isinstance(node, dict):
-            for name, value in node.items():
-                if name == key:
-                    if node is parent:
-                        found = True
-                        return
-                    count += 1
-                walk(value)
-        elif isinstance(node, list):
-            for item in node:
-                walk(item)
-    walk(scenario)
+    def setters(node: Any) -> Iterator[Any]:  # each object that sets the key, in document order
+        for name, value in node.items() if isinstance(node, dict) else ():
+            yield from [node] if name == key else ()
+            yield from setters(value)
+        for item in node if isinstance(node, list) else ():
+            yield from setters(item)
+    count = next((count for count, node in enumerate(setters(scenario)) if node is parent), None)
     lines = [number for number, line in enumerate(text.splitlines(), 1)  # each place that sets the key
              for _ in re.finditer(rf"(^|[{{,])\s*\"?{re.escape(str(key))}\"?\s*[=:]", line)]
-    return lines[count] if found and count < len(lines) else None
+    return lines[count] if count is not None and count < len(lines) else None
 
 
 ###############################################################################
@@ -3017,11 +2879,9 @@ def wallet_resource(row: sqlite3.Row) -> dict:
 
 def balance_resource(row: sqlite3.Row) -> dict:
     currency = row["currency"]
-    return {"walletId": row["id"], "currency": currency,
-            "balance": format_amount(row["balance"], currency),
+    return {"walletId": row["id"], "currency": currency, "balance": format_amount(row["balance"], currency),
             "available": format_amount(row["balance"] - row["pending"], currency),
-            "pending": format_amount(row["pending"], currency),
-            "updatedAt": iso_time(row["updated_at"])}
+            "pending": format_amount(row["pending"], currency), "updatedAt": iso_time(row["updated_at"])}
 
 
 def flow_resource(row: sqlite3.Row, currency: str) -> dict:
@@ -3029,8 +2889,7 @@ def flow_resource(row: sqlite3.Row, currency: str) -> dict:
             "direction": row["direction"], "amount": format_amount(row["amount"], currency),
             "balanceAfter": format_amount(row["balance_after"], currency),
             "transferId": row["transfer_id"], "bizId": row["biz_id"],
-            "counterpartyWalletId": row["counterparty_wallet_id"],
-            "createdAt": iso_time(row["created_at"])}
+            "counterpartyWalletId": row["counterparty_wallet_id"], "createdAt": iso_time(row["created_at"])}
 
 
 def transfer_resource(row: sqlite3.Row) -> dict:
@@ -3058,17 +2917,14 @@ def new_id(prefix: str, now_ms: int, random_bits: int) -> str:
 
 
 def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
-    """The ``drawn``-th number of ``bits`` bits of the sequence of ``seed``: the same on every run
-    and process."""
+    """The ``drawn``-th ``bits``-bit number of ``seed``'s sequence, the same on every run and process."""
     digest = hashlib.blake2b(f"{seed}:{drawn}".encode(), digest_size=bits // 8).digest()
     return int.from_bytes(digest, "big")
 
 
 class IdSequence:
-    """The ids and secrets one write transaction issues (docs/sandbox.md, One sandbox, however many
-    processes): 48 bits of time (or sequence) and 80 of randomness, after ``last_id``. Random ids take the
-    transaction's millisecond, or count on from the last id within it; seeded ones count on from the last
-    id, with bits drawn from the seed's sequence."""
+    """The ids and secrets of one write transaction (docs/sandbox.md): 48 bits of time (or sequence) and 80
+    random or from the seed's sequence, each sorting after ``last_id``."""
 
     __slots__ = ("drawn", "first", "high", "low", "now", "seed")
 
@@ -3112,8 +2968,7 @@ T = TypeVar("T")
 
 
 class Tx(NamedTuple):
-    """One write unit's view of its transaction: the connection, the ledger's time (epoch ms)
-    and the ids it issues (``WalletService.unit``)."""
+    """One write unit's transaction: the connection, the ledger's time (epoch ms) and the ids it issues."""
 
     conn: sqlite3.Connection
     now: int
@@ -3121,8 +2976,7 @@ class Tx(NamedTuple):
     clock_reading: int  # the service clock's (``now``, the ledger's time, is never before the last write's)
 
     def new_id(self, prefix: str) -> str:
-        """A fresh id: it sorts after every id committed before (docs/sandbox.md), so that the
-        id tie-break orders rows by commit."""
+        """A fresh id, sorting after every id committed before: the id tie-break orders rows by commit."""
         return self.ids.next(prefix, self.now)
 
 
@@ -3134,10 +2988,8 @@ class Transferred(NamedTuple):
 
 
 class Clock:
-    """The service clock (docs/sandbox.md, The clock): real time plus an offset, or frozen. Given
-    as ``WalletService(clock=...)``, its state lives in the service's database, for every process
-    on the file (a database that has one keeps it); unbound, in memory. It shows only times in
-    CLOCK_RANGE (a change past it: ValueError). ``Clock.following`` wraps a plain function."""
+    """The service clock (docs/sandbox.md): real time plus an offset, or frozen, kept in the service's
+    database once bound (in memory till then), within CLOCK_RANGE."""
 
     def __init__(self, frozen_at: float | None = None) -> None:
         self._lock = threading.Lock()
@@ -3154,8 +3006,7 @@ class Clock:
         return clock
 
     def bind(self, db: Database) -> None:
-        """Keep the state in ``db`` from now on: its state if it has one, else this clock's. A clock
-        is one sandbox's: bound to another database, it is a ValueError."""
+        """Keep the state in ``db`` from now on (its own, if it has one); another database's: ValueError."""
         if not self.controllable:
             return
         if self._db is not None and self._db is not db:
@@ -3169,15 +3020,13 @@ class Clock:
         self._db = db
 
     def reading_in(self, conn: sqlite3.Connection) -> float:
-        """The time it shows now, as ``conn``'s transaction holds its state (``WalletService.now_in``)."""
-        if self._db is None:
-            return self()
-        return self.reading_of(conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone())
+        """The time it shows now, as ``conn``'s transaction holds its state (``WalletService.unit``)."""
+        return self() if self._db is None else self.reading_of(
+            conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone())
 
     def reading_of(self, row: Mapping[str, Any] | None) -> float:
-        """The time it shows now, its state as ``row`` read it (a read of the sandbox row's
-        clock_frozen_at and clock_offset, such as a request's key lookup: 5 us less a request than a
-        read of its own); without a row, or unbound, as it shows now."""
+        """The time it shows now, by a ``row`` of the sandbox's clock_frozen_at and clock_offset (a request's
+        key lookup: no read of its own); without a row, or unbound, as it shows now."""
         if row is None or self._db is None:
             return self()
         return self.reading(row["clock_frozen_at"], row["clock_offset"])
@@ -3217,8 +3066,7 @@ class Clock:
 
     @staticmethod
     def starting_at(at: float, frozen: bool) -> Callable[[float | None, float], tuple[float | None, float]]:
-        """The move that starts a clock at ``at``: frozen there, or running from there (a scenario's
-        clock; a clock frozen already stays frozen, at ``at``)."""
+        """The move that starts a clock at ``at``, frozen or running (a frozen clock stays frozen)."""
         at = _clock_time(at)
         return lambda frozen_at, offset: ((at, offset) if frozen or frozen_at is not None
                                           else (None, at - time.time()))
@@ -3257,10 +3105,8 @@ class Clock:
 
 
 class WalletService:
-    """The service: workspaces, members, keys, wallets, the ledger and transfers over one SQLite database,
-    with the sandbox's state in it too (docs/sandbox.md, One sandbox, however many processes); its time
-    from ``clock`` (a Clock, or a function), its ids from an IdSequence per write. Thread-safe, and safe
-    for several processes on one file; dicts and WalletErrors (docs/embedding.md, The Python API)."""
+    """The service over one SQLite database, the sandbox's state included (docs/sandbox.md): thread- and
+    process-safe; its time from ``clock``, ids from an IdSequence (docs/embedding.md)."""
 
     def __init__(self, database: str = ":memory:", *, settings: Settings | None = None,
                  clock: Callable[[], float] | None = None, **setting_values: Any) -> None:
@@ -3283,12 +3129,11 @@ class WalletService:
         return int(self.clock() * 1000)
 
     def unit(self, work: Callable[[Tx], T], *, settle: bool = True) -> Callable[[sqlite3.Connection], T]:
-        """``work`` as a write unit (``Database.write``), given the transaction's time (the service clock
-        read inside it, never before ``ledger_clock``'s: docs/operations.md, When things go wrong) and ids
-        (a Tx). Delayed orders whose time has come settle first, in the same transaction."""
+        """``work`` as a write unit, given a Tx: the service clock read inside it (never before
+        ``ledger_clock``'s: docs/operations.md) and ids; delayed orders due settle first."""
         def run(conn: sqlite3.Connection) -> T:
             last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
-            now = self.now_in(conn)
+            now = int(self.clock.reading_in(conn) * 1000)  # (a clock moved earlier in it counts)
             ids = IdSequence(conn, last_id, max(now, last_ms))
             tx = Tx(conn, ids.now, ids, now)
             if settle and self.settings.settlement == Settlement.DELAYED:
@@ -3299,15 +3144,8 @@ class WalletService:
             return result
         return run
 
-    def now_in(self, conn: sqlite3.Connection) -> int:
-        """The service clock as a write unit in ``conn``'s transaction reads it: a clock that keeps
-        its state in the database (the sandbox's Clock, ``reading_in``) is read there, so that a
-        clock moved earlier in the same transaction counts."""
-        return int(self.clock.reading_in(conn) * 1000)
-
     def write(self, work: Callable[[Tx], T]) -> T:
-        """Run ``work`` as one write (``unit``) and return what it returned: how every write
-        method of the Python API writes."""
+        """Run ``work`` as one write (``unit``), returning its result: how the Python API writes."""
         return self.db.write([self.unit(work)])[0]
 
     def close(self) -> None:
@@ -3326,8 +3164,7 @@ class WalletService:
         return self.write(create)
 
     def _insert_workspace(self, tx: Tx, name: str, workspace_id: str | None = None) -> tuple[str, str]:
-        """The one INSERT of a workspace (its ``name`` checked by the caller), with its owner member:
-        their ids."""
+        """The one INSERT of a workspace (``name`` checked) with its owner member: their ids."""
         workspace_id = workspace_id or tx.new_id("ws_")
         tx.conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
                         (workspace_id, name, tx.now))
@@ -3406,8 +3243,7 @@ class WalletService:
     def _insert_api_key(tx: Tx, workspace_id: str, member_id: str, scopes: list[str],
                         whitelist: list[str] | None, key_id: str | None = None,
                         secret: str | None = None) -> str:
-        """The one INSERT of a key, its ``scopes`` and ``whitelist`` as ``api_key_scopes`` and
-        ``ip_whitelist_entries`` return them; its id."""
+        """The one INSERT of a key, ``scopes`` and ``whitelist`` as checked (api_key_scopes...); its id."""
         key_id = key_id or tx.new_id("ak_")
         tx.conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
                         " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
@@ -3445,8 +3281,7 @@ class WalletService:
     @staticmethod
     def _insert_wallet(tx: Tx, workspace_id: str, currency: str, name: str,
                        wallet_id: str | None = None) -> str:
-        """The one INSERT of a wallet (its ``currency`` and ``name`` checked by the caller), ACTIVE;
-        its id."""
+        """The one INSERT of an ACTIVE wallet (``currency`` and ``name`` checked by the caller); its id."""
         wallet_id = wallet_id or tx.new_id("wal_")
         tx.conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
                         " updated_at)"
@@ -3474,15 +3309,13 @@ class WalletService:
         return wallet_resource(self._wallet(None, wallet_id, workspace_id))
 
     def get_balance(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
-        """``{walletId, currency, balance, available, pending, updatedAt}``; W1001 outside
-        ``workspace_id``."""
+        """``{walletId, currency, balance, available, pending, updatedAt}``; W1001 outside the workspace."""
         self.settle_due()
         return balance_resource(self._wallet(None, wallet_id, workspace_id))
 
     def list_wallets(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
                      balances: bool = False) -> dict:
-        """One page of the workspace's wallets; filters ``currency``, ``status``. ``balances``:
-        the same page as balances (available and pending too)."""
+        """One page of the workspace's wallets (``currency``, ``status``); ``balances``: as balances."""
         return self._page(ListQuery("wallets", workspace_id, "workspace_id"), query, WALLET_SORTS,
                           WALLET_FILTERS, balance_resource if balances else wallet_resource)
 
@@ -3538,8 +3371,7 @@ class WalletService:
     def create_transfer(self, workspace_id: str, source_wallet_id: str, target_wallet_id: str,
                         amount: str | decimal.Decimal, currency: str, *, biz_id: str | None = None,
                         description: str | None = None) -> dict:
-        """Move ``amount`` (a decimal string or Decimal, never rounded) between two
-        wallets of a workspace; the order. Idempotent on ``biz_id`` (docs/contract.md)."""
+        """Move ``amount`` (a str or Decimal, never rounded) between two wallets; the order."""
         if not isinstance(workspace_id, str):  # (as create_wallet answers: no such workspace, never a crash)
             raise WorkspaceNotFound()
         request = TransferRequest.checked(source_wallet_id, target_wallet_id, amount, currency, biz_id,
@@ -3547,9 +3379,8 @@ class WalletService:
         return self.db.write([self.transfer_unit(workspace_id, request)])[0].order
 
     def create_transfers(self, workspace_id: str, transfers: Iterable[Mapping[str, Any]]) -> list[dict]:
-        """Many transfers in one write, all or nothing, for seeding a big ledger (docs/embedding.md, The
-        Python API): each a dict of ``create_transfer``'s arguments by name; the orders. Each is checked
-        first; one that fails says which (``transfers[N]`` in the error's notes)."""
+        """Many transfers in one write, all or nothing (docs/embedding.md), each a dict of
+        ``create_transfer``'s arguments; one that fails is named in the error's notes (``transfers[N]``)."""
         def noted(n: int, call: Callable[[], T]) -> T:
             try:
                 return call()
@@ -3570,10 +3401,8 @@ class WalletService:
         return [transferred.order for transferred in moved]
 
     def transfer_unit(self, workspace_id: str, request: TransferRequest) -> Unit:
-        """The write unit of a transfer, the one way money moves between wallets (``create_transfer``
-        commits it alone, the HTTP API with the request's nonce and journal entry): Transferred (the
-        order, whether it is an idempotent replay). The check-and-move is in the unit's transaction:
-        a rejected request leaves no order and no flow."""
+        """The write unit of a transfer, the one way money moves: Transferred (the order, whether it is a
+        replay); checked and moved in its transaction, so a refusal leaves nothing."""
         def move(tx: Tx) -> Transferred:
             conn = tx.conn
             if request.biz_id is not None:
@@ -3616,8 +3445,7 @@ class WalletService:
         return self.unit(move)
 
     def _finish(self, tx: Tx, transfer_id: str, status: str) -> sqlite3.Row:
-        """Settle a PENDING order: COMPLETED moves the held money and writes one
-        flow per wallet; FAILED releases the hold. Nothing else changes state."""
+        """Settle a PENDING order: COMPLETED moves the held money (a flow per wallet), FAILED releases it."""
         conn = tx.conn
         order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
         self._hold(tx, order["source_wallet_id"], -order["amount"])
@@ -3632,8 +3460,7 @@ class WalletService:
                              transfer_id)).fetchone()
 
     def _move(self, tx: Tx, order: Mapping[str, Any], source_balance: int, target_balance: int) -> None:
-        """Move an order's money and write one flow per wallet; the balances are the
-        two wallets' as read in this transaction."""
+        """Move an order's money and write a flow per wallet, from the balances read in this transaction."""
         amount, source_id, target_id = order["amount"], order["source_wallet_id"], order["target_wallet_id"]
         source_balance = self._add_to_balance(tx, source_id, source_balance, -amount)
         target_balance = self._add_to_balance(tx, target_id, target_balance, amount)
@@ -3698,8 +3525,7 @@ class WalletService:
 
     def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
                        wallet_id: str | None = None) -> dict:
-        """One page of the workspace's transfer orders, or of one wallet's (either side); its filters:
-        docs/reference.md, Endpoints."""
+        """One page of the workspace's transfer orders, or of one wallet's (either side)."""
         if wallet_id is None:
             listing = ListQuery("transfers", workspace_id, "workspace_id", counter="transfers")
             return self._page(listing, query, TRANSFER_SORTS, TRANSFER_FILTERS, transfer_resource)
@@ -3710,15 +3536,9 @@ class WalletService:
     # The auditor ############################################################
 
     def audit(self, progress: Callable[[str], Any] = lambda doing: None) -> list[dict]:
-        """Check every ledger invariant (_AUDITS; docs/operations.md) in one read transaction: each
-        violation as ``{"check", "detail", "rows"}`` (none: a clean ledger). A malformed file
-        (SQLite's integrity_check) is reported as that alone. ``progress`` is told each check."""
+        """Every ledger invariant (_AUDITS; docs/operations.md) in one read transaction: each violation as
+        ``{"check", "detail", "rows"}``; a malformed file is reported alone."""
         violations = []
-
-        def report(check: str, detail: str, rows: Iterable) -> None:
-            for row in rows:
-                violations.append({"check": check, "detail": detail.format(**dict(row)), "rows": dict(row)})
-
         problems = ["ok"]
         if not self.db.memory:
             progress("the file's integrity")
@@ -3733,7 +3553,8 @@ class WalletService:
         with self.db.snapshot() as conn:
             for number, (check, detail, sql) in enumerate(_AUDITS, 1):
                 progress(f"{check} ({number} of {len(_AUDITS)})")
-                report(check, detail, conn.execute(sql).fetchall())
+                violations += [{"check": check, "detail": detail.format(**dict(row)), "rows": dict(row)}
+                               for row in conn.execute(sql).fetchall()]
         return violations
 
     def assert_audit_clean(self) -> None:
@@ -3770,13 +3591,9 @@ class WalletService:
 
     def _wallet(self, conn: sqlite3.Connection | None, wallet_id: str,
                 workspace_id: str | None = None) -> sqlite3.Row:
-        """The wallet; W1001 if it is missing or belongs to another workspace.
-
-        ``conn`` None reads outside any transaction (a lone statement)."""
-        if conn is None:
-            row = self.db.one("SELECT * FROM wallets WHERE id = ?", (wallet_id,))
-        else:
-            row = conn.execute("SELECT * FROM wallets WHERE id = ?", (wallet_id,)).fetchone()
+        """The wallet; W1001 if it is missing or of another workspace (``conn`` None: a lone statement)."""
+        sql = "SELECT * FROM wallets WHERE id = ?"
+        row = self.db.one(sql, (wallet_id,)) if conn is None else conn.execute(sql, (wallet_id,)).fetchone()
         if row is None or (workspace_id is not None and row["workspace_id"] != workspace_id):
             raise WalletNotFound(wallet_id=str(wallet_id)[:64])
         return row
@@ -3804,8 +3621,7 @@ class WalletService:
 
     @staticmethod
     def _add_to_balance(tx: Tx, wallet_id: str, balance: int, delta: int) -> int:
-        """Add ``delta`` (negative: take) to a wallet whose ``balance`` was read in this
-        write transaction, so that the new balance is known without reading it back."""
+        """Add ``delta`` to a wallet whose ``balance`` was read in this transaction; the new balance."""
         tx.conn.execute("UPDATE wallets SET balance = balance + ?, updated_at = ? WHERE id = ?",
                         (delta, tx.now, wallet_id))
         return balance + delta
@@ -3822,9 +3638,8 @@ class WalletService:
              biz_id, counterparty, tx.now)).fetchone()
 
     def seed_ids(self, seed: int | None) -> None:
-        """Make the ids and secrets that follow a repeatable sequence of ``seed`` (None:
-        random again), as the ``id_seed`` setting does from the start. Seeded or not, an id
-        sorts after every id already issued in this database. Tests only."""
+        """Make the ids and secrets that follow repeatable from ``seed`` (None: random again), as the
+        ``id_seed`` setting does; ids still sort after those issued. Tests only."""
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
             raise invalid("seed", "integer")
         if seed is not None and not ID_SEEDS[0] <= seed <= ID_SEEDS[1]:
@@ -3852,8 +3667,7 @@ class WalletService:
             self._save_world(conn, workspace_id)
 
     def reset(self) -> None:
-        """Back to the starting state (``save_start``; without one, an empty database), in one transaction
-        (docs/sandbox.md, Reset)."""
+        """Back to the starting state (``save_start``; none: an empty database), in one transaction."""
         def reset(conn: sqlite3.Connection) -> None:
             Journal.emptied(conn)
             Nonces.clear(conn)
@@ -3891,13 +3705,9 @@ class WalletService:
                                                  prefix=os.path.basename(target) + ".", suffix=".tmp")
         os.close(descriptor)
         try:
-            copy_ = sqlite3.connect(temporary)
-            try:
-                with self.db.connection() as conn:
-                    conn.backup(copy_)
+            with contextlib.closing(sqlite3.connect(temporary)) as copy_, self.db.connection() as conn:
+                conn.backup(copy_)
                 copy_.execute("PRAGMA journal_mode = DELETE")  # (one file: no -wal beside the copy)
-            finally:
-                copy_.close()
             os.replace(temporary, target)
         except BaseException:
             with contextlib.suppress(OSError):
@@ -3909,8 +3719,7 @@ class WalletService:
         what guards access; or refuse it, changing nothing (docs/operations.md, When things go wrong)."""
         if self.db.memory:
             raise RuntimeError("an in-memory database has no file to restore into")
-        source = _backup_source(path)
-        try:
+        with contextlib.closing(_backup_source(path)) as source:
             def restore(conn: sqlite3.Connection) -> None:
                 for table in reversed(_RESTORED):
                     conn.execute(f"DELETE FROM {table}")
@@ -3935,15 +3744,12 @@ class WalletService:
                         raise RuntimeError(f"{path}: its ledger fails the audit ({check}:"
                                            f" {detail.format(**dict(row))}): nothing was restored")
             self.db.write([restore])
-        finally:
-            source.close()
 
     # Worlds: scenarios, instantiated side by side (docs/sandbox.md) ##############
 
     def load_scenario(self, scenario: Mapping[str, Any], *, fresh_ids: bool = False) -> dict:
-        """Make a scenario's workspaces, members, keys and wallets in one transaction, each a world
-        ``reset_workspace`` returns to; with ``fresh_ids``, a second copy beside the first, as ``POST
-        /_admin/scenarios`` makes and answers it (docs/sandbox.md, Parallel worlds)."""
+        """Make a scenario's worlds in one transaction (``reset_workspace`` returns to each); ``fresh_ids``: a
+        second copy, as ``POST /_admin/scenarios`` does (docs/sandbox.md)."""
         scenario = check_scenario(scenario)
         made = self.write(self.loading_scenario(scenario, fresh_ids))
         return {"workspaces": [self.describe_world(workspace_id) for workspace_id in made]}
@@ -3959,8 +3765,7 @@ class WalletService:
         return load
 
     def _load_workspace(self, tx: Tx, spec: Mapping[str, Any], where: str, fresh_ids: bool) -> str:
-        """One scenario workspace (checked by ``check_scenario``), made by the admin API's inserts
-        with its normalisation; its id."""
+        """One checked scenario workspace, made by the admin API's inserts; its id."""
         def fixed(item: Mapping[str, Any], field: str) -> str | None:
             """The id the scenario fixes for ``item`` (None: a fresh one), S012 if it is taken."""
             wanted = None if fresh_ids else item.get("id")
@@ -4060,10 +3865,8 @@ class WalletService:
 
 
 def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
-    """The sandbox's world at start: on a database without a saved starting state, set the
-    scenario's clock, load ``scenario`` at that clock (unless its first workspace is there
-    already) and save the starting state, in one write; then the workspaces it started with,
-    described."""
+    """The sandbox's world at start, in one write: unless a starting state is saved, set the scenario's clock,
+    load it (unless there already) and save the start; the workspaces, described."""
     body = json.dumps(scenario, default=str)
     clock = scenario.get("clock") or {}
     at = admin_time(clock.get("at"), "clock.at") if svc.clock.controllable else None
