@@ -3896,9 +3896,8 @@ def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
 # HTTP schemas #################################################################
 ###############################################################################
 
-# The JSON shapes of both surfaces, named once: endpoint declarations refer to
-# them by name, /openapi.json publishes them, and a request body is checked
-# against its endpoint's schema (fields and JSON types) before a handler runs.
+# The JSON shapes of both surfaces, named once: endpoint declarations name them, /openapi.json publishes
+# them, and a request body is checked against its endpoint's schema (fields, JSON types) before its handler.
 
 _STRING = {"type": "string"}
 
@@ -3998,8 +3997,7 @@ SHARED_SCHEMAS: Mapping[str, dict] = {
     "BizId": {"type": "string", "pattern": f"^{_ID.pattern}$", "examples": ["order-1001"],
               "description": "the caller's id of a transfer order (an order without one: its transferId)"},
     "WalletId": {"type": "string", "pattern": _id_pattern("wal_"),
-                 "examples": ["wal_0190c2d5a1b2c3d4e5f6a7b8c9d0e1f2"],
-                 "description": "a wallet's id"},
+                 "examples": ["wal_0190c2d5a1b2c3d4e5f6a7b8c9d0e1f2"], "description": "a wallet's id"},
     "WorkspaceId": {"type": "string", "pattern": _id_pattern("ws_"), "description": "a workspace's id"},
     "MemberId": {"type": "string", "pattern": _id_pattern("mem_"), "description": "a member's id"},
     "ApiKeyId": {"type": "string", "pattern": _id_pattern("ak_"), "description": "an API key (X-Api-Key)"},
@@ -4042,12 +4040,12 @@ _ERROR_RULE = {  # an error rule names its status, unless its code (S500 by defa
                                 "code": {"not": {"enum": list(ERRORS_BY_CODE)}}}, "required": ["code"]}),
     "then": _part({"properties": {"status": {"type": "integer"}}, "required": ["status"]})}
 
+_INTEGER, _BOOLEAN = {"type": "integer"}, {"type": "boolean"}
 SCHEMAS: Mapping[str, dict] = {
     **SHARED_SCHEMAS,
-    "Wallet": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING,
-                       "currency": _CURRENCY_SCHEMA, "status": _ref("WalletStatus"),
-                       "balance": _AMOUNT_SCHEMA, "createdAt": _TIME, "updatedAt": _TIME},
-                      description="A wallet: money in one currency"),
+    "Wallet": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING, "currency": _CURRENCY_SCHEMA,
+                       "status": _ref("WalletStatus"), "balance": _AMOUNT_SCHEMA, "createdAt": _TIME,
+                       "updatedAt": _TIME}, description="A wallet: money in one currency"),
     "Balance": _object({"walletId": _STRING, "currency": _CURRENCY_SCHEMA, "balance": _AMOUNT_SCHEMA,
                         "available": _AMOUNT_SCHEMA, "pending": _AMOUNT_SCHEMA, "updatedAt": _TIME},
                        description="A wallet's balance: posted money; pending, held by PENDING outgoing"
@@ -4064,9 +4062,8 @@ SCHEMAS: Mapping[str, dict] = {
         "status": _ref("TransferStatus"), "description": _NULLABLE_STRING,
         "createdAt": _TIME, "updatedAt": _TIME, "completedAt": _NULLABLE_TIME},
         description="A transfer order between two wallets of one workspace"),
-    "Completion": _object({"bizId": _STRING, "transferId": _STRING,
-                           "status": _ref("TransferStatus"), "completed": {"type": "boolean"}},
-                          description="Whether a transfer order is completed"),
+    "Completion": _object({"bizId": _STRING, "transferId": _STRING, "status": _ref("TransferStatus"),
+                           "completed": _BOOLEAN}, description="Whether a transfer order is completed"),
     "CreateTransfer": {**_object({
         "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA,
         "amount": {"type": "string", "examples": ["10.00"],
@@ -4077,8 +4074,8 @@ SCHEMAS: Mapping[str, dict] = {
         description="A transfer to make; a bizId makes it idempotent (the same body again answers the same"
                     " order, another body T2004)"),
         **_amount_rules(sorted(CURRENCY_EXPONENTS))},
-    "PageInfo": _object({"size": {"type": "integer"}, "number": {"type": "integer"},
-                         "totalElements": {"type": "integer"}, "totalPages": {"type": "integer"}},
+    "PageInfo": _object({"size": _INTEGER, "number": _INTEGER, "totalElements": _INTEGER,
+                         "totalPages": _INTEGER},
                         description="The page answered: its size and number (from 0), and the totals"),
     "Workspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME},
                          description="A workspace: its members, keys and wallets"),
@@ -4086,13 +4083,12 @@ SCHEMAS: Mapping[str, dict] = {
                        "role": _enum(Role), "createdAt": _TIME}, description="A member of a workspace"),
     "ApiKey": _object({"apiKey": _STRING, "secret": {"type": "string", "description": "at creation only"},
                        "workspaceId": _STRING, "memberId": _STRING,
-                       "scopes": {"type": "array", "items": _ref("Scope")}, "enabled": {"type": "boolean"},
+                       "scopes": {"type": "array", "items": _ref("Scope")}, "enabled": _BOOLEAN,
                        "ipWhitelist": {"type": ["array", "null"], "items": _STRING}, "createdAt": _TIME},
                       ["apiKey", "workspaceId", "memberId", "scopes", "enabled", "createdAt"],
                       description="An API key of a member; its secret is shown once, when it is made"),
     "Health": _object({"status": _STRING, "version": _STRING}, description="The service is up"),
-    "Error": _object({"version": _STRING, "timestamp": {"type": "integer"},
-                      "success": {"const": False},
+    "Error": _object({"version": _STRING, "timestamp": _INTEGER, "success": {"const": False},
                       "code": {"type": "string", "examples": ["W1001"],
                                "description": "the error's code: each operation lists those it answers"},
                       "message": {"type": "string", "examples": ["WALLET_NOT_FOUND"],
@@ -4126,19 +4122,17 @@ SCHEMAS: Mapping[str, dict] = {
                                         " query, headers, body) and what it does to them"),
                   "allOf": [_ERROR_RULE]},
     "JournalAssertBody": _object({"method": _STRING, "path": _STRING, **_MATCH, "code": _STRING,
-                                  "times": {"type": "integer"}, "atLeast": {"type": "integer"},
-                                  "never": {"type": "boolean"}}, [],
+                                  "times": _INTEGER, "atLeast": _INTEGER, "never": _BOOLEAN}, [],
                                  description="What the journal must hold: the requests (as a fault rule"
                                              " matches them) and how many"),
-    "JournalVerdict": _object({"passed": {"type": "boolean"}, "count": {"type": "integer"},
-                               "message": _NULLABLE_STRING}, description="An assertion's verdict"),
+    "JournalVerdict": _object({"passed": _BOOLEAN, "count": _INTEGER, "message": _NULLABLE_STRING},
+                              description="An assertion's verdict"),
     "Fault": _object({"id": _STRING, "action": _ref("FaultAction"), "method": _STRING, "path": _STRING,
                       "workspaceId": _NULLABLE_STRING, "code": _NULLABLE_STRING,
                       "status": {"type": ["integer", "null"]}, "latency": {"type": "number"},
                       "times": {"type": ["integer", "null"]},
                       **{name: {**schema, "type": ["object", "null"]} for name, schema in _MATCH.items()},
-                      "fired": {"type": "integer"}},
-                     description="A fault rule in force, and how often it fired"),
+                      "fired": _INTEGER}, description="A fault rule in force, and how often it fired"),
     "SeedBody": _object({"seed": {"type": ["integer", "null"], "minimum": ID_SEEDS[0],
                                   "maximum": ID_SEEDS[1]}},
                         description="A seed for the ids and secrets that follow (null: random again)"),
@@ -4154,8 +4148,7 @@ SCHEMAS: Mapping[str, dict] = {
                               description="A workspace with its members, keys (with secrets) and wallets"),
     "World": _object({"workspaces": _array("WorldWorkspace")}, description="The workspaces a scenario made"),
     "ClockBody": _object({
-        "freeze": {"type": "boolean"},
-        "at": _CLOCK_AT_SCHEMA,
+        "freeze": _BOOLEAN, "at": _CLOCK_AT_SCHEMA,
         "advance": {"type": "number", "minimum": -CLOCK_RANGE[1], "maximum": CLOCK_RANGE[1],
                     "description": "seconds; the clock stays between 1970-01-01 and 9999-12-31"}}, [],
         description="Freeze or unfreeze the service clock, set it (at) or move it (advance)"),
@@ -4164,8 +4157,8 @@ SCHEMAS: Mapping[str, dict] = {
                                    "additionalProperties": {"type": ["string", "integer", "number", "null"]},
                                    "description": "the row that breaks the invariant, by column"}},
                          description="An invariant of the ledger that does not hold"),
-    "ClockState": _object({"now": _TIME, "epochMillis": {"type": "integer"}, "frozen": {"type": "boolean"},
-                           "controllable": {"type": "boolean"}}, description="The service clock"),
+    "ClockState": _object({"now": _TIME, "epochMillis": _INTEGER, "frozen": _BOOLEAN,
+                           "controllable": _BOOLEAN}, description="The service clock"),
     "JournalEntry": _object({"seq": {"type": "integer"}, "at": _TIME, "method": _STRING, "path": _STRING,
                              "query": _STRING, "apiKey": _NULLABLE_STRING,
                              "status": {"type": "integer"}, "code": _NULLABLE_STRING,
@@ -4187,20 +4180,16 @@ def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
     allows), each of its JSON type (an integer may be written 465.0, then the int: docs/contract.md,
     Choices where the contract is silent). Values are the service's to check."""
     properties = schema["properties"]
-    for name in body:
-        if name not in properties:
-            raise invalid(str(name)[:64], "unknown_field")
+    if unknown := [name for name in body if name not in properties]:
+        raise invalid(str(unknown[0])[:64], "unknown_field")
     for name in schema["required"]:
         if body.get(name) is None and not (name in body and "null" in _type_names(properties[name])):
             raise invalid(name, "required")
-    checked = {}
     for name, value in body.items():
-        integer = "integer" in _type_names(properties[name])
-        if integer and isinstance(value, float) and value.is_integer():
-            value = int(value)
+        if isinstance(value, float) and value.is_integer() and "integer" in _type_names(properties[name]):
+            body[name] = value = int(value)
         _check_type(name, value, properties[name])
-        checked[name] = value
-    return checked
+    return body
 
 
 def _type_names(schema: Mapping[str, Any]) -> list[str]:
@@ -4257,27 +4246,20 @@ _FILTER_SCHEMAS = {
                   "only created before this time")}
 
 
-def _choice(values: Sequence[str]) -> dict:
-    """The named enum (SCHEMAS) of exactly these values, else an inline one."""
-    named = [name for name, schema in SHARED_SCHEMAS.items() if schema.get("enum") == list(values)]
-    return _ref(named[0]) if named else _enum(values)
-
-
-_ANY_CASE_DIRECTION = "([aA][sS][cC]|[dD][eE][sS][cC])"
-
-
 def _filters(sortable: Mapping[str, str], filters: Mapping[str, ListFilter]) -> tuple:
+    """A list's query parameters; a choice's schema: the named enum (SCHEMAS) of its values, if any."""
     sort = {"name": "sort", "in": "query", "style": "form", "explode": True,
             "description": f"field,asc|desc (asc if left out; any case); repeatable, the first sorts first;"
                            f" fields: {', '.join(sortable)}",
-            "schema": {"type": "array", "maxItems": MAX_SORT_KEYS,
-                       "items": {"type": "string",
-                                 "pattern": f"^({'|'.join(sortable)})(,{_ANY_CASE_DIRECTION})?$"}}}
+            "schema": {"type": "array", "maxItems": MAX_SORT_KEYS, "items": {
+                "type": "string", "pattern": f"^({'|'.join(sortable)})(,([aA][sS][cC]|[dD][eE][sS][cC]))?$"}}}
+    enums = {tuple(schema["enum"]): _ref(name) for name, schema in SHARED_SCHEMAS.items() if "enum" in schema}
     return (*_PAGE_PARAMETERS, sort,
             *({"name": name, "in": "query", "schema": schema, "description": description}
               for name, list_filter in filters.items()
               for schema, description in [_FILTER_SCHEMAS.get(name) or (
-                  _choice(list_filter.choices), f"only those whose {name} is this")]))
+                  enums.get(tuple(list_filter.choices)) or _enum(list_filter.choices),
+                  f"only those whose {name} is this")]))
 
 
 _TRANSFER_PARAMETERS = _filters(TRANSFER_SORTS, TRANSFER_FILTERS)
@@ -4314,13 +4296,11 @@ def console_cookie(environ: Mapping[str, Any]) -> str:
     return f"{CONSOLE_COOKIE}_{port}"
 
 
-# The errors any request can meet (a Content-Length that is no number, an oversized body, a failure,
-# a busy or missing database), and those of each surface (the contract's pipeline; the admin token or
-# console session); see Endpoint.
+# The errors any request can meet (a Content-Length that is no number, an oversized body, a failure, a busy
+# or missing database), and each surface's (the contract's pipeline; the admin token or console session).
 ANY_REQUEST_ERRORS = (InvalidParameter, PayloadTooLarge, InternalError, ServiceBusy)
-# What serve's HTTP server (waitress) refuses itself, before the app sees the request: the status it
-# answers, with S012 in the envelope (answering_in_envelopes; any other refusal of its is a 400), and
-# when. /openapi.json lists them on every operation.
+# What serve's waitress refuses before the app sees the request: the status it answers, with S012 in the
+# envelope (answering_in_envelopes; any other refusal is a 400), and when. /openapi.json lists them all.
 HOST_REFUSALS = {400: "a request line or header it cannot parse, or a Transfer-Encoding other than chunked",
                  431: "headers over 64 KiB (waitress's max_request_header_size)"}
 SURFACE_ERRORS = {
@@ -4364,9 +4344,8 @@ class Endpoint:
 
     @property
     def errors_answered(self) -> tuple[type[WalletError], ...]:
-        """Every error this endpoint can answer (/openapi.json lists them): those of any request,
-        of its surface, then its own. (A sandbox fault rule can make an /api/ endpoint answer any
-        error: see Faults.)"""
+        """Every error this endpoint can answer (/openapi.json lists them): those of any request, of its
+        surface, then its own (a sandbox fault rule can make an /api/ endpoint answer any: see Faults)."""
         return tuple(dict.fromkeys((*ANY_REQUEST_ERRORS, *SURFACE_ERRORS[self.surface], *self.errors)))
 
 
@@ -4435,23 +4414,16 @@ class Reply(NamedTuple):
 ###############################################################################
 
 def negotiate_locale(x_locale: str | None, accept_language: str | None, default: str) -> str:
-    """en-US or zh-CN from X-LOCALE, then Accept-Language, then the default."""
-    candidates = [x_locale or ""]
-    weighted = []
-    for position, part in enumerate((accept_language or "").split(",")):
-        tag, _, q = part.partition(";q=")
-        try:
-            weight = float(q) if q else 1.0
-        except ValueError:
-            weight = 0.0
-        weighted.append((-weight, position, tag))
-    candidates += [tag for _, _, tag in sorted(weighted)]
-    for tag in candidates:
-        tag = tag.strip().lower()
-        if tag.startswith("zh"):
-            return "zh-CN"
-        if tag.startswith("en"):
-            return "en-US"
+    """en-US or zh-CN from X-LOCALE, then Accept-Language (by q, then in order), then the default."""
+    def weight(part: str) -> float:  # (sorted is stable: equal weights keep their order)
+        q = part.partition(";q=")[2]
+        with contextlib.suppress(ValueError):
+            return -float(q) if q else -1.0
+        return 0.0
+
+    for tag in [x_locale or "", *sorted((accept_language or "").split(","), key=weight)]:
+        if tag.strip().lower().startswith(("zh", "en")):
+            return "zh-CN" if tag.strip().lower().startswith("zh") else "en-US"
     return default
 
 
@@ -4505,11 +4477,8 @@ class Received:
 
     def json(self) -> dict:
         """The body, checked against the endpoint's request schema (an empty admin body is ``{}``)."""
-        if not self.body.strip() and self.endpoint.surface is Surface.ADMIN:
-            body = {}
-        else:
-            body = json_object(self.body)
-        return check_body(body, SCHEMAS[self.endpoint.request])
+        empty = not self.body.strip() and self.endpoint.surface is Surface.ADMIN
+        return check_body({} if empty else json_object(self.body), SCHEMAS[self.endpoint.request])
 
     def header(self, name: str) -> str:
         return self.environ.get(environ_key(name), "")
@@ -4606,9 +4575,8 @@ def raw_request_path(environ: Mapping[str, Any]) -> bytes:
     return urllib.parse.quote(decoded.encode("latin-1", "replace"), safe="/" + PCHAR_DELIMS).encode("ascii")
 
 
-# What RFC 3986 lets a path segment carry unencoded besides the unreserved characters (pchar:
-# sub-delims, ":" and "@"): Client leaves them as they are, so that every server hands the app
-# the path that was signed (docs/signing.md).
+# What RFC 3986 lets a path segment carry unencoded besides the unreserved characters (pchar: sub-delims,
+# ":" and "@"): Client leaves them so, and every server hands the app the path signed (docs/signing.md).
 PCHAR_DELIMS = "!$&'()*+,;=:@"
 
 
@@ -4617,37 +4585,26 @@ def _ip(text: str | None) -> ipaddress.IPv4Address | ipaddress.IPv6Address | Non
         address = ipaddress.ip_address((text or "").strip().strip("[]"))
     except ValueError:
         return None
-    mapped = getattr(address, "ipv4_mapped", None)
-    return mapped or address
+    return getattr(address, "ipv4_mapped", None) or address
+
+
+def _in_any(address: Any, networks: Iterable) -> bool:
+    return address is not None and any(address.version == net.version and address in net for net in networks)
 
 
 def client_ip(environ: Mapping[str, Any], trusted_proxies: Sequence) -> Any:
     """REMOTE_ADDR, or X-Forwarded-For read from the right when REMOTE_ADDR is a trusted proxy
     (docs/contract.md, Choices where the contract is silent); an unparsable hop yields None, which no
     whitelist admits."""
-    remote = _ip(environ.get("REMOTE_ADDR"))
-
-    def trusted(address: Any) -> bool:
-        return any(address.version == net.version and address in net for net in trusted_proxies)
-
-    forwarded = environ.get("HTTP_X_FORWARDED_FOR")
-    if remote is None or not forwarded or not trusted(remote):
+    remote, forwarded = _ip(environ.get("REMOTE_ADDR")), environ.get("HTTP_X_FORWARDED_FOR")
+    if not forwarded or not _in_any(remote, trusted_proxies):
         return remote
     hops = [_ip(hop) for hop in forwarded.split(",")]
-    for hop in reversed(hops):
-        if hop is None or not trusted(hop):
-            return hop
-    return hops[0]
+    return next((hop for hop in reversed(hops) if not _in_any(hop, trusted_proxies)), hops[0])
 
 
 def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
-    if address is None:
-        return False
-    for entry in whitelist:
-        network = ipaddress.ip_network(entry, strict=False)
-        if network.version == address.version and address in network:
-            return True
-    return False
+    return _in_any(address, (ipaddress.ip_network(entry, strict=False) for entry in whitelist))
 
 
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
@@ -4678,10 +4635,7 @@ class Authenticator:
     passed is left pending, for the request's one write at its end."""
 
     def __init__(self, svc: WalletService, settings: Settings) -> None:
-        self.svc = svc
-        self.db = svc.db
-        self.settings = settings
-        self.nonces = Nonces(settings.nonce_records)
+        self.svc, self.db, self.settings, self.nonces = svc, svc.db, settings, Nonces(settings.nonce_records)
 
     def authenticate(self, request: Received) -> Authenticated:
         """The request's Principal or first failure of steps 1-7 (``refused``), what the journal keeps, and
@@ -4750,8 +4704,7 @@ class Authenticator:
 
     @staticmethod
     def nonce(signed: SignedHeaders, key: sqlite3.Row) -> None:
-        """Step 5: X-Nonce well formed, not recorded for this key, its second not forgotten
-        (``Nonces``)."""
+        """Step 5: X-Nonce well formed, not recorded for this key, its second not forgotten (``Nonces``)."""
         if not _NONCE.fullmatch(signed.nonce):
             raise expired("X-Nonce must be 1-128 printable ASCII characters.",
                           "X-Nonce 必须是 1-128 个可打印 ASCII 字符。")
@@ -4854,11 +4807,9 @@ class HttpApi:
         error, headers = too_large or exc, ()
         if too_large is None and isinstance(exc, bottle.HTTPError):
             where = NotFound(f"The API is under /api/v1/ (GET /openapi.json lists its paths); the sandbox"
-                             f" console is at {CONSOLE_PATH}.",
+                             f" console is at {CONSOLE_PATH}.", thing="path", thing_zh=_THINGS_ZH["path"],
                              zh_extra=f"API 位于 /api/v1/（GET /openapi.json 列出其路径）；沙箱控制台位于"
-                             f" {CONSOLE_PATH}。",
-                             thing="path",
-                             thing_zh=_THINGS_ZH["path"])
+                                      f" {CONSOLE_PATH}。")
             error = {404: where, 405: MethodNotAllowed()}.get(
                 exc.status_code, exc.exception or RuntimeError(exc.body))
             if exc.status_code == 405 and exc.get_header("Allow"):
@@ -5092,9 +5043,7 @@ class HttpApi:
         if length > limit:
             raise PayloadTooLarge(limit=limit)
         stream = environ.get("wsgi.input")
-        body = b""
-        if stream is not None and (length or chunked):
-            body = stream.read(length if length else limit + 1)
+        body = stream.read(length or limit + 1) if stream is not None and (length or chunked) else b""
         if len(body) > limit:
             raise PayloadTooLarge(limit=limit)
         return body
@@ -5108,10 +5057,8 @@ class HttpApi:
     def as_wallet_error(self, exc: BaseException) -> WalletError:
         if isinstance(exc, WalletError):
             return exc
-        if isinstance(exc, sqlite3.Error):
-            busy = self.svc.db.unavailable(exc)
-            if busy is not None:
-                return busy
+        if isinstance(exc, sqlite3.Error) and (busy := self.svc.db.unavailable(exc)) is not None:
+            return busy
         log.error("unexpected error while serving a request", exc_info=exc)
         return InternalError()
 
@@ -5222,12 +5169,6 @@ frozen or moved).
 """
 
 
-def _path_parameter(name: str) -> dict:
-    public, schema, description = PATH_PARAMETERS[name]
-    return {"name": public, "in": "path", "required": True, "schema": _ref(schema),
-            "description": description}
-
-
 def _example(schema: Any) -> Any:
     """A value valid against ``schema`` (SCHEMAS'), for the document's examples: its own example
     where it gives one (patterns need one), else built from its type."""
@@ -5308,16 +5249,15 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
     """OpenAPI 3.1 of ``endpoints``, from their declarations, with ``base_url`` as the server."""
     paths: dict[str, dict] = {}
     surfaces, endpoints = [], list(endpoints)
-    for declared_endpoint in endpoints:
-        openapi_path = re.sub(r"<(\w+)>", lambda name: "{" + PATH_PARAMETERS[name[1]][0] + "}",
-                              declared_endpoint.path)
-        operations = paths.setdefault(openapi_path, {})
-        operations[declared_endpoint.method.lower()] = _operation(declared_endpoint)
-        if declared_endpoint.method == "GET" and declared_endpoint.surface is not Surface.API:
+    for ep in endpoints:
+        operations = paths.setdefault(re.sub(r"<(\w+)>", lambda name: "{" + PATH_PARAMETERS[name[1]][0] + "}",
+                                             ep.path), {})
+        operations[ep.method.lower()] = _operation(ep)
+        if ep.method == "GET" and ep.surface is not Surface.API:
             # bottle answers HEAD wherever GET is served, but under /api/: the contract denies what it
             # does not declare (403 50090201), so no client generator makes a method that cannot work
-            operations["head"] = _operation(declared_endpoint, head=True)
-        surfaces.append(declared_endpoint.surface)
+            operations["head"] = _operation(ep, head=True)
+        surfaces.append(ep.surface)
     header = {"type": "apiKey", "in": "header"}
     see_signature = "one of the four signing headers: see the scheme Signature"
     return {
@@ -5326,9 +5266,8 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
                  "summary": "A wallet-and-transfer service: signed HTTP API, SQLite ledger, sandbox",
                  "description": "Wallet and Transfer Service. Every /api/ request is signed (the security"
                                 " scheme Signature says how). /_admin/ exists only when an admin token is"
-                                " set."
-                                " Each operation lists every status and error it answers; in a sandbox, a"
-                                " fault rule (/_admin/faults) can also make an /api/ operation answer any"
+                                " set. Each operation lists every status and error it answers; in a sandbox,"
+                                " a fault rule (/_admin/faults) can also make an /api/ operation answer any"
                                 " error, wait, or drop the connection. A method a path does not list answers"
                                 " 405 S405 METHOD_NOT_ALLOWED with an Allow header naming those it does"
                                 " (under /api/: 403 50090201, deny by default).",
@@ -5364,55 +5303,53 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
     }
 
 
-def _operation(declared_endpoint: Endpoint, head: bool = False) -> dict:
+def _operation(ep: Endpoint, head: bool = False) -> dict:
     """The declared endpoint as an OpenAPI operation (HEAD: a GET's, answered without a body)."""
-    surface = declared_endpoint.surface
-    media = (declared_endpoint.media or JSON_CONTENT_TYPE).split(";")[0]
-    data_schema = declared_endpoint.response or {"type": "null"}
-    data_schema = _ref(data_schema) if isinstance(data_schema, str) else data_schema
-    success = data_schema if declared_endpoint.media else {
+    surface = ep.surface
+    media = (ep.media or JSON_CONTENT_TYPE).split(";")[0]
+    data_schema = _ref(ep.response) if isinstance(ep.response, str) else ep.response or {"type": "null"}
+    success = data_schema if ep.media else {
         "type": "object", "required": ["version", "timestamp", "success", "code", "message", "data"],
         "properties": {"version": {"const": API_VERSION}, "timestamp": {"type": "integer"},
                        "success": {"const": True}, "code": {"const": SUCCESS_CODE},
                        "message": {"const": "SUCCESS"}, "data": data_schema}}
-    name = ("head_" if head else "") + declared_endpoint.name
-    description = [(declared_endpoint.summary + ".") if not head else
-                   f"As GET (`{declared_endpoint.name}`), without the body: the same status and headers.",
-                   _SURFACE_AUTH[surface].format(scope=declared_endpoint.scope)]
-    if declared_endpoint.rules:  # what no JSON Schema can say, stated so that a client knows
+    name = ("head_" if head else "") + ep.name
+    description = [f"As GET (`{ep.name}`), without the body: the same status and headers." if head
+                   else ep.summary + ".", _SURFACE_AUTH[surface].format(scope=ep.scope)]
+    if ep.rules:  # what no JSON Schema can say, stated so that a client knows
         description.append("Beyond the schema, S012 INVALID_PARAMETER names the field when:\n" + "\n".join(
-            f"- `{field}`: {rule}" for field, rule in declared_endpoint.rules))
+            f"- `{field}`: {rule}" for field, rule in ep.rules))
     ok: dict[str, Any] = {"description": "SUCCESS",
                           "headers": _headers(*_HEADERS, *(_REPLAYED if name == "create_transfer" else ()))}
     if not head:
         example = _example(success) if success.get("type") != "string" else "<!doctype html>"
         ok["content"] = {media: {"schema": success, "example": example}}
+    in_path = [{"name": public, "in": "path", "required": True, "schema": _ref(schema), "description": about}
+               for public, schema, about in map(PATH_PARAMETERS.get, ep.path_names)]
     operation: dict[str, Any] = {
         "operationId": name if surface is not Surface.ADMIN else f"admin_{name}",
-        "summary": declared_endpoint.summary + (" (HEAD)" if head else ""),
+        "summary": ep.summary + (" (HEAD)" if head else ""),
         "description": "\n\n".join(description), "tags": [surface],
-        "parameters": [_path_parameter(name) for name in declared_endpoint.path_names]
-        + list(declared_endpoint.query) + _LANGUAGE_PARAMETERS,
-        "responses": {"200": ok, **_error_responses(declared_endpoint.errors_answered, head)},
+        "parameters": in_path + list(ep.query) + _LANGUAGE_PARAMETERS,
+        "responses": {"200": ok, **_error_responses(ep.errors_answered, head)},
         "security": {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
                      Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}]}.get(surface, [])}
-    if declared_endpoint.links and not head:  # (to an operation of the same surface)
+    if ep.links and not head:  # (to an operation of the same surface)
         operation["responses"]["200"]["links"] = {
             link: {"operationId": f"admin_{target}" if surface is Surface.ADMIN else target,
-                   "parameters": {PATH_PARAMETERS[parameter][0]: where
-                                  for parameter, where in parameters.items()}}
-            for link, target, parameters in declared_endpoint.links}
-    for status, answer in declared_endpoint.answers:
+                   "parameters": {PATH_PARAMETERS[name][0]: where for name, where in parameters.items()}}
+            for link, target, parameters in ep.links}
+    for status, answer in ep.answers:
         operation["responses"][str(status)] = {"description": answer, "headers": _headers(*_HEADERS),
                                                "content": {media: {"schema": data_schema}}}
-    if declared_endpoint.form:
+    if ep.form:
         operation["requestBody"] = {"required": True, "content": {"application/x-www-form-urlencoded": {
-            "schema": {"type": "object", "required": list(declared_endpoint.form),
-                       "properties": {field: _STRING for field in declared_endpoint.form}}}}}
-    if declared_endpoint.request:  # required where its schema requires a field (an empty body is {})
-        required = surface is Surface.API or bool(SCHEMAS[declared_endpoint.request]["required"])
+            "schema": {"type": "object", "required": list(ep.form),
+                       "properties": dict.fromkeys(ep.form, _STRING)}}}}
+    if ep.request:  # required where its schema requires a field (an empty body is {})
+        required = surface is Surface.API or bool(SCHEMAS[ep.request]["required"])
         operation["requestBody"] = {"required": required, "content": {"application/json": {
-            "schema": _ref(declared_endpoint.request), "example": _example(_ref(declared_endpoint.request))}}}
+            "schema": _ref(ep.request), "example": _example(_ref(ep.request))}}}
     return operation
 
 
@@ -5528,8 +5465,7 @@ class WalletApi:
         return openapi_document(self.http.endpoints, f"{environ.get('wsgi.url_scheme', 'http')}://{host}{prefix}")
 
 
-# Deny by default (docs/contract.md, Scopes): anything else under /api/ answers 50090201
-# once the request has authenticated.
+# Deny by default (docs/contract.md, Scopes): anything else under /api/ answers 50090201 once authenticated.
 _UNDECLARED = Endpoint("ANY", "/api<rest:re:(/.*)?>", "", None, name="undeclared")
 
 
@@ -5551,8 +5487,7 @@ class Console:
     SESSION_SECONDS = 12 * 3600
 
     def __init__(self, admin_token: str, db: Database) -> None:
-        self.key = admin_token.encode("utf-8")
-        self.db = db
+        self.key, self.db = admin_token.encode("utf-8"), db
 
     def mac(self, purpose: str, nonce: str) -> str:
         digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
@@ -5592,11 +5527,9 @@ class Console:
         (/_admin/ itself when the path as sent does not say it plainly)."""
         head, found, _ = request.path.decode("latin-1").rpartition("/_admin/")
         path = head + found if found and re.fullmatch(r"[\w./~-]*", head) else "/_admin/"
-        attributes = [f"{console_cookie(request.environ)}={value}", f"Path={path}",
-                      f"Max-Age={max_age}", "HttpOnly", "SameSite=Strict"]
-        if request.environ.get("wsgi.url_scheme") == "https":
-            attributes.append("Secure")
-        return "; ".join(attributes)
+        secure = ["Secure"] if request.environ.get("wsgi.url_scheme") == "https" else []
+        return "; ".join([f"{console_cookie(request.environ)}={value}", f"Path={path}", f"Max-Age={max_age}",
+                          "HttpOnly", "SameSite=Strict", *secure])
 
     def log_in(self, request: Received) -> Reply:
         """The login form's POST: a session cookie and a redirect to the console, or the form again."""
@@ -5635,15 +5568,7 @@ class Console:
 # Admin surface ################################################################
 ###############################################################################
 
-def page_of(items: list, number: int, size: int) -> dict:
-    """Page ``number`` of ``size`` items (``_page_and_size``) of a list in memory."""
-    request = PageRequest(number, size, ())
-    return page_response(items[request.offset:request.offset + size], request, len(items))
-
-
 _DECIDED_RULE = ("bizId", "only a PENDING order is completed or failed")
-
-
 _SCENARIO_RULES = (("id", "the fixed ids of one scenario differ from each other"),
                    ("member", "a key's member is a member of its workspace (or owner)"), _WHITELIST_RULE)
 
@@ -5653,8 +5578,7 @@ class AdminApi:
     (docs/sandbox.md, The admin surface)."""
 
     def __init__(self, svc: WalletService, console: Console) -> None:
-        self.svc = svc
-        self.console = console
+        self.svc, self.console = svc, console
 
     @endpoint("GET", CONSOLE_PATH, "The sandbox console (HTML): its login form, or the console once"
               " logged in", response={"type": "string"}, media=HTML_CONTENT_TYPE)
@@ -5820,13 +5744,8 @@ class AdminApi:
         body = request.json()
         if "workspaces" in body and "scenario" in body or body.get("scenario", "demo") != "demo":
             raise invalid("scenario", "one_of", choices="demo (or no scenario, and workspaces or none)")
-        if "workspaces" in body:
-            scenario = body
-        elif body.get("scenario") == "demo":
-            scenario = DEMO_SCENARIO
-        else:
-            # (its clock and settings are the server's)
-            scenario = {"workspaces": self.svc.start_scenario()["workspaces"]}
+        scenario = (body if "workspaces" in body else DEMO_SCENARIO if body.get("scenario") == "demo"
+                    else {"workspaces": self.svc.start_scenario()["workspaces"]})  # (clock, settings: ours)
         return self.svc.load_scenario(scenario, fresh_ids=True)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/reset", "Return one workspace to the state its world"
@@ -5872,17 +5791,15 @@ class AdminApi:
         for kind, field in (("query", "query"), ("header", "headers")):
             criteria[field] = {}
             for name, values in query.items():
-                match = re.fullmatch(kind + r"(?:\.(.+)|\[(.+)\])", name, re.DOTALL)
-                if match and match[2] and "][" in match[2]:  # deepObject: a[b][c] is a nested object
-                    raise invalid(name[:64], "one_name", kind=kind)
-                if match:
+                if match := re.fullmatch(kind + r"(?:\.(.+)|\[(.+)\])", name, re.DOTALL):
+                    if match[2] and "][" in match[2]:  # deepObject: a[b][c] is a nested object
+                        raise invalid(name[:64], "one_name", kind=kind)
                     criteria[field][match[1] or match[2]] = values[0]
         if first(query, "body") is not None:
             criteria["body"] = json_object(first(query, "body").encode("utf-8"))
-        entries = self.svc.journal.entries(after=max(after, 0), **criteria)
-        if last >= 0:
-            entries = entries[len(entries) - min(last, len(entries)):]
-        return page_of(entries, number, size)
+        found = self.svc.journal.entries(after=max(after, 0), **criteria)
+        entries, page = found[max(len(found) - last, 0) if last >= 0 else 0:], PageRequest(number, size, ())
+        return page_response(entries[page.offset:page.offset + size], page, len(entries))
 
     @endpoint("POST", "/_admin/journal/assert", "Assert on the journal: passed, the count, the near misses",
               request="JournalAssertBody", response="JournalVerdict")
@@ -5970,9 +5887,7 @@ def create_app(svc: WalletService, **settings: Any) -> WalletApp:
     layer = svc.settings.replace("http", **settings)
     http = HttpApi(svc, layer, Console(layer.admin_token or "", svc.db))
     app = WalletApp(http)
-    handler_sets = [WalletApi(svc, http)] + ([AdminApi(svc, http.console)] if http.settings.admin_token
-                                             else [])
-    for handlers in handler_sets:
+    for handlers in [WalletApi(svc, http), *([AdminApi(svc, http.console)] if layer.admin_token else [])]:
         for declaration, handler in declared(handlers):
             check_declaration(declaration, handler)
             app.route(declaration.path, declaration.method, handler, endpoint=declaration)
@@ -6010,19 +5925,14 @@ def envelope_seconds(payload: bytes) -> int | None:
     return millis // 1000 if isinstance(millis, int) and not isinstance(millis, bool) else None
 
 
-def health_url(url: str) -> str:
-    """The /healthz beside an API URL: below the same mount prefix (the part of the path before /api/)."""
-    parts = urllib.parse.urlsplit(url)
-    prefix = parts.path.split("/api/", 1)[0] if "/api/" in parts.path else parts.path.rstrip("/")
-    return f"{parts.scheme}://{parts.netloc}{prefix}{HEALTH_PATH}"
-
-
 def server_time(url: str, timeout: float = 10.0) -> int:
     """The server's clock in epoch seconds (a sandbox's, frozen or moved), from ``GET /healthz`` beside
     ``url`` (a base URL, or any URL of its API): unsigned, and never in the journal, so learning the
     time before signing leaves no failed request behind (docs/signing.md). ConnectionError if no
     walletsvc answers there."""
-    target = health_url(url)
+    parts = urllib.parse.urlsplit(url)  # /healthz below the same mount prefix (the path before /api/)
+    prefix = parts.path.split("/api/", 1)[0] if "/api/" in parts.path else parts.path.rstrip("/")
+    target = f"{parts.scheme}://{parts.netloc}{prefix}{HEALTH_PATH}"
     try:
         with urllib.request.urlopen(urllib.request.Request(target), timeout=timeout) as reply:
             payload = reply.read()
@@ -6043,9 +5953,7 @@ class HmacAuth:
     Imports neither library: their requests are told apart by their attributes."""
 
     def __init__(self, api_key: str, secret: str, *, clock: Callable[[], float] | None = None) -> None:
-        self.api_key = api_key
-        self.secret = secret
-        self.clock = clock
+        self.api_key, self.secret, self.clock = api_key, secret, clock
 
     def __call__(self, request: Any) -> Any:
         """Sign ``request`` (a requests PreparedRequest, or an httpx Request: httpx calls it too)."""
@@ -6097,9 +6005,8 @@ class Client:
         self.offset = 0  # seconds the sandbox's clock is from ``clock``, as its last GA2013 said
         self.last_headers: dict[str, str] = {}
 
-    # The nine endpoints, a method each (a test holds them to the endpoint declarations): path
-    # parameters first, then the body's required fields, its optional ones by keyword, and the
-    # query's (page, size, sort, filters) as keywords.
+    # The nine endpoints, a method each (a test holds them to the declarations): path parameters, the body's
+    # required fields, then by keyword its optional ones and the query's (page, size, sort, filters).
 
     def list_wallets(self, **query: Any) -> dict:
         """List wallets: GET /api/v1/wallets."""
@@ -6130,8 +6037,7 @@ class Client:
         return self.request("GET", f"/api/v1/transfer/query/orders/{_segment(biz_id)}")
 
     def transfer_completed(self, biz_id: str) -> dict:
-        """Check whether a transfer order is completed:
-        GET /api/v1/transfer/query/orders/<biz_id>/completed."""
+        """Whether a transfer order is completed: GET /api/v1/transfer/query/orders/<biz_id>/completed."""
         return self.request("GET", f"/api/v1/transfer/query/orders/{_segment(biz_id)}/completed")
 
     def create_transfer(self, source_wallet_id: str, target_wallet_id: str, amount: str | decimal.Decimal,
@@ -6294,14 +6200,9 @@ def _control_dispatcher(threads: int) -> Any:
 
         def add_task(self, task: Any) -> None:
             requests = getattr(task, "requests", None)
-            path = getattr(requests[0], "path", "") if requests else ""
-            matched = _CONTROL_PATH.fullmatch(path)
-            if matched is None:
-                super().add_task(task)
-            elif matched.group(2) == "healthz":  # never behind an admin write waiting for the lock
-                self.health.add_task(task)
-            else:
-                self.control.add_task(task)
+            matched = _CONTROL_PATH.fullmatch(getattr(requests[0], "path", "") if requests else "")
+            pool = super() if matched is None else self.health if matched[2] == "healthz" else self.control
+            pool.add_task(task)  # (/healthz: never behind an admin write waiting for the lock)
 
         def sleep(self, seconds: float) -> None:
             """A request's latency rule, with one more worker thread while it sleeps; past MAX_SLEEPERS, S503
@@ -6514,11 +6415,9 @@ def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
     class EnvelopeErrorTask(ErrorTask):
         def execute(self) -> None:
             refusal = self.request.error
-            if refusal.code == 413:
-                error: WalletError = PayloadTooLarge(
-                    limit=limit or self.channel.server.adj.max_request_body_size)
-            else:
-                error = invalid("request", "http", problem=str(refusal.body)[:200].rstrip("."))
+            problem = str(refusal.body)[:200].rstrip(".")
+            error = (PayloadTooLarge(limit=limit or self.channel.server.adj.max_request_body_size)
+                     if refusal.code == 413 else invalid("request", "http", problem=problem))
             status = refusal.code if refusal.code in HOST_REFUSALS or refusal.code == 413 else 400
             body = to_json(error_envelope(error, LOCALES[0], int(time.time() * 1000)))
             self.status = _STATUS_LINES[status]
@@ -6647,10 +6546,7 @@ class Sandbox:
     def reset(self) -> Sandbox:
         """Back to the world as it was made, in one transaction: the same ids, balances and clock
         (a ``world()``: only its workspace, the clock untouched)."""
-        if self.world_id is not None:
-            self.service.reset_workspace(self.world_id)
-        else:
-            self.service.reset()
+        self.service.reset() if self.world_id is None else self.service.reset_workspace(self.world_id)
         return self
 
     def client_for(self, key: dict) -> Client:
@@ -6721,9 +6617,8 @@ class LiveServer:
             self._thread.join(timeout=5)
 
 
-# The plugin's fixtures are plain functions, each declared with its scope by @_fixture; the plugin
-# (``pytest_plugin``) makes them pytest fixtures when pytest loads it, so that importing walletsvc
-# never imports pytest.
+# The plugin's fixtures: plain functions, each declared with its scope by @_fixture; ``pytest_plugin``
+# makes them pytest fixtures when pytest loads it, so that importing walletsvc never imports pytest.
 _FIXTURES: dict[str, tuple[str, Callable[..., Any]]] = {}
 
 
@@ -6734,18 +6629,16 @@ def _fixture(scope: str = "function") -> Callable[[Callable[..., Any]], Callable
     return declare
 
 
-def _marked_settings(request: Any) -> dict:
-    """The settings of the test's ``@pytest.mark.walletsvc(...)``, if any."""
+def _for_test(request: Any, default: Sandbox, cache: dict, make: Callable[[dict], Sandbox]) -> Iterator:
+    """The test's sandbox, reset before it and audited after: ``default``, or for the settings of its
+    ``@pytest.mark.walletsvc(...)`` the one ``cache`` holds, made by ``make`` the first time."""
     marker = request.node.get_closest_marker("walletsvc")
-    return dict(marker.kwargs) if marker else {}
-
-
-def _made_for(cache: dict, settings: dict, make: Callable[[dict], Sandbox]) -> Sandbox:
-    """The Sandbox ``cache`` holds for these settings, made by ``make`` the first time."""
-    key = repr(sorted(settings.items()))
-    if key not in cache:
+    settings, key = (dict(marker.kwargs), repr(sorted(marker.kwargs.items()))) if marker else ({}, "")
+    if settings and key not in cache:
         cache[key] = make(settings)
-    return cache[key]
+    sandbox = cache[key] if settings else default
+    yield sandbox.reset()
+    sandbox.audit()
 
 
 def _live_sandbox(settings: dict) -> Sandbox:
@@ -6764,23 +6657,18 @@ def walletsvc_session_sandbox() -> Sandbox:
 
 @_fixture("session")
 def walletsvc_session_sandboxes() -> dict:
-    """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct
-    settings."""
+    """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct settings."""
     return {}
 
 
 @_fixture()
 def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
                       walletsvc_session_sandboxes: dict) -> Iterator[Sandbox]:
-    """A walletsvc.Sandbox in process (no socket): ``.service``, ``.app``, ``.client``, ``.key``,
-    ``.wallets`` (alice, bob: USD 1000.00; yen: JPY 100000), ``.clock``, ``.journal``, ``.faults``,
-    ``.admin_token``. Reset before the test, audited after it; settings from
-    ``@pytest.mark.walletsvc(...)``."""
-    settings = _marked_settings(request)
-    sandbox = (_made_for(walletsvc_session_sandboxes, settings, lambda s: Sandbox.create(**s)) if settings
-               else walletsvc_session_sandbox)
-    yield sandbox.reset()
-    sandbox.audit()
+    """A walletsvc.Sandbox in process (no socket): ``.service``, ``.app``, ``.client``, ``.key``, ``.wallets``
+    (alice, bob: USD 1000.00; yen: JPY 100000), ``.clock``, ``.journal``, ``.faults``, ``.admin_token``. Reset
+    before the test, audited after it; settings from ``@pytest.mark.walletsvc(...)``."""
+    yield from _for_test(request, walletsvc_session_sandbox, walletsvc_session_sandboxes,
+                         lambda settings: Sandbox.create(**settings))
 
 
 @_fixture("session")
@@ -6806,11 +6694,7 @@ def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
                    walletsvc_session_lives: dict) -> Iterator[Sandbox]:
     """``walletsvc_sandbox`` served over HTTP (``.url``; ``.client`` talks HTTP), for code under test
     that makes real requests. Reset before the test, audited after it; settings from the marker."""
-    settings = _marked_settings(request)
-    sandbox = (_made_for(walletsvc_session_lives, settings, _live_sandbox) if settings
-               else walletsvc_session_live)
-    yield sandbox.reset()
-    sandbox.audit()
+    yield from _for_test(request, walletsvc_session_live, walletsvc_session_lives, _live_sandbox)
 
 
 def _pytest_configure(config: Any) -> None:
@@ -6822,11 +6706,10 @@ def _pytest_configure(config: Any) -> None:
 def _pytest_plugin() -> Any:
     """walletsvc's pytest plugin (entry point ``pytest11``): fake wallet backends for tests.
 
-    ``walletsvc_sandbox`` (in process) and ``walletsvc_live`` (on a socket)
-    are made once per session and per xdist worker, reset before each test in
-    about a millisecond and audited after it. ``@pytest.mark.walletsvc(**settings)``
-    gives a test a sandbox with those settings (service or HTTP layer, e.g.
-    ``settlement="manual"``), made once per distinct settings.
+    ``walletsvc_sandbox`` (in process) and ``walletsvc_live`` (on a socket) are made once per session and per
+    xdist worker, reset before each test in about a millisecond and audited after it.
+    ``@pytest.mark.walletsvc(**settings)`` gives a test a sandbox with those settings (service or HTTP layer,
+    e.g. ``settlement="manual"``), made once per distinct settings.
     """
     import types
 
@@ -6861,19 +6744,15 @@ def stored_admin_token(db: Database) -> str:
     return db.write([draw])[0]
 
 
-def _whole_number(minimum: int, maximum: int, name: str = "") -> Callable[[str], int]:
+def _whole_number(minimum: int, maximum: int, name: str) -> Callable[[str], int]:
     """An argparse type: a whole number in [minimum, maximum], or a one-line error naming the range."""
     def convert(text: str) -> int:
         try:
             number = int(text)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from None
-        if name and not minimum <= number <= maximum:
-            raise argparse.ArgumentTypeError(f"{number} is not {name} ({minimum} to {maximum})")
-        if not minimum <= number:
-            raise argparse.ArgumentTypeError(f"{number}: must be at least {minimum}")
-        if not number <= maximum:
-            raise argparse.ArgumentTypeError(f"{number}: must be at most {maximum}")
+        if not minimum <= number <= maximum:
+            raise argparse.ArgumentTypeError(f"{number} is not {name}: at least {minimum}, at most {maximum}")
         return number
     return convert
 
@@ -6890,10 +6769,9 @@ BANNER_WALLETS = 5  # wallets the banner names; it says how many more
 
 
 def demo_instructions(base_url: str, demo: dict, admin_token: str | None, database: str) -> str:
-    """What ``serve --demo`` (or ``--scenario``) prints: one export line with the names every
-    example uses, and examples that paste as printed and sign at the sandbox's clock, whatever it
-    does later: the curl reads it from /healthz first (bash or zsh, curl, openssl and sed: Linux,
-    macOS, WSL)."""
+    """What ``serve --demo`` (or ``--scenario``) prints: one export line with the names every example
+    uses, and examples that paste as printed and sign at the sandbox's clock, whatever it does later: the
+    curl reads it from /healthz first (bash or zsh, curl, openssl and sed: Linux, macOS, WSL)."""
     names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": demo["apiKey"], "WALLETSVC_SECRET": demo["secret"]}
     if admin_token:
         names["WALLETSVC_ADMIN_TOKEN"] = admin_token
@@ -6923,13 +6801,9 @@ print(walletsvc.Client().list_wallets())
 
 def _cell(value: Any) -> str:
     """A value as people write it in a table: lists comma-separated, booleans in lower case."""
-    if value is None:
-        return ""
-    if isinstance(value, bool):
-        return "true" if value else "false"
     if isinstance(value, (list, tuple)):
-        return ", ".join(_cell(item) for item in value)
-    return str(value)
+        return ", ".join(map(_cell, value))
+    return "" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _table(value: Any) -> str:
@@ -6962,11 +6836,8 @@ def _existing(path: str) -> str:
 
 def _on_service(path: str, action: Callable[[WalletService], Any]) -> Any:
     """What ``action`` answers of the database at ``path``, closed after."""
-    svc = WalletService(path)
-    try:
+    with contextlib.closing(WalletService(path)) as svc:
         return action(svc)
-    finally:
-        svc.close()
 
 
 def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], reads_only: bool) -> Callable:
@@ -7021,17 +6892,12 @@ def _serve_command(args: argparse.Namespace) -> int:
     try:  # every request records its nonce: refuse to start on storage that cannot be written
         svc = WalletService(args.db, clock=Clock(), **service_settings)  # controllable over /_admin/clock
         svc.db.check_writable()
-    except FileGone as exc:
+    except sqlite3.DatabaseError as exc:  # (FileGone; unwritable; not a database, or a malformed one)
         _undo_start(svc, made)
-        raise RuntimeError(f"cannot serve {exc}") from exc
-    except sqlite3.OperationalError as exc:
-        _undo_start(svc, made)
-        raise RuntimeError(f"cannot serve {args.db}: {exc} (the database file and its directory must be"
-                           " writable)") from exc
-    except sqlite3.DatabaseError as exc:  # (not a database, or a malformed one)
-        _undo_start(svc, made)
-        raise RuntimeError(f"cannot serve {args.db}: {exc}: restore it from a copy, or serve a new file"
-                           " (--db)") from exc
+        gone, unwritable = isinstance(exc, FileGone), isinstance(exc, sqlite3.OperationalError)
+        raise RuntimeError(f"cannot serve {exc}" if gone else f"cannot serve {args.db}: {exc}" + (
+            " (the database file and its directory must be writable)" if unwritable
+            else ": restore it from a copy, or serve a new file (--db)")) from exc
     try:
         with _progress(f"loading {args.scenario or 'the demo'} into {args.db}"):
             world = start_world(svc, scenario) if scenario else None
@@ -7115,14 +6981,12 @@ def _serve_banner(args: argparse.Namespace, svc: WalletService, settings: dict, 
 def _write_ready_file(path: str, base_url: str, admin_token: str | None, world: list[dict]) -> None:
     """``--ready-file``: what a suite in another language needs, as JSON, written whole (a rename) once
     the socket listens: base URL, port, admin token, the scenario's keys and wallets (and its workspaces)."""
-    keys = [{"apiKey": key["apiKey"], "secret": key["secret"], "scopes": key["scopes"],
-             "workspaceId": key["workspaceId"]}
-            for workspace in world for key in workspace["keys"]]
-    wallets = [{"id": wallet["id"], "name": wallet["name"], "currency": wallet["currency"],
-                "workspaceId": wallet["workspaceId"]}
-               for workspace in world for wallet in workspace["wallets"]]
+    def each(kind: str, *fields: str) -> list[dict]:
+        return [{field: item[field] for field in fields} for workspace in world for item in workspace[kind]]
+
     ready = {"url": base_url, "port": int(base_url.rsplit(":", 1)[1]), "adminToken": admin_token,
-             "keys": keys, "wallets": wallets,
+             "keys": each("keys", "apiKey", "secret", "scopes", "workspaceId"),
+             "wallets": each("wallets", "id", "name", "currency", "workspaceId"),
              "workspaces": [{"id": workspace["id"], "name": workspace["name"]} for workspace in world],
              "version": __version__}
     # Secrets inside: made private (0600) and new (O_EXCL, never through a planted symlink) beside the
@@ -7175,10 +7039,8 @@ def _progress(what: str) -> Iterator[Callable[[str], None]]:
 def _audit_command(args: argparse.Namespace) -> int:
     with _progress(f"auditing {args.db}") as progress:
         violations = _on_service(_existing(args.db), lambda svc: svc.audit(progress))
-    if args.table:
-        print(_table(violations) if violations else "clean: every invariant holds")
-    else:
-        print(json.dumps(violations, indent=2, ensure_ascii=False))
+    print((_table(violations) if violations else "clean: every invariant holds") if args.table
+          else json.dumps(violations, indent=2, ensure_ascii=False))
     return 1 if violations else 0
 
 
@@ -7211,27 +7073,16 @@ def _base_url(given_url: str, parser: argparse.ArgumentParser) -> str:
     return f"{parts.scheme}://{parts.netloc}{_rfc3986(parts.path, '/')}".rstrip("/")
 
 
-def _target(given_url: str, args: argparse.Namespace,
-            parser: argparse.ArgumentParser) -> tuple[str, str, str]:
-    """(base URL, path, query) of ``request`` and ``sign``: the path starts with /, characters RFC 3986
-    does not allow in a URL are percent-encoded (what is sent is what is signed)."""
-    if not args.path.startswith("/"):
-        parser.error(f"the path must start with / (e.g. /{args.path.lstrip('/')})")
-    path, _, query = args.path.partition("?")
-    return _base_url(given_url, parser), _rfc3986(path, "/"), _rfc3986(query, "/?=&")
-
-
-def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str, str]:
-    """The URL, key and secret of ``request`` and ``sign``: given, else WALLETSVC_URL, WALLETSVC_KEY and
-    WALLETSVC_SECRET, else the demo's, said on stderr with the URL (docs/reference.md, walletsvc request
-    and walletsvc sign)."""
-    given = {"url": args.url, "key": args.key, "secret": args.secret}
-    defaults = {"url": ("WALLETSVC_URL", DEMO_URL), "key": ("WALLETSVC_KEY", DEMO_KEY),
-                "secret": ("WALLETSVC_SECRET", DEMO_SECRET)}
-    fell_back = []
-    for name, (variable, demo) in defaults.items():
-        if given[name] is None:
-            given[name] = os.environ.get(variable)
+def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str, str, str, str]:
+    """(base URL, path, query, key, secret) of ``request`` and ``sign``: each given, else WALLETSVC_URL,
+    WALLETSVC_KEY and WALLETSVC_SECRET, else the demo's, said on stderr with the URL (docs/reference.md,
+    walletsvc request and walletsvc sign); the path starts with /, characters RFC 3986 does not allow in a
+    URL are percent-encoded (what is sent is what is signed)."""
+    given, fell_back = {}, []
+    for name, variable, demo in (("url", "WALLETSVC_URL", DEMO_URL), ("key", "WALLETSVC_KEY", DEMO_KEY),
+                                 ("secret", "WALLETSVC_SECRET", DEMO_SECRET)):
+        given[name] = next((value for value in (getattr(args, name), os.environ.get(variable))
+                            if value is not None), None)
         if given[name] is None:
             given[name] = demo
             fell_back.append(variable)
@@ -7240,12 +7091,15 @@ def _credentials(args: argparse.Namespace, parser: argparse.ArgumentParser) -> t
               " (walletsvc serve --demo)", file=sys.stderr)
     if not given["key"] or not given["secret"]:
         parser.error("an API key and secret are needed: --key/--secret or WALLETSVC_KEY/WALLETSVC_SECRET")
-    return given["url"], given["key"], given["secret"]
+    if not args.path.startswith("/"):
+        parser.error(f"the path must start with / (e.g. /{args.path.lstrip('/')})")
+    path, _, query = args.path.partition("?")
+    return (_base_url(given["url"], parser), _rfc3986(path, "/"), _rfc3986(query, "/?=&"), given["key"],
+            given["secret"])
 
 
 def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    given_url, key, secret = _credentials(args, parser)
-    url, path, query = _target(given_url, args, parser)
+    url, path, query, key, secret = _target(args, parser)
     if args.method.upper() in ("POST", "PUT", "PATCH") and args.data is None:
         parser.error(f"{args.method.upper()} needs a JSON body: --data '{{...}}' (the exact bytes sent and"
                      " signed)")
@@ -7258,8 +7112,7 @@ def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
 
 
 def _sign_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
-    given_url, key, secret = _credentials(args, parser)
-    url, path, query = _target(given_url, args, parser)
+    url, path, query, key, secret = _target(args, parser)
     prefix = urllib.parse.urlsplit(url).path  # signed too: it is part of the path sent
     method, body = args.method.upper(), (args.data or "").encode("utf-8")
     try:  # at the server's clock, as every client walletsvc ships (docs/signing.md)
@@ -7269,9 +7122,8 @@ def _sign_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         print(f"walletsvc: {exc}; signed at this machine's clock", file=sys.stderr)
     headers = sign_request(method, prefix + path, body, key, secret, timestamp=stamp)
     if args.format == "curl":  # a whole command, for every method: eval "$(walletsvc sign ... --format curl)"
-        words = ["curl", "-s", "-X", method, url + path + (f"?{query}" if query else "")]
-        for name, value in headers.items():
-            words += ["-H", f"{name}: {value}"]
+        words = ["curl", "-s", "-X", method, url + path + (f"?{query}" if query else ""),
+                 *(word for name, value in headers.items() for word in ("-H", f"{name}: {value}"))]
         if body:
             words += ["-H", "Content-Type: application/json", "--data-raw", args.data]  # (no @file reading)
         print(" ".join(shlex.quote(word) for word in words))
@@ -7285,9 +7137,8 @@ def _rfc3986(text: str, safe: str) -> str:
     return urllib.parse.quote(text, safe=safe + "%:@!$&'()*+,;=-._~")
 
 
-def _leaf(commands: Any, name: str, common: argparse.ArgumentParser, help_text: str,
-          action: Callable[[WalletService, argparse.Namespace], Any],
-          *arguments: str) -> argparse.ArgumentParser:
+def _leaf(common: argparse.ArgumentParser, commands: Any, name: str, help_text: str,
+          action: Callable[[WalletService, argparse.Namespace], Any], *arguments: str) -> Any:
     parser = commands.add_parser(name, parents=[common], help=help_text)
     for argument in arguments:
         parser.add_argument(argument)
@@ -7319,92 +7170,81 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     serve_parser = commands.add_parser("serve", parents=[common], help="serve the API on waitress")
-    serve_parser.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
-    serve_parser.add_argument("--port", type=_whole_number(0, 65535, "a TCP port"), default=8080,
-                              help="port (default 8080; 0 picks one)")
-    serve_parser.add_argument("--workers", type=_whole_number(1, 64), default=1,
-                              help="processes serving one socket and one database: one sandbox (default 1)")
-    serve_parser.add_argument("--threads", type=_whole_number(1, 256), default=SERVE_THREADS,
-                              help=f"waitress worker threads (default {SERVE_THREADS}: the most requests a"
-                                   " second on a few cores)")
-    serve_parser.add_argument("--ready-file", metavar="PATH",
-                              help="once serving, write the URL, port, admin token and the demo's keys and"
-                                   " wallets to PATH as JSON")
+    add = serve_parser.add_argument
+    add("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1)")
+    add("--port", type=_whole_number(0, 65535, "a TCP port"), default=8080,
+        help="port (default 8080; 0 picks one)")
+    add("--workers", type=_whole_number(1, 64, "a worker count"), default=1,
+        help="processes serving one socket and one database: one sandbox (default 1)")
+    add("--threads", type=_whole_number(1, 256, "a thread count"), default=SERVE_THREADS,
+        help=f"waitress worker threads (default {SERVE_THREADS}: the most requests a second on a few"
+             " cores)")
+    add("--ready-file", metavar="PATH",
+        help="once serving, write the URL, port, admin token and the demo's keys and wallets to PATH as"
+             " JSON")
     starts = serve_parser.add_mutually_exclusive_group()
-    starts.add_argument("--demo", action="store_true",
-                        help="start from the built-in scenario once (alice, bob, yen) and print its"
-                             " credentials")
-    starts.add_argument("--scenario", metavar="FILE",
-                        help="start from this scenario (TOML, or JSON for .json) once;"
-                             " docs/sandbox.md, Scenarios")
-    serve_parser.add_argument("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN") or None,
-                              help="enable /_admin/ with this bearer token (1 to 256 characters;"
-                                   " $WALLETSVC_ADMIN_TOKEN, unless empty)")
-    serve_parser.add_argument("--set", action="append", type=_setting_pair, metavar="NAME=VALUE",
-                              help="a setting (docs/reference.md, Settings), e.g. busy_timeout=2; repeatable")
+    starts.add_argument("--demo", action="store_true", help="start from the built-in scenario once (alice,"
+                                                             " bob, yen) and print its credentials")
+    starts.add_argument("--scenario", metavar="FILE", help="start from this scenario (TOML, or JSON for"
+                                                           " .json) once; docs/sandbox.md, Scenarios")
+    add("--admin-token", default=os.environ.get("WALLETSVC_ADMIN_TOKEN") or None,
+        help="enable /_admin/ with this bearer token (1 to 256 characters; $WALLETSVC_ADMIN_TOKEN, unless"
+             " empty)")
+    add("--set", action="append", type=_setting_pair, metavar="NAME=VALUE",
+        help="a setting (docs/reference.md, Settings), e.g. busy_timeout=2; repeatable")
     serve_parser.set_defaults(run=_serve_command)
 
-    verbs = commands.add_parser("workspace", help="create, list, delete workspaces").add_subparsers(
-        dest="verb", required=True)
-    _leaf(verbs, "create", common, "create a workspace", lambda svc, a: svc.create_workspace(a.name), "name")
-    _leaf(verbs, "list", common, "list workspaces", lambda svc, a: svc.list_workspaces())
-    _leaf(verbs, "delete", common, "delete a workspace (its keys answer GA2032)",
-          lambda svc, a: svc.delete_workspace(a.workspace_id) or {"deleted": a.workspace_id}, "workspace_id")
+    leaf = functools.partial(_leaf, common)
 
-    verbs = commands.add_parser("member", help="add, remove, list members").add_subparsers(dest="verb",
-                                                                                         required=True)
-    _leaf(verbs, "add", common, "add a member", lambda svc, a: svc.add_member(a.workspace_id, a.name),
-          "workspace_id", "name")
-    _leaf(verbs, "remove", common, "remove a member (its keys answer GA2034)",
-          lambda svc, a: svc.remove_member(a.workspace_id, a.member_id) or {"removed": a.member_id},
-          "workspace_id", "member_id")
-    _leaf(verbs, "list", common, "list members", lambda svc, a: svc.list_members(a.workspace_id),
-          "workspace_id")
+    def verbs(name: str, help_text: str) -> Any:
+        return commands.add_parser(name, help=help_text).add_subparsers(dest="verb", required=True)
 
-    key = commands.add_parser("key", help="create, list, disable, enable API keys")
-    verbs = key.add_subparsers(dest="verb", required=True)
-    create_key = _leaf(verbs, "create", common, "create a key (prints its secret once)",
-                       lambda svc, a: svc.create_api_key(a.workspace_id, a.scope or SCOPES,
-                                                         member_id=a.member, ip_whitelist=a.ip),
-                       "workspace_id")
+    workspace = verbs("workspace", "create, list, delete workspaces")
+    leaf(workspace, "create", "create a workspace", lambda svc, a: svc.create_workspace(a.name), "name")
+    leaf(workspace, "list", "list workspaces", lambda svc, a: svc.list_workspaces())
+    leaf(workspace, "delete", "delete a workspace (its keys answer GA2032)",
+         lambda svc, a: svc.delete_workspace(a.workspace_id) or {"deleted": a.workspace_id}, "workspace_id")
+
+    member = verbs("member", "add, remove, list members")
+    leaf(member, "add", "add a member", lambda svc, a: svc.add_member(a.workspace_id, a.name),
+         "workspace_id", "name")
+    leaf(member, "remove", "remove a member (its keys answer GA2034)",
+         lambda svc, a: svc.remove_member(a.workspace_id, a.member_id) or {"removed": a.member_id},
+         "workspace_id", "member_id")
+    leaf(member, "list", "list members", lambda svc, a: svc.list_members(a.workspace_id), "workspace_id")
+
+    key = verbs("key", "create, list, disable, enable API keys")
+    create_key = leaf(key, "create", "create a key (prints its secret once)",
+                      lambda svc, a: svc.create_api_key(a.workspace_id, a.scope or SCOPES, member_id=a.member,
+                                                        ip_whitelist=a.ip), "workspace_id")
     create_key.add_argument("--scope", action="append", choices=SCOPES, help="repeatable; default all")
     create_key.add_argument("--ip", action="append", help="whitelisted address or CIDR; repeatable")
     create_key.add_argument("--member", help="member id (default: the workspace owner)")
-    _leaf(verbs, "list", common, "list keys", lambda svc, a: svc.list_api_keys(a.workspace_id),
-          "workspace_id")
-    _leaf(verbs, "disable", common, "disable a key", lambda svc, a: svc.set_api_key_enabled(a.api_key, False),
-          "api_key")
-    _leaf(verbs, "enable", common, "enable a key", lambda svc, a: svc.set_api_key_enabled(a.api_key, True),
-          "api_key")
+    leaf(key, "list", "list keys", lambda svc, a: svc.list_api_keys(a.workspace_id), "workspace_id")
+    for verb, on in (("disable", False), ("enable", True)):
+        leaf(key, verb, f"{verb} a key", lambda svc, a, on=on: svc.set_api_key_enabled(a.api_key, on),
+             "api_key")
 
-    wallet = commands.add_parser("wallet", help="create, list, freeze, unfreeze, close wallets")
-    verbs = wallet.add_subparsers(dest="verb", required=True)
-    create_wallet = _leaf(verbs, "create", common, "create a wallet",
-                          lambda svc, a: svc.create_wallet(a.workspace_id, a.currency, name=a.name),
-                          "workspace_id", "currency")
-    create_wallet.add_argument("--name")
-    _leaf(verbs, "list", common, "list a workspace's wallets",
-          lambda svc, a: (svc.get_workspace(a.workspace_id)
-                          and svc.list_wallets(a.workspace_id, {"size": 100})),
-          "workspace_id")
-    _leaf(verbs, "get", common, "show a wallet", lambda svc, a: svc.get_wallet(a.wallet_id), "wallet_id")
+    wallet = verbs("wallet", "create, list, freeze, unfreeze, close wallets")
+    leaf(wallet, "create", "create a wallet", lambda svc, a: svc.create_wallet(
+        a.workspace_id, a.currency, name=a.name), "workspace_id", "currency").add_argument("--name")
+    leaf(wallet, "list", "list a workspace's wallets", lambda svc, a: svc.get_workspace(a.workspace_id)
+         and svc.list_wallets(a.workspace_id, {"size": 100}), "workspace_id")
+    leaf(wallet, "get", "show a wallet", lambda svc, a: svc.get_wallet(a.wallet_id), "wallet_id")
     for verb, status in (("freeze", WalletStatus.FROZEN), ("unfreeze", WalletStatus.ACTIVE),
                          ("close", WalletStatus.CLOSED)):
-        _leaf(verbs, verb, common, f"set a wallet {status}",
-              lambda svc, a, status=status: svc.set_wallet_status(a.wallet_id, status), "wallet_id")
+        leaf(wallet, verb, f"set a wallet {status}",
+             lambda svc, a, status=status: svc.set_wallet_status(a.wallet_id, status), "wallet_id")
 
-    _leaf(commands, "deposit", common, "deposit money into a wallet",
-          lambda svc, a: svc.deposit(a.wallet_id, a.amount), "wallet_id", "amount")
-    _leaf(commands, "withdraw", common, "withdraw money from a wallet",
-          lambda svc, a: svc.withdraw(a.wallet_id, a.amount), "wallet_id", "amount")
+    for verb, into in (("deposit", "into"), ("withdraw", "from")):
+        leaf(commands, verb, f"{verb} money {into} a wallet",
+             lambda svc, a, verb=verb: getattr(svc, verb)(a.wallet_id, a.amount), "wallet_id", "amount")
 
-    transfer = commands.add_parser("transfer", help="complete or fail PENDING transfer orders")
-    verbs = transfer.add_subparsers(dest="verb", required=True)
+    transfer = verbs("transfer", "complete or fail PENDING transfer orders")
     for verb in ("complete", "fail"):
-        decide = _leaf(verbs, verb, common, f"{verb} a PENDING order",
-                       lambda svc, a, verb=verb: getattr(svc, f"{verb}_transfer")(
-                           a.biz_id, workspace_id=a.workspace), "biz_id")
-        decide.add_argument("--workspace", help="workspace id, when the bizId is used in several")
+        leaf(transfer, verb, f"{verb} a PENDING order", lambda svc, a, verb=verb: getattr(
+            svc, f"{verb}_transfer")(a.biz_id, workspace_id=a.workspace), "biz_id",
+             ).add_argument("--workspace", help="workspace id, when the bizId is used in several")
 
     audit = commands.add_parser("audit", parents=[common],
                                 help="check every ledger invariant; exit status 1 on a violation")
@@ -7416,10 +7256,10 @@ def build_parser() -> argparse.ArgumentParser:
         copying.add_argument("file")
         copying.set_defaults(run=_copy_command)
 
-    reset = _leaf(commands, "reset", common,
-                  "return the sandbox to its starting state (empty when none was saved), in one transaction",
-                  lambda svc, a: svc.reset() or {"reset": a.db})
-    reset.add_argument("--yes", action="store_true", required=True, help="confirm")
+    leaf(commands, "reset",
+         "return the sandbox to its starting state (empty when none was saved), in one transaction",
+         lambda svc, a: svc.reset() or {"reset": a.db}).add_argument("--yes", action="store_true",
+                                                                     required=True, help="confirm")
 
     for name, help_text, runner in (
             ("request", "sign and send a request; print the answer", _request_command),
@@ -7465,21 +7305,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 _CONSOLE_STYLE = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 0; color: #1d2329; background: #f6f7f9; }
 header { display: flex; flex-wrap: wrap; gap: .4em 1.2em; align-items: center; padding: .6em 1.2em;
-         background: #1d2329; color: #fff; position: sticky; top: 0; z-index: 1; }
-header a#faults-on { color: #ffb86b; font-weight: 600; }
-header nav { display: flex; gap: .9em; flex: 1; }
+  background: #1d2329; color: #fff; position: sticky; top: 0; z-index: 1; }
+header a#faults-on { color: #ffb86b; font-weight: 600; } header nav { display: flex; gap: .9em; flex: 1; }
 header a { color: #b9c6d3; text-decoration: none; }
-header a.here { color: #fff; border-bottom: 2px solid #5fb3ff; }
-main { padding: 0 1.2em 2em; } h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
+header a.here { color: #fff; border-bottom: 2px solid #5fb3ff; } main { padding: 0 1.2em 2em; }
+h1 { font-size: 1.3em; } h2 { font-size: 1.1em; margin-top: 1.4em; }
 table { border-collapse: collapse; background: #fff; margin: .4em 0; }
 th, td { border-bottom: 1px solid #e3e6ea; padding: .3em .7em; text-align: left; vertical-align: top; }
 th { background: #eceff3; font-weight: 600; }
-td.num { text-align: right; font-variant-numeric: tabular-nums; }
-tr.pick { cursor: pointer; } tr.pick:hover, tr.picked { background: #eaf4ff; }
-tr.invalid td { color: #a4161a; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; } tr.pick { cursor: pointer; }
+tr.pick:hover, tr.picked { background: #eaf4ff; } tr.invalid td { color: #a4161a; }
 .PENDING { color: #9a6700; } .FAILED { color: #a4161a; } .COMPLETED { color: #1a7f37; }
 pre { background: #fff; border: 1px solid #e3e6ea; padding: .6em; white-space: pre-wrap;
-      word-break: break-all; }
+  word-break: break-all; }
 code { font: 12px ui-monospace, monospace; } .hint { color: #57606a; }
 #message { margin: .5em 1.2em; min-height: 1.4em; } .bad { color: #a4161a; }
 .diagnosis { font-weight: 600; color: #a4161a; }
@@ -7522,19 +7360,14 @@ function show(selector, data, build) {  // rebuilt only when its data changed: c
   shown[selector] = key;
 }
 
-function say(text, bad) {
-  const message = document.getElementById("message");
-  message.textContent = text;
-  message.className = bad ? "bad" : "";
-}
+const say = (text, bad) => Object.assign(document.getElementById("message"),
+                                          {textContent: text, className: bad ? "bad" : ""});
+const failed = error => say(error.message, true);
 
 async function api(method, path, body) {
-  const init = {method, headers: {"X-Console-Csrf": csrf}, credentials: "same-origin", cache: "no-store"};
-  if (body !== undefined) {
-    init.headers["Content-Type"] = "application/json";
-    init.body = JSON.stringify(body);
-  }
-  const reply = await fetch(path, init);
+  const headers = {"X-Console-Csrf": csrf, ...body === undefined ? {} : {"Content-Type": "application/json"}};
+  const reply = await fetch(path, {method, headers, body: JSON.stringify(body), credentials: "same-origin",
+                                   cache: "no-store"});
   if (reply.status === 401) location.reload();  // the session ended: the login form
   const answer = await reply.json();
   if (!answer.success) throw new Error(`${answer.code} ${answer.message}: ${answer.detail}`);
@@ -7542,12 +7375,7 @@ async function api(method, path, body) {
 }
 
 async function act(method, path, body, done) {
-  try {
-    await api(method, path, body);
-    say(done);
-  } catch (error) {
-    say(error.message, true);
-  }
+  await api(method, path, body).then(() => say(done), failed);
   await refresh();
 }
 
@@ -7614,10 +7442,9 @@ async function showJournal() {
   const since = full || !journal.length ? 0 : journal[0].seq;
   const fresh = (await api("GET", `journal?after=${since}&last=50&size=50`)).content.reverse();
   journal = full ? fresh : fresh.concat(journal).slice(0, 50);
-  const entries = journal;
-  show("#journal .data", entries, () => entries.length ? table(
+  show("#journal .data", journal, () => journal.length ? table(
     ["At", "Method", "Path", "Status", "Code", "Verdict", "Elapsed ms"],
-    entries.map(e => el("tr", {class: `pick ${e.signature}`, onclick: () => { openEntry = e; showEntry(); }},
+    journal.map(e => el("tr", {class: `pick ${e.signature}`, onclick: () => { openEntry = e; showEntry(); }},
       cell(e.at), cell(e.method), cell(code(e.path + (e.query ? "?" + e.query : ""))), cell(e.status),
       cell(e.code || "-"), cell(e.signature), cell(e.elapsedMs, "num"))))
     : el("p", {}, "No requests yet: every request to /api/ appears here."));
@@ -7690,105 +7517,75 @@ async function refresh() {
     if (failing) say("");  // the server answers again
     failing = false;
   } catch (error) {
-    say(error.message, true);
+    failed(error);
     failing = true;
   }
 }
 
 for (const action of FAULT_ACTIONS)
   document.querySelector('#fault-form select[name="action"]').append(el("option", {}, action));
-document.getElementById("fault-form").addEventListener("submit", event => {
-  event.preventDefault();
-  try { act("POST", "faults", faultBody(event.target), "Fault rule added."); }
-  catch (error) { say(error.message, true); }
+const on = (id, type, handler) => document.getElementById(id).addEventListener(type, handler);
+const submit = (id, handle) => on(id, "submit", event => { event.preventDefault(); handle(event.target); });
+submit("fault-form", form => {
+  try { act("POST", "faults", faultBody(form), "Fault rule added."); } catch (error) { failed(error); }
 });
-document.getElementById("clock-freeze").addEventListener("click", () =>
-  act("POST", "clock", {freeze: true}, "Clock frozen."));
-document.getElementById("clock-unfreeze").addEventListener("click", () =>
-  act("POST", "clock", {freeze: false}, "Clock running."));
-document.getElementById("clock-advance").addEventListener("submit", event => {
-  event.preventDefault();
-  const seconds = parseFloat(new FormData(event.target).get("advance"));
+on("clock-freeze", "click", () => act("POST", "clock", {freeze: true}, "Clock frozen."));
+on("clock-unfreeze", "click", () => act("POST", "clock", {freeze: false}, "Clock running."));
+submit("clock-advance", form => {
+  const seconds = parseFloat(new FormData(form).get("advance"));
   act("POST", "clock", {advance: seconds}, `Clock advanced by ${seconds} s.`);
 });
-document.getElementById("clock-set").addEventListener("submit", event => {
-  event.preventDefault();
-  const at = new FormData(event.target).get("at").trim();
+submit("clock-set", form => {
+  const at = new FormData(form).get("at").trim();
   act("POST", "clock", {at}, `Clock set to ${at}.`);
 });
-document.getElementById("reset").addEventListener("click", () => {
+on("reset", "click", () => {
   if (!confirm("Reset returns the sandbox to its starting state: what was made since, the journal and "
                + "the fault rules go. Reset?")) return;
-  selectedWallet = openEntry = null;
-  journal = [];
-  journalPolls = 0;
+  selectedWallet = openEntry = null; journal = []; journalPolls = 0;
   showEntry();
   act("POST", "reset", undefined, "Reset: the sandbox is back to its starting state.");
 });
-document.getElementById("logout").addEventListener("click", async () => {
-  try {
-    await api("POST", "console/logout");
-    location.reload();
-  } catch (error) {
-    say(error.message, true);
-  }
-});
+on("logout", "click", () => api("POST", "console/logout").then(() => location.reload(), failed));
 window.addEventListener("hashchange", refresh);
 setInterval(async () => {  // every view is live: the journal within a second of a request
-  if (refreshing) return;
-  refreshing = true;
-  try { await refresh(); } finally { refreshing = false; }
+  if (!refreshing) try { refreshing = true; await refresh(); } finally { refreshing = false; }
 }, 1000);
 refresh();
 """.replace("__FAULT_ACTIONS__", json.dumps(list(FaultAction)))
 
-# The start of both pages, up to what each adds to its head.
-_PAGE_HEAD = """<!doctype html>
-<html lang="en">
-<head>
-<meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-"""
+def _page(title: str, head: str, body: str) -> str:
+    """One of the console's two pages: its head (with ``head`` and the style), then ``body``."""
+    return ('<!doctype html>\n<html lang="en">\n<head>\n<meta charset="utf-8">\n<meta name="viewport"'
+            f' content="width=device-width, initial-scale=1">\n{head}<link rel="icon" href="data:,">\n'
+            f"<title>{title}</title>\n<style>{_CONSOLE_STYLE}</style>\n</head>\n<body>\n{body}</body>\n</html>\n")
 
-_CONSOLE_PAGE = _PAGE_HEAD + """<meta name="csrf" content="__CSRF__">
-<link rel="icon" href="data:,">
-<title>walletsvc console</title>
-<style>""" + _CONSOLE_STYLE + """</style>
-</head>
-<body>
-<header>
+
+_CONSOLE_PAGE = _page("walletsvc console", '<meta name="csrf" content="__CSRF__">\n', """<header>
   <strong>walletsvc console</strong>
   <nav><a href="#wallets">Wallets</a> <a href="#transfers">Transfers</a> <a href="#journal">Journal</a>
-    <a href="#clock">Clock</a> <a href="#faults">Faults</a></nav>
-  <span id="now"></span> <a id="faults-on" href="#faults" hidden></a>
-  <button id="reset" class="danger">Reset</button>
+    <a href="#clock">Clock</a> <a href="#faults">Faults</a></nav> <span id="now"></span>
+  <a id="faults-on" href="#faults" hidden></a> <button id="reset" class="danger">Reset</button>
   <button id="logout">Log out</button>
 </header>
 <p id="message" role="status"></p>
 <main>
-<section id="wallets" hidden><h1>Wallets</h1>
-  <p class="hint">Every workspace's wallets. Click one for its flows.</p>
-  <div class="data"></div><div id="flows"></div></section>
+<section id="wallets" hidden><h1>Wallets</h1><p class="hint">Every workspace's wallets. Click one for its
+  flows.</p><div class="data"></div><div id="flows"></div></section>
 <section id="transfers" hidden><h1>Transfers</h1><p class="hint">Transfer orders, newest first.</p>
   <div class="data"></div></section>
-<section id="journal" hidden><h1>Journal</h1>
-  <p class="hint">Requests to /api/, newest first, live. Click one for its headers, body and signature
-    check.</p>
-  <div class="data"></div><div id="entry"></div></section>
+<section id="journal" hidden><h1>Journal</h1><p class="hint">Requests to /api/, newest first, live. Click one
+  for its headers, body and signature check.</p><div class="data"></div><div id="entry"></div></section>
 <section id="clock" hidden><h1>Clock</h1><div class="data"></div>
   <p><button id="clock-freeze">Freeze</button> <button id="clock-unfreeze">Unfreeze</button></p>
-  <form id="clock-advance"><label>Advance by <input name="advance" type="number" step="any"
-    value="3600"> seconds</label>
-    <button>Advance</button></form>
+  <form id="clock-advance"><label>Advance by <input name="advance" type="number" step="any" value="3600">
+    seconds</label> <button>Advance</button></form>
   <form id="clock-set"><label>Set to <input name="at" placeholder="2030-01-01T00:00:00Z" required></label>
-    (RFC 3339: 2030-01-01T00:00:00Z, or a date)
-    <button>Set</button></form></section>
-<section id="faults" hidden><h1>Faults</h1><div class="data"></div>
-  <h2>Add a rule</h2>
+    (RFC 3339: 2030-01-01T00:00:00Z, or a date) <button>Set</button></form></section>
+<section id="faults" hidden><h1>Faults</h1><div class="data"></div><h2>Add a rule</h2>
   <form id="fault-form">
-    <label>Action <select name="action"></select></label>
-    <label>Method <input name="method" value="*" size="6"></label>
-    <label>Path glob <input name="path" value="/api/v1/*"></label>
+    <label>Action <select name="action"></select></label> <label>Method <input name="method" value="*"
+      size="6"></label> <label>Path glob <input name="path" value="/api/v1/*"></label>
     <label>Code <input name="code" size="8" placeholder="T2001"></label>
     <label>Status <input name="status" type="number" size="4"></label>
     <label>Latency s <input name="latency" type="number" step="any" size="4"></label>
@@ -7796,20 +7593,11 @@ _CONSOLE_PAGE = _PAGE_HEAD + """<meta name="csrf" content="__CSRF__">
     <label>Query <textarea name="query" placeholder='{"size": "5"}'></textarea></label>
     <label>Headers <textarea name="headers" placeholder='{"X-Locale": "zh-CN"}'></textarea></label>
     <label>Body fields <textarea name="body" placeholder='{"amount": "13.00"}'></textarea></label>
-    <button>Add rule</button>
-  </form></section>
+    <button>Add rule</button></form></section>
 </main>
-<script>""" + _CONSOLE_SCRIPT + """</script>
-</body>
-</html>
-"""
+<script>""" + _CONSOLE_SCRIPT + "</script>\n")
 
-_CONSOLE_LOGIN = _PAGE_HEAD + """<link rel="icon" href="data:,">
-<title>walletsvc console: log in</title>
-<style>""" + _CONSOLE_STYLE + """</style>
-</head>
-<body>
-<header><strong>walletsvc console</strong></header>
+_CONSOLE_LOGIN = _page("walletsvc console: log in", "", """<header><strong>walletsvc console</strong></header>
 <main>
 <h1>Log in</h1>
 <form method="post" action="console">
@@ -7821,9 +7609,7 @@ _CONSOLE_LOGIN = _PAGE_HEAD + """<link rel="icon" href="data:,">
 <p class="hint">The admin token is the one <code>walletsvc serve</code> printed, or the one you gave it
 (<code>--admin-token</code>).</p>
 </main>
-</body>
-</html>
-"""
+""")
 
 
 def _csp_source(text: str) -> str:
