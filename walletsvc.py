@@ -2839,7 +2839,8 @@ def _line_of(text: str, scenario: Any, field: str) -> int | None:
 
     def setters(node: Any) -> Iterator[Any]:  # each object that sets the key, in document order
         for name, value in node.items() if isinstance(node, dict) else ():
-            yield from [node] if name == key else ()
+            if name == key:
+                yield node
             yield from setters(value)
         for item in node if isinstance(node, list) else ():
             yield from setters(item)
@@ -4422,8 +4423,9 @@ def negotiate_locale(x_locale: str | None, accept_language: str | None, default:
         return 0.0
 
     for tag in [x_locale or "", *sorted((accept_language or "").split(","), key=weight)]:
-        if tag.strip().lower().startswith(("zh", "en")):
-            return "zh-CN" if tag.strip().lower().startswith("zh") else "en-US"
+        language = tag.strip()[:2].lower()
+        if language in ("zh", "en"):
+            return "zh-CN" if language == "zh" else "en-US"
     return default
 
 
