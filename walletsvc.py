@@ -1783,13 +1783,6 @@ def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest
     return PageRequest(number, size, tuple(order) or (("created_at", "DESC"),))
 
 
-def filter_choice(query: Query, name: str, choices: Sequence[str]) -> str | None:
-    value = first(query, name)
-    if value is not None and value not in choices:
-        raise invalid(name, "one_of", choices=", ".join(choices))
-    return value
-
-
 def filter_time(query: Query, name: str) -> int | None:
     value = first(query, name)
     if value is None:
@@ -1808,12 +1801,16 @@ class ListFilter:
     clauses: tuple[str, ...]
     read: Callable[[Query, str], tuple]
     choices: tuple[str, ...] = ()
-    counted: bool = False  # the triggers keep a count per value (ListQuery.where)
+    counted: bool = False  # the triggers keep a count per value (``counter:value``, ListQuery.total)
 
     @classmethod
     def one_of(cls, column: str, choices: Sequence[str], *, counted: bool = False) -> ListFilter:
-        return cls((f"{column} = ?",), lambda query, name: (filter_choice(query, name, choices),),
-                   tuple(choices), counted)
+        def read(query: Query, name: str) -> tuple:
+            value = first(query, name)
+            if value is not None and value not in choices:
+                raise invalid(name, "one_of", choices=", ".join(choices))
+            return (value,)
+        return cls((f"{column} = ?",), read, tuple(choices), counted)
 
 
 FROM_FILTER = ListFilter(("created_at >= ?",), lambda query, name: (filter_time(query, name),))
@@ -1822,7 +1819,7 @@ TO_FILTER = ListFilter(("created_at < ?",), lambda query, name: (filter_time(que
 
 class ListQuery:
     """One list's query, built one way: the rows of ``table`` an owner holds (in any of ``columns``), narrowed
-    by ``where``, counted (``total``), one page ordered and cut (``page``)."""
+    by ``narrow``, counted (``total``), one page ordered and cut (``page``)."""
 
     def __init__(self, table: str, owner_id: str, *columns: str, counter: str | None = None) -> None:
         self.table, self.owner_id, self.columns, self.counter = table, owner_id, columns, counter
@@ -1835,19 +1832,14 @@ class ListQuery:
         """Keep the rows each filter given in ``query`` keeps (a wrong value: S012 naming it)."""
         for name, list_filter in filters.items():
             for clause, value in zip(list_filter.clauses, list_filter.read(query, name), strict=True):
-                self.where(clause, value, counted=list_filter.counted)
-
-    def where(self, clause: str, value: Any, *, counted: bool = False) -> None:
-        """Keep the rows that match ``clause`` (one ?) for ``value``; a value of None filters nothing.
-        ``counted``: the triggers keep a count per value of this filter (``counter:value``)."""
-        if value is None:
-            return
-        self.clauses.append(clause)
-        self.params.append(value)
-        if counted:
-            self.counted.append(str(value))
-        else:
-            self.uncounted = True
+                if value is None:
+                    continue
+                self.clauses.append(clause)
+                self.params.append(value)
+                if list_filter.counted:
+                    self.counted.append(str(value))
+                else:
+                    self.uncounted = True
 
     def select(self) -> tuple[str, list]:
         """The matching rows as SQL and its parameters: a SELECT per owner column, merged by
