@@ -330,11 +330,6 @@ class InvalidParameter(WalletError):
     messages = ("Invalid parameter '{field}': {reason}.", "参数 '{field}' 无效：{reason_zh}。")
 
 
-class NotFound(WalletError):
-    code, name, status = "S404", "NOT_FOUND", 404
-    messages = ("No such {thing}.", "{thing_zh}不存在。")
-
-
 class Unauthorized(WalletError):
     code, name, status = "S401", "UNAUTHORIZED", 401
     messages = ("The admin surface needs Authorization: Bearer <admin token>.",
@@ -345,6 +340,11 @@ class CrossSiteRefused(WalletError):
     code, name, status = "S403", "FORBIDDEN", 403
     messages = ("A console session authorizes only the console page's own requests (X-Console-Csrf).",
                 "控制台会话只授权控制台页面本身的请求（X-Console-Csrf）。")
+
+
+class NotFound(WalletError):
+    code, name, status = "S404", "NOT_FOUND", 404
+    messages = ("No such {thing}.", "{thing_zh}不存在。")
 
 
 class MethodNotAllowed(WalletError):
@@ -409,13 +409,7 @@ class IdempotencyConflict(WalletError):
                 "bizId {biz_id} 已用于参数不同的请求。")
 
 
-ERRORS = (
-    ApiKeyMissing, ApiKeyNotFound, ApiKeyDisabled, WorkspaceNotFound, NotWorkspaceMember,
-    RequestExpired, SignatureInvalid, IpNotWhitelisted, ScopeRequired, ApiAccessDenied,
-    InvalidParameter, Unauthorized, CrossSiteRefused, NotFound, MethodNotAllowed, PayloadTooLarge,
-    UnsupportedMediaType, InternalError, ServiceBusy, WalletNotFound, WalletNotActive, TransferNotFound,
-    InsufficientBalance, CurrencyMismatch, SameWallet, IdempotencyConflict,
-)
+ERRORS = tuple(WalletError.__subclasses__())  # the catalog: every class above, in its order
 
 ERRORS_BY_CODE: Mapping[str, type[WalletError]] = {error.code: error for error in ERRORS}
 
