@@ -253,10 +253,14 @@ class WalletError(Exception):
     """Root of every error walletsvc raises on purpose: the catalog's ``code``, ``name`` and ``status``, and
     ``detail(locale)``, the envelope's sentence in each locale (docs/reference.md, Error catalog)."""
 
-    code = "S500"
-    name = "INTERNAL_ERROR"
-    status = 500
+    code, name, status = "S500", "INTERNAL_ERROR", 500
     messages = ("An unexpected error occurred.", "服务器发生意外错误。")
+
+    def __init_subclass__(cls, code: str = "", name: str = "", status: int = 0) -> None:
+        """A subclass's catalog entry, given on its class line (none: the root's S500, as InternalError)."""
+        super().__init_subclass__()
+        if code:
+            cls.code, cls.name, cls.status = code, name, status
 
     def __init__(self, extra: str | None = None, *, text: str | None = None, zh_extra: str | None = None,
                  **params: Any) -> None:
@@ -275,90 +279,73 @@ class WalletError(Exception):
         return f"{text} {extra}" if extra else text
 
 
-class ApiKeyMissing(WalletError):
-    code, name, status = "GA2001", "API_KEY_MISSING", 401
+class ApiKeyMissing(WalletError, code="GA2001", name="API_KEY_MISSING", status=401):
     messages = ("The X-Api-Key header is missing.", "缺少 X-Api-Key 请求头。")
 
 
-class ApiKeyNotFound(WalletError):
-    code, name, status = "GA2011", "API_KEY_NOT_FOUND", 401
+class ApiKeyNotFound(WalletError, code="GA2011", name="API_KEY_NOT_FOUND", status=401):
     messages = ("The API key does not exist.", "API 密钥不存在。")
 
 
-class ApiKeyDisabled(WalletError):
-    code, name, status = "GA2021", "API_KEY_DISABLED", 403
+class ApiKeyDisabled(WalletError, code="GA2021", name="API_KEY_DISABLED", status=403):
     messages = ("The API key has been disabled.", "API 密钥已被停用。")
 
 
-class WorkspaceNotFound(WalletError):
-    code, name, status = "GA2032", "WORKSPACE_NOT_FOUND", 404
+class WorkspaceNotFound(WalletError, code="GA2032", name="WORKSPACE_NOT_FOUND", status=404):
     messages = ("The workspace does not exist.", "工作空间不存在。")
 
 
-class NotWorkspaceMember(WalletError):
-    code, name, status = "GA2034", "NOT_WORKSPACE_MEMBER", 403
+class NotWorkspaceMember(WalletError, code="GA2034", name="NOT_WORKSPACE_MEMBER", status=403):
     messages = ("The key's member no longer belongs to the workspace.", "该密钥所属成员已不在工作空间中。")
 
 
-class RequestExpired(WalletError):
-    code, name, status = "GA2013", "REQUEST_EXPIRED", 401
+class RequestExpired(WalletError, code="GA2013", name="REQUEST_EXPIRED", status=401):
     messages = ("{reason}", "{reason_zh}")
 
 
-class SignatureInvalid(WalletError):
-    code, name, status = "GA2012", "SIGNATURE_INVALID", 401
+class SignatureInvalid(WalletError, code="GA2012", name="SIGNATURE_INVALID", status=401):
     messages = ("The request signature is invalid.", "请求签名无效。")
 
 
-class IpNotWhitelisted(WalletError):
-    code, name, status = "GA2022", "IP_NOT_WHITELISTED", 403
+class IpNotWhitelisted(WalletError, code="GA2022", name="IP_NOT_WHITELISTED", status=403):
     messages = ("The client IP address is not in the key's whitelist.", "客户端 IP 地址不在密钥的白名单中。")
 
 
-class ScopeRequired(WalletError):
-    code, name, status = "GA2024", "SCOPE_REQUIRED", 403
+class ScopeRequired(WalletError, code="GA2024", name="SCOPE_REQUIRED", status=403):
     messages = ("The API key lacks the scope {scope}.", "API 密钥缺少权限范围 {scope}。")
 
 
-class ApiAccessDenied(WalletError):
-    code, name, status = "50090201", "API_ACCESS_DENIED", 403
+class ApiAccessDenied(WalletError, code="50090201", name="API_ACCESS_DENIED", status=403):
     messages = ("Not open to API keys (deny by default).", "不对 API 密钥开放（默认拒绝）。")
 
 
-class InvalidParameter(WalletError):
-    code, name, status = "S012", "INVALID_PARAMETER", 400
+class InvalidParameter(WalletError, code="S012", name="INVALID_PARAMETER", status=400):
     messages = ("Invalid parameter '{field}': {reason}.", "参数 '{field}' 无效：{reason_zh}。")
 
 
-class Unauthorized(WalletError):
-    code, name, status = "S401", "UNAUTHORIZED", 401
+class Unauthorized(WalletError, code="S401", name="UNAUTHORIZED", status=401):
     messages = ("The admin surface needs Authorization: Bearer <admin token>.",
                 "管理接口需要 Authorization: Bearer <管理令牌>。")
 
 
-class CrossSiteRefused(WalletError):
-    code, name, status = "S403", "FORBIDDEN", 403
+class CrossSiteRefused(WalletError, code="S403", name="FORBIDDEN", status=403):
     messages = ("A console session authorizes only the console page's own requests (X-Console-Csrf).",
                 "控制台会话只授权控制台页面本身的请求（X-Console-Csrf）。")
 
 
-class NotFound(WalletError):
-    code, name, status = "S404", "NOT_FOUND", 404
+class NotFound(WalletError, code="S404", name="NOT_FOUND", status=404):
     messages = ("No such {thing}.", "{thing_zh}不存在。")
 
 
-class MethodNotAllowed(WalletError):
-    code, name, status = "S405", "METHOD_NOT_ALLOWED", 405
+class MethodNotAllowed(WalletError, code="S405", name="METHOD_NOT_ALLOWED", status=405):
     messages = ("This method is not allowed on this path.", "该路径不支持此请求方法。")
 
 
-class PayloadTooLarge(WalletError):
-    code, name, status = "S413", "PAYLOAD_TOO_LARGE", 413
+class PayloadTooLarge(WalletError, code="S413", name="PAYLOAD_TOO_LARGE", status=413):
     messages = ("The request body exceeds {limit} bytes.", "请求体超过 {limit} 字节。")
 
 
-class UnsupportedMediaType(WalletError):
-    code, name, status = "S415", "UNSUPPORTED_MEDIA_TYPE", 415
+class UnsupportedMediaType(WalletError, code="S415", name="UNSUPPORTED_MEDIA_TYPE", status=415):
     messages = ("The request body must be application/json.", "请求体必须是 application/json。")
 
 
@@ -366,45 +353,37 @@ class InternalError(WalletError):
     pass
 
 
-class ServiceBusy(WalletError):
-    code, name, status = "S503", "SERVICE_BUSY", 503
+class ServiceBusy(WalletError, code="S503", name="SERVICE_BUSY", status=503):
     messages = ("The database is busy or unavailable; retry later.", "数据库繁忙或不可用，请稍后重试。")
 
 
-class WalletNotFound(WalletError):
-    code, name, status = "W1001", "WALLET_NOT_FOUND", 404
+class WalletNotFound(WalletError, code="W1001", name="WALLET_NOT_FOUND", status=404):
     messages = ("Wallet {wallet_id} does not exist.", "钱包 {wallet_id} 不存在。")
 
 
-class WalletNotActive(WalletError):
-    code, name, status = "W1002", "WALLET_NOT_ACTIVE", 422
+class WalletNotActive(WalletError, code="W1002", name="WALLET_NOT_ACTIVE", status=422):
     messages = ("Wallet {wallet_id} is {state}.", "钱包 {wallet_id} 的状态为 {state}。")
 
 
-class TransferNotFound(WalletError):
-    code, name, status = "T1001", "TRANSFER_NOT_FOUND", 404
+class TransferNotFound(WalletError, code="T1001", name="TRANSFER_NOT_FOUND", status=404):
     messages = ("Transfer order {biz_id} does not exist.", "转账订单 {biz_id} 不存在。")
 
 
-class InsufficientBalance(WalletError):
-    code, name, status = "T2001", "INSUFFICIENT_BALANCE", 422
+class InsufficientBalance(WalletError, code="T2001", name="INSUFFICIENT_BALANCE", status=422):
     messages = ("The available balance of wallet {wallet_id} is below the amount.",
                 "钱包 {wallet_id} 的可用余额不足。")
 
 
-class CurrencyMismatch(WalletError):
-    code, name, status = "T2002", "CURRENCY_MISMATCH", 422
+class CurrencyMismatch(WalletError, code="T2002", name="CURRENCY_MISMATCH", status=422):
     messages = ("Wallet {wallet_id} holds {wallet_currency}, not {currency}.",
                 "钱包 {wallet_id} 的币种是 {wallet_currency}，不是 {currency}。")
 
 
-class SameWallet(WalletError):
-    code, name, status = "T2003", "SAME_WALLET", 422
+class SameWallet(WalletError, code="T2003", name="SAME_WALLET", status=422):
     messages = ("The source and target wallets are the same.", "转出和转入钱包相同。")
 
 
-class IdempotencyConflict(WalletError):
-    code, name, status = "T2004", "IDEMPOTENCY_CONFLICT", 409
+class IdempotencyConflict(WalletError, code="T2004", name="IDEMPOTENCY_CONFLICT", status=409):
     messages = ("bizId {biz_id} was already used with different parameters.",
                 "bizId {biz_id} 已用于参数不同的请求。")
 
