@@ -197,10 +197,9 @@ def _ip_patterns() -> tuple[str, str]:
     ipv4 = rf"{octet}(\.{octet}){{3}}"
     h16 = "[0-9a-fA-F]{1,4}"
     ls32 = f"({h16}:{h16}|{ipv4})"
-    forms = [f"({h16}:){{6}}{ls32}", f"::({h16}:){{5}}{ls32}"]
-    for before, after in ((0, 4), (1, 3), (2, 2), (3, 1), (4, 0)):
-        forms.append(f"(({h16}:){{0,{before}}}{h16})?::({h16}:){{{after}}}{ls32}")
-    forms += [f"(({h16}:){{0,5}}{h16})?::{h16}", f"(({h16}:){{0,6}}{h16})?::"]
+    forms = [f"({h16}:){{6}}{ls32}", f"::({h16}:){{5}}{ls32}",
+             *(f"(({h16}:){{0,{before}}}{h16})?::({h16}:){{{4 - before}}}{ls32}" for before in range(5)),
+             f"(({h16}:){{0,5}}{h16})?::{h16}", f"(({h16}:){{0,6}}{h16})?::"]
     return ipv4, "(" + "|".join(forms) + ")"
 
 
