@@ -789,28 +789,25 @@ def _schema_sql() -> str:
     raise RuntimeError("schema.sql is missing from the walletsvc installation")
 
 
-@functools.lru_cache(maxsize=1)
-def schema_version() -> int:
-    """The schema version schema.sql makes (its schema_version row): the one place it is written."""
-    with contextlib.closing(sqlite3.connect(":memory:")) as conn:
-        conn.deserialize(_schema_image())
-        return conn.execute("SELECT version FROM schema_version").fetchone()[0]
-
-
-@functools.lru_cache(maxsize=1)
-def _schema_image() -> bytes:
-    """An empty database with the schema applied, serialized (immutable, made once)."""
-    with contextlib.closing(sqlite3.connect(":memory:", isolation_level=None)) as conn:
-        conn.executescript(_schema_sql())
-        return conn.serialize()
-
-
 def _version_of(conn: sqlite3.Connection) -> int | None:
     try:
         row = conn.execute("SELECT version FROM schema_version").fetchone()
     except sqlite3.OperationalError:  # (no such table: a new file)
         return None
     return row[0] if row else None
+
+
+@functools.lru_cache(maxsize=1)
+def _schema_image() -> tuple[bytes, int]:
+    """An empty database with the schema applied, serialized (immutable, made once), and its version."""
+    with contextlib.closing(sqlite3.connect(":memory:", isolation_level=None)) as conn:
+        conn.executescript(_schema_sql())
+        return conn.serialize(), _version_of(conn)
+
+
+def schema_version() -> int:
+    """The schema version schema.sql makes (its schema_version row): the one place it is written."""
+    return _schema_image()[1]
 
 
 def _upgrade_schema(conn: sqlite3.Connection) -> None:
@@ -1145,7 +1142,7 @@ class Database:
         """Make or upgrade the schema (one unit through ``write``), or check the version it has."""
         with self.connection() as conn:
             if self.memory:  # a copy of a ready-made image: 10x faster than running the script
-                conn.deserialize(_schema_image())
+                conn.deserialize(_schema_image()[0])
             version = _version_of(conn)
         if version is None or 4 <= version < schema_version():  # (4: the first released)
             # (no sync: a power cut only undoes it, and the next open does it again)
@@ -1434,11 +1431,6 @@ def canonical_message(method: str, path: str | bytes, timestamp: str, nonce: str
                        nonce.encode("ascii"), body_sha256.encode("ascii")))
 
 
-def compute_signature(secret: str, message: bytes) -> str:
-    """Base64 of HMAC-SHA256(secret, message): what X-Signature carries."""
-    return base64.b64encode(hmac.digest(secret.encode("utf-8"), message, "sha256")).decode("ascii")
-
-
 def sign_request(method: str, path: str, body: bytes | str | None, api_key: str, secret: str, *,
                  timestamp: int | None = None, nonce: str | None = None) -> dict[str, str]:
     """The four authentication headers for one request (docs/contract.md, Signing): ``path`` without the
@@ -1448,8 +1440,9 @@ def sign_request(method: str, path: str, body: bytes | str | None, api_key: str,
     timestamp_text = str(int(time.time()) if timestamp is None else timestamp)
     nonce = nonce or str(uuid.uuid4())
     message = canonical_message(method, path.split("?", 1)[0], timestamp_text, nonce, body_hash(body or b""))
+    signature = hmac.digest(secret.encode("utf-8"), message, "sha256")
     return {"X-Api-Key": api_key, "X-Timestamp": timestamp_text, "X-Nonce": nonce,
-            "X-Signature": compute_signature(secret, message)}
+            "X-Signature": base64.b64encode(signature).decode("ascii")}
 
 
 class Diagnosis(NamedTuple):
