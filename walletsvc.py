@@ -233,8 +233,6 @@ _NONCE = re.compile(r"[!-~]{1,128}")  # printable ASCII, no whitespace
 
 
 _JSON = json.JSONEncoder(ensure_ascii=False, separators=(",", ":"))
-
-
 # A JSON value's type, as a schema names it (bool is not a number in JSON).
 _JSON_TYPES: dict[str, Callable[[Any], bool]] = {
     "string": lambda value: isinstance(value, str),
@@ -736,8 +734,6 @@ def parse_time(text: str) -> int | None:
 
 
 CLOCK_RANGE = (0.0, 253402300799.0)  # epoch seconds a datetime can hold: 1970-01-01 to 9999-12-31
-
-
 MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is taken for milliseconds
 
 
@@ -1050,10 +1046,8 @@ class Database:
     connection per thread and process (``:memory:``: one, locked); only the leader waits for others."""
 
     def __init__(self, path: str, busy_timeout: float = 5.0, synchronous: str = "FULL") -> None:
-        self.path = path
+        self.path, self.busy_timeout, self.synchronous = path, busy_timeout, synchronous
         self.memory = path == ":memory:"
-        self.busy_timeout = busy_timeout
-        self.synchronous = synchronous
         self._local = threading.local()
         self._held: weakref.WeakSet[_Held] = weakref.WeakSet()  # every thread's read connection
         self._lock = threading.RLock() if self.memory else contextlib.nullcontext()
@@ -1841,9 +1835,8 @@ def page_response(items: list, request: PageRequest, total: int) -> dict:
 # The ledger's invariants ######################################################
 ###############################################################################
 
-# The ledger's invariants, each a query returning the rows that break it
-# (WalletService.audit): (check, detail template over the row, SQL). Sums of money are
-# exact_sum's, as decimal text: ten wallets of 10^18 minor units sum past SQLite's integers.
+# Each a query returning the rows that break it (WalletService.audit): (check, detail template over the row,
+# SQL). Sums of money are exact_sum's, decimal text: ten wallets of 10^18 minor units pass SQLite's integers.
 _SIGNED_FLOW = "CASE f.direction WHEN 'CREDIT' THEN f.amount ELSE -f.amount END"
 _AUDITS = (
     ("conservation", "{currency}: deposits - withdrawals = {external}, balances sum to {balances}",
