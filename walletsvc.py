@@ -261,8 +261,7 @@ class WalletError(Exception):
 
     def __init__(self, extra: str | None = None, *, text: str | None = None, zh_extra: str | None = None,
                  **params: Any) -> None:
-        self.params = params
-        self.extra = extra
+        self.params, self.extra = params, extra
         self.zh_extra = zh_extra if zh_extra is not None else extra
         self.text = text  # a detail already rendered (by a server, for the client)
         super().__init__(self.detail("en-US"))
@@ -512,9 +511,6 @@ def _boolean(value: Any) -> bool:
     return bool(value)
 
 
-ID_SEEDS = (0, 2**63 - 1)  # the seeds of deterministic ids: the id_seed setting's and POST /_admin/ids's
-
-
 def _optional_str(value: Any) -> str | None:
     """None, or 1 to 256 characters: an empty string is refused, never taken for "unset"."""
     if value is None:
@@ -540,6 +536,7 @@ def _one_of(*choices: str) -> Callable[[Any], str]:
 
 # The journal of `walletsvc serve` and the pytest sandbox (an embedded service keeps none).
 SANDBOX_JOURNAL_SIZE = 1000
+ID_SEEDS = (0, 2**63 - 1)  # the seeds of deterministic ids: the id_seed setting's and POST /_admin/ids's
 
 # Who reads each setting: the service (WalletService) or the HTTP layer (create_app).
 LAYERS = {"service": "WalletService(path, **settings)", "http": "create_app(svc, **settings)"}
@@ -615,14 +612,12 @@ _EXPONENT_0 = "BIF CLP DJF GNF ISK JPY KMF KRW PYG RWF UGX UYI VND VUV XAF XOF X
 _EXPONENT_3 = "BHD IQD JOD KWD LYD OMR TND"
 _EXPONENT_4 = "CLF UYW"
 _EXPONENT_2 = (
-    "AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BMD BND BOB BOV BRL BSD BTN "
-    "BWP BYN BZD CAD CDF CHE CHF CHW CNY COP COU CRC CUP CVE CZK DKK DOP DZD EGP ERN ETB "
-    "EUR FJD FKP GBP GEL GHS GIP GMD GTQ GYD HKD HNL HTG HUF IDR ILS INR IRR JMD KES KGS "
-    "KHR KPW KYD KZT LAK LBP LKR LRD LSL MAD MDL MGA MKD MMK MNT MOP MRU MUR MVR MWK MXN "
-    "MXV MYR MZN NAD NGN NIO NOK NPR NZD PAB PEN PGK PHP PKR PLN QAR RON RSD RUB SAR SBD "
-    "SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS TMT TOP TRY TTD TWD TZS "
-    "UAH USD USN UYU UZS VED VES WST XCD XCG YER ZAR ZMW ZWG"
-)
+    "AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BMD BND BOB BOV BRL BSD BTN BWP BYN BZD CAD CDF "
+    "CHE CHF CHW CNY COP COU CRC CUP CVE CZK DKK DOP DZD EGP ERN ETB EUR FJD FKP GBP GEL GHS GIP GMD GTQ GYD "
+    "HKD HNL HTG HUF IDR ILS INR IRR JMD KES KGS KHR KPW KYD KZT LAK LBP LKR LRD LSL MAD MDL MGA MKD MMK MNT "
+    "MOP MRU MUR MVR MWK MXN MXV MYR MZN NAD NGN NIO NOK NPR NZD PAB PEN PGK PHP PKR PLN QAR RON RSD RUB SAR "
+    "SBD SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS TMT TOP TRY TTD TWD TZS UAH USD USN UYU "
+    "UZS VED VES WST XCD XCG YER ZAR ZMW ZWG")
 CURRENCY_EXPONENTS: Mapping[str, int] = {code: exponent for exponent, codes in (
     (0, _EXPONENT_0), (2, _EXPONENT_2), (3, _EXPONENT_3), (4, _EXPONENT_4)) for code in codes.split()}
 _AMOUNT_FORMATS = {code: (10**exponent, f"%d.%0{exponent}d" if exponent else "%d")
@@ -836,7 +831,6 @@ def _error_name(exc: BaseException) -> str:
 
 
 def _is_locked(exc: sqlite3.Error) -> bool:
-    """Whether SQLite refused because another connection holds the lock (try again later)."""
     return _error_name(exc).startswith(_LOCKED)
 
 
@@ -1330,7 +1324,6 @@ class Database:
         return min(getattr(self._local, "patience", None) or self.busy_timeout, self.busy_timeout)
 
     def one(self, sql: str, params: Sequence = ()) -> sqlite3.Row | None:
-        """The first row of one read statement, or None."""
         with self.connection() as conn:
             return conn.execute(sql, params).fetchone()
 
@@ -1817,7 +1810,6 @@ class ListQuery:
         return conn.execute(f"SELECT count(*) FROM ({sql})", params).fetchone()[0]
 
     def page(self, conn: sqlite3.Connection, page: PageRequest, total: int) -> list:
-        """The rows of ``page``, in its order."""
         if page.offset >= total:  # past the last page: no query, no OFFSET overflow
             return []
         sql, params = self.select()
