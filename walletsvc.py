@@ -191,8 +191,9 @@ _ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")  # a bizId, or an id a scenario fixes
 ID_MAX = 64  # characters of a wallet id a request may name
 
 
-def _ip_patterns() -> tuple[str, str]:
-    """IPv4 (dotted quad, no leading zero) and IPv6 (RFC 3986's IPv6address) as regexes."""
+def _network_pattern() -> str:
+    """An IP whitelist's or trusted proxy's entry as a regex: an address, IPv4 (dotted quad, no leading
+    zero) or IPv6 (RFC 3986's IPv6address), or a CIDR block (address/prefix length)."""
     octet = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
     ipv4 = rf"{octet}(\.{octet}){{3}}"
     h16 = "[0-9a-fA-F]{1,4}"
@@ -200,12 +201,10 @@ def _ip_patterns() -> tuple[str, str]:
     forms = [f"({h16}:){{6}}{ls32}", f"::({h16}:){{5}}{ls32}",
              *(f"(({h16}:){{0,{before}}}{h16})?::({h16}:){{{4 - before}}}{ls32}" for before in range(5)),
              f"(({h16}:){{0,5}}{h16})?::{h16}", f"(({h16}:){{0,6}}{h16})?::"]
-    return ipv4, "(" + "|".join(forms) + ")"
+    return f"({ipv4}(/(3[0-2]|[12]?[0-9]))?|({'|'.join(forms)})(/(12[0-8]|1[01][0-9]|[1-9]?[0-9]))?)"
 
 
-_IPV4, _IPV6 = _ip_patterns()
-# An IP whitelist's or trusted proxy's entry: an address, or a CIDR block (address/prefix length).
-NETWORK_PATTERN = f"({_IPV4}(/(3[0-2]|[12]?[0-9]))?|{_IPV6}(/(12[0-8]|1[01][0-9]|[1-9]?[0-9]))?)"
+NETWORK_PATTERN = _network_pattern()
 _NETWORK = re.compile(NETWORK_PATTERN)
 
 
