@@ -858,8 +858,7 @@ class _ExactSum:
         self.total = 0
 
     def step(self, value: int | None) -> None:
-        if value is not None:
-            self.total += value
+        self.total += 0 if value is None else value
 
     def finalize(self) -> str:
         return str(self.total)
@@ -927,7 +926,7 @@ class DatabaseFile:
             except OSError:
                 return
             holders = [_lock_holders(locks, path + suffix) for suffix in ("", "-shm")]
-            lost = next(iter(sorted(holders[0] - holders[1] - {os.getpid()})), None)
+            lost = min(holders[0] - holders[1] - {os.getpid()}, default=None)
             if lost is None:
                 return
             time.sleep(0.01)
@@ -1102,11 +1101,11 @@ class Database:
                                "内容。")
         return ServiceBusy() if _is_busy(exc) else None
 
-    def _connect(self, uri_mode: str = "rw") -> sqlite3.Connection:
+    def _connect(self) -> sqlite3.Connection:
         target, uri = self.path, False
         if self.file is not None:  # made: a thread opening it later must not make a new empty file there
             self.file.check()  # nor open another file put there (its -wal would be this one's)
-            target, uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode={uri_mode}", True
+            target, uri = f"file:{urllib.parse.quote(os.path.abspath(self.path))}?mode=rw", True
         conn = sqlite3.connect(target, timeout=self.busy_timeout, isolation_level=None,
                                check_same_thread=False, uri=uri)
         self._prepare_connection(conn)
@@ -1297,7 +1296,7 @@ class Database:
         if self.memory:
             with self.connection() as conn:
                 return conn
-        durable = durable and self.synchronous.upper() not in ("NORMAL", "OFF", "0", "1")
+        durable = durable and self.synchronous != "NORMAL"  # (the setting is FULL or NORMAL)
         if not durable:  # the leader's own connection: its cache stays warm for its reads (measured: 30 us)
             with self.connection() as conn:
                 if not conn.in_transaction:  # (else a read of this thread is under way: a writer of its own)
