@@ -2173,8 +2173,7 @@ class Journal:
         listing the closest entries and what differed, as WireMock does."""
         __tracebackhide__ = True  # pytest shows the test's line, not walletsvc's frames
         calls = self.entries(method, path, **criteria)
-        if never:
-            times = 0
+        times = 0 if never else times
         if times is not None:
             passed, wanted = len(calls) == times, f"{times} time(s)"
         else:
@@ -2340,8 +2339,7 @@ class Faults:
                 raise invalid("faults", "too_many", maximum=self.MAX_RULES)
             conn.execute("INSERT INTO fault_rules (id, rule, times) VALUES (?, ?, ?)",
                          (number, json.dumps(rule), times))
-            conn.execute("UPDATE sandbox SET fault_rules = fault_rules + 1, fault_next = ?,"
-                         " fault_version = fault_version + 1", (number,))
+            self.changed(conn)
             return number
         number = self.db.write([add], durable=False)[0]
         return {"id": f"fault_{number}", **rule, "fired": 0}
@@ -2381,8 +2379,7 @@ class Faults:
             if not number.isdigit() or not conn.execute("DELETE FROM fault_rules WHERE id = ?",
                                                         (int(number[:18]),)).rowcount:
                 raise not_found("fault rule")
-            conn.execute("UPDATE sandbox SET fault_rules = fault_rules - 1,"
-                         " fault_version = fault_version + 1")
+            self.changed(conn)
         self.db.write([remove], durable=False)
 
     def clear(self) -> None:
@@ -2870,8 +2867,7 @@ class IdSequence:
     __slots__ = ("drawn", "first", "high", "low", "now", "seed")
 
     def __init__(self, conn: sqlite3.Connection, last_id: str, now: int) -> None:
-        """The ids of ``conn``'s write transaction, sorting after ``last_id``, at ``now`` (ms); the seed
-        is the one kept in the database's sandbox row (the ``id_seed`` setting, ``seed_ids``)."""
+        """At ``now`` (ms), after ``last_id``; the seed as the sandbox row keeps it (``seed_ids``)."""
         self.high, self.low = (int(last_id[-32:-20], 16), int(last_id[-20:], 16)) if last_id else (0, 0)
         self.seed, self.drawn = conn.execute("SELECT id_seed, id_drawn FROM sandbox").fetchone()
         self.now, self.first = now, self.drawn  # (how far the seed's sequence was drawn when it began)
@@ -3145,8 +3141,7 @@ class WalletService:
         """The one INSERT of a member (its ``name`` checked by the caller); its id."""
         member_id = member_id or tx.new_id("mem_")
         tx.conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
-                        " VALUES (?, ?, ?, ?, ?)",
-                        (member_id, workspace_id, name, role, tx.now))
+                        " VALUES (?, ?, ?, ?, ?)", (member_id, workspace_id, name, role, tx.now))
         return member_id
 
     def list_members(self, workspace_id: str) -> list[dict]:
@@ -3225,8 +3220,7 @@ class WalletService:
         """The one INSERT of an ACTIVE wallet (``currency`` and ``name`` checked by the caller); its id."""
         wallet_id = wallet_id or tx.new_id("wal_")
         tx.conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
-                        " updated_at)"
-                        " VALUES (?, ?, ?, ?, ?, ?, ?)",
+                        " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
                         (wallet_id, workspace_id, name, currency, WalletStatus.ACTIVE, tx.now, tx.now))
         return wallet_id
 
@@ -3289,14 +3283,12 @@ class WalletService:
                        workspace_id: str | None) -> dict:
         wallet = self._active_wallet(tx.conn, wallet_id, workspace_id)
         minor = parse_amount(amount, wallet["currency"])
-        if flow_type == FlowType.DEPOSIT:
-            if wallet["balance"] + minor > MAX_MINOR_UNITS:
-                raise invalid("amount", "too_large")
-            balance = self._add_to_balance(tx, wallet_id, wallet["balance"], minor)
-        else:
-            if wallet["balance"] - wallet["pending"] < minor:
-                raise InsufficientBalance(wallet_id=wallet_id)
-            balance = self._add_to_balance(tx, wallet_id, wallet["balance"], -minor)
+        if flow_type == FlowType.DEPOSIT and wallet["balance"] + minor > MAX_MINOR_UNITS:
+            raise invalid("amount", "too_large")
+        if flow_type == FlowType.WITHDRAWAL and wallet["balance"] - wallet["pending"] < minor:
+            raise InsufficientBalance(wallet_id=wallet_id)
+        delta = minor if flow_type == FlowType.DEPOSIT else -minor
+        balance = self._add_to_balance(tx, wallet_id, wallet["balance"], delta)
         return flow_resource(self._write_flow(tx, wallet_id, flow_type, minor, balance), wallet["currency"])
 
     def list_flows(self, wallet_id: str, query: Mapping[str, Any] | None = None, *,
@@ -3439,10 +3431,8 @@ class WalletService:
         if self.settings.settlement != Settlement.DELAYED:
             return 0
         now = self.now_ms()
-        with self.db.connection() as conn:
-            if conn.execute("SELECT 1 FROM transfers WHERE settle_at <= ? LIMIT 1",
-                            (now,)).fetchone() is None:
-                return 0
+        if self.db.one("SELECT 1 FROM transfers WHERE settle_at <= ? LIMIT 1", (now,)) is None:
+            return 0
         return self.db.write([self.unit(lambda tx: self._settle_due(tx, now), settle=False)])[0]
 
     def _settle_due(self, tx: Tx, now: int) -> int:
@@ -3623,10 +3613,8 @@ class WalletService:
                 conn.execute("INSERT INTO ledger_clock (last_ms, last_id) VALUES (0, '')")
             start = conn.execute("SELECT clock_frozen_at, clock_offset, id_seed, id_drawn FROM start_sandbox"
                                  " WHERE (SELECT has_start FROM sandbox)").fetchone()
-            if start is None:
-                start = (*self.clock.start, self.settings.id_seed, 0)
             conn.execute("UPDATE sandbox SET clock_frozen_at = ?, clock_offset = ?, id_seed = ?,"
-                         " id_drawn = ?", tuple(start))
+                         " id_drawn = ?", tuple(start or (*self.clock.start, self.settings.id_seed, 0)))
             conn.execute("DELETE FROM world_starts WHERE workspace_id NOT IN (SELECT id FROM workspaces)")
         self.db.write([reset])
 
