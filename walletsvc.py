@@ -2490,38 +2490,32 @@ _RESTORED = (*_WORLD_TABLES, "fault_rules", *(f"start_{table}" for table in _STA
              "start_sandbox", "world_starts", "start_scenario")
 
 
-def _backup_source(path: str) -> sqlite3.Connection:
-    """The backup at ``path`` copied into memory (SQLite's backup API: one state of it), once found whole, of
-    this schema version and with sane sandbox rows (``_backup_problem``)."""
+def _copy_backup(path: str, source: sqlite3.Connection) -> None:
+    """Copy the backup at ``path`` into ``source`` (SQLite's backup API: one state of it), once found whole,
+    of this schema version and with sane sandbox rows (``_backup_problem``)."""
     if not os.path.isfile(path):
         raise RuntimeError(f"no backup at {path}")
-    source = sqlite3.connect(":memory:")
     try:
-        try:
-            with contextlib.closing(sqlite3.connect(
-                    f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True)) as backup:
-                backup.backup(source)  # (one state of it, even if something writes to it meanwhile)
-            problems = [row[0] for row in source.execute("PRAGMA integrity_check")]
-            version = source.execute("SELECT version FROM schema_version").fetchone()
-        except sqlite3.Error as exc:
-            raise RuntimeError(f"{path} is no walletsvc database ({exc}): nothing was restored") from None
-        if problems != ["ok"]:
-            raise RuntimeError(f"{path} is malformed ({'; '.join(problems[:3])}): nothing was restored;"
-                               " restore another backup")
-        version = version and version[0]
-        if version != schema_version():
-            how = ((f"open it once with this walletsvc (walletsvc audit --db {path} upgrades it), then"
-                    " restore it") if isinstance(version, int) and 4 <= version < schema_version()
-                   else "restore it with the walletsvc that made it")
-            raise RuntimeError(f"{path} has schema version {version}; this walletsvc restores"
-                               f" {schema_version()}: {how}")
-        problem = _backup_problem(source)
-        if problem:
-            raise RuntimeError(f"{path}: {problem}: nothing was restored")
-    except BaseException:
-        source.close()
-        raise
-    return source
+        with contextlib.closing(sqlite3.connect(
+                f"file:{urllib.parse.quote(os.path.abspath(path))}?mode=ro", uri=True)) as backup:
+            backup.backup(source)  # (one state of it, even if something writes to it meanwhile)
+        problems = [row[0] for row in source.execute("PRAGMA integrity_check")]
+        version = source.execute("SELECT version FROM schema_version").fetchone()
+    except sqlite3.Error as exc:
+        raise RuntimeError(f"{path} is no walletsvc database ({exc}): nothing was restored") from None
+    if problems != ["ok"]:
+        raise RuntimeError(f"{path} is malformed ({'; '.join(problems[:3])}): nothing was restored;"
+                           " restore another backup")
+    version = version and version[0]
+    if version != schema_version():
+        how = ((f"open it once with this walletsvc (walletsvc audit --db {path} upgrades it), then"
+                " restore it") if isinstance(version, int) and 4 <= version < schema_version()
+               else "restore it with the walletsvc that made it")
+        raise RuntimeError(f"{path} has schema version {version}; this walletsvc restores"
+                           f" {schema_version()}: {how}")
+    problem = _backup_problem(source)
+    if problem:
+        raise RuntimeError(f"{path}: {problem}: nothing was restored")
 
 
 def _backup_problem(source: sqlite3.Connection) -> str | None:
@@ -3648,7 +3642,8 @@ class WalletService:
         what guards access; or refuse it, changing nothing (docs/operations.md, When things go wrong)."""
         if self.db.memory:
             raise RuntimeError("an in-memory database has no file to restore into")
-        with contextlib.closing(_backup_source(path)) as source:
+        with contextlib.closing(sqlite3.connect(":memory:")) as source:
+            _copy_backup(path, source)
             def restore(conn: sqlite3.Connection) -> None:
                 for table in reversed(_RESTORED):
                     conn.execute(f"DELETE FROM {table}")
