@@ -2100,9 +2100,8 @@ def _text_of(encoding: str) -> Callable[[Any], str | None]:
     return lambda value: None if value is None else bytes(value).decode(encoding, "replace")
 
 
-# The journal's columns are JournalEntry's fields. How each is kept, where it is not as it comes
-# (each field a client controls is cut at FIELD_BYTES), and how each is shown, where it is not
-# as kept, under its name (camelCase, or the one here).
+# The journal's columns are JournalEntry's fields: how each is kept, if not as it comes (a field a client
+# controls is cut at FIELD_BYTES), and shown, if not as kept, under its name (camelCase, or the one here).
 _JOURNAL_KEPT: Mapping[str, Callable[[Any, int], Any]] = {
     **dict.fromkeys(("method", "path", "query", "api_key", "canonical", "body", "response_body"), _capped),
     "replayed": lambda value, limit: int(value), "headers": _capped_headers}
@@ -2127,9 +2126,7 @@ class Journal:
     TRIM_EVERY = 32  # entries between trims of a large journal (measured: a trim per insert costs 15 us)
 
     def __init__(self, db: Database, size: int) -> None:
-        self.db = db
-        self.size = size
-        self.enabled = size > 0
+        self.db, self.size, self.enabled = db, size, size > 0
 
     def record(self, conn: sqlite3.Connection, entry: JournalEntry) -> None:
         """Keep ``entry`` in ``conn``'s transaction and forget the oldest beyond ``size``."""
@@ -2473,9 +2470,8 @@ def forced_error(rule: FaultRule) -> WalletError:
 # Scenarios and the starting state #############################################
 ###############################################################################
 
-# The tables of one workspace's world, parents first: what reset_workspace restores. Each with the
-# column that ties a row to the world, and what that column holds: the workspace's id, one of its
-# wallets' ids, or either.
+# The tables of one workspace's world, parents first (what reset_workspace restores), each with the column
+# that ties a row to the world and what it holds: the workspace's id, one of its wallets' ids, or either.
 _WORLD_TABLES = {"workspaces": ("id", "workspace"), "members": ("workspace_id", "workspace"),
                  "api_keys": ("workspace_id", "workspace"), "wallets": ("workspace_id", "workspace"),
                  "transfers": ("workspace_id", "workspace"), "flows": ("wallet_id", "wallets"),
@@ -2695,14 +2691,13 @@ _SCENARIO_WHOLE: Mapping[str, Callable[[Mapping[str, Any], str], None]] = {
     "workspaces": _check_scenario_workspace, "scenario": _check_whole_scenario}
 
 
-DEMO_WORKSPACE = "walletsvc demo"
 # The demo's fixed credentials, as stripe-mock's test key: `walletsvc request` and Client() use them
 # when no WALLETSVC_URL / WALLETSVC_KEY / WALLETSVC_SECRET is set, so a first request needs nothing filled in.
 DEMO_URL, DEMO_KEY, DEMO_SECRET = "http://127.0.0.1:8080", "ak_demo", "sk_demo"
 # The built-in scenario: `walletsvc serve --demo` and the pytest sandbox start from it (the sandbox,
 # like every world made over HTTP, with fresh ids and a fresh secret).
 DEMO_SCENARIO: Mapping[str, Any] = {"workspaces": [{
-    "name": DEMO_WORKSPACE, "keys": [{"id": DEMO_KEY, "secret": DEMO_SECRET, "scopes": list(SCOPES)}],
+    "name": "walletsvc demo", "keys": [{"id": DEMO_KEY, "secret": DEMO_SECRET, "scopes": list(SCOPES)}],
     "wallets": [{"name": "alice", "currency": "USD", "balance": "1000.00"},
                 {"name": "bob", "currency": "USD", "balance": "1000.00"},
                 {"name": "yen", "currency": "JPY", "balance": "100000"}]}]}
@@ -3154,8 +3149,7 @@ class WalletService:
     # API keys ################################################################
 
     def create_api_key(self, workspace_id: str, scopes: Iterable[str] = SCOPES, *,
-                       member_id: str | None = None,
-                       ip_whitelist: Iterable[str] | None = None) -> dict:
+                       member_id: str | None = None, ip_whitelist: Iterable[str] | None = None) -> dict:
         """A key with its ``secret``: the only time the secret is returned."""
         scopes = api_key_scopes(scopes)
         whitelist = None if ip_whitelist is None else ip_whitelist_entries(ip_whitelist)
