@@ -2540,11 +2540,11 @@ def _backup_problem(source: sqlite3.Connection) -> str | None:
     return None
 
 
-def _world_where(table: str, workspace_id: str, wallets: list[str]) -> tuple[str, list[str]]:
-    """The condition (and its parameters) that picks ``table``'s rows of one workspace's world."""
+def _world_sql(verb: str, table: str, workspace_id: str, wallets: list[str]) -> tuple[str, list[str]]:
+    """``verb`` (``SELECT *``, ``DELETE``) on ``table``'s rows of one workspace's world; its parameters."""
     column, holds = _WORLD_TABLES[table]
     ids = {"workspace": [workspace_id], "wallets": wallets, "either": [workspace_id, *wallets]}[holds]
-    return f"{column} IN ({', '.join('?' * len(ids))})", ids
+    return f"{verb} FROM {table} WHERE {column} IN ({', '.join('?' * len(ids))})", ids
 
 
 # Scenarios (docs/sandbox.md): each object's fields (no other is taken) and the kind each holds: a nested
@@ -2843,12 +2843,6 @@ def new_id(prefix: str, now_ms: int, random_bits: int) -> str:
     return f"{prefix}{now_ms:012x}{random_bits:020x}"
 
 
-def _seeded_bits(seed: int, drawn: int, bits: int) -> int:
-    """The ``drawn``-th ``bits``-bit number of ``seed``'s sequence, the same on every run and process."""
-    digest = hashlib.blake2b(f"{seed}:{drawn}".encode(), digest_size=bits // 8).digest()
-    return int.from_bytes(digest, "big")
-
-
 class IdSequence:
     """The ids and secrets of one write transaction (docs/sandbox.md): 48 bits of time (or sequence) and 80
     random or from the seed's sequence, each sorting after ``last_id``."""
@@ -2863,8 +2857,7 @@ class IdSequence:
 
     def next(self, prefix: str, now_ms: int) -> str:
         if self.seed is not None:
-            self.high, self.low = self.high + 1, _seeded_bits(self.seed, self.drawn, 80)
-            self.drawn += 1
+            self.high, self.low = self.high + 1, int.from_bytes(self._draw(10), "big")
         elif now_ms > self.high:
             self.high, self.low = now_ms, secrets.randbits(79)
         elif self.low + 1 < 1 << 80:
@@ -2876,9 +2869,12 @@ class IdSequence:
     def secret(self) -> str:
         if self.seed is None:
             return secrets.token_urlsafe(32)
+        return base64.urlsafe_b64encode(self._draw(32)).decode().rstrip("=")
+
+    def _draw(self, size: int) -> bytes:
+        """The next ``size`` bytes of the seed's sequence, the same on every run and process."""
         self.drawn += 1
-        return base64.urlsafe_b64encode(_seeded_bits(self.seed, self.drawn - 1, 256).to_bytes(32, "big")
-                                        ).decode().rstrip("=")
+        return hashlib.blake2b(f"{self.seed}:{self.drawn - 1}".encode(), digest_size=size).digest()
 
     @property
     def last(self) -> str:
@@ -3754,12 +3750,10 @@ class WalletService:
             Journal.emptied(conn, keys)
             Faults.cleared(conn, workspace_id)
             for table in reversed(_WORLD_TABLES):
-                where, params = _world_where(table, workspace_id, wallets)
-                conn.execute(f"DELETE FROM {table} WHERE {where}", params)
+                conn.execute(*_world_sql("DELETE", table, workspace_id, wallets))
             for table in _WORLD_TABLES:
                 if table == "counters":  # the triggers counted the rows in again: the saved counts instead
-                    where, params = _world_where(table, workspace_id, wallets)
-                    conn.execute(f"DELETE FROM counters WHERE {where}", params)
+                    conn.execute(*_world_sql("DELETE", table, workspace_id, wallets))
                 for row in saved[table]:
                     conn.execute(f"INSERT INTO {table} VALUES ({', '.join('?' * len(row))})", row)
         self.db.write([reset])
@@ -3772,8 +3766,8 @@ class WalletService:
                                                   (workspace_id,))]
         rows = {}
         for table in _WORLD_TABLES:
-            where, params = _world_where(table, workspace_id, wallets)
-            rows[table] = [list(row) for row in conn.execute(f"SELECT * FROM {table} WHERE {where}", params)]
+            cursor = conn.execute(*_world_sql("SELECT *", table, workspace_id, wallets))
+            rows[table] = [list(row) for row in cursor]
         return rows
 
     def _save_world(self, conn: sqlite3.Connection, workspace_id: str) -> None:
