@@ -1897,6 +1897,8 @@ WALLET_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "name": "n
 TRANSFER_SORTS = {"createdAt": "created_at", "updatedAt": "updated_at", "amount": "amount",
                   "status": "status"}
 FLOW_SORTS = {"createdAt": "created_at", "amount": "amount", "type": "type"}
+
+
 def _text(value: Any, field: str, maximum: int, minimum: int = 1) -> str:
     if not isinstance(value, str):
         raise invalid(field, "string")
