@@ -3685,10 +3685,9 @@ class WalletService:
         def fixed(item: Mapping[str, Any], field: str) -> str | None:
             """The id the scenario fixes for ``item`` (None: a fresh one), S012 if it is taken."""
             wanted = None if fresh_ids else item.get("id")
-            if wanted:
-                for table in _ID_TABLES:
-                    if tx.conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone():
-                        raise invalid(f"{field}.id", "taken", value=wanted)
+            if wanted and any(tx.conn.execute(f"SELECT 1 FROM {table} WHERE id = ?", (wanted,)).fetchone()
+                              for table in _ID_TABLES):
+                raise invalid(f"{field}.id", "taken", value=wanted)
             return wanted
 
         workspace_id, owner_id = self._insert_workspace(tx, spec["name"], fixed(spec, where))
