@@ -3547,7 +3547,6 @@ class WalletService:
     def _write_flow(tx: Tx, wallet_id: str, flow_type: FlowType, amount: int, balance_after: int,
                     transfer_id: str | None = None, biz_id: str | None = None,
                     counterparty: str | None = None) -> sqlite3.Row:
-        """One flow; its row."""
         return tx.conn.execute(
             "INSERT INTO flows (id, wallet_id, type, direction, amount, balance_after, transfer_id,"
             " biz_id, counterparty_wallet_id, created_at) VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?) RETURNING *",
