@@ -3852,14 +3852,12 @@ _MATCH = {"query": {"type": "object", "additionalProperties": _MATCHED_VALUE,
 
 
 def _part(schema: dict) -> dict:
-    """A condition on some fields of a body (its if, then or not): open, as JSON Schema has it, and said
-    so, that no tool (Redocly's example check) closes it as if it were a body of its own."""
+    """A body's if, then or not, open and said so: no tool (Redocly's example check) closes it as a body."""
     return {**schema, "additionalProperties": True}
 
 
 def _amount_rules(currencies: Sequence[str], field: str = "amount") -> dict:
-    """The rule tying an amount's decimals to its currency, as one object schema's ``allOf`` of
-    ``if``/``then`` (one per exponent): generators still see one body with all its fields."""
+    """An amount's decimals tied to its currency: ``allOf`` ``if``/``then`` per exponent, still one body."""
     by_exponent: dict[int, list] = {}
     for code in currencies:
         by_exponent.setdefault(CURRENCY_EXPONENTS[code], []).append(code)
@@ -3888,8 +3886,7 @@ def _enum(values: Sequence[str]) -> dict:
 
 
 def _array(item: str | dict) -> dict:
-    return {"type": "array",
-            "items": {"$ref": f"#/components/schemas/{item}"} if isinstance(item, str) else item}
+    return {"type": "array", "items": _ref(item) if isinstance(item, str) else item}
 
 
 # The components several schemas share, named once (SCHEMAS holds them too): enums, and ids with their
@@ -3964,8 +3961,7 @@ SCHEMAS: Mapping[str, dict] = {
     "Flow": _object({"id": _STRING, "walletId": _STRING, "type": _ref("FlowType"),
                      "direction": _ref("FlowDirection"), "amount": _AMOUNT_SCHEMA,
                      "balanceAfter": _AMOUNT_SCHEMA, "transferId": _NULLABLE_STRING,
-                     "bizId": _NULLABLE_STRING,
-                     "counterpartyWalletId": _NULLABLE_STRING, "createdAt": _TIME},
+                     "bizId": _NULLABLE_STRING, "counterpartyWalletId": _NULLABLE_STRING, "createdAt": _TIME},
                     description="An immutable ledger entry: every balance change writes one"),
     "TransferOrder": _object({
         "transferId": _STRING, "bizId": _STRING, "sourceWalletId": _STRING,
@@ -3983,8 +3979,7 @@ SCHEMAS: Mapping[str, dict] = {
         "description": {"type": "string", "maxLength": DESCRIPTION_MAX}},
         ["sourceWalletId", "targetWalletId", "amount", "currency"],
         description="A transfer to make; a bizId makes it idempotent (the same body again answers the same"
-                    " order, another body T2004)"),
-        **_amount_rules(sorted(CURRENCY_EXPONENTS))},
+                    " order, another body T2004)"), **_amount_rules(sorted(CURRENCY_EXPONENTS))},
     "PageInfo": _object({"size": _INTEGER, "number": _INTEGER, "totalElements": _INTEGER,
                          "totalPages": _INTEGER},
                         description="The page answered: its size and number (from 0), and the totals"),
@@ -4003,10 +3998,9 @@ SCHEMAS: Mapping[str, dict] = {
                       "code": {"type": "string", "examples": ["W1001"],
                                "description": "the error's code: each operation lists those it answers"},
                       "message": {"type": "string", "examples": ["WALLET_NOT_FOUND"],
-                                  "description": "the error's name"},
-                      "data": {"type": "null"},
-                      "detail": {"type": "string", "description": "a sentence in the language of"
-                                                                  " Content-Language"}},
+                                  "description": "the error's name"}, "data": {"type": "null"},
+                      "detail": {"type": "string",
+                                 "description": "a sentence in the language of Content-Language"}},
                      description="The error envelope of every error answer"),
     "NameBody": _object({"name": _NAME_SCHEMA}, description="A name"),
     "NewKeyBody": _object({"scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1},
@@ -4070,13 +4064,11 @@ SCHEMAS: Mapping[str, dict] = {
                          description="An invariant of the ledger that does not hold"),
     "ClockState": _object({"now": _TIME, "epochMillis": _INTEGER, "frozen": _BOOLEAN,
                            "controllable": _BOOLEAN}, description="The service clock"),
-    "JournalEntry": _object({"seq": {"type": "integer"}, "at": _TIME, "method": _STRING, "path": _STRING,
-                             "query": _STRING, "apiKey": _NULLABLE_STRING,
-                             "status": {"type": "integer"}, "code": _NULLABLE_STRING,
-                             "canonicalMessage": _NULLABLE_STRING,
-                             "signature": _enum(Verdict),
-                             "replayed": {"type": "boolean"},
-                             "headers": {"type": "object", "additionalProperties": {"type": "string"},
+    "JournalEntry": _object({"seq": _INTEGER, "at": _TIME, "method": _STRING, "path": _STRING,
+                             "query": _STRING, "apiKey": _NULLABLE_STRING, "status": _INTEGER,
+                             "code": _NULLABLE_STRING, "canonicalMessage": _NULLABLE_STRING,
+                             "signature": _enum(Verdict), "replayed": _BOOLEAN,
+                             "headers": {"type": "object", "additionalProperties": _STRING,
                                          "description": "the request's headers, by name"},
                              "body": _STRING, "responseBody": _STRING, "elapsedMs": {"type": "number"},
                              "diagnosis": _NULLABLE_STRING},
@@ -4446,8 +4438,7 @@ def envelope(data: Any, now_ms: int) -> dict:
 def error_envelope(error: WalletError, locale: str, now_ms: int) -> dict:
     """The error envelope: the catalog's code and name, data null, a localized detail."""
     return {"version": API_VERSION, "timestamp": now_ms, "success": False,
-            "code": error.code, "message": error.name, "data": None,
-            "detail": error.detail(locale)}
+            "code": error.code, "message": error.name, "data": None, "detail": error.detail(locale)}
 
 
 def json_object(body: bytes) -> dict:
@@ -5183,8 +5174,7 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
                                 " error, wait, or drop the connection. A method a path does not list answers"
                                 " 405 S405 METHOD_NOT_ALLOWED with an Allow header naming those it does"
                                 " (under /api/: 403 50090201, deny by default).",
-                 "license": {"name": "MIT", "identifier": "MIT"},
-                 "contact": {"name": "walletsvc"}},
+                 "license": {"name": "MIT", "identifier": "MIT"}, "contact": {"name": "walletsvc"}},
         "externalDocs": {"description": "docs/signing.md and docs/reference.md of walletsvc's source",
                          "url": "docs/reference.md"},
         "servers": [{"url": base_url}],
@@ -5302,8 +5292,7 @@ class WalletApi:
     @endpoint("GET", "/api/v1/wallets/<wallet_id>/flows", "List a wallet's flows", scope="wallet:read",
               response="FlowPage", query=_FLOW_PARAMETERS, errors=(WalletNotFound,))
     def list_flows(self, request: Received, wallet_id: str) -> dict:
-        return self.svc.list_flows(wallet_id, request.query,
-                                   workspace_id=request.principal.workspace_id)
+        return self.svc.list_flows(wallet_id, request.query, workspace_id=request.principal.workspace_id)
 
     @endpoint("GET", "/api/v1/transfer/query/orders", "List transfer orders", scope="transfer:read",
               response="TransferOrderPage", query=_TRANSFER_PARAMETERS,
@@ -5328,8 +5317,7 @@ class WalletApi:
               scope="transfer:read", response="TransferOrderPage", query=_TRANSFER_PARAMETERS,
               errors=(WalletNotFound,))
     def list_wallet_transfers(self, request: Received, wallet_id: str) -> dict:
-        return self.svc.list_transfers(request.principal.workspace_id, request.query,
-                                       wallet_id=wallet_id)
+        return self.svc.list_transfers(request.principal.workspace_id, request.query, wallet_id=wallet_id)
 
     @endpoint("POST", "/api/v1/transfer/command/create", "Create a transfer order", scope="transfer:create",
               request="CreateTransfer", response="TransferOrder",
@@ -5367,8 +5355,7 @@ class WalletApi:
 
     @endpoint("GET", "/openapi.json", "This document (bare, without the envelope)",
               response={"type": "object", "additionalProperties": True,
-                        "description": "an OpenAPI 3.1 document"},
-              media=JSON_CONTENT_TYPE)
+                        "description": "an OpenAPI 3.1 document"}, media=JSON_CONTENT_TYPE)
     def openapi(self, request: Received) -> dict:
         environ = request.environ
         host = (environ.get("HTTP_HOST")
