@@ -3889,8 +3889,7 @@ def _array(item: str | dict) -> dict:
     return {"type": "array", "items": _ref(item) if isinstance(item, str) else item}
 
 
-# The components several schemas share, named once (SCHEMAS holds them too): enums, and ids with their
-# patterns (a path parameter's too: no empty segment).
+# The components several schemas share, named once (SCHEMAS holds them too): enums, ids with their patterns.
 SHARED_SCHEMAS: Mapping[str, dict] = {
     "Currency": {**_enum(sorted(CURRENCY_EXPONENTS)),
                  "description": "an ISO 4217 code; an amount has at most its decimals (USD 10.00, JPY 10)"},
@@ -4191,8 +4190,7 @@ _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in H
 
 
 def console_cookie(environ: Mapping[str, Any]) -> str:
-    """The name of the console's session cookie for the port the request came to (Console;
-    /openapi.json names it so too)."""
+    """The console's session cookie's name (Console) for the port the request came to (/openapi.json's)."""
     port = (environ.get("HTTP_HOST") or "").rpartition(":")[2]
     if not port.isdigit():
         port = "443" if environ.get("wsgi.url_scheme") == "https" else "80"
@@ -4214,9 +4212,8 @@ SURFACE_ERRORS = {
 
 @dataclasses.dataclass(frozen=True)
 class Endpoint:
-    """One HTTP endpoint as declared on its handler with ``@endpoint``: routing, the scope check, body
-    checking, ``/openapi.json`` and Client's methods read this, and nothing else, about it
-    (docs/contributing.md, Adding an endpoint)."""
+    """One HTTP endpoint as declared on its handler (``@endpoint``): routing, the scope check, body checks,
+    /openapi.json and Client read this and nothing else of it (docs/contributing.md, Adding an endpoint)."""
 
     method: str
     path: str  # a bottle rule: /api/v1/wallets/<wallet_id>
@@ -4266,8 +4263,7 @@ def endpoint(method: str, path: str, summary: str, *, response: str | dict | Non
 
 
 def declared(handlers: object) -> list[tuple[Endpoint, Callable]]:
-    """The endpoints a handler class (or an instance's methods) declare, in declaration
-    order, which is bottle's route order."""
+    """The endpoints a handler class (or an instance) declares, in declaration order: bottle's route order."""
     found = []
     for name in vars(handlers if isinstance(handlers, type) else type(handlers)):
         handler = getattr(handlers, name)
@@ -4303,8 +4299,7 @@ def check_declaration(declaration: Endpoint, handler: Callable) -> None:
 
 
 class Reply(NamedTuple):
-    """A handler's answer when it is more than data: its status, extra headers, and whether it
-    is an idempotent replay. A handler returns data, a Reply, or a write unit returning either."""
+    """A handler's answer when it is more than data; it returns data, a Reply, or a unit returning either."""
 
     data: Any
     status: int = 200  # of a success (the console's login answers 303 or 401)
@@ -4402,8 +4397,7 @@ class Authenticated(NamedTuple):
 
 
 class Decision(NamedTuple):
-    """A request decided: what the handler answered (data or a Reply), the write unit that
-    answers instead, or the error; how it authenticated and the fault rule it fired."""
+    """A request decided: the handler's data or Reply, the write unit answering instead, or the error."""
 
     data: Any = None
     unit: Unit | None = None  # a write endpoint's: run by the request's one write
@@ -4415,8 +4409,7 @@ class Decision(NamedTuple):
 
 
 def as_reply(data: Any) -> Reply:
-    """What a handler (or its write unit) answered, as a Reply: a transfer says whether it is an
-    idempotent replay."""
+    """What a handler (or its write unit) answered, as a Reply: a transfer says whether it is a replay."""
     if isinstance(data, Reply):
         return data
     if isinstance(data, Transferred):
@@ -4533,9 +4526,8 @@ _SIGNED_KEYS = tuple(environ_key(name) for name in ("X-Api-Key", "X-Timestamp", 
 
 
 class Authenticator:
-    """Steps 1-7 of the contract's validation pipeline, in order (docs/contract.md, The validation
-    pipeline); step 8 needs the route (``HttpApi.check_scope``). Nothing here writes: a nonce that
-    passed is left pending, for the request's one write at its end."""
+    """Steps 1-7 of the contract's pipeline (docs/contract.md, The validation pipeline); step 8 needs the
+    route (``HttpApi.check_scope``). Nothing here writes: a nonce that passed awaits the request's write."""
 
     def __init__(self, svc: WalletService, settings: Settings) -> None:
         self.svc, self.db, self.settings, self.nonces = svc, svc.db, settings, Nonces(settings.nonce_records)
@@ -4665,9 +4657,8 @@ ADMIN_PATIENCE = 0.5  # seconds an admin write waits for the lock before S503 (t
 
 
 class HttpApi:
-    """The one request path: ``respond`` decides, commits, renders and logs every request
-    (docs/contributing.md). Also the app's bottle plugin, so that bottle's own dispatch (a
-    route-merging ``mount``, a hook someone added) ends up in ``respond`` too."""
+    """The one request path: ``respond`` decides, commits, renders and logs (docs/contributing.md). It is
+    the bottle plugin too, so bottle's own dispatch (a route-merging ``mount``, an added hook) ends in it."""
 
     name = "walletsvc"
     api = 2
@@ -4735,8 +4726,7 @@ class HttpApi:
     # 1. Decide ###############################################################
 
     def decide(self, request: Received, url_args: dict, handler: Callable) -> Decision:
-        """Who asks (the contract's pipeline for /api/, the admin token for /_admin/), then what the
-        handler answers: data, a Reply, or a write unit. Nothing is written here."""
+        """Who asks (/api/: the contract's pipeline; /_admin/: the admin token), then the handler's answer."""
         if request.endpoint.surface is Surface.API:
             return self.decide_api(request, url_args, handler)
         quiet = False
@@ -4784,8 +4774,7 @@ class HttpApi:
 
     @staticmethod
     def check_scope(request: Received) -> None:
-        """Step 8: the endpoint's scope. A path or method no endpoint declares is denied by
-        default (docs/contract.md, Scopes)."""
+        """Step 8: the endpoint's scope; what no endpoint declares is denied (docs/contract.md, Scopes)."""
         scope = request.endpoint.scope
         method = request.environ["REQUEST_METHOD"]
         if scope is None or method != request.endpoint.method:  # deny by default, saying what is there
@@ -4798,9 +4787,8 @@ class HttpApi:
             raise ScopeRequired(scope=scope)
 
     def take_fault(self, request: Received) -> FaultRule | None:
-        """The fault rule this authenticated request fires, if any. Rules name the app's own
-        paths: PATH_INFO's last segments, as many as the endpoint's path has, leave out any
-        prefix a mount put there."""
+        """The fault rule this request fires, if any. Rules name the app's own paths: PATH_INFO's last
+        segments, as many as the endpoint's path has, leave out any prefix a mount put there."""
         environ = request.environ
         depth = request.endpoint.path.count("/")
         path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-depth:])
@@ -4810,9 +4798,8 @@ class HttpApi:
                 "headers": dict(received_headers(environ))})
 
     def check_admin(self, request: Received) -> bool:
-        """The bearer token; or the console's session cookie, which authorizes only with the
-        page's CSRF header and from the same origin (S403 otherwise). Whether the request is
-        the console's own polling, which stays out of the access log (its actions do not)."""
+        """The bearer token, or the console's session cookie with the page's CSRF header from the same
+        origin (else S403). True for the console's polling, left out of the access log (not its actions)."""
         environ = request.environ
         session = self.console.session(environ)
         if session is None or "HTTP_AUTHORIZATION" in environ:
@@ -4933,8 +4920,7 @@ class HttpApi:
     # What every step shares ##################################################
 
     def read_body(self, environ: Mapping[str, Any]) -> bytes:
-        """The request body, read once, exactly, within the size limit, which is
-        checked before anything else (docs/contract.md)."""
+        """The body, read once, exactly, within the size limit, checked before all else (docs/contract.md)."""
         length_text = environ.get("CONTENT_LENGTH") or ""
         chunked = "chunked" in environ.get("HTTP_TRANSFER_ENCODING", "").lower()
         if not chunked and length_text in ("", "0"):
@@ -5265,8 +5251,7 @@ _WHITELIST_RULE = ("ipWhitelist", ("each entry is an address or a CIDR block wit
 ###############################################################################
 
 class WalletApi:
-    """Handlers of the contract's nine endpoints, and of the public ``/healthz`` and ``/openapi.json``:
-    each declared with ``@endpoint``, and one call of the service."""
+    """Handlers of the contract's nine endpoints and of /healthz and /openapi.json: each one service call."""
 
     def __init__(self, svc: WalletService, http: HttpApi) -> None:
         self.svc, self.http = svc, http
