@@ -4118,8 +4118,7 @@ def _check_type(name: str, value: Any, schema: Mapping[str, Any]) -> None:
             _check_type(name, item, schema["additionalProperties"])
 
 
-# Each path parameter of the declarations (a bottle rule's name): its name in the document, as the
-# contract writes it, its schema (the id's pattern: no empty segment) and what it is.
+# Each path parameter (a bottle rule's name): its name as the contract writes it, its schema, what it is.
 PATH_PARAMETERS = {
     "wallet_id": ("walletId", "WalletId", "the wallet's id"),
     "biz_id": ("bizId", "BizId", "the order's bizId (an order made without one: its transferId)"),
@@ -4264,12 +4263,9 @@ def endpoint(method: str, path: str, summary: str, *, response: str | dict | Non
 
 def declared(handlers: object) -> list[tuple[Endpoint, Callable]]:
     """The endpoints a handler class (or an instance) declares, in declaration order: bottle's route order."""
-    found = []
-    for name in vars(handlers if isinstance(handlers, type) else type(handlers)):
-        handler = getattr(handlers, name)
-        if isinstance(getattr(handler, "endpoint", None), Endpoint):
-            found.append((handler.endpoint, handler))
-    return found
+    cls = handlers if isinstance(handlers, type) else type(handlers)
+    return [(handler.endpoint, handler) for name in vars(cls)
+            if isinstance(getattr(handler := getattr(handlers, name), "endpoint", None), Endpoint)]
 
 
 def check_declaration(declaration: Endpoint, handler: Callable) -> None:
@@ -4559,9 +4555,8 @@ class Authenticator:
         faults = bool(key["faults"] or self.svc.faults.builtin)
         return Authenticated(now_ms, principal, None, canonical, Verdict.VALID, nonce, faults=faults)
 
-    # The key, with its workspace's and member's state, what step 5 needs of the nonce (Nonces.LOOKUP),
-    # whether fault rules are in force (a request pays nothing for them when none is) and the sandbox
-    # clock's state (Clock.reading_of): one statement.
+    # One statement: the key, its workspace's and member's state, step 5's nonce (Nonces.LOOKUP), whether
+    # fault rules are in force (none: a request pays nothing for them), the clock's state (Clock.reading_of).
     _KEY = ("SELECT k.id, k.secret, k.workspace_id, k.member_id, k.scopes, k.ip_whitelist, k.enabled,"
             "       w.deleted_at IS NOT NULL AS workspace_deleted,"
             "       m.removed_at IS NOT NULL AS member_removed,"
@@ -4664,8 +4659,7 @@ class HttpApi:
     api = 2
 
     def __init__(self, svc: WalletService, settings: Settings, console: Any) -> None:
-        self.svc = svc
-        self.settings = settings
+        self.svc, self.settings = svc, settings
         self.auth = Authenticator(svc, settings)
         self.console = console  # the console's sessions (Console), for the admin surface
         self.endpoints: list[Endpoint] = []  # every declared endpoint the app serves
@@ -5137,7 +5131,7 @@ def _error_examples(endpoints: list[Endpoint]) -> dict:
 def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
     """OpenAPI 3.1 of ``endpoints``, from their declarations, with ``base_url`` as the server."""
     paths: dict[str, dict] = {}
-    surfaces, endpoints = [], list(endpoints)
+    endpoints = list(endpoints)
     for ep in endpoints:
         operations = paths.setdefault(re.sub(r"<(\w+)>", lambda name: "{" + PATH_PARAMETERS[name[1]][0] + "}",
                                              ep.path), {})
@@ -5146,7 +5140,6 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
             # bottle answers HEAD wherever GET is served, but under /api/: the contract denies what it
             # does not declare (403 50090201), so no client generator makes a method that cannot work
             operations["head"] = _operation(ep, head=True)
-        surfaces.append(ep.surface)
     header = {"type": "apiKey", "in": "header"}
     see_signature = "one of the four signing headers: see the scheme Signature"
     return {
@@ -5165,7 +5158,7 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
                          "url": "docs/reference.md"},
         "servers": [{"url": base_url}],
         "tags": [{"name": surface, "description": SURFACE_TAGS[surface]}
-                 for surface in dict.fromkeys(surfaces)],
+                 for surface in dict.fromkeys(ep.surface for ep in endpoints)],
         "paths": paths,
         "components": {
             "schemas": dict(SCHEMAS),
@@ -5239,11 +5232,6 @@ def _operation(ep: Endpoint, head: bool = False) -> dict:
         operation["requestBody"] = {"required": required, "content": {"application/json": {
             "schema": _ref(ep.request), "example": _example(_ref(ep.request))}}}
     return operation
-
-
-# Rules a schema cannot state, shared by several operations (Endpoint.rules).
-_WHITELIST_RULE = ("ipWhitelist", ("each entry is an address or a CIDR block without host bits (10.0.0.1/8 is"
-                                  " refused, not widened); an empty list is refused (null: no whitelist)"))
 
 
 ###############################################################################
@@ -5452,6 +5440,9 @@ class Console:
 # Admin surface ################################################################
 ###############################################################################
 
+# Rules a schema cannot state, shared by several operations (Endpoint.rules).
+_WHITELIST_RULE = ("ipWhitelist", ("each entry is an address or a CIDR block without host bits (10.0.0.1/8 is"
+                                  " refused, not widened); an empty list is refused (null: no whitelist)"))
 _DECIDED_RULE = ("bizId", "only a PENDING order is completed or failed")
 _SCENARIO_RULES = (("id", "the fixed ids of one scenario differ from each other"),
                    ("member", "a key's member is a member of its workspace (or owner)"), _WHITELIST_RULE)
