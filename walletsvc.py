@@ -4184,7 +4184,6 @@ class Surface(enum.StrEnum):
 JSON_CONTENT_TYPE = "application/json; charset=utf-8"
 HTML_CONTENT_TYPE = "text/html; charset=utf-8"
 CONSOLE_PATH = "/_admin/console"  # the sandbox console's page (Console)
-CONSOLE_COOKIE = "walletsvc_console"
 _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in HTTPStatus}
 
 
@@ -4193,7 +4192,7 @@ def console_cookie(environ: Mapping[str, Any]) -> str:
     port = (environ.get("HTTP_HOST") or "").rpartition(":")[2]
     if not port.isdigit():
         port = "443" if environ.get("wsgi.url_scheme") == "https" else "80"
-    return f"{CONSOLE_COOKIE}_{port}"
+    return f"walletsvc_console_{port}"
 
 
 # The errors any request can meet (a Content-Length that is no number, an oversized body, a failure, a busy
@@ -4485,9 +4484,8 @@ def _in_any(address: Any, networks: Iterable) -> bool:
 
 
 def client_ip(environ: Mapping[str, Any], trusted_proxies: Sequence) -> Any:
-    """REMOTE_ADDR, or X-Forwarded-For read from the right when REMOTE_ADDR is a trusted proxy
-    (docs/contract.md, Choices where the contract is silent); an unparsable hop yields None, which no
-    whitelist admits."""
+    """REMOTE_ADDR, or, when that is a trusted proxy, X-Forwarded-For read from the right (docs/contract.md,
+    Choices where the contract is silent); an unparsable hop yields None, which no whitelist admits."""
     remote, forwarded = _ip(environ.get("REMOTE_ADDR")), environ.get("HTTP_X_FORWARDED_FOR")
     if not forwarded or not _in_any(remote, trusted_proxies):
         return remote
@@ -4758,8 +4756,7 @@ class HttpApi:
 
     @staticmethod
     def after_fault(decision: Decision) -> Decision:
-        """What a commit_then_fail rule makes of a request once the handler applied it: S500,
-        its writes kept (commit_then_drop acts on the answer, in ``serve()``)."""
+        """A commit_then_fail rule's S500 once the handler applied the request, its writes kept."""
         fault = decision.fault
         if fault is None or fault.action != FaultAction.COMMIT_THEN_FAIL:
             return decision
@@ -4850,8 +4847,7 @@ class HttpApi:
             return self.render(request, decision._replace(unit=None, error=self.as_wallet_error(exc)))
 
     def applied(self, conn: sqlite3.Connection, decision: Decision) -> Decision:
-        """The decision's write unit run in its own savepoint (a failure rolls back its writes alone),
-        and what a fault rule makes of it after: its data, or the error."""
+        """The write unit in its own savepoint (a failure undoes only its writes), then ``after_fault``."""
         try:
             data = savepoint(conn, decision.unit)
         except Exception as exc:
@@ -4902,8 +4898,7 @@ class HttpApi:
     # 4. Log ##################################################################
 
     def log(self, request: Received, answer: Rendered, quiet: bool, dropped: FaultRule | None = None) -> None:
-        """The access log line (``walletsvc serve``), unless the request is quiet; for an answer a
-        commit_then_drop rule drops, no status: the line says the rule dropped it."""
+        """The access log line (``walletsvc serve``) unless quiet; a dropped answer's line names the rule."""
         if self.access_log is not None and not quiet:
             outcome = (f"{answer.status} {answer.code or '-'}" if dropped is None
                        else f"dropped by fault rule {dropped.id} after the commit")
@@ -5053,8 +5048,7 @@ frozen or moved).
 
 
 def _example(schema: Any) -> Any:
-    """A value valid against ``schema`` (SCHEMAS'), for the document's examples: its own example
-    where it gives one (patterns need one), else built from its type."""
+    """A value valid against ``schema``: its own example if it has one (patterns need one), else by type."""
     if "$ref" in schema:
         return _example(SCHEMAS[schema["$ref"].rsplit("/", 1)[1]])
     for keyword, pick in (("examples", 0), ("const", None), ("default", None), ("enum", 0)):
@@ -5395,8 +5389,7 @@ class Console:
                 and origin_host in (None, environ.get("HTTP_HOST")))
 
     def cookie(self, request: Received, value: str, max_age: int) -> str:
-        """A Set-Cookie value scoped to the admin surface under whatever prefix the app is mounted
-        (/_admin/ itself when the path as sent does not say it plainly)."""
+        """A Set-Cookie for /_admin/ under any mount prefix (/_admin/ itself if the path sent is unclear)."""
         head, found, _ = request.path.decode("latin-1").rpartition("/_admin/")
         path = head + found if found and re.fullmatch(r"[\w./~-]*", head) else "/_admin/"
         secure = ["Secure"] if request.environ.get("wsgi.url_scheme") == "https" else []
@@ -5449,8 +5442,7 @@ _SCENARIO_RULES = (("id", "the fixed ids of one scenario differ from each other"
 
 
 class AdminApi:
-    """Handlers of /_admin/: the Python admin API over HTTP, served only when an admin token is configured
-    (docs/sandbox.md, The admin surface)."""
+    """/_admin/: the Python admin API over HTTP, with an admin token (docs/sandbox.md, The admin surface)."""
 
     def __init__(self, svc: WalletService, console: Console) -> None:
         self.svc, self.console = svc, console
