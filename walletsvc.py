@@ -3861,10 +3861,9 @@ def _amount_rules(currencies: Sequence[str], field: str = "amount") -> dict:
     by_exponent: dict[int, list] = {}
     for code in currencies:
         by_exponent.setdefault(CURRENCY_EXPONENTS[code], []).append(code)
-    return {"allOf": [
-        {"if": _part({"properties": {"currency": {"enum": codes}}, "required": ["currency"]}),
-         "then": _part({"properties": {field: {"pattern": amount_pattern(exponent)}}})}
-        for exponent, codes in sorted(by_exponent.items())]}
+    return {"allOf": [{"if": _part({"properties": {"currency": {"enum": codes}}, "required": ["currency"]}),
+                       "then": _part({"properties": {field: {"pattern": amount_pattern(exponent)}}})}
+                      for exponent, codes in sorted(by_exponent.items())]}
 
 
 def _any_amount() -> dict:
@@ -4254,8 +4253,7 @@ def endpoint(method: str, path: str, summary: str, *, response: str | dict | Non
     """Declare the decorated handler as ``method path`` (see Endpoint)."""
     def declare(handler: Callable) -> Callable:
         handler.endpoint = Endpoint(method, path, summary, response, scope, request, tuple(query), media,
-                                    handler.__name__, tuple(links), tuple(form), tuple(answers),
-                                    tuple(errors), tuple(rules))
+                                    handler.__name__, *map(tuple, (links, form, answers, errors, rules)))
         return handler
     return declare
 
@@ -4783,10 +4781,9 @@ class HttpApi:
         environ = request.environ
         depth = request.endpoint.path.count("/")
         path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-depth:])
-        return self.svc.faults.take(
-            environ["REQUEST_METHOD"], path, request.principal.workspace_id, lambda: {
-                "query": environ.get("QUERY_STRING", ""), "body": request.body.decode("utf-8", "replace"),
-                "headers": dict(received_headers(environ))})
+        return self.svc.faults.take(environ["REQUEST_METHOD"], path, request.principal.workspace_id, lambda: {
+            "query": environ.get("QUERY_STRING", ""), "body": request.body.decode("utf-8", "replace"),
+            "headers": dict(received_headers(environ))})
 
     def check_admin(self, request: Received) -> bool:
         """The bearer token, or the console's session cookie with the page's CSRF header from the same
@@ -5588,9 +5585,8 @@ class AdminApi:
     def withdraw(self, request: Received, wallet_id: str) -> dict:
         return self.svc.withdraw(wallet_id, request.json()["amount"])
 
-    @endpoint("POST", "/_admin/transfers/<biz_id>/complete", "Complete a PENDING order",
-              request="SettleBody", response="TransferOrder", errors=(TransferNotFound,),
-              rules=(_DECIDED_RULE,))
+    @endpoint("POST", "/_admin/transfers/<biz_id>/complete", "Complete a PENDING order", request="SettleBody",
+              response="TransferOrder", errors=(TransferNotFound,), rules=(_DECIDED_RULE,))
     def complete_transfer(self, request: Received, biz_id: str) -> dict:
         return self.svc.complete_transfer(biz_id, workspace_id=request.json().get("workspaceId"))
 
