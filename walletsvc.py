@@ -3947,6 +3947,7 @@ _ERROR_RULE = {  # an error rule names its status, unless its code (S500 by defa
     "then": _part({"properties": {"status": {"type": "integer"}}, "required": ["status"]})}
 
 _INTEGER, _BOOLEAN = {"type": "integer"}, {"type": "boolean"}
+_WORKSPACE = {"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}  # (its world's too)
 SCHEMAS: Mapping[str, dict] = {
     **SHARED_SCHEMAS,
     "Wallet": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING, "currency": _CURRENCY_SCHEMA,
@@ -3981,8 +3982,7 @@ SCHEMAS: Mapping[str, dict] = {
     "PageInfo": _object({"size": _INTEGER, "number": _INTEGER, "totalElements": _INTEGER,
                          "totalPages": _INTEGER},
                         description="The page answered: its size and number (from 0), and the totals"),
-    "Workspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME},
-                         description="A workspace: its members, keys and wallets"),
+    "Workspace": _object(_WORKSPACE, description="A workspace: its members, keys and wallets"),
     "Member": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING,
                        "role": _enum(Role), "createdAt": _TIME}, description="A member of a workspace"),
     "ApiKey": _object({"apiKey": _STRING, "secret": {"type": "string", "description": "at creation only"},
@@ -4045,21 +4045,18 @@ SCHEMAS: Mapping[str, dict] = {
                                            " neither: the scenario the sandbox started from"),
                      "not": _part({"properties": {"scenario": {}, "workspaces": {}},
                                    "required": ["scenario", "workspaces"]})},
-    "WorldWorkspace": _object({"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME,
-                               "members": _array("Member"), "keys": _array("ApiKey"),
+    "WorldWorkspace": _object({**_WORKSPACE, "members": _array("Member"), "keys": _array("ApiKey"),
                                "wallets": _array("Wallet")},
                               description="A workspace with its members, keys (with secrets) and wallets"),
     "World": _object({"workspaces": _array("WorldWorkspace")}, description="The workspaces a scenario made"),
-    "ClockBody": _object({
-        "freeze": _BOOLEAN, "at": _CLOCK_AT_SCHEMA,
-        "advance": {"type": "number", "minimum": -CLOCK_RANGE[1], "maximum": CLOCK_RANGE[1],
-                    "description": "seconds; the clock stays between 1970-01-01 and 9999-12-31"}}, [],
+    "ClockBody": _object({"freeze": _BOOLEAN, "at": _CLOCK_AT_SCHEMA, "advance": {
+        "type": "number", "minimum": -CLOCK_RANGE[1], "maximum": CLOCK_RANGE[1],
+        "description": "seconds; the clock stays between 1970-01-01 and 9999-12-31"}}, [],
         description="Freeze or unfreeze the service clock, set it (at) or move it (advance)"),
-    "Violation": _object({"check": _STRING, "detail": _STRING,
-                          "rows": {"type": "object",
-                                   "additionalProperties": {"type": ["string", "integer", "number", "null"]},
-                                   "description": "the row that breaks the invariant, by column"}},
-                         description="An invariant of the ledger that does not hold"),
+    "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {
+        "type": "object", "additionalProperties": {"type": ["string", "integer", "number", "null"]},
+        "description": "the row that breaks the invariant, by column"}},
+        description="An invariant of the ledger that does not hold"),
     "ClockState": _object({"now": _TIME, "epochMillis": _INTEGER, "frozen": _BOOLEAN,
                            "controllable": _BOOLEAN}, description="The service clock"),
     "JournalEntry": _object({"seq": _INTEGER, "at": _TIME, "method": _STRING, "path": _STRING,
