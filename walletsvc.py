@@ -3947,7 +3947,7 @@ _ERROR_RULE = {  # an error rule names its status, unless its code (S500 by defa
     "then": _part({"properties": {"status": {"type": "integer"}}, "required": ["status"]})}
 
 _INTEGER, _BOOLEAN = {"type": "integer"}, {"type": "boolean"}
-_WORKSPACE = {"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}  # (its world's too)
+_WORKSPACE = {"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}
 SCHEMAS: Mapping[str, dict] = {
     **SHARED_SCHEMAS,
     "Wallet": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING, "currency": _CURRENCY_SCHEMA,
