@@ -4132,8 +4132,7 @@ _PAGE_PARAMETERS = (
 )
 
 
-# The schema and description of each list filter that takes more than a choice (ListFilter.choices):
-# what the service's filter_time, currency_exponent and _biz_id accept.
+# Filters taking more than a choice (ListFilter.choices): what filter_time, currency_exponent, _biz_id accept.
 _FILTER_SCHEMAS = {
     "currency": (_CURRENCY_SCHEMA, "only in this currency"),
     "bizIdPrefix": (_BIZ_ID_SCHEMA, "only orders whose bizId starts so"),
@@ -4682,8 +4681,7 @@ class HttpApi:
         return answer.status, answer.headers, _dropped(answer.body) if dropped else [answer.body]
 
     def fail(self, environ: Mapping[str, Any], exc: BaseException) -> tuple[int, list, Iterable[bytes]]:
-        """Answer a request that reached no endpoint: bottle's 404, 405 or 500 (a 404 says where the
-        API and the console are: ``/`` and ``/_admin/`` answer it too)."""
+        """Answer what no endpoint took: bottle's 404 (saying where the API and console are), 405 or 500."""
         request, too_large = self.receive(environ, None)  # the size limit comes first, a 404's too (contract)
         error, headers = too_large or exc, ()
         if too_large is None and isinstance(exc, bottle.HTTPError):
@@ -4773,8 +4771,7 @@ class HttpApi:
             raise ScopeRequired(scope=scope)
 
     def take_fault(self, request: Received) -> FaultRule | None:
-        """The fault rule this request fires, if any. Rules name the app's own paths: PATH_INFO's last
-        segments, as many as the endpoint's path has, leave out any prefix a mount put there."""
+        """The fault rule this request fires, if any: rules name the app's paths, without a mount's prefix."""
         environ = request.environ
         depth = request.endpoint.path.count("/")
         path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-depth:])
@@ -4809,8 +4806,7 @@ class HttpApi:
         """The request's one write, as one unit: its nonce record, its write unit and its journal entry
         (docs/contributing.md, The request path: decide, commit, render, log). Rendered again only when
         the nonce lost a race or the write failed; a request with nothing to write is rendered without one."""
-        auth = decision.auth
-        nonce = auth.nonce if auth is not None else None
+        nonce = decision.auth.nonce if decision.auth is not None else None
         journal = (self.svc.journal.enabled and request.endpoint is not None
                    and request.endpoint.surface is Surface.API)
         known = self.render(request, decision) if decision.unit is None else None
@@ -4855,8 +4851,7 @@ class HttpApi:
     def render(self, request: Received, outcome: Decision) -> Rendered:
         """The one renderer: the envelope (or a bare document), its status and headers."""
         now = outcome.auth.now_ms if outcome.auth is not None else self.now_ms()
-        error = outcome.error
-        reply = as_reply(outcome.data)
+        error, reply = outcome.error, as_reply(outcome.data)
         media = request.endpoint.media if error is None else None
         if error is None:
             status, payload = reply.status, reply.data if media else envelope(reply.data, now)
@@ -5086,9 +5081,8 @@ def _headers(*names: str) -> dict:
 
 
 def _error_responses(errors: Iterable[type[WalletError]], head: bool = False) -> dict:
-    """An operation's error answers by status: the one Error envelope, with the codes this operation can
-    answer (examples, one per code; their list in the description). Every operation also lists what
-    serve's HTTP server refuses before the app (HOST_REFUSALS). A HEAD answer has no body."""
+    """Error answers by status: the Error envelope with the codes it answers (an example each, listed
+    in the description), and what serve's server refuses first (HOST_REFUSALS); a HEAD answer has no body."""
     statuses: dict[int, list] = {}
     for error in errors:
         statuses.setdefault(error.status, []).append(error)
@@ -5642,8 +5636,7 @@ class AdminApi:
                        for name, description in (("after", "only entries whose seq is greater"),
                                                  ("last", "only the newest so many matching entries")))])
     def journal(self, request: Received) -> dict:
-        """A page of the journal, filtered as docs/sandbox.md says (The admin surface); ``query[NAME]`` and
-        ``header[NAME]`` are taken for ``query.NAME`` and ``header.NAME``."""
+        """The journal's page, filtered as docs/sandbox.md says (The admin surface); X[NAME] is X.NAME."""
         query = request.query
         after, last = (_page_integer(query, name, -1, 0) for name in ("after", "last"))
         number, size = _page_and_size(query)
