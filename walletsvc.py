@@ -3880,8 +3880,8 @@ def _object(properties: dict, required: Sequence[str] | None = None, description
             "additionalProperties": False, **({"description": description} if description else {})}
 
 
-def _enum(values: Sequence[str]) -> dict:
-    return {"type": "string", "enum": list(values)}
+def _enum(values: Sequence[str], description: str = "") -> dict:
+    return {"type": "string", "enum": list(values), **({"description": description} if description else {})}
 
 
 def _array(item: str | dict) -> dict:
@@ -3890,16 +3890,13 @@ def _array(item: str | dict) -> dict:
 
 # The components several schemas share, named once (SCHEMAS holds them too): enums, ids with their patterns.
 SHARED_SCHEMAS: Mapping[str, dict] = {
-    "Currency": {**_enum(sorted(CURRENCY_EXPONENTS)),
-                 "description": "an ISO 4217 code; an amount has at most its decimals (USD 10.00, JPY 10)"},
-    "WalletStatus": {**_enum(WALLET_STATUSES),
-                     "description": "ACTIVE and FROZEN go back and forth; CLOSED is final"},
-    "TransferStatus": {**_enum(TRANSFER_STATUSES),
-                       "description": "PENDING until the order is completed or failed"},
-    "FlowType": {**_enum(FLOW_TYPES), "description": "what moved the money"},
-    "FlowDirection": {**_enum(FLOW_DIRECTIONS),
-                      "description": "DEBIT takes from the wallet, CREDIT adds to it"},
-    "Scope": {**_enum(SCOPES), "description": "what an API key may call (docs/contract.md, Scopes)"},
+    "Currency": _enum(sorted(CURRENCY_EXPONENTS),
+                      "an ISO 4217 code; an amount has at most its decimals (USD 10.00, JPY 10)"),
+    "WalletStatus": _enum(WALLET_STATUSES, "ACTIVE and FROZEN go back and forth; CLOSED is final"),
+    "TransferStatus": _enum(TRANSFER_STATUSES, "PENDING until the order is completed or failed"),
+    "FlowType": _enum(FLOW_TYPES, "what moved the money"),
+    "FlowDirection": _enum(FLOW_DIRECTIONS, "DEBIT takes from the wallet, CREDIT adds to it"),
+    "Scope": _enum(SCOPES, "what an API key may call (docs/contract.md, Scopes)"),
     "BizId": {"type": "string", "pattern": f"^{_ID.pattern}$", "examples": ["order-1001"],
               "description": "the caller's id of a transfer order (an order without one: its transferId)"},
     "WalletId": {"type": "string", "pattern": _id_pattern("wal_"),
@@ -3908,7 +3905,7 @@ SHARED_SCHEMAS: Mapping[str, dict] = {
     "MemberId": {"type": "string", "pattern": _id_pattern("mem_"), "description": "a member's id"},
     "ApiKeyId": {"type": "string", "pattern": _id_pattern("ak_"), "description": "an API key (X-Api-Key)"},
     "FaultId": {"type": "string", "pattern": "^fault_[0-9]{1,18}$", "description": "a fault rule's id"},
-    "FaultAction": {**_enum(FaultAction), "description": "what a fault rule does to a request it matches"},
+    "FaultAction": _enum(FaultAction, "what a fault rule does to a request it matches"),
 }
 
 
