@@ -4756,8 +4756,7 @@ class HttpApi:
     @staticmethod
     def check_scope(request: Received) -> None:
         """Step 8: the endpoint's scope; what no endpoint declares is denied (docs/contract.md, Scopes)."""
-        scope = request.endpoint.scope
-        method = request.environ["REQUEST_METHOD"]
+        scope, method = request.endpoint.scope, request.environ["REQUEST_METHOD"]
         if scope is None or method != request.endpoint.method:  # deny by default, saying what is there
             path = request.path.decode("latin-1")
             slash = " (without its trailing /?)" if path.endswith("/") and len(path) > 1 else ""
@@ -4782,20 +4781,17 @@ class HttpApi:
         environ = request.environ
         session = self.console.session(environ)
         if session is None or "HTTP_AUTHORIZATION" in environ:
-            self.check_admin_token(environ)
+            scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
+            expected = (self.settings.admin_token or "").encode("utf-8")
+            given = token.strip().encode("latin-1", "replace")
+            if scheme.lower() != "bearer" or not expected or not hmac.compare_digest(given, expected):
+                raise Unauthorized()
             return False
         if not session.valid:
             raise Unauthorized()
         if not self.console.same_origin(environ, session.nonce):
             raise CrossSiteRefused()
         return environ["REQUEST_METHOD"] == "GET"
-
-    def check_admin_token(self, environ: Mapping[str, Any]) -> None:
-        scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
-        expected = (self.settings.admin_token or "").encode("utf-8")
-        given = token.strip().encode("latin-1", "replace")
-        if scheme.lower() != "bearer" or not expected or not hmac.compare_digest(given, expected):
-            raise Unauthorized()
 
     # 2. Commit ###############################################################
 
