@@ -3913,9 +3913,8 @@ def _scenario_schema(kind: str) -> dict:
     """The schema of a scenario's object of this kind, from _SCENARIO_OBJECTS (what check_scenario checks)."""
     kinds = {"name": _NAME_SCHEMA, "wallet_name": {**_NAME_SCHEMA, "minLength": 0}, "string": _STRING,
              "boolean": {"type": "boolean"}, "secret": {"type": "string", "pattern": f"^{_NONCE.pattern}$"},
-             "scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1},
+             "scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1}, "currency": _CURRENCY_SCHEMA,
              "networks": {"type": "array", "items": _NETWORK_SCHEMA, "minItems": 1},
-             "currency": _CURRENCY_SCHEMA,
              "amount": _STRING, "status": _ref("WalletStatus"), "time": _CLOCK_AT_SCHEMA,
              "settings": {"type": "object", "additionalProperties": True,
                           "description": "settings of the service, by name (docs/reference.md)"}}
@@ -5379,10 +5378,9 @@ class Console:
 
     def log_in(self, request: Received) -> Reply:
         """The login form's POST: a session cookie and a redirect to the console, or the form again."""
-        try:
+        form = {}
+        with contextlib.suppress(ValueError):
             form = urllib.parse.parse_qs(request.body.decode("utf-8", "replace"), max_num_fields=20)
-        except ValueError:
-            form = {}
         token = (form.get("token") or [""])[0].strip().encode("utf-8")
         if not self.key or not hmac.compare_digest(token, self.key):
             return self.login_form("That is not the admin token.")._replace(status=401)
@@ -5490,9 +5488,8 @@ class AdminApi:
         return self.svc.list_api_keys(workspace_id)
 
     @endpoint("POST", "/_admin/workspaces/<workspace_id>/keys",
-              "Create an API key (the secret is returned once)",
-              request="NewKeyBody", response="ApiKey", errors=(WorkspaceNotFound, NotFound),
-              rules=(_WHITELIST_RULE,))
+              "Create an API key (the secret is returned once)", request="NewKeyBody", response="ApiKey",
+              errors=(WorkspaceNotFound, NotFound), rules=(_WHITELIST_RULE,))
     def create_api_key(self, request: Received, workspace_id: str) -> dict:
         body = request.json()
         return self.svc.create_api_key(workspace_id, body.get("scopes", SCOPES),
