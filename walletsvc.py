@@ -4695,14 +4695,17 @@ class HttpApi:
 
     def receive(self, environ: Mapping[str, Any],
                 endpoint: Endpoint | None) -> tuple[Received, WalletError | None]:
-        """The request as received, its body read; the error if the body was refused."""
+        """The request as received, its body read, its locale chosen; the error if the body was refused."""
         started, refused, body = time.perf_counter(), None, b""
         try:
             body = self.read_body(environ)
         except WalletError as exc:
             refused = exc
-        received = Received(environ, endpoint, self.locale(environ), started, raw_request_path(environ), body)
-        return received, refused
+        locale = self.settings.default_locale
+        if "HTTP_X_LOCALE" in environ or "HTTP_ACCEPT_LANGUAGE" in environ:
+            locale = negotiate_locale(environ.get("HTTP_X_LOCALE"), environ.get("HTTP_ACCEPT_LANGUAGE"),
+                                      locale)
+        return Received(environ, endpoint, locale, started, raw_request_path(environ), body), refused
 
     # 1. Decide ###############################################################
 
@@ -4906,12 +4909,6 @@ class HttpApi:
         if len(body) > limit:
             raise PayloadTooLarge(limit=limit)
         return body
-
-    def locale(self, environ: Mapping[str, Any]) -> str:
-        if "HTTP_X_LOCALE" not in environ and "HTTP_ACCEPT_LANGUAGE" not in environ:
-            return self.settings.default_locale
-        return negotiate_locale(environ.get("HTTP_X_LOCALE"), environ.get("HTTP_ACCEPT_LANGUAGE"),
-                                self.settings.default_locale)
 
     def as_wallet_error(self, exc: BaseException) -> WalletError:
         if isinstance(exc, WalletError):
