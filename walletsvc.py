@@ -4268,12 +4268,10 @@ def check_declaration(declaration: Endpoint, handler: Callable) -> None:
         problems.append(f"an /api/ endpoint needs a scope, one of {', '.join(SCOPES)}")
     if declaration.surface is not Surface.API and declaration.scope is not None:
         problems.append("only /api/ endpoints take a scope")
-    for schema in (declaration.response, declaration.request):
-        if isinstance(schema, str) and schema not in SCHEMAS:
-            problems.append(f"schema {schema!r} is not in SCHEMAS")
-    for name in declaration.path_names:
-        if name not in PATH_PARAMETERS:
-            problems.append(f"its path parameter {name!r} is not in PATH_PARAMETERS (its name and schema)")
+    problems += [f"schema {name!r} is not in SCHEMAS" for name in (declaration.response, declaration.request)
+                 if isinstance(name, str) and name not in SCHEMAS]
+    problems += [f"its path parameter {name!r} is not in PATH_PARAMETERS (its name and schema)"
+                 for name in declaration.path_names if name not in PATH_PARAMETERS]
     parameters = list(inspect.signature(handler).parameters)[1:]  # after the Call
     if parameters != declaration.path_names:
         problems.append(f"the handler takes {parameters} after the call,"
