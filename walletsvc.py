@@ -3997,8 +3997,7 @@ SCHEMAS: Mapping[str, dict] = {
                                  "description": "a sentence in the language of Content-Language"}},
                      description="The error envelope of every error answer"),
     "NameBody": _object({"name": _NAME_SCHEMA}, description="A name"),
-    "NewKeyBody": _object({"scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1},
-                           "memberId": _STRING,
+    "NewKeyBody": _object({"scopes": {**_array("Scope"), "minItems": 1}, "memberId": _STRING,
                            "ipWhitelist": {"type": ["array", "null"], "items": _NETWORK_SCHEMA, "minItems": 1,
                                            "description": "addresses or CIDR blocks without host bits"
                                                           " (10.0.0.1/8 is S012); null: no whitelist"}},
@@ -4729,7 +4728,6 @@ class HttpApi:
         if auth.refused is not None:
             return Decision(error=auth.refused, auth=auth)
         request = dataclasses.replace(request, principal=auth.principal)
-        fault = None
         try:
             self.check_scope(request)
             fault = self.take_fault(request) if auth.faults else None
