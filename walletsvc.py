@@ -5690,7 +5690,6 @@ class AdminApi:
               rules=(("at", "the clock stays between 1970 and 9999 UTC"),
                      ("advance", "the clock stays between 1970 and 9999 UTC, wherever it stands")))
     def set_clock(self, request: Received) -> dict:
-        """``{"freeze": true|false, "at": epoch seconds or RFC 3339, "advance": seconds}``."""
         body = request.json()
         clock = self.svc.clock
         if not clock.controllable:
