@@ -3810,7 +3810,7 @@ def start_world(svc: WalletService, scenario: Mapping[str, Any]) -> list[dict]:
 # The JSON shapes of both surfaces, named once: endpoint declarations name them, /openapi.json publishes
 # them, and a request body is checked against its endpoint's schema (fields, JSON types) before its handler.
 
-_STRING = {"type": "string"}
+_STRING, _INTEGER, _BOOLEAN = {"type": "string"}, {"type": "integer"}, {"type": "boolean"}
 
 
 def _ref(name: str) -> dict:
@@ -3912,7 +3912,7 @@ SHARED_SCHEMAS: Mapping[str, dict] = {
 def _scenario_schema(kind: str) -> dict:
     """The schema of a scenario's object of this kind, from _SCENARIO_OBJECTS (what check_scenario checks)."""
     kinds = {"name": _NAME_SCHEMA, "wallet_name": {**_NAME_SCHEMA, "minLength": 0}, "string": _STRING,
-             "boolean": {"type": "boolean"}, "secret": {"type": "string", "pattern": f"^{_NONCE.pattern}$"},
+             "boolean": _BOOLEAN, "secret": {"type": "string", "pattern": f"^{_NONCE.pattern}$"},
              "scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1}, "currency": _CURRENCY_SCHEMA,
              "networks": {"type": "array", "items": _NETWORK_SCHEMA, "minItems": 1},
              "amount": _STRING, "status": _ref("WalletStatus"), "time": _CLOCK_AT_SCHEMA,
@@ -3940,9 +3940,8 @@ _NULLABLE_STRING = {"type": ["string", "null"]}
 _ERROR_RULE = {  # an error rule names its status, unless its code (S500 by default) is the catalog's
     "if": _part({"properties": {"action": {"const": FaultAction.ERROR},
                                 "code": {"not": {"enum": list(ERRORS_BY_CODE)}}}, "required": ["code"]}),
-    "then": _part({"properties": {"status": {"type": "integer"}}, "required": ["status"]})}
+    "then": _part({"properties": {"status": _INTEGER}, "required": ["status"]})}
 
-_INTEGER, _BOOLEAN = {"type": "integer"}, {"type": "boolean"}
 _WORKSPACE = {"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}
 SCHEMAS: Mapping[str, dict] = {
     **SHARED_SCHEMAS,
