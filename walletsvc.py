@@ -5680,9 +5680,8 @@ class AdminApi:
 
     @endpoint("GET", "/_admin/clock", "The service clock", response="ClockState")
     def get_clock(self, request: Received) -> dict:
-        clock = self.svc.clock
         return {"now": iso_time(self.svc.now_ms()), "epochMillis": self.svc.now_ms(),
-                "frozen": clock.frozen, "controllable": clock.controllable}
+                "frozen": self.svc.clock.frozen, "controllable": self.svc.clock.controllable}
 
     @endpoint("POST", "/_admin/clock", "Freeze, set, advance or unfreeze the service clock",
               request="ClockBody", response="ClockState",
