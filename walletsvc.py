@@ -5175,9 +5175,8 @@ def _operation(ep: Endpoint, head: bool = False) -> dict:
                for public, schema, about in map(PATH_PARAMETERS.get, ep.path_names)]
     operation: dict[str, Any] = {
         "operationId": name if surface is not Surface.ADMIN else f"admin_{name}",
-        "summary": ep.summary + (" (HEAD)" if head else ""),
-        "description": "\n\n".join(description), "tags": [surface],
-        "parameters": in_path + list(ep.query) + _LANGUAGE_PARAMETERS,
+        "summary": ep.summary + (" (HEAD)" if head else ""), "description": "\n\n".join(description),
+        "tags": [surface], "parameters": in_path + list(ep.query) + _LANGUAGE_PARAMETERS,
         "responses": {"200": ok, **_error_responses(ep.errors_answered, head)},
         "security": {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
                      Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}]}.get(surface, [])}
