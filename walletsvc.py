@@ -4177,7 +4177,7 @@ _STATUS_LINES = {status.value: f"{status.value} {status.phrase}" for status in H
 
 
 def console_cookie(environ: Mapping[str, Any]) -> str:
-    """The console's session cookie's name (Console) for the port the request came to (/openapi.json's)."""
+    """The name of the console's session cookie (Console) for the request's port, as /openapi.json has it."""
     port = (environ.get("HTTP_HOST") or "").rpartition(":")[2]
     if not port.isdigit():
         port = "443" if environ.get("wsgi.url_scheme") == "https" else "80"
@@ -4280,7 +4280,7 @@ def check_declaration(declaration: Endpoint, handler: Callable) -> None:
 
 
 class Reply(NamedTuple):
-    """A handler's answer when it is more than data; it returns data, a Reply, or a unit returning either."""
+    """A handler's answer when more than data (handlers return data, a Reply, or a unit returning either)."""
 
     data: Any
     status: int = 200  # of a success (the console's login answers 303 or 401)
