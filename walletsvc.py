@@ -6529,11 +6529,6 @@ def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
     yield from _for_test(request, walletsvc_session_live, walletsvc_session_lives, _live_sandbox)
 
 
-def _pytest_configure(config: Any) -> None:
-    config.addinivalue_line("markers", "walletsvc(**settings): the walletsvc sandbox of this test gets"
-                                       " these settings (e.g. settlement='manual', magic_values=True)")
-
-
 @functools.cache
 def _pytest_plugin() -> Any:
     """walletsvc's pytest plugin (entry point ``pytest11``): fake wallet backends for tests.
@@ -6548,7 +6543,9 @@ def _pytest_plugin() -> Any:
     import pytest
 
     plugin = types.ModuleType("walletsvc.pytest_plugin", _pytest_plugin.__doc__)
-    plugin.pytest_configure = _pytest_configure
+    plugin.pytest_configure = lambda config: config.addinivalue_line(
+        "markers", "walletsvc(**settings): the walletsvc sandbox of this test gets these settings"
+                   " (e.g. settlement='manual', magic_values=True)")
     for name, (scope, function) in _FIXTURES.items():
         setattr(plugin, name, pytest.fixture(function, scope=scope))
     return plugin
@@ -6651,11 +6648,9 @@ def _table(value: Any) -> str:
     if not value:
         return "(none)"
     columns = list(value[0])
-    rows = [[_cell(row.get(c)) for c in columns] for row in value]
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths))]
-    lines += ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)) for row in rows]
-    return "\n".join(line.rstrip() for line in lines)
+    rows = [columns, *([_cell(row.get(c)) for c in columns] for row in value)]
+    widths = [max(map(len, column)) for column in zip(*rows)]
+    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
 def _existing(path: str) -> str:
@@ -6672,12 +6667,11 @@ def _on_service(path: str, action: Callable[[WalletService], Any]) -> Any:
         return action(svc)
 
 
-def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], reads_only: bool) -> Callable:
-    def run(args: argparse.Namespace) -> int:
-        result = _on_service(_existing(args.db) if reads_only else args.db, lambda svc: action(svc, args))
-        print(_table(result) if args.table else json.dumps(result, indent=2, ensure_ascii=False))
-        return 0
-    return run
+def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], reads_only: bool,
+                   args: argparse.Namespace) -> int:
+    result = _on_service(_existing(args.db) if reads_only else args.db, lambda svc: action(svc, args))
+    print(_table(result) if args.table else json.dumps(result, indent=2, ensure_ascii=False))
+    return 0
 
 
 LOG_FORMAT = "%(asctime)s %(name)s %(message)s"  # `walletsvc serve`'s lines on stderr, the access log's too
@@ -6969,15 +6963,6 @@ def _rfc3986(text: str, safe: str) -> str:
     return urllib.parse.quote(text, safe=safe + "%:@!$&'()*+,;=-._~")
 
 
-def _leaf(common: argparse.ArgumentParser, commands: Any, name: str, help_text: str,
-          action: Callable[[WalletService, argparse.Namespace], Any], *arguments: str) -> Any:
-    parser = commands.add_parser(name, parents=[common], help=help_text)
-    for argument in arguments:
-        parser.add_argument(argument)
-    parser.set_defaults(run=_admin_command(action, reads_only=name in ("list", "get")))
-    return parser
-
-
 class _OneLineParser(argparse.ArgumentParser):
     """argparse, saying a bad argument in one line (and where the help is), not under the usage block."""
 
@@ -7026,7 +7011,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a setting (docs/reference.md, Settings), e.g. busy_timeout=2; repeatable")
     serve_parser.set_defaults(run=_serve_command)
 
-    leaf = functools.partial(_leaf, common)
+    def leaf(group: Any, name: str, help_text: str,
+             action: Callable[[WalletService, argparse.Namespace], Any], *arguments: str) -> Any:
+        parser = group.add_parser(name, parents=[common], help=help_text)
+        for argument in arguments:
+            parser.add_argument(argument)
+        parser.set_defaults(run=functools.partial(_admin_command, action, name in ("list", "get")))
+        return parser
 
     def verbs(name: str, help_text: str) -> Any:
         return commands.add_parser(name, help=help_text).add_subparsers(dest="verb", required=True)
