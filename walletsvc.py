@@ -5758,10 +5758,9 @@ def envelope_seconds(payload: bytes) -> int | None:
 
 
 def server_time(url: str, timeout: float = 10.0) -> int:
-    """The server's clock in epoch seconds (a sandbox's, frozen or moved), from ``GET /healthz`` beside
-    ``url`` (a base URL, or any URL of its API): unsigned, and never in the journal, so learning the
-    time before signing leaves no failed request behind (docs/signing.md). ConnectionError if no
-    walletsvc answers there."""
+    """The server's clock in epoch seconds (a sandbox's, frozen or moved) from ``GET /healthz`` beside ``url``
+    (a base URL, or any URL of its API): unsigned and never journaled, so learning the time before signing
+    leaves no failed request behind (docs/signing.md). ConnectionError if no walletsvc answers there."""
     parts = urllib.parse.urlsplit(url)  # /healthz below the same mount prefix (the path before /api/)
     prefix = parts.path.split("/api/", 1)[0] if "/api/" in parts.path else parts.path.rstrip("/")
     target = f"{parts.scheme}://{parts.netloc}{prefix}{HEALTH_PATH}"
@@ -5780,9 +5779,8 @@ def server_time(url: str, timeout: float = 10.0) -> int:
 
 
 class HmacAuth:
-    """Signs requests for ``requests`` and ``httpx`` (``auth=HmacAuth(key, secret)``) at the server's
-    clock, read from its /healthz (this machine's where none answers), or at ``clock`` (docs/signing.md).
-    Imports neither library: their requests are told apart by their attributes."""
+    """Signs ``requests`` and ``httpx`` requests (``auth=HmacAuth(key, secret)``), importing neither, at the
+    server's clock read from its /healthz (else this machine's), or at ``clock`` (docs/signing.md)."""
 
     def __init__(self, api_key: str, secret: str, *, clock: Callable[[], float] | None = None) -> None:
         self.api_key, self.secret, self.clock = api_key, secret, clock
@@ -5816,10 +5814,9 @@ def _segment(value: str) -> str:
 
 
 class Client:
-    """A signed client of the nine endpoints, standard library only (docs/signing.md): ``target`` a
-    base URL (a path prefix in it is signed) or a WSGI app (``prefix=`` where it is mounted); left
-    out, WALLETSVC_URL, _KEY and _SECRET, else the demo's. It signs at the server's clock
-    (``clock=`` another), and once more at the time a GA2013 answer gives."""
+    """A signed client of the nine endpoints, standard library only (docs/signing.md): ``target`` a base URL
+    (a path prefix in it is signed) or a WSGI app (``prefix=`` where mounted); left out, WALLETSVC_URL, _KEY
+    and _SECRET, else the demo's. It signs at the server's clock (``clock=`` another), again at a GA2013's."""
 
     def __init__(self, target: str | Callable | None = None, api_key: str | None = None,
                  secret: str | None = None, *, prefix: str = "", timeout: float = 10.0,
@@ -5918,8 +5915,7 @@ class Client:
         seconds = envelope_seconds(payload)
         return int(time.time()) if seconds is None else seconds
 
-    def _signed(self, method: str, path: str, query: str, raw: bytes,
-                stamp: int) -> tuple[int, dict, dict]:
+    def _signed(self, method: str, path: str, query: str, raw: bytes, stamp: int) -> tuple[int, dict, dict]:
         full_path = self.prefix + path
         headers = sign_request(method, full_path, raw, self.api_key, self.secret, timestamp=stamp)
         if raw:
@@ -5945,14 +5941,13 @@ class Client:
                 reason = getattr(exc, "reason", exc)
                 raise ConnectionError(f"cannot reach {self.target}{self.prefix}: {reason} (is walletsvc serve"
                                       " running there? check WALLETSVC_URL or --url)") from None
-        environ = {"REQUEST_METHOD": method, "SCRIPT_NAME": "",
-                   "PATH_INFO": urllib.parse.unquote(path, "latin-1"), "REQUEST_URI": path,
-                   "QUERY_STRING": query, "SERVER_NAME": "walletsvc", "SERVER_PORT": "80",
-                   "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1",
+        environ = {"REQUEST_METHOD": method, "SCRIPT_NAME": "", "REQUEST_URI": path, "QUERY_STRING": query,
+                   "PATH_INFO": urllib.parse.unquote(path, "latin-1"), "SERVER_NAME": "walletsvc",
+                   "SERVER_PORT": "80", "SERVER_PROTOCOL": "HTTP/1.1", "REMOTE_ADDR": "127.0.0.1",
                    "CONTENT_LENGTH": str(len(body)), "CONTENT_TYPE": headers.pop("Content-Type", ""),
                    "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr, "wsgi.version": (1, 0),
-                   "wsgi.url_scheme": "http", "wsgi.multithread": True,
-                   "wsgi.multiprocess": False, "wsgi.run_once": False}
+                   "wsgi.url_scheme": "http", "wsgi.multithread": True, "wsgi.multiprocess": False,
+                   "wsgi.run_once": False}
         for name, value in headers.items():
             environ[environ_key(name)] = value
         started: list = []
@@ -6019,9 +6014,8 @@ MAX_SLEEPERS = 256  # requests a latency rule keeps waiting at once, each with a
 
 
 def _control_dispatcher(threads: int) -> Any:
-    """waitress's task dispatcher, with CONTROL_THREADS threads kept for /healthz and /_admin/**
-    (docs/operations.md): requests that a latency fault rule or a held lock keep waiting occupy the
-    ``threads`` workers, never these. waitress hands its dispatcher a channel per request."""
+    """waitress's dispatcher, with threads kept for /healthz and /_admin/** (docs/operations.md): requests
+    that a latency fault rule or a held lock keep waiting occupy the ``threads`` workers, never these."""
     from waitress.task import ThreadedTaskDispatcher
 
     class Dispatcher(ThreadedTaskDispatcher):
@@ -6031,7 +6025,7 @@ def _control_dispatcher(threads: int) -> Any:
             self.sleepers, self.sleepers_lock = 0, threading.Lock()
 
         def add_task(self, task: Any) -> None:
-            requests = getattr(task, "requests", None)
+            requests = getattr(task, "requests", None)  # (a task is a channel: waitress hands one a request)
             matched = _CONTROL_PATH.fullmatch(getattr(requests[0], "path", "") if requests else "")
             pool = super() if matched is None else self.health if matched[2] == "healthz" else self.control
             pool.add_task(task)  # (/healthz: never behind an admin write waiting for the lock)
@@ -6149,9 +6143,9 @@ def _draining(server: Any, then: Callable[[], Any]) -> Callable[..., None]:
         deadline = time.monotonic() + DRAIN_SECONDS
         while time.monotonic() < deadline:
             channels = [channel for channel in list(server._map.values()) if channel is not server]
-            if server.task_dispatcher.idle() and not any(
-                    getattr(channel, "requests", None) or getattr(channel, "total_outbufs_len", 0)
-                    for channel in channels):
+            if server.task_dispatcher.idle() and not any(getattr(channel, "requests", None)
+                                                         or getattr(channel, "total_outbufs_len", 0)
+                                                         for channel in channels):
                 break
             time.sleep(0.02)
         drained.set()
@@ -6190,17 +6184,15 @@ def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
     dispatcher = _control_dispatcher(threads)
     app.http.sleep = dispatcher.sleep
     return guarding_slow_senders(answering_in_envelopes(waitress.create_server(
-        app, sockets=[listener], _dispatcher=dispatcher, ident="walletsvc",
-        clear_untrusted_proxy_headers=False,
-        max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1),
+        app, sockets=[listener], _dispatcher=dispatcher, clear_untrusted_proxy_headers=False,
+        ident="walletsvc", max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1),
         **WAITRESS_LIMITS), app.http.settings.max_body_bytes))
 
 
 def guarding_slow_senders(server: Any) -> Any:
     """A waitress ``server`` that slow senders cannot fill (docs/operations.md, When things go wrong: A
-    hostile network). No waitress option does this (it bounds a connection's silence, not how long its
-    headers take, and stops accepting at its limit); its internals used: the server's readable, maintenance
-    and active_channels; a channel's request (headers_finished), requests, last_activity and will_close."""
+    hostile network): no waitress option does, as it bounds a connection's silence, not how long its headers
+    take, and stops accepting at its limit."""
     class GuardedChannel(server.channel_class):
         headers_since: float | None = None  # when the first byte of unfinished headers came
 
@@ -6900,10 +6892,9 @@ def _base_url(given_url: str, parser: argparse.ArgumentParser) -> str:
 
 
 def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[str, str, str, str, str]:
-    """(base URL, path, query, key, secret) of ``request`` and ``sign``: each given, else WALLETSVC_URL,
-    WALLETSVC_KEY and WALLETSVC_SECRET, else the demo's, said on stderr with the URL (docs/reference.md,
-    walletsvc request and walletsvc sign); the path starts with /, characters RFC 3986 does not allow in a
-    URL are percent-encoded (what is sent is what is signed)."""
+    """(base URL, path, query, key, secret) of ``request`` and ``sign``: each given, else WALLETSVC_URL, _KEY
+    and _SECRET, else the demo's, said on stderr (docs/reference.md, walletsvc request and walletsvc sign);
+    the path starts with /, what RFC 3986 does not allow in a URL percent-encoded (what is sent is signed)."""
     given, fell_back = {}, []
     for name, variable, demo in (("url", "WALLETSVC_URL", DEMO_URL), ("key", "WALLETSVC_KEY", DEMO_KEY),
                                  ("secret", "WALLETSVC_SECRET", DEMO_SECRET)):
@@ -6994,11 +6985,9 @@ def build_parser() -> argparse.ArgumentParser:
     add("--workers", type=_whole_number(1, 64, "a worker count"), default=1,
         help="processes serving one socket and one database: one sandbox (default 1)")
     add("--threads", type=_whole_number(1, 256, "a thread count"), default=SERVE_THREADS,
-        help=f"waitress worker threads (default {SERVE_THREADS}: the most requests a second on a few"
-             " cores)")
+        help=f"waitress worker threads (default {SERVE_THREADS}: the most requests a second on a few cores)")
     add("--ready-file", metavar="PATH",
-        help="once serving, write the URL, port, admin token and the demo's keys and wallets to PATH as"
-             " JSON")
+        help="once serving, write the URL, port, admin token and the demo's keys and wallets to PATH as JSON")
     starts = serve_parser.add_mutually_exclusive_group()
     starts.add_argument("--demo", action="store_true", help="start from the built-in scenario once (alice,"
                                                              " bob, yen) and print its credentials")
