@@ -6023,6 +6023,9 @@ def _control_dispatcher(threads: int) -> Any:
             super().__init__()
             self.control, self.health = ThreadedTaskDispatcher(), ThreadedTaskDispatcher()
             self.sleepers, self.sleepers_lock = 0, threading.Lock()
+            self.set_thread_count(threads)
+            self.control.set_thread_count(CONTROL_THREADS)
+            self.health.set_thread_count(1)
 
         def add_task(self, task: Any) -> None:
             requests = getattr(task, "requests", None)  # (a task is a channel: waitress hands one a request)
@@ -6056,11 +6059,7 @@ def _control_dispatcher(threads: int) -> Any:
             self.control.shutdown(cancel_pending, timeout)
             return super().shutdown(cancel_pending, timeout)
 
-    dispatcher = Dispatcher()
-    dispatcher.set_thread_count(threads)
-    dispatcher.control.set_thread_count(CONTROL_THREADS)
-    dispatcher.health.set_thread_count(1)
-    return dispatcher
+    return Dispatcher()
 
 
 # waitress's request threads by default: more only hand the GIL around (docs/operations.md has the figures).
@@ -6090,8 +6089,7 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
                                " or pass --port 0 to pick a free one") from None
         raise
     listener.listen(1024)
-    bound = listener.getsockname()[1]
-    base_url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{bound}"
+    base_url = f"http://{host if family == socket.AF_INET else f'[{host}]'}:{listener.getsockname()[1]}"
     app.http.access_log = logging.getLogger("walletsvc.access")
     main_thread = threading.current_thread() is threading.main_thread()
 
@@ -6645,23 +6643,19 @@ def _table(value: Any) -> str:
     return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows)
 
 
-def _existing(path: str) -> str:
-    """``path``, when a database is there: a command that only reads never makes one (docs/sandbox.md)."""
-    if path != ":memory:" and not os.path.exists(path):
+def _on_service(path: str, action: Callable[[WalletService], Any], existing: bool = True) -> Any:
+    """What ``action`` answers of the database at ``path``, closed after; with ``existing``, one must be
+    there: a command that only reads never makes one (docs/sandbox.md)."""
+    if existing and path != ":memory:" and not os.path.exists(path):
         raise RuntimeError(f"no database at {path} (this command only reads, so it makes none): check --db or"
                            " $WALLETSVC_DB")
-    return path
-
-
-def _on_service(path: str, action: Callable[[WalletService], Any]) -> Any:
-    """What ``action`` answers of the database at ``path``, closed after."""
     with contextlib.closing(WalletService(path)) as svc:
         return action(svc)
 
 
 def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], reads_only: bool,
                    args: argparse.Namespace) -> int:
-    result = _on_service(_existing(args.db) if reads_only else args.db, lambda svc: action(svc, args))
+    result = _on_service(args.db, lambda svc: action(svc, args), existing=reads_only)
     print(_table(result) if args.table else json.dumps(result, indent=2, ensure_ascii=False))
     return 0
 
@@ -6750,10 +6744,9 @@ def _command_line_settings(args: argparse.Namespace, scenario: Mapping[str, Any]
     Scenarios). A file that started from a scenario keeps its own, whatever ``scenario`` (given on this
     command line) says (start_world)."""
     given, stored = dict(args.set or ()), None
-    with contextlib.suppress(sqlite3.Error, ValueError, OSError):
-        conn = sqlite3.connect(f"file:{urllib.parse.quote(os.path.abspath(args.db))}?mode=ro", uri=True)
-        with contextlib.closing(conn):
-            stored = conn.execute("SELECT body FROM start_scenario").fetchone()
+    with contextlib.suppress(sqlite3.Error, ValueError, OSError), contextlib.closing(sqlite3.connect(
+            f"file:{urllib.parse.quote(os.path.abspath(args.db))}?mode=ro", uri=True)) as conn:
+        stored = conn.execute("SELECT body FROM start_scenario").fetchone()
     sandbox = (json.loads(stored[0]) if stored else scenario or {}).get("settings") or {}
     def converted(name: str, value: Any) -> Any:
         return getattr(Settings(**{name: value}), name)
@@ -6836,12 +6829,11 @@ def _progress(what: str) -> Iterator[Callable[[str], None]]:
         wait, shown = PROGRESS_AFTER, False
         while not done.wait(wait):
             now = f": {doing[0]}" if doing[0] else ""
-            stream.write(f"\r\x1b[Kwalletsvc: {what}{now} ({time.monotonic() - started:.0f} s)")
-            stream.flush()
+            print(f"\r\x1b[Kwalletsvc: {what}{now} ({time.monotonic() - started:.0f} s)", end="", file=stream,
+                  flush=True)
             wait, shown = 1.0, True
         if shown:
-            stream.write("\r\x1b[K")
-            stream.flush()
+            print("\r\x1b[K", end="", file=stream, flush=True)
 
     thread = threading.Thread(target=show, daemon=True)
     if stream.isatty():
@@ -6856,7 +6848,7 @@ def _progress(what: str) -> Iterator[Callable[[str], None]]:
 
 def _audit_command(args: argparse.Namespace) -> int:
     with _progress(f"auditing {args.db}") as progress:
-        violations = _on_service(_existing(args.db), lambda svc: svc.audit(progress))
+        violations = _on_service(args.db, lambda svc: svc.audit(progress))
     print((_table(violations) if violations else "clean: every invariant holds") if args.table
           else json.dumps(violations, indent=2, ensure_ascii=False))
     return 1 if violations else 0
@@ -6864,7 +6856,7 @@ def _audit_command(args: argparse.Namespace) -> int:
 
 def _copy_command(args: argparse.Namespace) -> int:
     """``walletsvc backup FILE`` and ``walletsvc restore FILE``, on the database at --db."""
-    _on_service(_existing(args.db), lambda svc: getattr(svc, args.command)(args.file))
+    _on_service(args.db, lambda svc: getattr(svc, args.command)(args.file))
     print(f"backed up {args.db} to {args.file}" if args.command == "backup" else
           f"restored {args.file} into {args.db}: every server on it serves it from its next request")
     return 0
