@@ -6576,28 +6576,21 @@ def _whole_number(minimum: int, maximum: int, name: str) -> Callable[[str], int]
     return convert
 
 
-def _first_key(world: list[dict]) -> dict:
-    """What the banner shows of a world: the first key with its secret, and the first workspace's wallets."""
-    workspace = world[0] if world else {"keys": [], "wallets": []}
-    key = workspace["keys"][0] if workspace["keys"] else {"apiKey": None, "secret": None}
-    return {"apiKey": key["apiKey"], "secret": key["secret"],
-            "wallets": [(wallet["name"], wallet["id"]) for wallet in workspace["wallets"]]}
-
-
 BANNER_WALLETS = 5  # wallets the banner names; it says how many more
 
 
-def demo_instructions(base_url: str, demo: dict, admin_token: str | None, database: str) -> str:
-    """What ``serve --demo`` (or ``--scenario``) prints: one export line with the names every example
-    uses, and examples that paste as printed and sign at the sandbox's clock, whatever it does later: the
-    curl reads it from /healthz first (bash or zsh, curl, openssl and sed: Linux, macOS, WSL)."""
-    names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": demo["apiKey"], "WALLETSVC_SECRET": demo["secret"]}
+def demo_instructions(base_url: str, workspace: dict, admin_token: str | None, database: str) -> str:
+    """What ``serve --demo`` (or ``--scenario``) prints of its first ``workspace``: one export line with the
+    names every example uses (its first key), and examples that paste as printed and sign at the sandbox's
+    clock, whatever it does later (CURL_SIGNED_GET reads it from /healthz first)."""
+    key = workspace["keys"][0]
+    names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": key["apiKey"], "WALLETSVC_SECRET": key["secret"]}
     if admin_token:
         names["WALLETSVC_ADMIN_TOKEN"] = admin_token
-    shown = demo["wallets"][:BANNER_WALLETS]  # (the ready file keeps them all)
-    wallets = ", ".join(f"{name} {wallet_id}" for name, wallet_id in shown)
-    if len(demo["wallets"]) > len(shown):
-        wallets += f" and {len(demo['wallets']) - len(shown):,} more (walletsvc wallet list, or --ready-file)"
+    shown = workspace["wallets"][:BANNER_WALLETS]  # (the ready file keeps them all)
+    wallets = ", ".join(f"{wallet['name']} {wallet['id']}" for wallet in shown)
+    if more := len(workspace["wallets"]) - len(shown):
+        wallets += f" and {more:,} more (walletsvc wallet list, or --ready-file)"
     return f"""walletsvc sandbox at {base_url}
 database : {os.path.abspath(database)}
 wallets  : {wallets or "(none)"}
@@ -6716,10 +6709,9 @@ def _serve_command(args: argparse.Namespace) -> int:
     except BaseException:
         _undo_start(svc, made)
         raise
-    if world is not None and "admin_token" not in settings:
-        settings["admin_token"] = stored_admin_token(svc.db)
-    demo = _first_key(world) if world is not None else None
-    if demo:
+    if world is not None:
+        if "admin_token" not in settings:
+            settings["admin_token"] = stored_admin_token(svc.db)
         settings.setdefault("debug_signatures", True)
     counts = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
                         " WHERE deleted_at IS NULL)")
@@ -6727,7 +6719,7 @@ def _serve_command(args: argparse.Namespace) -> int:
 
     def banner(base_url: str) -> None:
         ready.append(base_url)
-        _serve_banner(args, svc, settings, world, demo, counts, base_url)
+        _serve_banner(args, settings, world, counts, base_url)
 
     lean_log_records()
     try:
@@ -6768,14 +6760,14 @@ def _undo_start(svc: WalletService | None, made: list[str]) -> None:
             os.remove(path)
 
 
-def _serve_banner(args: argparse.Namespace, svc: WalletService, settings: dict, world: list[dict] | None,
-                  demo: dict | None, counts: tuple[int, int], base_url: str) -> None:
+def _serve_banner(args: argparse.Namespace, settings: dict, world: list[dict] | None, counts: tuple[int, int],
+                  base_url: str) -> None:
     """What ``walletsvc serve`` prints (and writes to ``--ready-file``) once its socket listens."""
     keys, workspaces = counts
     if args.ready_file:
         _write_ready_file(args.ready_file, base_url, settings.get("admin_token"), world or [])
-    if demo and demo["apiKey"]:
-        print(demo_instructions(base_url, demo, settings.get("admin_token"), args.db), flush=True)
+    if world and world[0]["keys"]:
+        print(demo_instructions(base_url, world[0], settings.get("admin_token"), args.db), flush=True)
     elif keys:
         print(f"walletsvc serving {args.db} at {base_url}\nIt holds {keys} API key(s) in {workspaces}"
               f" workspace(s): walletsvc workspace list --db {args.db}, walletsvc key list WORKSPACE_ID"
