@@ -6439,18 +6439,6 @@ class LiveServer:
             self._thread.join(timeout=5)
 
 
-# The plugin's fixtures: plain functions, each declared with its scope by @_fixture; ``pytest_plugin``
-# makes them pytest fixtures when pytest loads it, so that importing walletsvc never imports pytest.
-_FIXTURES: dict[str, tuple[str, Callable[..., Any]]] = {}
-
-
-def _fixture(scope: str = "function") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    def declare(function: Callable[..., Any]) -> Callable[..., Any]:
-        _FIXTURES[function.__name__] = (scope, function)
-        return function
-    return declare
-
-
 def _for_test(request: Any, default: Sandbox, cache: dict, make: Callable[[dict], Sandbox]) -> Iterator:
     """The test's sandbox, reset before it and audited after: ``default``, or for the settings of its
     ``@pytest.mark.walletsvc(...)`` the one ``cache`` holds, made by ``make`` the first time."""
@@ -6470,20 +6458,19 @@ def _live_sandbox(settings: dict) -> Sandbox:
     return sandbox
 
 
-@_fixture("session")
+# The plugin's fixtures: this module's walletsvc_* functions, for the session when named walletsvc_session_*.
+# ``pytest_plugin`` makes them pytest fixtures when pytest loads it: importing walletsvc never imports pytest.
 def walletsvc_session_sandbox() -> Sandbox:
     """The session's in-process Sandbox at default settings (one per xdist worker);
     ``walletsvc_sandbox`` resets it before each test. Override it to change every test's."""
     return Sandbox.create()
 
 
-@_fixture("session")
 def walletsvc_session_sandboxes() -> dict:
     """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct settings."""
     return {}
 
 
-@_fixture()
 def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
                       walletsvc_session_sandboxes: dict) -> Iterator[Sandbox]:
     """A walletsvc.Sandbox in process (no socket): ``.service``, ``.app``, ``.client``, ``.key``, ``.wallets``
@@ -6493,7 +6480,6 @@ def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
                          lambda settings: Sandbox.create(**settings))
 
 
-@_fixture("session")
 def walletsvc_session_live() -> Iterator[Sandbox]:
     """The session's live Sandbox at default settings, on waitress on a random port of 127.0.0.1."""
     sandbox = _live_sandbox({})
@@ -6501,7 +6487,6 @@ def walletsvc_session_live() -> Iterator[Sandbox]:
     sandbox.server.stop()
 
 
-@_fixture("session")
 def walletsvc_session_lives() -> Iterator[dict]:
     """Live Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with
     the session."""
@@ -6511,7 +6496,6 @@ def walletsvc_session_lives() -> Iterator[dict]:
         sandbox.server.stop()
 
 
-@_fixture()
 def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
                    walletsvc_session_lives: dict) -> Iterator[Sandbox]:
     """``walletsvc_sandbox`` served over HTTP (``.url``; ``.client`` talks HTTP), for code under test
@@ -6536,8 +6520,10 @@ def _pytest_plugin() -> Any:
     plugin.pytest_configure = lambda config: config.addinivalue_line(
         "markers", "walletsvc(**settings): the walletsvc sandbox of this test gets these settings"
                    " (e.g. settlement='manual', magic_values=True)")
-    for name, (scope, function) in _FIXTURES.items():
-        setattr(plugin, name, pytest.fixture(function, scope=scope))
+    for name, function in globals().items():
+        if name.startswith("walletsvc_"):  # (the fixtures: see walletsvc_session_sandbox)
+            scope = "session" if name.startswith("walletsvc_session_") else "function"
+            setattr(plugin, name, pytest.fixture(function, scope=scope))
     return plugin
 
 
