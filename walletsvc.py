@@ -5893,8 +5893,7 @@ class Client:
 
     def send(self, method: str, path: str, *, query: Mapping[str, Any] | str | None = None,
              body: bytes | None = None) -> tuple[int, dict, dict]:
-        """Sign and send ``path`` below the prefix; (HTTP status, response headers, envelope)
-        whatever the outcome."""
+        """Sign and send ``path`` below the prefix: (HTTP status, headers, envelope), whatever the outcome."""
         raw = body or b""
         if not isinstance(query, str):
             query = urllib.parse.urlencode(
@@ -5980,9 +5979,7 @@ curl -s "$WALLETSVC_URL$P" -H "X-Api-Key: $WALLETSVC_KEY" -H "X-Timestamp: $TS" 
 # wrong, A hostile network) says what each protects against, with the figures.
 WAITRESS_LIMITS = {
     "connection_limit": 1000,  # idle and slowloris connections: read by the event loop, not worker threads
-    "channel_timeout": 30,
-    "cleanup_interval": 5,
-    "max_request_header_size": 65536,
+    "channel_timeout": 30, "cleanup_interval": 5, "max_request_header_size": 65536,
 }
 BODY_BUFFER_BYTES = 1 << 20  # the largest body waitress buffers; larger ones get its 413 unread
 # A request line and headers not complete this many seconds after their first byte close the connection
@@ -6063,7 +6060,6 @@ def _control_dispatcher(threads: int) -> Any:
 
 
 # waitress's request threads by default: more only hand the GIL around (docs/operations.md has the figures).
-# A `latency` rule's request and /healthz and /_admin/ get threads of their own (_control_dispatcher).
 SERVE_THREADS = 1
 
 
@@ -6140,10 +6136,9 @@ def _draining(server: Any, then: Callable[[], Any]) -> Callable[..., None]:
     def drain() -> None:
         deadline = time.monotonic() + DRAIN_SECONDS
         while time.monotonic() < deadline:
-            channels = [channel for channel in list(server._map.values()) if channel is not server]
-            if server.task_dispatcher.idle() and not any(getattr(channel, "requests", None)
-                                                         or getattr(channel, "total_outbufs_len", 0)
-                                                         for channel in channels):
+            if server.task_dispatcher.idle() and not any(
+                    getattr(channel, "requests", None) or getattr(channel, "total_outbufs_len", 0)
+                    for channel in list(server._map.values()) if channel is not server):
                 break
             time.sleep(0.02)
         drained.set()
@@ -6262,9 +6257,8 @@ REFUSED_WORKER = 3
 
 def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, ready: Callable[[], Any],
                  may_join: Callable[[], None]) -> None:
-    """Fork ``workers`` processes serving ``listener``; start another when one dies, unless it was
-    refused (``may_join`` raised FileGone in it); on Ctrl-C or SIGTERM, stop them all. Each child
-    opens its own database connections."""
+    """Fork ``workers`` processes serving ``listener``, each with its own connections; start another when one
+    dies, unless refused (``may_join`` raised FileGone in it); on Ctrl-C or SIGTERM, stop them all."""
 
     def start() -> int:
         parent = os.getpid()
@@ -6343,9 +6337,8 @@ class Sandbox:
         service_settings, http_settings = split_settings(settings)
         clock = Clock()
         service = WalletService(database, clock=clock, **service_settings)
-        sandbox = cls(service, create_app(service, **http_settings), clock)
-        sandbox.admin_token = http_settings.get("admin_token")
-        return sandbox._enter(start_world(service, scenario)[0])
+        return cls(service, create_app(service, **http_settings), clock,
+                   admin_token=http_settings.get("admin_token"))._enter(start_world(service, scenario)[0])
 
     def _enter(self, workspace: dict) -> Sandbox:
         """This sandbox's workspace, key and wallets are ``workspace``'s (a world's description)."""
@@ -6488,8 +6481,7 @@ def walletsvc_session_live() -> Iterator[Sandbox]:
 
 
 def walletsvc_session_lives() -> Iterator[dict]:
-    """Live Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with
-    the session."""
+    """Live Sandboxes for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with the session."""
     cache: dict = {}
     yield cache
     for sandbox in cache.values():
@@ -6510,8 +6502,7 @@ def _pytest_plugin() -> Any:
     ``walletsvc_sandbox`` (in process) and ``walletsvc_live`` (on a socket) are made once per session and per
     xdist worker, reset before each test in about a millisecond and audited after it.
     ``@pytest.mark.walletsvc(**settings)`` gives a test a sandbox with those settings (service or HTTP layer,
-    e.g. ``settlement="manual"``), made once per distinct settings.
-    """
+    e.g. ``settlement="manual"``), made once per distinct settings."""
     import types
 
     import pytest
@@ -6737,8 +6728,7 @@ def _command_line_settings(args: argparse.Namespace, scenario: Mapping[str, Any]
 
 
 def _undo_start(svc: WalletService | None, made: list[str]) -> None:
-    """A refused start leaves nothing behind: what it made (SQLite's files, with the file's mode)
-    would block the next."""
+    """A refused start removes what it made: SQLite's files (with the file's mode) would block the next."""
     if svc is not None:
         svc.close()
     for path in made:
@@ -6868,8 +6858,7 @@ def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     given, fell_back = {}, []
     for name, variable, demo in (("url", "WALLETSVC_URL", DEMO_URL), ("key", "WALLETSVC_KEY", DEMO_KEY),
                                  ("secret", "WALLETSVC_SECRET", DEMO_SECRET)):
-        given[name] = next((value for value in (getattr(args, name), os.environ.get(variable))
-                            if value is not None), None)
+        given[name] = os.environ.get(variable) if getattr(args, name) is None else getattr(args, name)
         if given[name] is None:
             given[name] = demo
             fell_back.append(variable)
@@ -6890,9 +6879,8 @@ def _request_command(args: argparse.Namespace, parser: argparse.ArgumentParser) 
     if args.method.upper() in ("POST", "PUT", "PATCH") and args.data is None:
         parser.error(f"{args.method.upper()} needs a JSON body: --data '{{...}}' (the exact bytes sent and"
                      " signed)")
-    client = Client(url, key, secret)
-    body = args.data.encode("utf-8") if args.data is not None else None
-    status, _, answer = client.send(args.method.upper(), path, query=query, body=body)
+    status, _, answer = Client(url, key, secret).send(args.method.upper(), path, query=query,
+                                                      body=(args.data or "").encode("utf-8"))
     print(f"HTTP {status} {_STATUS_LINES.get(status, '').partition(' ')[2]}".rstrip(), file=sys.stderr)
     print(json.dumps(answer, indent=2, ensure_ascii=False))
     return 0 if answer.get("success") else 1
