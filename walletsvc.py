@@ -6530,9 +6530,8 @@ def __getattr__(name: str) -> Any:
 ###############################################################################
 
 def stored_admin_token(db: Database) -> str:
-    """The admin token of a sandbox served without ``--admin-token``: random, drawn once per database
-    and kept in it, so that every worker, a second server on the file and a restart agree, and
-    nothing a key holder knows (a key's secret) leads to it (docs/sandbox.md)."""
+    """The admin token of a sandbox served without ``--admin-token``: random, drawn once per database and kept
+    in it, so every worker, server and restart agree and no key holder can derive it (docs/sandbox.md)."""
     def draw(conn: sqlite3.Connection) -> str:
         conn.execute("INSERT INTO admin_token (token) SELECT ? WHERE NOT EXISTS (SELECT 1 FROM admin_token)",
                      (secrets.token_hex(16),))
@@ -6557,9 +6556,8 @@ BANNER_WALLETS = 5  # wallets the banner names; it says how many more
 
 
 def demo_instructions(base_url: str, workspace: dict, admin_token: str | None, database: str) -> str:
-    """What ``serve --demo`` (or ``--scenario``) prints of its first ``workspace``: one export line with the
-    names every example uses (its first key), and examples that paste as printed and sign at the sandbox's
-    clock, whatever it does later (CURL_SIGNED_GET reads it from /healthz first)."""
+    """What ``serve --demo`` (or ``--scenario``) prints of its first ``workspace``: an export line of the
+    names the examples read; examples that paste as printed and sign at the sandbox's clock as it moves."""
     key = workspace["keys"][0]
     names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": key["apiKey"], "WALLETSVC_SECRET": key["secret"]}
     if admin_token:
@@ -6650,9 +6648,8 @@ class LogFormatter(logging.Formatter):
 
 
 def lean_log_records() -> None:
-    """No log record of this process keeps what no line of `walletsvc serve` shows: its thread, process
-    and caller (the logging HOWTO, Optimization): 5 us less an access-log line. Set once serve's process
-    is about to serve (it changes every logger of the process)."""
+    """Log records keep nothing no line of `walletsvc serve` shows (thread, process, caller; the logging
+    HOWTO, Optimization): 5 us less an access-log line. Set as serve starts: it changes every logger's."""
     logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
     logging._srcfile = None
 
@@ -6709,9 +6706,8 @@ def _serve_command(args: argparse.Namespace) -> int:
 
 
 def _command_line_settings(args: argparse.Namespace, scenario: Mapping[str, Any] | None) -> dict:
-    """``--set`` with the sandbox's settings, which stand where a ``--set`` disagrees (docs/sandbox.md,
-    Scenarios). A file that started from a scenario keeps its own, whatever ``scenario`` (given on this
-    command line) says (start_world)."""
+    """``--set`` with the sandbox's settings, which win where they disagree (docs/sandbox.md, Scenarios): a
+    file started from a scenario keeps its own, whatever this command's ``scenario`` says (start_world)."""
     given, stored = dict(args.set or ()), None
     with contextlib.suppress(sqlite3.Error, ValueError, OSError), contextlib.closing(sqlite3.connect(
             f"file:{urllib.parse.quote(os.path.abspath(args.db))}?mode=ro", uri=True)) as conn:
@@ -6788,9 +6784,8 @@ PROGRESS_AFTER = 1.5
 
 @contextlib.contextmanager
 def _progress(what: str) -> Iterator[Callable[[str], None]]:
-    """A line on stderr saying what long work is doing, and for how long: once it has run
-    PROGRESS_AFTER seconds, rewritten every second, cleared at the end; none when stderr is not a
-    terminal. Yields the function the work tells what it does now."""
+    """A line on stderr saying what long work does, for how long, from PROGRESS_AFTER seconds on: rewritten
+    every second, cleared at the end, only on a terminal; yields the function the work tells what it does."""
     stream, doing, done, started = sys.stderr, [""], threading.Event(), time.monotonic()
 
     def show() -> None:
