@@ -5999,8 +5999,6 @@ def _raise_file_limit(needed: int) -> None:
 
 CONTROL_THREADS = 2  # waitress threads of their own for /_admin/** and the console (and one for /healthz)
 _CONTROL_PATH = re.compile(r"(/(?!api/)[^/]+)*/(_admin/.*|healthz)")  # below any mount prefix but /api/
-
-
 MAX_SLEEPERS = 256  # requests a latency rule keeps waiting at once, each with a thread started beside it
 
 # waitress's internals this section leans on, where waitress has no public API for the need (why each, and
@@ -7011,9 +7009,8 @@ def build_parser() -> argparse.ArgumentParser:
             svc, f"{verb}_transfer")(a.biz_id, workspace_id=a.workspace), "biz_id",
              ).add_argument("--workspace", help="workspace id, when the bizId is used in several")
 
-    audit = commands.add_parser("audit", parents=[common],
-                                help="check every ledger invariant; exit status 1 on a violation")
-    audit.set_defaults(run=_audit_command)
+    commands.add_parser("audit", parents=[common], help="check every ledger invariant; exit status 1 on a"
+                        " violation").set_defaults(run=_audit_command)
     for name, help_text in (("backup", "copy the database to FILE, consistent while servers write to it"),
                             ("restore", ("make the served database what the backup FILE holds, in every"
                                          " process at once (docs/operations.md)"))):
@@ -7021,10 +7018,9 @@ def build_parser() -> argparse.ArgumentParser:
         copying.add_argument("file")
         copying.set_defaults(run=_copy_command)
 
-    leaf(commands, "reset",
-         "return the sandbox to its starting state (empty when none was saved), in one transaction",
-         lambda svc, a: svc.reset() or {"reset": a.db}).add_argument("--yes", action="store_true",
-                                                                     required=True, help="confirm")
+    leaf(commands, "reset", "return the sandbox to its starting state (empty when none was saved), in one"
+         " transaction", lambda svc, a: svc.reset() or {"reset": a.db}).add_argument(
+        "--yes", action="store_true", required=True, help="confirm")
 
     for name, help_text, runner in (
             ("request", "sign and send a request; print the answer", _request_command),
