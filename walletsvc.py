@@ -5815,8 +5815,8 @@ def _segment(value: str) -> str:
 
 class Client:
     """A signed client of the nine endpoints, standard library only (docs/signing.md): ``target`` a base URL
-    (a path prefix in it is signed) or a WSGI app (``prefix=`` where mounted); left out, WALLETSVC_URL, _KEY
-    and _SECRET, else the demo's. It signs at the server's clock (``clock=`` another), again at a GA2013's."""
+    (a path prefix in it is signed) or a WSGI app (``prefix=`` where mounted); unset, WALLETSVC_URL, _KEY and
+    _SECRET, else the demo's. Signs at the server's clock (or ``clock``'s), again at a GA2013 answer's."""
 
     def __init__(self, target: str | Callable | None = None, api_key: str | None = None,
                  secret: str | None = None, *, prefix: str = "", timeout: float = 10.0,
@@ -6164,8 +6164,7 @@ def _leave_with(parent: int) -> None:
 
 def _quiet_waitress() -> None:
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
-    if _not_a_dropped_connection not in logging.getLogger("waitress").filters:
-        logging.getLogger("waitress").addFilter(_not_a_dropped_connection)
+    logging.getLogger("waitress").addFilter(_not_a_dropped_connection)  # (once, however often it is called)
 
 
 def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
@@ -6257,7 +6256,6 @@ def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, read
                  may_join: Callable[[], None]) -> None:
     """Fork ``workers`` processes serving ``listener``, each with its own connections; start another when one
     dies, unless refused (``may_join`` raised FileGone in it); on Ctrl-C or SIGTERM, stop them all."""
-
     def start() -> int:
         parent = os.getpid()
         pid = os.fork()
@@ -6352,9 +6350,8 @@ class Sandbox:
         the app, the clock and the server; its ``reset()`` resets only its workspace."""
         if scenario is None:
             scenario = {"workspaces": self.service.start_scenario()["workspaces"]}
-        made = self.service.load_scenario(read_scenario(scenario), fresh_ids=True)
-        world = dataclasses.replace(self, world_id=made["workspaces"][0]["id"])
-        return world._enter(made["workspaces"][0])
+        made = self.service.load_scenario(read_scenario(scenario), fresh_ids=True)["workspaces"][0]
+        return dataclasses.replace(self, world_id=made["id"])._enter(made)
 
     def reset(self) -> Sandbox:
         """Back to the world as it was made, in one transaction: the same ids, balances and clock
