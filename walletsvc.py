@@ -5947,8 +5947,7 @@ class Client:
                    "wsgi.input": io.BytesIO(body), "wsgi.errors": sys.stderr, "wsgi.version": (1, 0),
                    "wsgi.url_scheme": "http", "wsgi.multithread": True, "wsgi.multiprocess": False,
                    "wsgi.run_once": False}
-        for name, value in headers.items():
-            environ[environ_key(name)] = value
+        environ.update((environ_key(name), value) for name, value in headers.items())
         started: list = []
         chunks = self.target(environ, lambda status, response_headers, exc_info=None:
                              started.extend((status, response_headers)))
@@ -5989,12 +5988,11 @@ HEADERS_WITHIN = 10.0
 
 def _raise_file_limit(needed: int) -> None:
     """Raise this process's soft limit on open files to ``needed`` (within the hard limit)."""
-    import resource
+    from resource import RLIM_INFINITY, RLIMIT_NOFILE, getrlimit, setrlimit
 
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < needed:
-        resource.setrlimit(resource.RLIMIT_NOFILE,
-                           (needed if hard == resource.RLIM_INFINITY else min(needed, hard), hard))
+    soft, hard = getrlimit(RLIMIT_NOFILE)
+    if soft != RLIM_INFINITY and soft < needed:
+        setrlimit(RLIMIT_NOFILE, (needed if hard == RLIM_INFINITY else min(needed, hard), hard))
 
 
 CONTROL_THREADS = 2  # waitress threads of their own for /_admin/** and the console (and one for /healthz)
@@ -6057,8 +6055,7 @@ def _control_dispatcher(threads: int) -> Any:
     return Dispatcher()
 
 
-# waitress's request threads by default: more only hand the GIL around (docs/operations.md has the figures).
-SERVE_THREADS = 1
+SERVE_THREADS = 1  # waitress's request threads by default: more only hand the GIL around (docs/operations.md)
 
 
 def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads: int = SERVE_THREADS, *,
@@ -6248,8 +6245,7 @@ def answering_in_envelopes(server: Any, limit: int | None = None) -> Any:
     return server
 
 
-# A worker's exit status when it would join a file it must not (Database, refuse_lost_shm): not started again.
-REFUSED_WORKER = 3
+REFUSED_WORKER = 3  # exit status of a worker refuse_lost_shm kept from a file it must not join: not restarted
 
 
 def _run_workers(app: WalletApp, listener: Any, threads: int, workers: int, ready: Callable[[], Any],
@@ -6396,11 +6392,10 @@ class LiveServer:
     """An app on waitress, on a free port of 127.0.0.1, in a daemon thread."""
 
     def __init__(self, app: Callable, threads: int = 4) -> None:
-        import waitress
+        from waitress import create_server
 
         _quiet_waitress()
-        self._server = answering_in_envelopes(waitress.create_server(
-            app, host="127.0.0.1", port=0, threads=threads))
+        self._server = answering_in_envelopes(create_server(app, host="127.0.0.1", port=0, threads=threads))
         self.url = f"http://127.0.0.1:{self._server.effective_port}"
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="walletsvc-live", daemon=True)
@@ -6773,8 +6768,7 @@ def _write_ready_file(path: str, base_url: str, admin_token: str | None, world: 
         raise
 
 
-# Seconds long work runs before a terminal is told what it is doing (_progress).
-PROGRESS_AFTER = 1.5
+PROGRESS_AFTER = 1.5  # seconds long work runs before a terminal is told what it is doing (_progress)
 
 
 @contextlib.contextmanager
