@@ -6021,7 +6021,7 @@ def _control_dispatcher(threads: int) -> Any:
             self.health.set_thread_count(1)
 
         def add_task(self, task: Any) -> None:
-            requests = getattr(task, "requests", None)  # (a task is a channel: waitress hands one a request)
+            requests = getattr(task, "requests", None)  # (waitress hands it a channel per request)
             matched = _CONTROL_PATH.fullmatch(getattr(requests[0], "path", "") if requests else "")
             pool = super() if matched is None else self.health if matched[2] == "healthz" else self.control
             pool.add_task(task)  # (/healthz: never behind an admin write waiting for the lock)
