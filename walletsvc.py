@@ -5617,7 +5617,8 @@ class AdminApi:
                        for name, description in (("after", "only entries whose seq is greater"),
                                                  ("last", "only the newest so many matching entries")))])
     def journal(self, request: Received) -> dict:
-        """The journal's page, filtered as docs/sandbox.md says (The admin surface); X[NAME] is X.NAME."""
+        """The journal's page, filtered as docs/sandbox.md says (The admin surface); ``query[NAME]`` and
+        ``header[NAME]`` are taken for ``query.NAME`` and ``header.NAME``."""
         query = request.query
         after, last = (_page_integer(query, name, -1, 0) for name in ("after", "last"))
         number, size = _page_and_size(query)
@@ -6422,6 +6423,18 @@ class LiveServer:
             self._thread.join(timeout=5)
 
 
+# The plugin's fixtures: plain functions, each declared with its scope by @_fixture; ``pytest_plugin``
+# makes them pytest fixtures when pytest loads it, so that importing walletsvc never imports pytest.
+_FIXTURES: dict[str, tuple[str, Callable[..., Any]]] = {}
+
+
+def _fixture(scope: str = "function") -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def declare(function: Callable[..., Any]) -> Callable[..., Any]:
+        _FIXTURES[function.__name__] = (scope, function)
+        return function
+    return declare
+
+
 def _for_test(request: Any, default: Sandbox, cache: dict, make: Callable[[dict], Sandbox]) -> Iterator:
     """The test's sandbox, reset before it and audited after: ``default``, or for the settings of its
     ``@pytest.mark.walletsvc(...)`` the one ``cache`` holds, made by ``make`` the first time."""
@@ -6441,19 +6454,20 @@ def _live_sandbox(settings: dict) -> Sandbox:
     return sandbox
 
 
-# The plugin's fixtures: this module's walletsvc_* functions, for the session when named walletsvc_session_*.
-# ``pytest_plugin`` makes them pytest fixtures when pytest loads it: importing walletsvc never imports pytest.
+@_fixture("session")
 def walletsvc_session_sandbox() -> Sandbox:
     """The session's in-process Sandbox at default settings (one per xdist worker);
     ``walletsvc_sandbox`` resets it before each test. Override it to change every test's."""
     return Sandbox.create()
 
 
+@_fixture("session")
 def walletsvc_session_sandboxes() -> dict:
     """In-process Sandboxes made for ``@pytest.mark.walletsvc(...)`` settings, one per distinct settings."""
     return {}
 
 
+@_fixture()
 def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
                       walletsvc_session_sandboxes: dict) -> Iterator[Sandbox]:
     """A walletsvc.Sandbox in process (no socket): ``.service``, ``.app``, ``.client``, ``.key``, ``.wallets``
@@ -6463,6 +6477,7 @@ def walletsvc_sandbox(request: Any, walletsvc_session_sandbox: Sandbox,
                          lambda settings: Sandbox.create(**settings))
 
 
+@_fixture("session")
 def walletsvc_session_live() -> Iterator[Sandbox]:
     """The session's live Sandbox at default settings, on waitress on a random port of 127.0.0.1."""
     sandbox = _live_sandbox({})
@@ -6470,6 +6485,7 @@ def walletsvc_session_live() -> Iterator[Sandbox]:
     sandbox.server.stop()
 
 
+@_fixture("session")
 def walletsvc_session_lives() -> Iterator[dict]:
     """Live Sandboxes for ``@pytest.mark.walletsvc(...)`` settings; their servers stop with the session."""
     cache: dict = {}
@@ -6478,6 +6494,7 @@ def walletsvc_session_lives() -> Iterator[dict]:
         sandbox.server.stop()
 
 
+@_fixture()
 def walletsvc_live(request: Any, walletsvc_session_live: Sandbox,
                    walletsvc_session_lives: dict) -> Iterator[Sandbox]:
     """``walletsvc_sandbox`` served over HTTP (``.url``; ``.client`` talks HTTP), for code under test
@@ -6501,10 +6518,8 @@ def _pytest_plugin() -> Any:
     plugin.pytest_configure = lambda config: config.addinivalue_line(
         "markers", "walletsvc(**settings): the walletsvc sandbox of this test gets these settings"
                    " (e.g. settlement='manual', magic_values=True)")
-    for name, function in globals().items():
-        if name.startswith("walletsvc_"):  # (the fixtures: see walletsvc_session_sandbox)
-            scope = "session" if name.startswith("walletsvc_session_") else "function"
-            setattr(plugin, name, pytest.fixture(function, scope=scope))
+    for name, (scope, function) in _FIXTURES.items():
+        setattr(plugin, name, pytest.fixture(function, scope=scope))
     return plugin
 
 
