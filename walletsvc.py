@@ -606,19 +606,16 @@ def split_settings(values: Mapping[str, Any]) -> tuple[dict, dict]:
 # Money and time ###############################################################
 ###############################################################################
 
-# ISO 4217 active codes by minor-unit exponent: every code not in _EXPONENT_0/_3/_4 has two decimals.
-_EXPONENT_0 = "BIF CLP DJF GNF ISK JPY KMF KRW PYG RWF UGX UYI VND VUV XAF XOF XPF"
-_EXPONENT_3 = "BHD IQD JOD KWD LYD OMR TND"
-_EXPONENT_4 = "CLF UYW"
-_EXPONENT_2 = (
-    "AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BMD BND BOB BOV BRL BSD BTN BWP BYN BZD CAD CDF "
-    "CHE CHF CHW CNY COP COU CRC CUP CVE CZK DKK DOP DZD EGP ERN ETB EUR FJD FKP GBP GEL GHS GIP GMD GTQ GYD "
-    "HKD HNL HTG HUF IDR ILS INR IRR JMD KES KGS KHR KPW KYD KZT LAK LBP LKR LRD LSL MAD MDL MGA MKD MMK MNT "
-    "MOP MRU MUR MVR MWK MXN MXV MYR MZN NAD NGN NIO NOK NPR NZD PAB PEN PGK PHP PKR PLN QAR RON RSD RUB SAR "
-    "SBD SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS TMT TOP TRY TTD TWD TZS UAH USD USN UYU "
-    "UZS VED VES WST XCD XCG YER ZAR ZMW ZWG")
+# ISO 4217 active codes by minor-unit exponent.
 CURRENCY_EXPONENTS: Mapping[str, int] = {code: exponent for exponent, codes in (
-    (0, _EXPONENT_0), (2, _EXPONENT_2), (3, _EXPONENT_3), (4, _EXPONENT_4)) for code in codes.split()}
+    (0, "BIF CLP DJF GNF ISK JPY KMF KRW PYG RWF UGX UYI VND VUV XAF XOF XPF"),
+    (2, ("AED AFN ALL AMD ANG AOA ARS AUD AWG AZN BAM BBD BDT BGN BMD BND BOB BOV BRL BSD BTN BWP BYN BZD "
+         "CAD CDF CHE CHF CHW CNY COP COU CRC CUP CVE CZK DKK DOP DZD EGP ERN ETB EUR FJD FKP GBP GEL GHS "
+         "GIP GMD GTQ GYD HKD HNL HTG HUF IDR ILS INR IRR JMD KES KGS KHR KPW KYD KZT LAK LBP LKR LRD LSL "
+         "MAD MDL MGA MKD MMK MNT MOP MRU MUR MVR MWK MXN MXV MYR MZN NAD NGN NIO NOK NPR NZD PAB PEN PGK "
+         "PHP PKR PLN QAR RON RSD RUB SAR SBD SCR SDG SEK SGD SHP SLE SOS SRD SSP STN SVC SYP SZL THB TJS "
+         "TMT TOP TRY TTD TWD TZS UAH USD USN UYU UZS VED VES WST XCD XCG YER ZAR ZMW ZWG")),
+    (3, "BHD IQD JOD KWD LYD OMR TND"), (4, "CLF UYW")) for code in codes.split()}
 _AMOUNT_FORMATS = {code: (10**exponent, f"%d.%0{exponent}d" if exponent else "%d")
                    for code, exponent in CURRENCY_EXPONENTS.items()}
 MAX_MINOR_UNITS = 10**18  # keeps every balance inside SQLite's 64-bit integers
