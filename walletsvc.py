@@ -957,8 +957,7 @@ class DatabaseFile:
             what = "file" if _identity(self.path) != self._file else None
             for suffix in ("-wal", "-shm"):
                 now = _identity(self.path + suffix)
-                known = self._companions.get(suffix)
-                if known is None:
+                if (known := self._companions.get(suffix)) is None:
                     self._companions[suffix] = known = now
                 if what is None and now != known:
                     what = f"file's {suffix}"
