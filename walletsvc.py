@@ -694,7 +694,6 @@ EPOCH_MS_PATTERN = "[0-9]{1,15}"  # a time as epoch milliseconds
 # RFC 3339: a full-date (midnight UTC), or a date-time with Z or an offset ([tT] and [zZ], as it allows).
 _RFC3339 = re.compile(r"([0-9]{4})-([0-9]{2})-([0-9]{2})"
                       r"(?:[Tt]([0-9]{2}):([0-9]{2}):([0-9]{2})(?:\.([0-9]+))?(?:[Zz]|([+-])([0-9]{2}):([0-9]{2})))?")
-_EPOCH = datetime.datetime(1970, 1, 1, tzinfo=datetime.UTC)
 
 
 def parse_time(text: str) -> int | None:
@@ -710,8 +709,7 @@ def parse_time(text: str) -> int | None:
         moment = datetime.datetime(int(year) or 400, int(month), int(day), tzinfo=datetime.UTC)
     except ValueError:
         return None
-    day_ms = (moment - _EPOCH) // datetime.timedelta(milliseconds=1)
-    day_ms -= 0 if int(year) else 146097 * 86_400_000
+    day_ms = int(moment.timestamp()) * 1000 - (0 if int(year) else 146097 * 86_400_000)
     if hour is None:
         return day_ms
     if (int(hour) > 23 or int(minute) > 59 or int(second) > 60 or int(offset_hour or 0) > 23
