@@ -36,10 +36,9 @@ the console's page, kept last as bottle keeps its template, which handlers read 
   Assets
     26. The console's page - its HTML, style and script
 
-walletsvc implements the Wallet and Transfer Service HTTP interface
-(HMAC-signed requests, workspaces, API keys with scopes, wallets, balances,
-flows, transfer orders, pagination) on bottle and SQLite. Run it as a local
-sandbox, embed it in a WSGI app, or use it as a fake wallet backend in tests::
+walletsvc implements the Wallet and Transfer Service HTTP interface (HMAC-signed requests, workspaces,
+API keys with scopes, wallets, balances, flows, transfer orders, pagination) on bottle and SQLite. Run it
+as a local sandbox, embed it in a WSGI app, or use it as a fake wallet backend in tests::
 
     import walletsvc
 
@@ -50,8 +49,7 @@ sandbox, embed it in a WSGI app, or use it as a fake wallet backend in tests::
     svc.deposit(wallet["id"], "100.00")
     app = walletsvc.create_app(svc)                # a WSGI callable
 
-    headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"",
-                                     key["apiKey"], key["secret"])
+    headers = walletsvc.sign_request("GET", "/api/v1/wallets", b"", key["apiKey"], key["secret"])
 
 From a shell: ``walletsvc serve --demo`` serves a seeded sandbox on
 127.0.0.1:8080 and prints the credentials to use.
