@@ -531,8 +531,7 @@ def _one_of(*choices: str) -> Callable[[Any], str]:
     return convert
 
 
-# The journal of `walletsvc serve` and the pytest sandbox (an embedded service keeps none).
-SANDBOX_JOURNAL_SIZE = 1000
+SANDBOX_JOURNAL_SIZE = 1000  # requests the journal of `walletsvc serve` and the pytest sandbox keeps
 ID_SEEDS = (0, 2**63 - 1)  # the seeds of deterministic ids: the id_seed setting's and POST /_admin/ids's
 
 # Who reads each setting: the service (WalletService) or the HTTP layer (create_app).
@@ -630,7 +629,6 @@ def amount_pattern(exponent: int) -> str:
     ``exponent`` decimals, under 10**18 minor units (the service checks it, the document states it)."""
     def up_to(digits: int) -> str:
         return f"[0-9]{{0,{digits}}}" if digits else ""
-
     whole = "[1-9]" + up_to(_whole_digits(exponent) - 1)
     if not exponent:
         return f"^{whole}$"
@@ -793,12 +791,12 @@ def schema_version() -> int:
     return _schema_image()[1]
 
 
-def _upgrade_schema(conn: sqlite3.Connection) -> None:
-    """The unit that makes or upgrades the schema (from version 4, the first released); run under the write
-    lock, so that of two processes upgrading one file the second finds nothing to do."""
+def _upgrade_schema(conn: sqlite3.Connection) -> int:
+    """The unit that makes or upgrades the schema (from version 4, the first released), and its version after;
+    run under the write lock, so that of two processes upgrading one file the second finds nothing to do."""
     version = _version_of(conn)
     if version is not None and version >= schema_version():
-        return
+        return version
     script = _schema_sql() + "\nDROP TABLE IF EXISTS file_signature;\n"  # (version 6's copy guard)
     if "nonce_tolerance" in {column[1] for column in conn.execute("PRAGMA table_info(sandbox)")}:
         script += "ALTER TABLE sandbox DROP COLUMN nonce_tolerance;\n"  # (unused since version 4)
@@ -809,6 +807,7 @@ def _upgrade_schema(conn: sqlite3.Connection) -> None:
         if sqlite3.complete_statement(statement):
             conn.execute(statement)
             statement = ""
+    return _version_of(conn)
 
 
 # SQLite results that mean another connection holds the lock, those that mean "the storage
@@ -1124,9 +1123,7 @@ class Database:
             version = _version_of(conn)
         if version is None or 4 <= version < schema_version():  # (4: the first released)
             # (no sync: a power cut only undoes it, and the next open does it again)
-            self.write([_upgrade_schema], durable=False)
-            with self.connection() as conn:
-                version = _version_of(conn)
+            version = self.write([_upgrade_schema], durable=False)[0]
         if version != schema_version():
             raise RuntimeError(f"{self.path} has schema version {version}; "
                                f"this walletsvc expects {schema_version()}")
