@@ -190,8 +190,7 @@ ID_MAX = 64  # characters of a wallet id a request may name
 
 
 def _network_pattern() -> str:
-    """An IP whitelist's or trusted proxy's entry as a regex: an address, IPv4 (dotted quad, no leading
-    zero) or IPv6 (RFC 3986's IPv6address), or a CIDR block (address/prefix length)."""
+    """An IP whitelist or trusted proxy entry as a regex: IPv4 (no leading 0), IPv6 (RFC 3986), or CIDR."""
     octet = "(25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
     ipv4 = rf"{octet}(\.{octet}){{3}}"
     h16 = "[0-9a-fA-F]{1,4}"
@@ -668,7 +667,6 @@ def parse_amount(amount: Any, currency: str, field: str = "amount") -> int:
 
 
 def format_amount(minor: int, currency: str) -> str:
-    """Integer minor units as a decimal string with the currency's exponent."""
     divisor, template = _AMOUNT_FORMATS[currency]
     return template % divmod(minor, divisor) if divisor > 1 else template % minor
 
@@ -723,8 +721,7 @@ MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is ta
 
 
 def admin_time(value: Any, field: str) -> float | None:
-    """A time the admin surface takes (docs/sandbox.md), as epoch seconds: a JSON number of seconds, or RFC
-    3339; a value that looks like milliseconds is refused, saying so."""
+    """A time the admin surface takes (docs/sandbox.md), in epoch seconds: JSON seconds, or RFC 3339."""
     if value is None:
         return None
     if isinstance(value, datetime.datetime):  # (a TOML datetime; naive means UTC)
@@ -1016,9 +1013,7 @@ def savepoint(conn: sqlite3.Connection, unit: Unit) -> Any:
     return result
 
 
-# The most time between two checkpoints of a process (Database._checkpoint), each syncing the frames
-# written since the last: why a tenth of a second, docs/operations.md (Benchmarks).
-CHECKPOINT_SECONDS = 0.1
+CHECKPOINT_SECONDS = 0.1  # the most time between two checkpoints of a process (why: docs/operations.md)
 # Units one leader takes into one transaction: enough to share a commit among every request
 # thread, small enough that a batch holds the lock for a few milliseconds at most.
 MAX_BATCH = 64
@@ -1069,7 +1064,6 @@ class Database:
         self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
 
     def check_file(self) -> None:
-        """FileGone once the file was deleted, replaced or found malformed (``DatabaseFile``)."""
         if self.file is not None:
             self.file.check()
 
