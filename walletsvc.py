@@ -581,8 +581,7 @@ class Settings:
 
     def replace(self, layer: str | None = None, **changes: Any) -> Settings:
         """A copy with ``changes``; with ``layer``, only that layer's settings are accepted."""
-        unknown = sorted(set(changes) - set(self.names()))
-        if unknown:
+        if unknown := sorted(set(changes) - set(self.names())):
             raise ValueError(f"unknown setting(s) {', '.join(unknown)}; known: {', '.join(self.names())}")
         for name in changes:
             if layer is not None and (where := self.layer_of(name)) != layer:
@@ -695,8 +694,7 @@ def parse_time(text: str) -> int | None:
     None if it is neither. (A leap second, 23:59:60 UTC, is the second after 23:59:59.)"""
     if re.fullmatch(EPOCH_MS_PATTERN, text):
         return int(text)
-    match = _RFC3339.fullmatch(text)
-    if match is None:
+    if (match := _RFC3339.fullmatch(text)) is None:
         return None
     year, month, day, hour, minute, second, fraction, sign, offset_hour, offset_minute = match.groups()
     try:  # (year 0000, which datetime lacks, as 0400: the same calendar, 146097 days later)
@@ -731,8 +729,7 @@ def admin_time(value: Any, field: str) -> float | None:
     if isinstance(value, str):
         if re.fullmatch(r"[0-9]+", value):
             raise invalid(field, "time_digits")
-        moment = parse_time(value)
-        if moment is None:
+        if (moment := parse_time(value)) is None:
             raise invalid(field, "time_iso")
         return moment / 1000
     if MILLISECONDS_FROM <= value <= CLOCK_RANGE[1] * 1000:
@@ -863,8 +860,7 @@ def _identity(path: str) -> tuple[int, int] | None:
 
 def _lock_holders(locks: str, path: str) -> set[int]:
     """The processes /proc/locks (``locks``) shows holding a POSIX lock on the file at ``path``."""
-    identity = _identity(path)
-    if identity is None:
+    if (identity := _identity(path)) is None:
         return set()
     device, inode = identity
     file = f"{os.major(device):02x}:{os.minor(device):02x}:{inode}"
@@ -915,8 +911,7 @@ class DatabaseFile:
             except OSError:
                 return
             holders = [_lock_holders(locks, path + suffix) for suffix in ("", "-shm")]
-            lost = min(holders[0] - holders[1] - {os.getpid()}, default=None)
-            if lost is None:
+            if (lost := min(holders[0] - holders[1] - {os.getpid()}, default=None)) is None:
                 return
             time.sleep(0.01)
         raise FileGone(f"{path}: process {lost} still serves it through a -shm that was deleted; a process"
