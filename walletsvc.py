@@ -1279,8 +1279,7 @@ class Database:
             with self.connection() as conn:
                 if not conn.in_transaction:  # (else a read of this thread is under way: a writer of its own)
                     return conn
-        conn = self._writers.get(durable)
-        if conn is None:
+        if (conn := self._writers.get(durable)) is None:
             conn = self._connect()
             conn.execute(f"PRAGMA synchronous = {self.synchronous}")
             self._writers[durable] = conn
@@ -1336,8 +1335,7 @@ class Database:
             if self.memory and self._shared is not None:
                 self._shared.conn.close()
                 self._shared = None
-            held = getattr(self._local, "held", None)
-            if held is not None:
+            if (held := getattr(self._local, "held", None)) is not None:
                 held.conn.close()
                 self._local.held = self._local.pid = None
         with self._turn:
