@@ -533,7 +533,6 @@ def _one_of(*choices: str) -> Callable[[Any], str]:
 SANDBOX_JOURNAL_SIZE = 1000  # requests the journal of `walletsvc serve` and the pytest sandbox keeps
 ID_SEEDS = (0, 2**63 - 1)  # the seeds of deterministic ids: the id_seed setting's and POST /_admin/ids's
 
-# Who reads each setting: the service (WalletService) or the HTTP layer (create_app).
 LAYERS = {"service": "WalletService(path, **settings)", "http": "create_app(svc, **settings)"}
 
 
