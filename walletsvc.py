@@ -1708,38 +1708,34 @@ def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest
     return PageRequest(number, size, tuple(order) or (("created_at", "DESC"),))
 
 
-def filter_time(query: Query, name: str) -> int | None:
-    value = first(query, name)
-    if value is None:
-        return None
-    parsed = parse_time(value)
+def filter_time(text: str, name: str) -> tuple:
+    parsed = parse_time(text)
     if parsed is None:
         raise invalid(name, "time")
-    return parsed
+    return (parsed,)
 
 
 @dataclasses.dataclass(frozen=True)
 class ListFilter:
     """One query parameter of a list: the rows it keeps (``clauses``, one ? each) for the values ``read``
-    gives (None: not given), and its ``choices``; it serves the list's method and OpenAPI alike."""
+    gives of its first value if given, and its ``choices``; it serves the list's method and OpenAPI alike."""
 
     clauses: tuple[str, ...]
-    read: Callable[[Query, str], tuple]
+    read: Callable[[str, str], tuple]
     choices: tuple[str, ...] = ()
     counted: bool = False  # the triggers keep a count per value (``counter:value``, ListQuery.total)
 
     @classmethod
     def one_of(cls, column: str, choices: Sequence[str], *, counted: bool = False) -> ListFilter:
-        def read(query: Query, name: str) -> tuple:
-            value = first(query, name)
-            if value is not None and value not in choices:
+        def read(value: str, name: str) -> tuple:
+            if value not in choices:
                 raise invalid(name, "one_of", choices=", ".join(choices))
             return (value,)
         return cls((f"{column} = ?",), read, tuple(choices), counted)
 
 
-FROM_FILTER = ListFilter(("created_at >= ?",), lambda query, name: (filter_time(query, name),))
-TO_FILTER = ListFilter(("created_at < ?",), lambda query, name: (filter_time(query, name),))
+FROM_FILTER = ListFilter(("created_at >= ?",), filter_time)
+TO_FILTER = ListFilter(("created_at < ?",), filter_time)
 
 
 class ListQuery:
@@ -1751,20 +1747,18 @@ class ListQuery:
         self.clauses: list[str] = []
         self.params: list = []
         self.counted: list[str] = []  # values of the filters the counters are kept by
-        self.uncounted = False  # a filter no counter is kept by: SQLite counts
 
     def narrow(self, filters: Mapping[str, ListFilter], query: Query) -> None:
         """Keep the rows each filter given in ``query`` keeps (a wrong value: S012 naming it)."""
         for name, list_filter in filters.items():
-            for clause, value in zip(list_filter.clauses, list_filter.read(query, name), strict=True):
-                if value is None:
-                    continue
+            given = first(query, name)
+            if given is None:
+                continue
+            for clause, value in zip(list_filter.clauses, list_filter.read(given, name), strict=True):
                 self.clauses.append(clause)
                 self.params.append(value)
                 if list_filter.counted:
                     self.counted.append(str(value))
-                else:
-                    self.uncounted = True
 
     def select(self) -> tuple[str, list]:
         """The matching rows as SQL and its parameters: a SELECT per owner column, merged by
@@ -1775,7 +1769,7 @@ class ListQuery:
 
     def total(self, conn: sqlite3.Connection) -> int:
         """How many rows match: the triggers' count when only counted filters are used, else SQLite's."""
-        if self.counter is not None and not self.uncounted:
+        if self.counter is not None and len(self.counted) == len(self.params):
             row = conn.execute("SELECT n FROM counters WHERE owner_id = ? AND name = ?",
                                (self.owner_id, ":".join([self.counter, *self.counted]))).fetchone()
             return row[0] if row else 0
@@ -1924,18 +1918,14 @@ def api_key_scopes(value: Any, field: str = "scopes") -> list[str]:
     return list(dict.fromkeys(scopes))
 
 
-def _currency_filter(query: Query, name: str) -> tuple:
-    currency = first(query, name)
-    if currency is not None:
-        currency_exponent(currency)
+def _currency_filter(currency: str, name: str) -> tuple:
+    currency_exponent(currency)
     return (currency,)
 
 
-def _prefix_filter(query: Query, name: str) -> tuple:
-    prefix = first(query, name)
-    if prefix is not None:
-        _biz_id(prefix, name)
-    return prefix, prefix and prefix + "\x7f"
+def _prefix_filter(prefix: str, name: str) -> tuple:
+    _biz_id(prefix, name)
+    return prefix, prefix + "\x7f"
 
 
 # Each list's filters (docs/contract.md), by query parameter, in the order they are checked.
