@@ -2568,11 +2568,6 @@ _SCENARIO_KINDS: Mapping[str, Callable[[Any, str], Any]] = {
 }
 
 
-def _scenario_id(value: Any, field: str, prefix: str) -> None:
-    if not isinstance(value, str) or not value.startswith(prefix) or not _ID.fullmatch(value):
-        raise invalid(field, "scenario_id", prefix=prefix)
-
-
 def check_scenario(scenario: Any, kind: str = "scenario", where: str = "") -> dict:
     """The scenario, checked: S012 naming the first wrong field by its path
     (``workspaces[0].wallets[2].currency``); a fixed id used twice is refused too."""
@@ -2593,7 +2588,8 @@ def check_scenario(scenario: Any, kind: str = "scenario", where: str = "") -> di
         elif fields[name] == "object":  # (its fields are _SCENARIO_OBJECTS[name])
             check_scenario(value, name, path + name)
         elif fields[name].endswith("_"):  # an id with its type prefix
-            _scenario_id(value, path + name, fields[name])
+            if not isinstance(value, str) or not value.startswith(fields[name]) or not _ID.fullmatch(value):
+                raise invalid(path + name, "scenario_id", prefix=fields[name])
         else:
             _SCENARIO_KINDS[fields[name]](value, path + name)
     _SCENARIO_WHOLE.get(kind, lambda scenario, where: None)(scenario, where)
