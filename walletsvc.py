@@ -1586,8 +1586,7 @@ class Nonces:
         for api_key, ts in seconds:
             touching = conn.execute("DELETE FROM nonces_forgotten WHERE api_key = ? AND lo <= ? AND hi >= ?"
                                     " RETURNING lo, hi", (api_key, ts + 1, ts - 1)).fetchall()
-            lo = min([ts, *(row[0] for row in touching)])
-            hi = max([ts, *(row[1] for row in touching)])
+            lo, hi = min([ts, *(row[0] for row in touching)]), max([ts, *(row[1] for row in touching)])
             conn.execute("INSERT INTO nonces_forgotten (api_key, lo, hi) VALUES (?, ?, ?)", (api_key, lo, hi))
 
     @staticmethod
@@ -1599,9 +1598,8 @@ class Nonces:
     @staticmethod
     def drop_keys(conn: sqlite3.Connection, api_keys: Sequence[str]) -> None:
         """Forget what was recorded of keys that no longer exist (their digests age out unread)."""
-        marks = ", ".join("?" * len(api_keys))
         for table in ("nonce_records", "nonce_digest_seconds", "nonces_forgotten"):
-            conn.execute(f"DELETE FROM {table} WHERE api_key IN ({marks})", api_keys)
+            conn.execute(f"DELETE FROM {table} WHERE api_key IN ({', '.join('?' * len(api_keys))})", api_keys)
 
 
 def _nonce_used() -> RequestExpired:
