@@ -1442,8 +1442,7 @@ def _signing_mistakes(message: Callable[..., bytes], secret: str, environ: Mappi
                       body: bytes) -> Iterator[tuple[bytes, str, str, str]]:
     """Each mistake's (message, secret, mistake, mistake in Chinese), as a client who made it signs."""
     method = environ["REQUEST_METHOD"]
-    query = environ.get("QUERY_STRING", "")
-    if query:
+    if query := environ.get("QUERY_STRING", ""):
         yield (message(path_=path + b"?" + query.encode("latin-1", "replace")), secret,
                "the query string was signed (sign the path only)", "签名包含了查询字符串（只签名路径）")
     cuts = [match.start() for _, match in zip(range(8), re.finditer(rb"(?<!^)/", path))]  # prefixes are short
@@ -2025,8 +2024,7 @@ def _capped(value: Any, limit: int) -> Any:
 
 
 def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
-    """The headers as a JSON list of pairs, names and values together cut at ``limit`` bytes of the
-    JSON kept (escapes and UTF-8 counted)."""
+    """The headers as a JSON list of pairs, cut together at ``limit`` bytes (escapes and UTF-8 counted)."""
     headers = tuple(headers)
     whole = _JSON.encode(headers)
     if len(whole) <= limit // 4 or _utf8_size(whole) <= limit:  # (as nearly every request's: 12 us less)
@@ -2214,8 +2212,7 @@ def _json_difference(expected: Any, actual: Any, where: str) -> str | None:
     for name, value in expected.items():
         if name not in actual:
             return f"{where}.{name} is missing, expected {shown(value)}"
-        difference = _json_difference(value, actual[name], f"{where}.{name}")
-        if difference:
+        if difference := _json_difference(value, actual[name], f"{where}.{name}"):
             return difference
     return None
 
@@ -2473,8 +2470,7 @@ def _copy_backup(path: str, source: sqlite3.Connection) -> None:
                else "restore it with the walletsvc that made it")
         raise RuntimeError(f"{path} has schema version {version}; this walletsvc restores"
                            f" {schema_version()}: {how}")
-    problem = _backup_problem(source)
-    if problem:
+    if problem := _backup_problem(source):
         raise RuntimeError(f"{path}: {problem}: nothing was restored")
 
 
