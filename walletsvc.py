@@ -1429,50 +1429,47 @@ def diagnose_signature(secret: str, environ: Mapping[str, Any], path: bytes, bod
         decoded = binascii.a2b_base64(given.encode("ascii"))
     except (UnicodeEncodeError, binascii.Error, ValueError):
         return None
-    for candidate, key, english, chinese in _signing_mistakes(message, secret, environ, path, body):
-        if hmac.compare_digest(hmac.digest(key.encode("utf-8"), candidate, "sha256"), decoded):
+    for candidate, english, chinese in _signing_mistakes(message, environ, path, body):
+        if hmac.compare_digest(hmac.digest(secret.encode("utf-8"), candidate, "sha256"), decoded):
             return Diagnosis(english, chinese)
+    for padded in {secret + "\n", secret + " ", " " + secret, secret.strip()} - {secret}:
+        if hmac.compare_digest(hmac.digest(padded.encode("utf-8"), message(), "sha256"), decoded):
+            return Diagnosis("the secret was used with surrounding whitespace", "使用的密钥带有首尾空白")
     if _signed_in_milliseconds(secret, method, path, body, timestamp, nonce, decoded):
         return Diagnosis("the timestamp was signed in milliseconds (sign X-Timestamp as sent: epoch seconds)",
                          "签名使用了毫秒时间戳（请按发送的 X-Timestamp 签名：秒级时间戳）")
     return None
 
 
-def _signing_mistakes(message: Callable[..., bytes], secret: str, environ: Mapping[str, Any], path: bytes,
-                      body: bytes) -> Iterator[tuple[bytes, str, str, str]]:
-    """Each mistake's (message, secret, mistake, mistake in Chinese), as a client who made it signs."""
+def _signing_mistakes(message: Callable[..., bytes], environ: Mapping[str, Any], path: bytes,
+                      body: bytes) -> Iterator[tuple[bytes, str, str]]:
+    """Each mistake's (message, mistake, mistake in Chinese), as a client who made it signs."""
     method = environ["REQUEST_METHOD"]
     if query := environ.get("QUERY_STRING", ""):
-        yield (message(path_=path + b"?" + query.encode("latin-1", "replace")), secret,
+        yield (message(path_=path + b"?" + query.encode("latin-1", "replace")),
                "the query string was signed (sign the path only)", "签名包含了查询字符串（只签名路径）")
     cuts = [match.start() for _, match in zip(range(8), re.finditer(rb"(?<!^)/", path))]  # prefixes are short
     for cut in cuts:
-        yield (message(path_=path[cut:]), secret,
+        yield (message(path_=path[cut:]),
                f"the mount prefix {path[:cut].decode('latin-1')!r} was left out of the signed path",
                f"签名路径缺少挂载前缀 {path[:cut].decode('latin-1')!r}")
     if body:
-        yield from _body_mistakes(message, secret, body)
-    yield (message(tail=b"\n"), secret, "the canonical message ended with a line feed",
-           "规范消息末尾多了换行符")
-    yield (method.lower().encode("latin-1") + message()[len(method):], secret,
+        yield from _body_mistakes(message, body)
+    yield (message(tail=b"\n"), "the canonical message ended with a line feed", "规范消息末尾多了换行符")
+    yield (method.lower().encode("latin-1") + message()[len(method):],
            "the method was signed in lower case", "方法名以小写签名")
     if not (environ.get("REQUEST_URI") or environ.get("RAW_URI")):  # a server that gives no raw path
         over = urllib.parse.quote(urllib.parse.unquote_to_bytes(path), safe="/").encode("ascii")
         if over != path:
-            yield (message(path_=over), secret,
+            yield (message(path_=over),
                    ("the path was percent-encoded where this server cannot see the encoding;"
                     " send it as RFC 3986 requires"),
                    "路径中做了百分号编码，而此服务器看不到该编码；请按 RFC 3986 的要求发送路径")
-    for padded in (secret + "\n", secret + " ", " " + secret, secret.strip()):
-        if padded != secret:
-            yield (message(), padded, "the secret was used with surrounding whitespace",
-                   "使用的密钥带有首尾空白")
 
 
-def _body_mistakes(message: Callable[..., bytes], secret: str,
-                   body: bytes) -> Iterator[tuple[bytes, str, str, str]]:
+def _body_mistakes(message: Callable[..., bytes], body: bytes) -> Iterator[tuple[bytes, str, str]]:
     """The mistakes of a request with a body: the empty body's hash, or the body re-serialised."""
-    yield (message(digest=EMPTY_BODY_HASH), secret, "the empty-body hash was signed on a request with a body",
+    yield (message(digest=EMPTY_BODY_HASH), "the empty-body hash was signed on a request with a body",
            "有请求体的请求签名了空请求体的哈希")
     try:
         document = json.loads(body)
@@ -1482,7 +1479,7 @@ def _body_mistakes(message: Callable[..., bytes], secret: str,
                    json.dumps(document, sort_keys=True), json.dumps(document, ensure_ascii=False)}:
         encoded = dumped.encode("utf-8", "surrogatepass")  # ("\ud800" unescaped: no client sends it, no 500)
         if encoded != body:
-            yield (message(digest=body_hash(encoded)), secret,
+            yield (message(digest=body_hash(encoded)),
                    "the body was re-serialised after hashing (sign the exact bytes sent)",
                    "哈希之后请求体被重新序列化（请对发送的原始字节签名）")
 
