@@ -2414,13 +2414,12 @@ MAGIC_RULES = tuple(
 
 def forced_error(rule: FaultRule) -> WalletError:
     """The error a fault rule forces: the catalog's, or an ad-hoc code and status."""
-    known = ERRORS_BY_CODE.get(rule.code)
+    cls = ERRORS_BY_CODE.get(rule.code)
     if rule.number < 0:  # (a magic value's)
-        return known(text=rule.id)
-    if known is not None and known.status == rule.status:
-        return known(text=f"Forced by fault rule {rule.id}.")
-    cls = type("ForcedError", (WalletError,), {"code": rule.code, "status": rule.status,
-                                               "name": known.name if known else "FORCED_ERROR"})
+        return cls(text=rule.id)
+    if cls is None or cls.status != rule.status:
+        cls = type("ForcedError", (WalletError,), {"code": rule.code, "status": rule.status,
+                                                   "name": cls.name if cls else "FORCED_ERROR"})
     return cls(text=f"Forced by fault rule {rule.id}.")
 
 
