@@ -2033,12 +2033,9 @@ def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
         name = _utf8_cut(name, left)
         value = _capped(value, left - _utf8_size(_JSON.encode([name, ""])))
         if _utf8_size(_JSON.encode([name, value])) > left:  # escapes: the longest prefix that fits
-            low, high = 0, len(value)
-            while low < high:
-                middle = (low + high + 1) // 2
-                fits = _utf8_size(_JSON.encode([name, value[:middle]])) <= left
-                low, high = (middle, high) if fits else (low, middle - 1)
-            value = value[:low]
+            import bisect  # (a rare path: a header this long, escaped)
+            value = value[:bisect.bisect_right(range(1, len(value) + 1), left,
+                                               key=lambda end: _utf8_size(_JSON.encode([name, value[:end]])))]
         kept.append((name, value))
         left -= _utf8_size(_JSON.encode([name, value]))
     if len(kept) < len(headers):
