@@ -3711,11 +3711,8 @@ class WalletService:
         """Every row of one workspace's world, table by table, as lists of column values."""
         wallets = [row[0] for row in conn.execute("SELECT id FROM wallets WHERE workspace_id = ?",
                                                   (workspace_id,))]
-        rows = {}
-        for table in _WORLD_TABLES:
-            cursor = conn.execute(*_world_sql("SELECT *", table, workspace_id, wallets))
-            rows[table] = [list(row) for row in cursor]
-        return rows
+        return {table: list(map(list, conn.execute(*_world_sql("SELECT *", table, workspace_id, wallets))))
+                for table in _WORLD_TABLES}
 
     def _save_world(self, conn: sqlite3.Connection, workspace_id: str) -> None:
         conn.execute("INSERT INTO world_starts (workspace_id, rows) VALUES (?, ?)"
