@@ -3768,12 +3768,9 @@ def _id_pattern(prefix: str) -> str:
     return f"^{prefix}[A-Za-z0-9._:-]{{0,{ID_MAX - len(prefix)}}}$"
 
 
-_BIZ_ID_SCHEMA = _ref("BizId")
 _ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": ID_MAX, "pattern": "^[^\\x00]*$"}  # no NUL
 _NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": NAME_MAX, "pattern": "^[^\\x00]*$"}
-_CURRENCY_SCHEMA = _ref("Currency")
 _TIME = {"type": "string", "format": "date-time"}
-_NULLABLE_TIME = {"type": ["string", "null"], "format": "date-time"}
 # An amount as answered (a balance may be 0.00); amounts a request sends are amount_pattern's.
 _AMOUNT_SCHEMA = {"type": "string", "pattern": r"^(0|[1-9][0-9]*)(\.[0-9]+)?$", "examples": ["10.00"]}
 _NETWORK_SCHEMA = {"type": "string", "pattern": f"^{NETWORK_PATTERN}$", "examples": ["10.0.0.0/8"]}
@@ -3813,8 +3810,7 @@ def _amount_rules(currencies: Sequence[str], field: str = "amount") -> dict:
 
 def _any_amount() -> dict:
     """An amount in a wallet's currency, not named in the body: any exponent's, one pattern."""
-    exponents = sorted(set(CURRENCY_EXPONENTS.values()))
-    branches = "|".join(amount_pattern(exponent)[1:-1] for exponent in exponents)
+    branches = "|".join(amount_pattern(exponent)[1:-1] for exponent in sorted(_AMOUNTS))
     return {"type": "string", "pattern": f"^({branches})$", "examples": ["10.00"],
             "description": "as the wallet's currency allows: at most its decimals"}
 
@@ -3858,7 +3854,7 @@ def _scenario_schema(kind: str) -> dict:
     """The schema of a scenario's object of this kind, from _SCENARIO_OBJECTS (what check_scenario checks)."""
     kinds = {"name": _NAME_SCHEMA, "wallet_name": {**_NAME_SCHEMA, "minLength": 0}, "string": _STRING,
              "boolean": _BOOLEAN, "secret": {"type": "string", "pattern": f"^{_NONCE.pattern}$"},
-             "scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1}, "currency": _CURRENCY_SCHEMA,
+             "scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1}, "currency": _ref("Currency"),
              "networks": {"type": "array", "items": _NETWORK_SCHEMA, "minItems": 1},
              "amount": _STRING, "status": _ref("WalletStatus"), "time": _CLOCK_AT_SCHEMA,
              "settings": {"type": "object", "additionalProperties": True,
@@ -3890,10 +3886,10 @@ _ERROR_RULE = {  # an error rule names its status, unless its code (S500 by defa
 _WORKSPACE = {"id": _STRING, "name": _STRING, "ownerMemberId": _STRING, "createdAt": _TIME}
 SCHEMAS: Mapping[str, dict] = {
     **SHARED_SCHEMAS,
-    "Wallet": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING, "currency": _CURRENCY_SCHEMA,
+    "Wallet": _object({"id": _STRING, "workspaceId": _STRING, "name": _STRING, "currency": _ref("Currency"),
                        "status": _ref("WalletStatus"), "balance": _AMOUNT_SCHEMA, "createdAt": _TIME,
                        "updatedAt": _TIME}, description="A wallet: money in one currency"),
-    "Balance": _object({"walletId": _STRING, "currency": _CURRENCY_SCHEMA, "balance": _AMOUNT_SCHEMA,
+    "Balance": _object({"walletId": _STRING, "currency": _ref("Currency"), "balance": _AMOUNT_SCHEMA,
                         "available": _AMOUNT_SCHEMA, "pending": _AMOUNT_SCHEMA, "updatedAt": _TIME},
                        description="A wallet's balance: posted money; pending, held by PENDING outgoing"
                                    " transfers; available = balance - pending"),
@@ -3904,9 +3900,9 @@ SCHEMAS: Mapping[str, dict] = {
                     description="An immutable ledger entry: every balance change writes one"),
     "TransferOrder": _object({
         "transferId": _STRING, "bizId": _STRING, "sourceWalletId": _STRING,
-        "targetWalletId": _STRING, "amount": _AMOUNT_SCHEMA, "currency": _CURRENCY_SCHEMA,
+        "targetWalletId": _STRING, "amount": _AMOUNT_SCHEMA, "currency": _ref("Currency"),
         "status": _ref("TransferStatus"), "description": _NULLABLE_STRING,
-        "createdAt": _TIME, "updatedAt": _TIME, "completedAt": _NULLABLE_TIME},
+        "createdAt": _TIME, "updatedAt": _TIME, "completedAt": {**_TIME, "type": ["string", "null"]}},
         description="A transfer order between two wallets of one workspace"),
     "Completion": _object({"bizId": _STRING, "transferId": _STRING, "status": _ref("TransferStatus"),
                            "completed": _BOOLEAN}, description="Whether a transfer order is completed"),
@@ -3914,7 +3910,7 @@ SCHEMAS: Mapping[str, dict] = {
         "sourceWalletId": _ID_SCHEMA, "targetWalletId": _ID_SCHEMA,
         "amount": {"type": "string", "examples": ["10.00"],
                    "description": "a positive decimal string with at most the currency's decimals"},
-        "currency": _CURRENCY_SCHEMA, "bizId": _BIZ_ID_SCHEMA,
+        "currency": _ref("Currency"), "bizId": _ref("BizId"),
         "description": {"type": "string", "maxLength": DESCRIPTION_MAX}},
         ["sourceWalletId", "targetWalletId", "amount", "currency"],
         description="A transfer to make; a bizId makes it idempotent (the same body again answers the same"
@@ -3946,7 +3942,7 @@ SCHEMAS: Mapping[str, dict] = {
                                            "description": "addresses or CIDR blocks without host bits"
                                                           " (10.0.0.1/8 is S012); null: no whitelist"}},
                           [], description="A key to make: every scope and the owner's unless given"),
-    "NewWalletBody": _object({"currency": _CURRENCY_SCHEMA, "name": {**_NAME_SCHEMA, "minLength": 0}},
+    "NewWalletBody": _object({"currency": _ref("Currency"), "name": {**_NAME_SCHEMA, "minLength": 0}},
                              ["currency"], description="A wallet to make"),
     "StatusBody": _object({"status": _ref("WalletStatus")}, description="A wallet's new status"),
     "AmountBody": _object({"amount": _any_amount()}, description="An amount in the wallet's currency"),
@@ -4073,8 +4069,8 @@ _PAGE_PARAMETERS = (
 
 # Filters taking more than a choice (ListFilter.choices): what filter_time, currency_exponent, _biz_id accept.
 _FILTER_SCHEMAS = {
-    "currency": (_CURRENCY_SCHEMA, "only in this currency"),
-    "bizIdPrefix": (_BIZ_ID_SCHEMA, "only orders whose bizId starts so"),
+    "currency": (_ref("Currency"), "only in this currency"),
+    "bizIdPrefix": (_ref("BizId"), "only orders whose bizId starts so"),
     "createdFrom": ({**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (inclusive)"},
                     "only created at or after this time"),
     "createdTo": ({**_TIME_FILTER, "description": "RFC 3339 or epoch milliseconds (exclusive)"},
