@@ -3800,12 +3800,11 @@ def _part(schema: dict) -> dict:
 
 def _amount_rules(currencies: Sequence[str], field: str = "amount") -> dict:
     """An amount's decimals tied to its currency: ``allOf`` ``if``/``then`` per exponent, still one body."""
-    by_exponent: dict[int, list] = {}
-    for code in currencies:
-        by_exponent.setdefault(CURRENCY_EXPONENTS[code], []).append(code)
-    return {"allOf": [{"if": _part({"properties": {"currency": {"enum": codes}}, "required": ["currency"]}),
+    by_exponent = itertools.groupby(sorted(currencies, key=CURRENCY_EXPONENTS.get), CURRENCY_EXPONENTS.get)
+    return {"allOf": [{"if": _part({"properties": {"currency": {"enum": list(codes)}},
+                                    "required": ["currency"]}),
                        "then": _part({"properties": {field: {"pattern": amount_pattern(exponent)}}})}
-                      for exponent, codes in sorted(by_exponent.items())]}
+                      for exponent, codes in by_exponent]}
 
 
 def _any_amount() -> dict:
