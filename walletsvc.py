@@ -3669,10 +3669,9 @@ class WalletService:
         """A workspace with its members, keys (secrets included: this is the sandbox's) and wallets."""
         with self.db.snapshot() as conn:
             workspace = workspace_resource(self._workspace(conn, workspace_id))
-            keys = conn.execute("SELECT * FROM api_keys WHERE workspace_id = ? ORDER BY created_at, rowid",
-                                (workspace_id,)).fetchall()
-            wallets = conn.execute("SELECT * FROM wallets WHERE workspace_id = ? ORDER BY created_at, rowid",
-                                   (workspace_id,)).fetchall()
+            keys, wallets = (conn.execute(f"SELECT * FROM {table} WHERE workspace_id = ?"
+                                          " ORDER BY created_at, rowid", (workspace_id,)).fetchall()
+                             for table in ("api_keys", "wallets"))
         return {**workspace, "members": self.list_members(workspace_id),
                 "keys": [{**api_key_resource(row), "secret": row["secret"]} for row in keys],
                 "wallets": [wallet_resource(row) for row in wallets]}
