@@ -3316,9 +3316,8 @@ class WalletService:
         order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
         self._hold(tx, order["source_wallet_id"], -order["amount"])
         if status == TransferStatus.COMPLETED:
-            source, target = (conn.execute("SELECT balance FROM wallets WHERE id = ?",
-                                           (wallet_id,)).fetchone()[0]
-                              for wallet_id in (order["source_wallet_id"], order["target_wallet_id"]))
+            source, target = (self._wallet(conn, order[side])["balance"]
+                              for side in ("source_wallet_id", "target_wallet_id"))
             self._move(tx, order, source, target)
         return conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?,"
                             " settle_at = NULL WHERE id = ? RETURNING *",
@@ -3390,12 +3389,11 @@ class WalletService:
     def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
                        wallet_id: str | None = None) -> dict:
         """One page of the workspace's transfer orders, or of one wallet's (either side)."""
-        if wallet_id is None:
-            listing = ListQuery("transfers", workspace_id, "workspace_id", counter="transfers")
-            return self._page(listing, query, TRANSFER_SORTS, TRANSFER_FILTERS, transfer_resource)
-        return self._page(ListQuery("transfers", wallet_id, "source_wallet_id", "target_wallet_id",
-                                    counter="transfers"), query, TRANSFER_SORTS, TRANSFER_FILTERS,
-                          transfer_resource, lambda conn: self._wallet(conn, wallet_id, workspace_id))
+        owner, columns = ((workspace_id, ["workspace_id"]) if wallet_id is None
+                          else (wallet_id, ["source_wallet_id", "target_wallet_id"]))
+        return self._page(ListQuery("transfers", owner, *columns, counter="transfers"), query, TRANSFER_SORTS,
+                          TRANSFER_FILTERS, transfer_resource,
+                          lambda conn: wallet_id is None or self._wallet(conn, wallet_id, workspace_id))
 
     # The auditor ############################################################
 
