@@ -3867,10 +3867,8 @@ def _scenario_schema(kind: str) -> dict:
             fields[name] = kinds[field_kind]
     if kind == "members":
         fields["name"] = {**_NAME_SCHEMA, "not": {"const": OWNER_NAME}}  # made with the workspace
-    schema = _object(fields, _SCENARIO_REQUIRED.get(kind, ()))
-    if kind == "wallets":
-        schema.update(_amount_rules(sorted(CURRENCY_EXPONENTS), "balance"))
-    return schema
+    rules = _amount_rules(sorted(CURRENCY_EXPONENTS), "balance") if kind == "wallets" else {}
+    return {**_object(fields, _SCENARIO_REQUIRED.get(kind, ())), **rules}
 
 
 _NULLABLE_STRING = {"type": ["string", "null"]}
