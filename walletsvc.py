@@ -3642,8 +3642,7 @@ class WalletService:
             for alias in filter(None, (member["name"], member_id, member.get("id"))):  # a key's member
                 members[alias] = member_id
         for index, key in enumerate(spec.get("keys", ())):
-            field = f"{where}.keys[{index}]"
-            whitelist = key.get("ipWhitelist")
+            field, whitelist = f"{where}.keys[{index}]", key.get("ipWhitelist")
             self._insert_api_key(tx, workspace_id, members[key.get("member", OWNER_NAME)],
                                  api_key_scopes(key.get("scopes", SCOPES), f"{field}.scopes"),
                                  None if whitelist is None else ip_whitelist_entries(whitelist,
