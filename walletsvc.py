@@ -3039,7 +3039,7 @@ class WalletService:
         workspace_id = workspace_id or tx.new_id("ws_")
         tx.conn.execute("INSERT INTO workspaces (id, name, created_at) VALUES (?, ?, ?)",
                         (workspace_id, name, tx.now))
-        return workspace_id, self._insert_member(tx, workspace_id, OWNER_NAME, Role.OWNER)
+        return workspace_id, self._insert_member(tx, workspace_id, OWNER_NAME, Role.OWNER)["id"]
 
     def get_workspace(self, workspace_id: str) -> dict:
         """The workspace; GA2032 once deleted."""
@@ -3066,17 +3066,16 @@ class WalletService:
 
         def add(tx: Tx) -> dict:
             self._workspace(tx.conn, workspace_id)
-            member_id = self._insert_member(tx, workspace_id, name, Role.MEMBER)
-            return member_resource(self._member(tx.conn, workspace_id, member_id))
+            return member_resource(self._insert_member(tx, workspace_id, name, Role.MEMBER))
         return self.write(add)
 
     @staticmethod
-    def _insert_member(tx: Tx, workspace_id: str, name: str, role: Role, member_id: str | None = None) -> str:
-        """The one INSERT of a member (its ``name`` checked by the caller); its id."""
-        member_id = member_id or tx.new_id("mem_")
-        tx.conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
-                        " VALUES (?, ?, ?, ?, ?)", (member_id, workspace_id, name, role, tx.now))
-        return member_id
+    def _insert_member(tx: Tx, workspace_id: str, name: str, role: Role,
+                       member_id: str | None = None) -> sqlite3.Row:
+        """The one INSERT of a member (its ``name`` checked by the caller); its row."""
+        return tx.conn.execute("INSERT INTO members (id, workspace_id, name, role, created_at)"
+                               " VALUES (?, ?, ?, ?, ?) RETURNING *",
+                               (member_id or tx.new_id("mem_"), workspace_id, name, role, tx.now)).fetchone()
 
     def list_members(self, workspace_id: str) -> list[dict]:
         """The workspace's members, oldest first (removed ones left out)."""
@@ -3103,22 +3102,20 @@ class WalletService:
             workspace = self._workspace(tx.conn, workspace_id)
             member = workspace["owner_member_id"] if member_id is None else member_id
             self._member(tx.conn, workspace_id, member)
-            key_id = self._insert_api_key(tx, workspace_id, member, scopes, whitelist)
-            row = tx.conn.execute("SELECT * FROM api_keys WHERE id = ?", (key_id,)).fetchone()
+            row = self._insert_api_key(tx, workspace_id, member, scopes, whitelist)
             return {**api_key_resource(row), "secret": row["secret"]}
         return self.write(create)
 
     @staticmethod
     def _insert_api_key(tx: Tx, workspace_id: str, member_id: str, scopes: list[str],
                         whitelist: list[str] | None, key_id: str | None = None,
-                        secret: str | None = None) -> str:
-        """The one INSERT of a key, ``scopes`` and ``whitelist`` as checked (api_key_scopes...); its id."""
-        key_id = key_id or tx.new_id("ak_")
-        tx.conn.execute("INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist,"
-                        " created_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (key_id, secret or tx.ids.secret(), workspace_id, member_id, " ".join(scopes),
-                         None if whitelist is None else json.dumps(whitelist), tx.now))
-        return key_id
+                        secret: str | None = None) -> sqlite3.Row:
+        """The one INSERT of a key, ``scopes`` and ``whitelist`` as checked (api_key_scopes...); its row."""
+        return tx.conn.execute(
+            "INSERT INTO api_keys (id, secret, workspace_id, member_id, scopes, ip_whitelist, created_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING *",
+            (key_id or tx.new_id("ak_"), secret or tx.ids.secret(), workspace_id, member_id, " ".join(scopes),
+             None if whitelist is None else json.dumps(whitelist), tx.now)).fetchone()
 
     def list_api_keys(self, workspace_id: str) -> list[dict]:
         """The workspace's keys, oldest first, without their secrets."""
@@ -3143,19 +3140,18 @@ class WalletService:
 
         def create(tx: Tx) -> dict:
             self._workspace(tx.conn, workspace_id)
-            wallet_id = self._insert_wallet(tx, workspace_id, currency, name)
-            return wallet_resource(self._wallet(tx.conn, wallet_id))
+            return wallet_resource(self._insert_wallet(tx, workspace_id, currency, name))
         return self.write(create)
 
     @staticmethod
     def _insert_wallet(tx: Tx, workspace_id: str, currency: str, name: str,
-                       wallet_id: str | None = None) -> str:
-        """The one INSERT of an ACTIVE wallet (``currency`` and ``name`` checked by the caller); its id."""
-        wallet_id = wallet_id or tx.new_id("wal_")
-        tx.conn.execute("INSERT INTO wallets (id, workspace_id, name, currency, status, created_at,"
-                        " updated_at) VALUES (?, ?, ?, ?, ?, ?, ?)",
-                        (wallet_id, workspace_id, name, currency, WalletStatus.ACTIVE, tx.now, tx.now))
-        return wallet_id
+                       wallet_id: str | None = None) -> sqlite3.Row:
+        """The one INSERT of an ACTIVE wallet (``currency`` and ``name`` checked by the caller); its row."""
+        return tx.conn.execute(
+            "INSERT INTO wallets (id, workspace_id, name, currency, status, created_at, updated_at)"
+            " VALUES (?, ?, ?, ?, ?, ?, ?) RETURNING *",
+            (wallet_id or tx.new_id("wal_"), workspace_id, name, currency, WalletStatus.ACTIVE,
+             tx.now, tx.now)).fetchone()
 
     def set_wallet_status(self, wallet_id: str, status: str) -> dict:
         """ACTIVE, FROZEN or CLOSED; only ACTIVE wallets move money (else W1002)."""
@@ -3638,7 +3634,7 @@ class WalletService:
         members = {OWNER_NAME: owner_id}
         for index, member in enumerate(spec.get("members", ())):
             member_id = self._insert_member(tx, workspace_id, member["name"], Role.MEMBER,
-                                            fixed(member, f"{where}.members[{index}]"))
+                                            fixed(member, f"{where}.members[{index}]"))["id"]
             for alias in filter(None, (member["name"], member_id, member.get("id"))):  # a key's member
                 members[alias] = member_id
         for index, key in enumerate(spec.get("keys", ())):
@@ -3650,7 +3646,7 @@ class WalletService:
                                  fixed(key, field), None if fresh_ids else key.get("secret"))
         for index, wallet in enumerate(spec.get("wallets", ())):
             wallet_id = self._insert_wallet(tx, workspace_id, wallet["currency"], wallet["name"],
-                                            fixed(wallet, f"{where}.wallets[{index}]"))
+                                            fixed(wallet, f"{where}.wallets[{index}]"))["id"]
             if wallet.get("balance") is not None and not _zero(wallet["balance"], wallet["currency"]):
                 self._external_move(tx, wallet_id, wallet["balance"], FlowType.DEPOSIT, None)
             if wallet.get("status", WalletStatus.ACTIVE) != WalletStatus.ACTIVE:
