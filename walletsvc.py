@@ -3163,9 +3163,8 @@ class WalletService:
         closed = self._wallet(tx.conn, wallet_id)["status"] == WalletStatus.CLOSED
         if closed and status != WalletStatus.CLOSED:
             raise invalid("status", "closed")
-        tx.conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?",
-                        (status, tx.now, wallet_id))
-        return wallet_resource(self._wallet(tx.conn, wallet_id))
+        return wallet_resource(tx.conn.execute("UPDATE wallets SET status = ?, updated_at = ? WHERE id = ?"
+                                               " RETURNING *", (status, tx.now, wallet_id)).fetchone())
 
     def get_wallet(self, wallet_id: str, *, workspace_id: str | None = None) -> dict:
         """The wallet; W1001 if missing or outside ``workspace_id`` (when given)."""
