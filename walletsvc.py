@@ -3305,19 +3305,17 @@ class WalletService:
             return Transferred(transfer_resource(row), False)
         return self.unit(move)
 
-    def _finish(self, tx: Tx, transfer_id: str, status: str) -> sqlite3.Row:
+    def _finish(self, tx: Tx, order: sqlite3.Row, status: str) -> sqlite3.Row:
         """Settle a PENDING order: COMPLETED moves the held money (a flow per wallet), FAILED releases it."""
-        conn = tx.conn
-        order = conn.execute("SELECT * FROM transfers WHERE id = ?", (transfer_id,)).fetchone()
         self._hold(tx, order["source_wallet_id"], -order["amount"])
         if status == TransferStatus.COMPLETED:
-            source, target = (self._wallet(conn, order[side])["balance"]
+            source, target = (self._wallet(tx.conn, order[side])["balance"]
                               for side in ("source_wallet_id", "target_wallet_id"))
             self._move(tx, order, source, target)
-        return conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?,"
-                            " settle_at = NULL WHERE id = ? RETURNING *",
-                            (status, tx.now, tx.now if status == TransferStatus.COMPLETED else None,
-                             transfer_id)).fetchone()
+        return tx.conn.execute("UPDATE transfers SET status = ?, updated_at = ?, completed_at = ?,"
+                               " settle_at = NULL WHERE id = ? RETURNING *",
+                               (status, tx.now, tx.now if status == TransferStatus.COMPLETED else None,
+                                order["id"])).fetchone()
 
     def _move(self, tx: Tx, order: Mapping[str, Any], source_balance: int, target_balance: int) -> None:
         """Move an order's money and write a flow per wallet, from the balances read in this transaction."""
@@ -3350,7 +3348,7 @@ class WalletService:
             order = rows[0]
         if order["status"] != TransferStatus.PENDING:
             raise invalid("bizId", "state", state=order["status"])
-        return transfer_resource(self._finish(tx, order["id"], status))
+        return transfer_resource(self._finish(tx, order, status))
 
     def settle_due(self) -> int:
         """Complete delayed-settlement orders whose time has come (docs/sandbox.md, Settlement, ids and magic
@@ -3363,10 +3361,10 @@ class WalletService:
         return self.db.write([self.unit(lambda tx: self._settle_due(tx, now), settle=False)])[0]
 
     def _settle_due(self, tx: Tx, now: int) -> int:
-        due = tx.conn.execute("SELECT id FROM transfers WHERE settle_at <= ? AND status = ?",
+        due = tx.conn.execute("SELECT * FROM transfers WHERE settle_at <= ? AND status = ?",
                               (now, TransferStatus.PENDING)).fetchall()
-        for row in due:
-            self._finish(tx, row["id"], TransferStatus.COMPLETED)
+        for order in due:
+            self._finish(tx, order, TransferStatus.COMPLETED)
         return len(due)
 
     def get_transfer(self, workspace_id: str, biz_id: str) -> dict:
