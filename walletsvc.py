@@ -3235,9 +3235,8 @@ class WalletService:
         """Move ``amount`` (a str or Decimal, never rounded) between two wallets; the order."""
         if not isinstance(workspace_id, str):  # (as create_wallet answers: no such workspace, never a crash)
             raise WorkspaceNotFound()
-        request = TransferRequest.checked(source_wallet_id, target_wallet_id, amount, currency, biz_id,
-                                          description)
-        return self.db.write([self.transfer_unit(workspace_id, request)])[0].order
+        return self.db.write([self.transfer_unit(workspace_id, TransferRequest.checked(
+            source_wallet_id, target_wallet_id, amount, currency, biz_id, description))])[0].order
 
     def create_transfers(self, workspace_id: str, transfers: Iterable[Mapping[str, Any]]) -> list[dict]:
         """Many transfers in one write, all or nothing (docs/embedding.md), each a dict of
