@@ -3756,6 +3756,10 @@ def _id_pattern(prefix: str) -> str:
     return f"^{prefix}[A-Za-z0-9._:-]{{0,{ID_MAX - len(prefix)}}}$"
 
 
+def _map(values: dict | bool, description: str) -> dict:
+    return {"type": "object", "additionalProperties": values, "description": description}
+
+
 _ID_SCHEMA = {"type": "string", "minLength": 1, "maxLength": ID_MAX, "pattern": "^[^\\x00]*$"}  # no NUL
 _NAME_SCHEMA = {"type": "string", "minLength": 1, "maxLength": NAME_MAX, "pattern": "^[^\\x00]*$"}
 _TIME = {"type": "string", "format": "date-time"}
@@ -3773,12 +3777,9 @@ _CLOCK_AT_SCHEMA = {"anyOf": [
     "description": "epoch seconds (a number) or RFC 3339 (a date-time or a date), 1970 to 9999 UTC"}
 # What a request's query, headers and JSON body are matched on (request_misses): a value compared as text.
 _MATCHED_VALUE = {"type": ["string", "number", "integer", "boolean"]}
-_MATCH = {"query": {"type": "object", "additionalProperties": _MATCHED_VALUE,
-                    "description": "query parameters the request must carry (name: value)"},
-          "headers": {"type": "object", "additionalProperties": _MATCHED_VALUE,
-                      "description": "headers the request must carry (name in any case: value)"},
-          "body": {"type": "object", "additionalProperties": True,
-                   "description": "fields the request's JSON body must hold (a subset of it)"}}
+_MATCH = {"query": _map(_MATCHED_VALUE, "query parameters the request must carry (name: value)"),
+          "headers": _map(_MATCHED_VALUE, "headers the request must carry (name in any case: value)"),
+          "body": _map(True, "fields the request's JSON body must hold (a subset of it)")}
 
 
 def _part(schema: dict) -> dict:
@@ -3844,8 +3845,7 @@ def _scenario_schema(kind: str) -> dict:
              "scopes": {"type": "array", "items": _ref("Scope"), "minItems": 1}, "currency": _ref("Currency"),
              "networks": {"type": "array", "items": _NETWORK_SCHEMA, "minItems": 1},
              "amount": _STRING, "status": _ref("WalletStatus"), "time": _CLOCK_AT_SCHEMA,
-             "settings": {"type": "object", "additionalProperties": True,
-                          "description": "settings of the service, by name (docs/reference.md)"}}
+             "settings": _map(True, "settings of the service, by name (docs/reference.md)")}
     fields = {}
     for name, field_kind in _SCENARIO_OBJECTS[kind].items():
         if field_kind == "list":
@@ -3973,9 +3973,8 @@ SCHEMAS: Mapping[str, dict] = {
         "type": "number", "minimum": -CLOCK_RANGE[1], "maximum": CLOCK_RANGE[1],
         "description": "seconds; the clock stays between 1970-01-01 and 9999-12-31"}}, [],
         description="Freeze or unfreeze the service clock, set it (at) or move it (advance)"),
-    "Violation": _object({"check": _STRING, "detail": _STRING, "rows": {
-        "type": "object", "additionalProperties": {"type": ["string", "integer", "number", "null"]},
-        "description": "the row that breaks the invariant, by column"}},
+    "Violation": _object({"check": _STRING, "detail": _STRING, "rows": _map(
+        {"type": ["string", "integer", "number", "null"]}, "the row that breaks the invariant, by column")},
         description="An invariant of the ledger that does not hold"),
     "ClockState": _object({"now": _TIME, "epochMillis": _INTEGER, "frozen": _BOOLEAN,
                            "controllable": _BOOLEAN}, description="The service clock"),
@@ -3983,8 +3982,7 @@ SCHEMAS: Mapping[str, dict] = {
                              "query": _STRING, "apiKey": _NULLABLE_STRING, "status": _INTEGER,
                              "code": _NULLABLE_STRING, "canonicalMessage": _NULLABLE_STRING,
                              "signature": _enum(Verdict), "replayed": _BOOLEAN,
-                             "headers": {"type": "object", "additionalProperties": _STRING,
-                                         "description": "the request's headers, by name"},
+                             "headers": _map(_STRING, "the request's headers, by name"),
                              "body": _STRING, "responseBody": _STRING, "elapsedMs": {"type": "number"},
                              "diagnosis": _NULLABLE_STRING},
                             description="A request the API received, and what it answered"),
