@@ -2896,8 +2896,7 @@ class Clock:
             conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone())
 
     def reading_of(self, row: Mapping[str, Any] | None) -> float:
-        """The time it shows now, by a ``row`` of the sandbox's clock_frozen_at and clock_offset (a request's
-        key lookup: no read of its own); without a row, or unbound, as it shows now."""
+        """The time it shows now, by ``row``'s clock columns (a request's key lookup: no read of its own)."""
         if row is None or self._db is None:
             return self()
         return self.reading(row["clock_frozen_at"], row["clock_offset"])
