@@ -4696,20 +4696,18 @@ class HttpApi:
             "headers": dict(received_headers(environ))})
 
     def check_admin(self, request: Received) -> bool:
-        """The bearer token, or the console's session cookie with the page's CSRF header from the same
+        """The bearer token, or a valid console session cookie with the page's CSRF header from the same
         origin (else S403). True for the console's polling, left out of the access log (not its actions)."""
         environ = request.environ
-        session = self.console.session(environ)
-        if session is None or "HTTP_AUTHORIZATION" in environ:
+        nonce = self.console.session(environ)
+        if nonce is None or "HTTP_AUTHORIZATION" in environ:  # (an invalid cookie: S401, as no token)
             scheme, _, token = environ.get("HTTP_AUTHORIZATION", "").partition(" ")
             expected = (self.settings.admin_token or "").encode("utf-8")
             given = token.strip().encode("latin-1", "replace")
             if scheme.lower() != "bearer" or not expected or not hmac.compare_digest(given, expected):
                 raise Unauthorized()
             return False
-        if not session.valid:
-            raise Unauthorized()
-        if not self.console.same_origin(environ, session.nonce):
+        if not self.console.same_origin(environ, nonce):
             raise CrossSiteRefused()
         return environ["REQUEST_METHOD"] == "GET"
 
@@ -5233,13 +5231,6 @@ _UNDECLARED = Endpoint("ANY", "/api<rest:re:(/.*)?>", "", None, name="undeclared
 # The console's session ########################################################
 ###############################################################################
 
-class ConsoleSession(NamedTuple):
-    """The console session a request's cookie names."""
-
-    nonce: str  # the session's random part
-    valid: bool  # signed under this admin token, not expired, not logged out
-
-
 class Console:
     """The sandbox console at /_admin/console: one HTML page and its session cookie, kept in the
     database, and the CSRF check (docs/sandbox.md, The console, says how and why)."""
@@ -5253,19 +5244,18 @@ class Console:
         digest = hmac.new(self.key, f"walletsvc console {purpose} {nonce}".encode(), hashlib.sha256).digest()
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
-    def session(self, environ: Mapping[str, Any]) -> ConsoleSession | None:
-        """The session the request's cookie names (None: no cookie), valid or not."""
+    def session(self, environ: Mapping[str, Any]) -> str | None:
+        """The nonce (the random part) of the session the request's cookie names, if it is valid: signed
+        under this admin token, not expired, not logged out."""
         name = console_cookie(environ) + "="
         value = next((part.strip()[len(name):] for part in environ.get("HTTP_COOKIE", "").split(";")
-                      if part.strip().startswith(name)), None)
-        if value is None:
-            return None
+                      if part.strip().startswith(name)), "")
         nonce, _, expires = value.rpartition(".")[0].partition(".")
         valid = (self.key and nonce and expires.isdigit() and int(expires) > time.time()
                  and hmac.compare_digest(value.encode("latin-1", "replace"),
                                          self.session_value(nonce, expires).encode())
                  and self.db.one("SELECT 1 FROM console_sessions WHERE nonce = ?", (nonce,)) is not None)
-        return ConsoleSession(nonce, bool(valid))
+        return nonce if valid else None
 
     def session_value(self, nonce: str, expires: str) -> str:
         return f"{nonce}.{expires}.{self.mac('session', f'{nonce}.{expires}')}"
@@ -5308,10 +5298,10 @@ class Console:
         return Reply("", 303, (("Location", "console"), ("Set-Cookie", cookie)))
 
     def log_out(self, request: Received) -> Reply:
-        session = self.session(request.environ)
-        if session is not None and session.valid:  # (in every process: a copied cookie stops working too)
+        nonce = self.session(request.environ)
+        if nonce is not None:  # (in every process: a copied cookie stops working too)
             self.db.write([lambda conn: conn.execute("DELETE FROM console_sessions WHERE nonce = ?",
-                                                     (session.nonce,))], durable=False)
+                                                     (nonce,))], durable=False)
         return Reply(None, headers=(("Set-Cookie", self.cookie(request, "", 0)),))
 
     @staticmethod
@@ -5343,10 +5333,8 @@ class AdminApi:
     @endpoint("GET", CONSOLE_PATH, "The sandbox console (HTML): its login form, or the console once"
               " logged in", response={"type": "string"}, media=HTML_CONTENT_TYPE)
     def console_page(self, request: Received) -> Reply:
-        session = self.console.session(request.environ)
-        if session is None or not session.valid:
-            return self.console.login_form()
-        return self.console.page(session.nonce)
+        nonce = self.console.session(request.environ)
+        return self.console.login_form() if nonce is None else self.console.page(nonce)
 
     @endpoint("POST", CONSOLE_PATH, "Log in to the console: the form field token, the admin token",
               response={"type": "string"}, media=HTML_CONTENT_TYPE, form=("token",),
