@@ -5599,15 +5599,12 @@ class AdminApi:
               rules=(("at", "the clock stays between 1970 and 9999 UTC"),
                      ("advance", "the clock stays between 1970 and 9999 UTC, wherever it stands")))
     def set_clock(self, request: Received) -> dict:
-        body = request.json()
-        clock = self.svc.clock
+        body, clock = request.json(), self.svc.clock
         if not clock.controllable:
             raise invalid("clock", "state",
                           state="not controllable (start the service with a walletsvc.Clock)")
         at = admin_time(body.get("at"), "at")
-        try:
-            if at is not None:
-                _clock_time(at)  # checked before anything changes
+        try:  # (freeze and set check ``at`` before they change anything)
             if body.get("freeze") is True:
                 clock.freeze(at)
             elif at is not None:
