@@ -4689,8 +4689,7 @@ class HttpApi:
     def take_fault(self, request: Received) -> FaultRule | None:
         """The fault rule this request fires, if any: rules name the app's paths, without a mount's prefix."""
         environ = request.environ
-        depth = request.endpoint.path.count("/")
-        path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-depth:])
+        path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-request.endpoint.path.count("/"):])
         return self.svc.faults.take(environ["REQUEST_METHOD"], path, request.principal.workspace_id, lambda: {
             "query": environ.get("QUERY_STRING", ""), "body": request.body.decode("utf-8", "replace"),
             "headers": dict(received_headers(environ))})
@@ -5191,8 +5190,7 @@ class WalletApi:
               errors=(UnsupportedMediaType, WalletNotFound, WalletNotActive, InsufficientBalance,
                       CurrencyMismatch, SameWallet, IdempotencyConflict))
     def create_transfer(self, request: Received) -> Unit:
-        media_type = request.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower()
-        if media_type != "application/json":
+        if request.environ.get("CONTENT_TYPE", "").split(";", 1)[0].strip().lower() != "application/json":
             raise UnsupportedMediaType()
         header_key = request.header("Idempotency-Key")
         body = request.json()
