@@ -4436,8 +4436,7 @@ class Authenticator:
         self.svc, self.db, self.settings, self.nonces = svc, svc.db, settings, Nonces(settings.nonce_records)
 
     def authenticate(self, request: Received) -> Authenticated:
-        """The request's Principal or first failure of steps 1-7 (``refused``), what the journal keeps, and
-        the nonce to record (docs/contributing.md, The request path: decide, commit, render, log)."""
+        """Steps 1-7: the Principal or first failure (``refused``), what the journal keeps, the nonce."""
         signed = SignedHeaders.of(request.environ)
         canonical = (canonical_message(request.environ["REQUEST_METHOD"], request.path, signed.timestamp,
                                        signed.nonce, body_hash(request.body))
@@ -4713,9 +4712,8 @@ class HttpApi:
     # 2. Commit ###############################################################
 
     def commit(self, request: Received, decision: Decision) -> Rendered:
-        """The request's one write, as one unit: its nonce record, its write unit and its journal entry
-        (docs/contributing.md, The request path: decide, commit, render, log). Rendered again only when
-        the nonce lost a race or the write failed; a request with nothing to write is rendered without one."""
+        """The request's one write, as one unit: its nonce record, write unit and journal entry. Rendered
+        again only when the nonce lost a race or the write failed; with nothing to write, without one."""
         nonce = decision.auth.nonce if decision.auth is not None else None
         journal = (self.svc.journal.enabled and request.endpoint is not None
                    and request.endpoint.surface is Surface.API)
@@ -4858,9 +4856,8 @@ def _not_a_dropped_connection(record: logging.LogRecord) -> bool:
 
 
 class WalletApp(bottle.Bottle):
-    """The WSGI app: a ``bottle.Bottle`` that hands a declared route straight to ``http.respond``,
-    without bottle's ``_handle`` (docs/embedding.md, How a request is served), doing first what
-    ``_handle`` does (PATH_INFO decoded as UTF-8, ``bottle.raw_path``, ``bottle.app``)."""
+    """The WSGI app: a ``bottle.Bottle`` that hands a declared route straight to ``http.respond``, without
+    bottle's ``_handle`` but doing first what it does (docs/embedding.md, How a request is served)."""
 
     built_with: list | None = None  # the plugins create_app installed: any other needs bottle's dispatch
 
@@ -5243,8 +5240,7 @@ class Console:
         return base64.urlsafe_b64encode(digest).rstrip(b"=").decode("ascii")
 
     def session(self, environ: Mapping[str, Any]) -> str | None:
-        """The nonce (the random part) of the session the request's cookie names, if it is valid: signed
-        under this admin token, not expired, not logged out."""
+        """The nonce of the cookie's session if valid (signed, unexpired, not logged out), else None."""
         name = console_cookie(environ) + "="
         value = next((part.strip()[len(name):] for part in environ.get("HTTP_COOKIE", "").split(";")
                       if part.strip().startswith(name)), "")
