@@ -5069,7 +5069,6 @@ def openapi_document(endpoints: Iterable[Endpoint], base_url: str) -> dict:
 
 def _operation(ep: Endpoint, head: bool = False) -> dict:
     """The declared endpoint as an OpenAPI operation (HEAD: a GET's, answered without a body)."""
-    surface = ep.surface
     media = (ep.media or JSON_CONTENT_TYPE).split(";")[0]
     data_schema = _ref(ep.response) if isinstance(ep.response, str) else ep.response or {"type": "null"}
     success = data_schema if ep.media else {
@@ -5079,7 +5078,7 @@ def _operation(ep: Endpoint, head: bool = False) -> dict:
                        "message": {"const": "SUCCESS"}, "data": data_schema}}
     name = ("head_" if head else "") + ep.name
     description = [f"As GET (`{ep.name}`), without the body: the same status and headers." if head
-                   else ep.summary + ".", _SURFACE_AUTH[surface].format(scope=ep.scope)]
+                   else ep.summary + ".", _SURFACE_AUTH[ep.surface].format(scope=ep.scope)]
     if ep.rules:  # what no JSON Schema can say, stated so that a client knows
         description.append("Beyond the schema, S012 INVALID_PARAMETER names the field when:\n" + "\n".join(
             f"- `{field}`: {rule}" for field, rule in ep.rules))
@@ -5091,15 +5090,15 @@ def _operation(ep: Endpoint, head: bool = False) -> dict:
     in_path = [{"name": public, "in": "path", "required": True, "schema": _ref(schema), "description": about}
                for public, schema, about in map(PATH_PARAMETERS.get, ep.path_names)]
     operation: dict[str, Any] = {
-        "operationId": name if surface is not Surface.ADMIN else f"admin_{name}",
+        "operationId": name if ep.surface is not Surface.ADMIN else f"admin_{name}",
         "summary": ep.summary + (" (HEAD)" if head else ""), "description": "\n\n".join(description),
-        "tags": [surface], "parameters": in_path + list(ep.query) + _LANGUAGE_PARAMETERS,
+        "tags": [ep.surface], "parameters": in_path + list(ep.query) + _LANGUAGE_PARAMETERS,
         "responses": {"200": ok, **_error_responses(ep.errors_answered, head)},
         "security": {Surface.API: [{"ApiKey": [], "Timestamp": [], "Nonce": [], "Signature": []}],
-                     Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}]}.get(surface, [])}
+                     Surface.ADMIN: [{"AdminToken": []}, {"ConsoleSession": []}]}.get(ep.surface, [])}
     if ep.links and not head:  # (to an operation of the same surface)
         operation["responses"]["200"]["links"] = {
-            link: {"operationId": f"admin_{target}" if surface is Surface.ADMIN else target,
+            link: {"operationId": f"admin_{target}" if ep.surface is Surface.ADMIN else target,
                    "parameters": {PATH_PARAMETERS[name][0]: where for name, where in parameters.items()}}
             for link, target, parameters in ep.links}
     for status, answer in ep.answers:
@@ -5110,7 +5109,7 @@ def _operation(ep: Endpoint, head: bool = False) -> dict:
             "schema": {"type": "object", "required": list(ep.form),
                        "properties": dict.fromkeys(ep.form, _STRING)}}}}
     if ep.request:  # required where its schema requires a field (an empty body is {})
-        required = surface is Surface.API or bool(SCHEMAS[ep.request]["required"])
+        required = ep.surface is Surface.API or bool(SCHEMAS[ep.request]["required"])
         operation["requestBody"] = {"required": required, "content": {"application/json": {
             "schema": _ref(ep.request), "example": _example(_ref(ep.request))}}}
     return operation
