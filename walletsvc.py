@@ -6583,29 +6583,25 @@ def _serve_command(args: argparse.Namespace) -> int:
         raise RuntimeError(f"cannot serve {exc}" if gone else f"cannot serve {args.db}: {exc}" + (
             " (the database file and its directory must be writable)" if unwritable
             else ": restore it from a copy, or serve a new file (--db)")) from exc
+    ready: list[str] = []
     try:
         with _progress(f"loading {args.scenario or 'the demo'} into {args.db}"):
             world = start_world(svc, scenario) if scenario else None
-    except BaseException:
-        _undo_start(svc, made)
-        raise
-    if world is not None:
-        if "admin_token" not in settings:
-            settings["admin_token"] = stored_admin_token(svc.db)
-        settings.setdefault("debug_signatures", True)
-    counts = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
-                        " WHERE deleted_at IS NULL)")
-    ready: list[str] = []
+        if world is not None:
+            if "admin_token" not in settings:
+                settings["admin_token"] = stored_admin_token(svc.db)
+            settings.setdefault("debug_signatures", True)
+        counts = svc.db.one("SELECT (SELECT count(*) FROM api_keys), (SELECT count(*) FROM workspaces"
+                            " WHERE deleted_at IS NULL)")
 
-    def banner(base_url: str) -> None:
-        ready.append(base_url)
-        _serve_banner(args, settings, world, counts, base_url)
+        def banner(base_url: str) -> None:
+            ready.append(base_url)
+            _serve_banner(args, settings, world, counts, base_url)
 
-    lean_log_records()
-    try:
+        lean_log_records()
         serve(svc, args.host, args.port, args.threads, workers=args.workers, on_ready=banner, **settings)
     except BaseException:
-        if not ready:  # refused before serving (a busy port): the world it seeded goes too (docs/contract.md)
+        if not ready:  # refused before serving (a bad scenario, a busy port): undone (docs/contract.md)
             _undo_start(svc, made)
         raise
     return 0
