@@ -6754,9 +6754,8 @@ def _target(args: argparse.Namespace, parser: argparse.ArgumentParser) -> tuple[
     given, fell_back = {}, []
     for name, variable, demo in (("url", "WALLETSVC_URL", DEMO_URL), ("key", "WALLETSVC_KEY", DEMO_KEY),
                                  ("secret", "WALLETSVC_SECRET", DEMO_SECRET)):
-        given[name] = os.environ.get(variable) if getattr(args, name) is None else getattr(args, name)
-        if given[name] is None:
-            given[name] = demo
+        given[name] = os.environ.get(variable, demo) if getattr(args, name) is None else getattr(args, name)
+        if getattr(args, name) is None and variable not in os.environ:
             fell_back.append(variable)
     if fell_back:
         print(f"walletsvc: {', '.join(fell_back)} not set: the demo's {given['url']} with key {given['key']}"
