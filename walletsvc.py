@@ -6804,7 +6804,7 @@ def _sign_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
 
 def _rfc3986(text: str, safe: str) -> str:
     """``text`` with what a URL cannot carry percent-encoded (existing escapes kept)."""
-    return urllib.parse.quote(text, safe=safe + "%:@!$&'()*+,;=-._~")
+    return urllib.parse.quote(text, safe=safe + "%" + PCHAR_DELIMS)
 
 
 class _OneLineParser(argparse.ArgumentParser):
