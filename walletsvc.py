@@ -6337,8 +6337,7 @@ def _fixture(scope: str = "function") -> Callable[[Callable[..., Any]], Callable
 
 
 def _for_test(request: Any, default: Sandbox, cache: dict, make: Callable[[dict], Sandbox]) -> Iterator:
-    """The test's sandbox, reset before it and audited after: ``default``, or for the settings of its
-    ``@pytest.mark.walletsvc(...)`` the one ``cache`` holds, made by ``make`` the first time."""
+    """The test's sandbox, reset then audited: ``default``, or ``make``'s for its marker's settings (once)."""
     marker = request.node.get_closest_marker("walletsvc")
     settings, key = (dict(marker.kwargs), repr(sorted(marker.kwargs.items()))) if marker else ({}, "")
     if settings and key not in cache:
