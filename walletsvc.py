@@ -6795,7 +6795,7 @@ def _sign_command(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
                  *(word for name, value in headers.items() for word in ("-H", f"{name}: {value}"))]
         if body:
             words += ["-H", "Content-Type: application/json", "--data-raw", args.data]  # (no @file reading)
-        print(" ".join(shlex.quote(word) for word in words))
+        print(shlex.join(words))
     else:
         print("\n".join(f"{name}: {value}" for name, value in headers.items()))
     return 0
