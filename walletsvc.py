@@ -6061,21 +6061,22 @@ def _leave_with(parent: int) -> None:
     os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _quiet_waitress() -> None:
+def _waitress_answering(app: Callable, limit: int | None = None, **options: Any) -> Any:
+    """waitress's server of ``app`` with ``options``, its own answers in envelopes, its log quiet."""
+    from waitress import create_server
+
     logging.getLogger("waitress.queue").setLevel(logging.ERROR)  # no queue-depth floods
     logging.getLogger("waitress").addFilter(_not_a_dropped_connection)  # (once, however often it is called)
+    return answering_in_envelopes(create_server(app, **options), limit)
 
 
 def _waitress_server(app: WalletApp, listener: Any, threads: int) -> Any:
-    import waitress
-
-    _quiet_waitress()
     dispatcher = _control_dispatcher(threads)
     app.http.sleep = dispatcher.sleep
-    return guarding_slow_senders(answering_in_envelopes(waitress.create_server(
-        app, sockets=[listener], _dispatcher=dispatcher, clear_untrusted_proxy_headers=False,
-        ident="walletsvc", max_request_body_size=max(BODY_BUFFER_BYTES, app.http.settings.max_body_bytes + 1),
-        **WAITRESS_LIMITS), app.http.settings.max_body_bytes))
+    limit = app.http.settings.max_body_bytes
+    return guarding_slow_senders(_waitress_answering(
+        app, limit, sockets=[listener], _dispatcher=dispatcher, clear_untrusted_proxy_headers=False,
+        ident="walletsvc", max_request_body_size=max(BODY_BUFFER_BYTES, limit + 1), **WAITRESS_LIMITS))
 
 
 def guarding_slow_senders(server: Any) -> Any:
@@ -6294,10 +6295,7 @@ class LiveServer:
     """An app on waitress, on a free port of 127.0.0.1, in a daemon thread."""
 
     def __init__(self, app: Callable, threads: int = 4) -> None:
-        from waitress import create_server
-
-        _quiet_waitress()
-        self._server = answering_in_envelopes(create_server(app, host="127.0.0.1", port=0, threads=threads))
+        self._server = _waitress_answering(app, host="127.0.0.1", port=0, threads=threads)
         self.url = f"http://127.0.0.1:{self._server.effective_port}"
         self._stopping = False
         self._thread = threading.Thread(target=self._run, name="walletsvc-live", daemon=True)
