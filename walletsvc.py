@@ -6230,9 +6230,8 @@ class Sandbox:
         settings = {"id_seed": 0, "debug_signatures": True, "admin_token": "walletsvc-test-admin",
                     "journal_size": SANDBOX_JOURNAL_SIZE, **(scenario.get("settings") or {}), **settings}
         service_settings, http_settings = split_settings(settings)
-        clock = Clock()
-        service = WalletService(database, clock=clock, **service_settings)
-        return cls(service, create_app(service, **http_settings), clock,
+        service = WalletService(database, clock=Clock(), **service_settings)
+        return cls(service, create_app(service, **http_settings), service.clock,
                    admin_token=http_settings.get("admin_token"))._enter(start_world(service, scenario)[0])
 
     def _enter(self, workspace: dict) -> Sandbox:
