@@ -6530,14 +6530,12 @@ def _admin_command(action: Callable[[WalletService, argparse.Namespace], Any], r
     return 0
 
 
-LOG_FORMAT = "%(asctime)s %(name)s %(message)s"  # `walletsvc serve`'s lines on stderr, the access log's too
-
-
 class LogFormatter(logging.Formatter):
-    """LOG_FORMAT's lines, the date and time of each second formatted once (4 us less an access-log line)."""
+    """`walletsvc serve`'s lines on stderr, the access log's too, the date and time of each second formatted
+    once (4 us less an access-log line)."""
 
     def __init__(self) -> None:
-        super().__init__(LOG_FORMAT)
+        super().__init__("%(asctime)s %(name)s %(message)s")
         self._second: tuple[int, str] = (-1, "")
 
     def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
