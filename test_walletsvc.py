@@ -5998,6 +5998,10 @@ def test_live_fixture_serves_over_http(walletsvc_live) -> None:
     with urllib.request.urlopen(sandbox.url + "/healthz", timeout=5) as reply:
         assert json.load(reply)["data"]["status"] == "ok"
     assert sandbox.client.get_wallet(sandbox.wallets["yen"]["id"])["balance"] == "100000"
+    # The fixture's client talks HTTP (docs/testing.md: for code that talks HTTP): its request reached the
+    # app through the socket, with the Host header an HTTP client sends (an in-process call has none).
+    entry = sandbox.journal.entries("GET", "/api/v1/wallets/*")[-1]
+    assert entry["headers"]["Host"] == sandbox.url.removeprefix("http://")
 
 
 def test_pytest_examples_pass_as_written_from_the_clones_parent(tmp_path) -> None:

@@ -3990,6 +3990,7 @@ SCHEMAS: Mapping[str, dict] = {
        for item in ("Wallet", "Balance", "Flow", "TransferOrder", "JournalEntry")},
 }
 
+
 def check_body(body: dict, schema: Mapping[str, Any]) -> dict:
     """S012 unless ``body`` has only the schema's fields, every required one (null only where its type
     allows), each of its JSON type (an integer may be written 465.0, then the int: docs/contract.md,
@@ -6348,6 +6349,7 @@ def _live_sandbox(settings: dict) -> Sandbox:
     sandbox = Sandbox.create(**settings)
     sandbox.server = LiveServer(sandbox.app)
     sandbox.url = sandbox.server.url
+    sandbox.client = sandbox.client_for(sandbox.key) if sandbox.key else None  # (made before: in process)
     return sandbox
 
 
@@ -7210,6 +7212,7 @@ setInterval(async () => {  // every view is live: the journal within a second of
 }, 1000);
 refresh();
 """.replace("__FAULT_ACTIONS__", json.dumps(list(FaultAction)))
+
 
 def _page(title: str, head: str, body: str) -> str:
     """One of the console's two pages: its head (with ``head`` and the style), then ``body``."""
