@@ -61,6 +61,7 @@ import _thread
 import argparse
 import base64
 import binascii
+import bisect
 import collections
 import contextlib
 import copy
@@ -380,7 +381,12 @@ class IdempotencyConflict(WalletError, code="T2004", name="IDEMPOTENCY_CONFLICT"
                 "bizId {biz_id} 已用于参数不同的请求。")
 
 
-ERRORS = tuple(WalletError.__subclasses__())  # the catalog: every class above, in its order
+def _catalog(root: type[WalletError]) -> list[type[WalletError]]:
+    """Every subclass of ``root``, nested ones too (each after its parent), in the order they are declared."""
+    return [error for cls in root.__subclasses__() for error in (cls, *_catalog(cls))]
+
+
+ERRORS = tuple(_catalog(WalletError))  # the catalog: every class above
 
 ERRORS_BY_CODE: Mapping[str, type[WalletError]] = {error.code: error for error in ERRORS}
 
@@ -718,7 +724,8 @@ MILLISECONDS_FROM = 10**11  # an epoch "second" this large (the year 5138) is ta
 
 
 def admin_time(value: Any, field: str) -> float | None:
-    """A time the admin surface takes (docs/sandbox.md), in epoch seconds: JSON seconds, or RFC 3339."""
+    """A time the admin surface takes (docs/sandbox.md), in epoch seconds: JSON seconds, or RFC 3339; a value
+    that looks like milliseconds is refused, saying so."""
     if value is None:
         return None
     if isinstance(value, datetime.datetime):  # (a TOML datetime; naive means UTC)
@@ -1007,7 +1014,7 @@ def savepoint(conn: sqlite3.Connection, unit: Unit) -> Any:
     return result
 
 
-CHECKPOINT_SECONDS = 0.1  # the most time between two checkpoints of a process (why: docs/operations.md)
+CHECKPOINT_SECONDS = 0.1  # the most time between a process's checkpoints (docs/operations.md, Benchmarks)
 # Units one leader takes into one transaction: enough to share a commit among every request
 # thread, small enough that a batch holds the lock for a few milliseconds at most.
 MAX_BATCH = 64
@@ -1763,7 +1770,7 @@ class ListQuery:
 
     def total(self, conn: sqlite3.Connection) -> int:
         """How many rows match: the triggers' count when only counted filters are used, else SQLite's."""
-        if self.counter is not None and len(self.counted) == len(self.params):
+        if self.counter is not None and len(self.counted) == len(self.params):  # (every filter counted)
             row = conn.execute("SELECT n FROM counters WHERE owner_id = ? AND name = ?",
                                (self.owner_id, ":".join([self.counter, *self.counted]))).fetchone()
             return row[0] if row else 0
@@ -1789,7 +1796,7 @@ def page_response(items: list, request: PageRequest, total: int) -> dict:
 ###############################################################################
 
 # Each a query returning the rows that break it (WalletService.audit): (check, detail template over the row,
-# SQL). Sums of money are exact_sum's, decimal text: ten wallets of 10^18 minor units pass SQLite's integers.
+# SQL). Sums of money are exact_sum's, decimal text: ten wallets of 10^18 minor units sum past int64.
 _SIGNED_FLOW = "CASE f.direction WHEN 'CREDIT' THEN f.amount ELSE -f.amount END"
 _AUDITS = (
     ("conservation", "{currency}: deposits - withdrawals = {external}, balances sum to {balances}",
@@ -2033,9 +2040,9 @@ def _capped_headers(headers: Iterable[tuple[str, str]], limit: int) -> str:
         name = _utf8_cut(name, left)
         value = _capped(value, left - _utf8_size(_JSON.encode([name, ""])))
         if _utf8_size(_JSON.encode([name, value])) > left:  # escapes: the longest prefix that fits
-            import bisect  # (a rare path: a header this long, escaped)
-            value = value[:bisect.bisect_right(range(1, len(value) + 1), left,
-                                               key=lambda end: _utf8_size(_JSON.encode([name, value[:end]])))]
+            def size(end: int, name: str = name, value: str = value) -> int:  # (of the pair, value[:end])
+                return _utf8_size(_JSON.encode([name, value[:end]]))
+            value = value[:bisect.bisect_right(range(1, len(value) + 1), left, key=size)]
         kept.append((name, value))
         left -= _utf8_size(_JSON.encode([name, value]))
     if len(kept) < len(headers):
@@ -3380,11 +3387,11 @@ class WalletService:
     def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
                        wallet_id: str | None = None) -> dict:
         """One page of the workspace's transfer orders, or of one wallet's (either side)."""
-        owner, columns = ((workspace_id, ["workspace_id"]) if wallet_id is None
-                          else (wallet_id, ["source_wallet_id", "target_wallet_id"]))
+        owner, columns, check = ((workspace_id, ["workspace_id"], lambda conn: None) if wallet_id is None else
+                                 (wallet_id, ["source_wallet_id", "target_wallet_id"],
+                                  lambda conn: self._wallet(conn, wallet_id, workspace_id)))
         return self._page(ListQuery("transfers", owner, *columns, counter="transfers"), query, TRANSFER_SORTS,
-                          TRANSFER_FILTERS, transfer_resource,
-                          lambda conn: wallet_id is None or self._wallet(conn, wallet_id, workspace_id))
+                          TRANSFER_FILTERS, transfer_resource, check)
 
     # The auditor ############################################################
 
@@ -3816,7 +3823,8 @@ def _array(item: str | dict) -> dict:
     return {"type": "array", "items": _ref(item) if isinstance(item, str) else item}
 
 
-# The components several schemas share, named once (SCHEMAS holds them too): enums, ids with their patterns.
+# The components several schemas share, named once (SCHEMAS holds them): enums, ids with their patterns (no
+# empty segment in a path).
 SHARED_SCHEMAS: Mapping[str, dict] = {
     "Currency": _enum(sorted(CURRENCY_EXPONENTS),
                       "an ISO 4217 code; an amount has at most its decimals (USD 10.00, JPY 10)"),
@@ -4666,7 +4674,8 @@ class HttpApi:
 
     @staticmethod
     def after_fault(decision: Decision) -> Decision:
-        """A commit_then_fail rule's S500 once the handler applied the request, its writes kept."""
+        """A commit_then_fail rule's S500 once the handler applied the request, its writes kept
+        (commit_then_drop acts on the answer, in ``serve()``)."""
         fault = decision.fault
         if fault is None or fault.action != FaultAction.COMMIT_THEN_FAIL:
             return decision
@@ -4687,9 +4696,10 @@ class HttpApi:
             raise ScopeRequired(scope=scope)
 
     def take_fault(self, request: Received) -> FaultRule | None:
-        """The fault rule this request fires, if any: rules name the app's paths, without a mount's prefix."""
-        environ = request.environ
-        path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-request.endpoint.path.count("/"):])
+        """The fault rule this request fires, if any. Rules name the app's own paths: PATH_INFO's last
+        segments, as many as the endpoint's path has, leave out any prefix a mount put there."""
+        environ, depth = request.environ, request.endpoint.path.count("/")
+        path = "/" + "/".join(environ.get("PATH_INFO", "").split("/")[-depth:])
         return self.svc.faults.take(environ["REQUEST_METHOD"], path, request.principal.workspace_id, lambda: {
             "query": environ.get("QUERY_STRING", ""), "body": request.body.decode("utf-8", "replace"),
             "headers": dict(received_headers(environ))})
@@ -6461,7 +6471,8 @@ BANNER_WALLETS = 5  # wallets the banner names; it says how many more
 
 def demo_instructions(base_url: str, workspace: dict, admin_token: str | None, database: str) -> str:
     """What ``serve --demo`` (or ``--scenario``) prints of its first ``workspace``: an export line of the
-    names the examples read; examples that paste as printed and sign at the sandbox's clock as it moves."""
+    names the examples read; examples that paste as printed and sign at the sandbox's clock as it moves (the
+    curl reads it from /healthz first: bash or zsh, curl, openssl and sed)."""
     key = workspace["keys"][0]
     names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": key["apiKey"], "WALLETSVC_SECRET": key["secret"]}
     if admin_token:
