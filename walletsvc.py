@@ -1719,7 +1719,7 @@ def filter_time(text: str, name: str) -> tuple:
 @dataclasses.dataclass(frozen=True)
 class ListFilter:
     """One query parameter of a list: the rows it keeps (``clauses``, one ? each) for the values ``read``
-    gives of its first value if given, and its ``choices``; it serves the list's method and OpenAPI alike."""
+    makes of the parameter's first value, when given; its ``choices``. The list and OpenAPI both read it."""
 
     clauses: tuple[str, ...]
     read: Callable[[str, str], tuple]
