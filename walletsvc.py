@@ -1152,17 +1152,17 @@ class Database:
         if self._leader == threading.get_ident():
             raise RuntimeError("a write unit wrote through Database.write: give its writes to its own unit")
         write, fulls = _Write(units, durable), self._fulls
-        self._wait_for_turn(write)
-        if not write.done:  # the leader: run the callers queued behind it
-            self._lead(write)
+        if batch := self._wait_for_turn(write):  # the leader: run the callers queued behind it
+            self._lead(batch)
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
             raise write.error if write.own_error else copy.copy(write.error)
         if self.full and self._fulls == fulls:  # (one committed, and none failed for a full disk meanwhile)
             self.full = False
         return write.results
 
-    def _wait_for_turn(self, write: _Write) -> None:
-        """Queue ``write`` till it leads or a leader ran it; BatchLost past this thread's patience untaken."""
+    def _wait_for_turn(self, write: _Write) -> list[_Write]:
+        """Queue ``write`` till a leader ran it ([]) or it leads: then the batch it takes, itself first, in
+        the same hold of the lock; BatchLost past this thread's patience untaken."""
         deadline = time.monotonic() + self._patience()
         with self._turn:
             if os.getpid() != self._writer_pid:
@@ -1174,6 +1174,12 @@ class Database:
                     if left <= 0 and not write.taken:
                         raise BatchLost("database is locked: the write waited its whole patience")
                     self._turn.wait(left if left > 0 else 0.05)
+                if write.done:
+                    return []
+                batch = list(itertools.islice(self._queue, MAX_BATCH))
+                for waiting in batch[1:]:
+                    waiting.taken = True
+                return batch
             except BaseException:  # (a timeout, or an interrupt of this thread): out of the queue if untaken
                 if not write.taken and write in self._queue:
                     self._queue.remove(write)
@@ -1183,15 +1189,10 @@ class Database:
                     self._turn.wait(0.05)
                 raise
 
-    def _lead(self, own: _Write) -> None:
-        """Run the callers queued behind the leader's ``own`` write (``_run``); each gets its outcome whatever
+    def _lead(self, batch: list[_Write]) -> None:
+        """Run the leader's batch (``_run``; its own write first); each caller gets its outcome whatever
         interrupts the leader, which then checkpoints if one is due."""
-        batch = [own]
         try:
-            with self._turn:
-                for waiting in itertools.islice(self._queue, 1, MAX_BATCH):
-                    waiting.taken = True
-                    batch.append(waiting)
             with self._lock:
                 conn = self._writer(any(write.durable for write in batch))
                 self._run(conn, batch)
@@ -1203,10 +1204,12 @@ class Database:
                 self._pass_turn(batch)
                 raise
             conn = None
+        if conn is None or self.memory or time.monotonic() < self._checkpoint_at:
+            self._pass_turn(batch)
+            return
         self._pass_turn(batch[1:])  # its callers have their answers while the leader checkpoints
         try:
-            if conn is not None:
-                self._checkpoint(conn)
+            self._checkpoint(conn)
         finally:
             self._pass_turn(batch[:1])
 
@@ -1255,10 +1258,7 @@ class Database:
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
         """Move the -wal into the file after a batch, at most every CHECKPOINT_SECONDS, while the leader holds
         the turn: RESTART, 5 ms at most for readers (docs/operations.md, Benchmarks)."""
-        now = time.monotonic()
-        if self.memory or now < self._checkpoint_at:
-            return
-        self._checkpoint_at = now + CHECKPOINT_SECONDS
+        self._checkpoint_at = time.monotonic() + CHECKPOINT_SECONDS
         with contextlib.suppress(sqlite3.Error):
             conn.execute("PRAGMA busy_timeout = 5")
             try:
