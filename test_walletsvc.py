@@ -333,19 +333,18 @@ def _shared_ledger(tmp_path) -> tuple[str, str, list]:
     return path, ws["id"], wallets
 
 
-def _trace_writers(svc: walletsvc.WalletService) -> dict[bool, list[str]]:
-    """The writes each connection a batch of this thread writes through runs from now on, by
-    durability (the one that syncs, True, and the one that does not, False: the thread's own), each cut
-    at its first parenthesis; reads and pragmas (a checkpoint's) left out."""
-    statements: dict[bool, list[str]] = {True: [], False: []}
+def _trace_writes(svc: walletsvc.WalletService) -> list[str]:
+    """The writes of this thread's batches from now on (a batch writes through its leader's own
+    connection), each cut at its first parenthesis, with each PRAGMA synchronous that changes the
+    durability of the commits after it (from NORMAL: no disk sync); reads and other pragmas left out."""
+    statements: list[str] = []
 
-    def trace(durable: bool) -> Callable[[str], None]:
-        return lambda sql: None if sql.lstrip().startswith(("SELECT", "PRAGMA")) \
-            else statements[durable].append(sql.split(" (")[0])
+    def trace(sql: str) -> None:
+        if not sql.lstrip().startswith(("SELECT", "PRAGMA")) or "synchronous" in sql:
+            statements.append(sql.split(" (")[0])
 
-    for durable in (True, False):
-        svc.db.write([lambda conn, durable=durable: conn.set_trace_callback(trace(durable))], durable=durable)
-        statements[durable].clear()
+    svc.db.write([lambda conn: conn.set_trace_callback(trace)], durable=False)
+    statements.clear()
     return statements
 
 
@@ -7193,26 +7192,29 @@ def traced(tmp_path, clock, make_service, monkeypatch):
     svc = make_service(str(tmp_path / "durable.db"), clock=clock)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
-    return svc, api, world_, _trace_writers(svc)
+    return svc, api, world_, _trace_writes(svc)
 
 
 def test_a_read_records_its_nonce_without_waiting_for_a_disk_sync(traced) -> None:
-    """docs/operations.md: a read's one write is its nonce record, on the connection that does not sync."""
+    """docs/operations.md: a read's one write is its nonce record, committed without a disk sync."""
     _svc, api, world_, statements = traced
     data(api.get(f"/api/v1/wallets/{world_['a']}"))
-    assert statements[True] == []
-    assert statements[False] == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records",
-                                 "RELEASE unit", "COMMIT"]  # no PRAGMA switched around it
+    assert statements == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records", "RELEASE unit",
+                          "COMMIT"]  # at NORMAL: no PRAGMA switched around it
 
 
 def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) -> None:
-    """docs/contract.md: a transfer's nonce and ledger rows are one unit, committed once, durably."""
+    """docs/contract.md: a transfer's nonce and ledger rows are one unit, committed once, durably; the read
+    after it commits without a sync again."""
     _svc, api, world_, statements = traced
     data(api.transfer(transfer_body(world_)))
-    writes = statements[True]
-    assert writes[:3] == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records"]
-    assert "INSERT INTO transfers" in writes and writes.count("COMMIT") == 1 and writes[-1] == "COMMIT"
-    assert statements[False] == [] and not [s for s in writes if s.startswith("PRAGMA")]
+    assert statements[:4] == ["PRAGMA synchronous = FULL", "BEGIN IMMEDIATE", "SAVEPOINT unit",
+                              "INSERT INTO nonce_records"]
+    assert "INSERT INTO transfers" in statements and statements.count("COMMIT") == 1
+    assert statements[-1] == "COMMIT" and statements.count("PRAGMA synchronous = FULL") == 1
+    del statements[:]
+    data(api.get(f"/api/v1/wallets/{world_['a']}"))
+    assert statements[:2] == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE"]
 
 
 def test_with_a_journal_a_request_writes_once_nonce_entry_and_ledger_together(tmp_path, clock, make_service,
@@ -7222,15 +7224,16 @@ def test_with_a_journal_a_request_writes_once_nonce_entry_and_ledger_together(tm
     svc = make_service(str(tmp_path / "journaled.db"), clock=clock, journal_size=10)
     world_ = make_world(svc)
     api = Api(webtest.TestApp(walletsvc.create_app(svc)), world_["key"], clock)
-    statements = _trace_writers(svc)
+    statements = _trace_writes(svc)
     data(api.get(f"/api/v1/wallets/{world_['a']}"))
-    assert statements[False] == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records",
-                                 "INSERT INTO journal", "RELEASE unit", "COMMIT"]
+    assert statements == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records",
+                          "INSERT INTO journal", "RELEASE unit", "COMMIT"]
     data(api.transfer(transfer_body(world_)))
-    money = statements[True]
-    assert money[:3] == ["BEGIN IMMEDIATE", "SAVEPOINT unit", "INSERT INTO nonce_records"]
+    money = statements[6:]
+    assert money[:4] == ["PRAGMA synchronous = FULL", "BEGIN IMMEDIATE", "SAVEPOINT unit",
+                         "INSERT INTO nonce_records"]
     assert money.index("INSERT INTO transfers") < money.index("INSERT INTO journal") < money.index("COMMIT")
-    assert money.count("COMMIT") == 1 and len(statements[False]) == 6  # the read's, nothing more
+    assert money.count("COMMIT") == 1 and money[-1] == "COMMIT"
     svc.close()
 
 
@@ -7475,10 +7478,8 @@ def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
 
 
 def _on_every_writer(svc: walletsvc.WalletService, pragma: str) -> None:
-    """A pragma on each connection the service writes through: the one that syncs (money) and
-    the one that does not (nonce records and journal entries of reads)."""
-    for durable in (True, False):
-        svc.db.write([lambda conn: conn.execute(pragma)], durable=durable)
+    """A pragma on the connection the service writes through here: this thread's own (a batch's leader's)."""
+    svc.db.write([lambda conn: conn.execute(pragma)], durable=False)
 
 
 def test_read_only_storage_answers_s503_and_applies_nothing(tmp_path, clock) -> None:
@@ -8335,11 +8336,17 @@ def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_servic
     svc = make_service(str(tmp_path / "batch.db"))
     db = svc.db
     db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER PRIMARY KEY)")])
-    statements = _trace_writers(svc)
+    statements: list[str] = []  # of every thread's connection (a batch writes through its leader's)
+    counted = {"COMMIT", "ROLLBACK TO unit"}.intersection
     holding, release = threading.Event(), threading.Event()
 
+    def traced_write(units: list) -> list:
+        with db.connection() as conn:
+            conn.set_trace_callback(lambda sql: statements.extend(counted({sql})))
+        return db.write(units)
+
     def hold() -> None:  # a writer of this process holds the turn while eight units queue behind it
-        db.write([lambda conn: (holding.set(), release.wait(10))])
+        traced_write([lambda conn: (holding.set(), release.wait(10))])
 
     results: dict[int, Any] = {}
 
@@ -8350,7 +8357,7 @@ def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_servic
                 raise ValueError("unit 3 fails")
             return n * 10
         try:
-            results[n] = db.write([write])[0]
+            results[n] = traced_write([write])[0]
         except ValueError as exc:
             results[n] = exc
 
@@ -8368,8 +8375,8 @@ def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_servic
     assert results == {n: n * 10 for n in range(8) if n != 3}
     kept = set(db.one("SELECT group_concat(n) FROM probe")[0].split(","))
     assert kept == {str(n) for n in range(8) if n != 3}
-    assert statements[True].count("COMMIT") == 2  # the holder's, then one for all eight units
-    assert statements[True].count("ROLLBACK TO unit") == 1
+    assert statements.count("COMMIT") == 2  # the holder's, then one for all eight units
+    assert statements.count("ROLLBACK TO unit") == 1
 
 
 @pytest.mark.parametrize("what", ["database", "wal"])

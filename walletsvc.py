@@ -1059,7 +1059,7 @@ class Database:
         """The write queue and this process's write connections (anew in a forked child)."""
         self._queue: collections.deque[_Write] = collections.deque()
         self._turn = threading.Condition(threading.Lock())
-        self._writers: dict[bool, sqlite3.Connection] = {}  # durable or not: its connection
+        self._writers: dict[str, _Held] = {}  # by synchronous: a writer for threads inside a read
         self._writer_pid = os.getpid()
         self._leader: int | None = None  # the thread running a batch's units, while it does
         self._checkpoint_at = 0.0  # time.monotonic() from which the next checkpoint is due
@@ -1107,7 +1107,7 @@ class Database:
         conn.execute("PRAGMA temp_store = MEMORY")  # no statement journal file made and unlinked per transfer
         if not self.memory:
             conn.execute("PRAGMA journal_mode = WAL")
-            conn.execute("PRAGMA synchronous = NORMAL")  # (the durable writer's is set in _writer)
+            conn.execute("PRAGMA synchronous = NORMAL")  # (a durable batch's writer's is set in _writer)
             conn.execute("PRAGMA wal_autocheckpoint = 0")  # (the leader checkpoints, after: write)
 
     def _apply_schema(self) -> None:
@@ -1143,8 +1143,8 @@ class Database:
         """No connection of this process on the file (any database's, any thread's) checkpoints on close."""
         for database in list(_DATABASES):
             if database.file is not None and self.file is not None and database.file._file == self.file._file:
-                for conn in [*database._writers.values(), *(held.conn for held in list(database._held))]:
-                    _no_checkpoint_on_close(conn)
+                for held in [*database._writers.values(), *list(database._held)]:
+                    _no_checkpoint_on_close(held.conn)
 
     def write(self, units: Sequence[Unit], *, durable: bool = True) -> list:
         """The one door for writes: ``units`` in the next batch's transaction, each caller's in a savepoint;
@@ -1275,21 +1275,19 @@ class Database:
             self._turn.notify_all()
 
     def _writer(self, durable: bool) -> sqlite3.Connection:
-        """A batch's connection, by durability: the process's durable writer (``synchronous`` as configured),
-        or the leader's own connection (synchronous NORMAL: no fsync at commit in WAL mode)."""
+        """A batch's connection: the leader's own, so that its cache stays warm for its reads, at the batch's
+        ``synchronous`` (as configured if durable, else NORMAL: no fsync at commit in WAL mode), set when it
+        changes; a process writer of that level for a thread inside a read of its own."""
         if self.memory:
             with self.connection() as conn:
                 return conn
-        durable = durable and self.synchronous != "NORMAL"  # (the setting is FULL or NORMAL)
-        if not durable:  # the leader's own connection: its cache stays warm for its reads (measured: 30 us)
-            with self.connection() as conn:
-                if not conn.in_transaction:  # (else a read of this thread is under way: a writer of its own)
-                    return conn
-        if (conn := self._writers.get(durable)) is None:
-            conn = self._connect()
-            conn.execute(f"PRAGMA synchronous = {self.synchronous}")
-            self._writers[durable] = conn
-        return conn
+        level, held = self.synchronous if durable else "NORMAL", self.connection()
+        if held.conn.in_transaction:
+            held = self._writers.get(level) or self._writers.setdefault(level, _Held(self._connect(), None))
+        if held.synchronous != level:
+            held.conn.execute(f"PRAGMA synchronous = {level}")
+            held.synchronous = level
+        return held.conn
 
     @contextlib.contextmanager
     def patience(self, seconds: float) -> Iterator[None]:
@@ -1346,8 +1344,8 @@ class Database:
                 self._local.held = self._local.pid = None
         with self._turn:
             if not self._queue and os.getpid() == self._writer_pid:
-                for conn in self._writers.values():
-                    conn.close()
+                for held in self._writers.values():
+                    held.conn.close()
                 self._writers.clear()
                 if self.file is not None:
                     self.file.closed()
@@ -1362,10 +1360,10 @@ os.register_at_fork(after_in_child=lambda: [database._writer_state() for databas
 class _Held:
     """A connection as a context manager, optionally under a lock (cheaper than a generator)."""
 
-    __slots__ = ("__weakref__", "conn", "lock")
+    __slots__ = ("__weakref__", "conn", "lock", "synchronous")
 
     def __init__(self, conn: sqlite3.Connection, lock: Any) -> None:
-        self.conn, self.lock = conn, lock
+        self.conn, self.lock, self.synchronous = conn, lock, "NORMAL"  # (as _prepare_connection sets it)
 
     def __enter__(self) -> sqlite3.Connection:
         if self.lock is not None:
