@@ -7195,6 +7195,23 @@ def traced(tmp_path, clock, make_service, monkeypatch):
     return svc, api, world_, _trace_writes(svc)
 
 
+def test_a_new_file_has_2_kb_pages_and_an_existing_one_keeps_its_own(tmp_path, clock) -> None:
+    """docs/operations.md: a new database file is made with pages of 2 KB (a transfer's commit writes
+    half the bytes); a file made with SQLite's default 4 KB pages is served as it is."""
+    fresh = walletsvc.WalletService(str(tmp_path / "new.db"), clock=clock)
+    make_world(fresh)
+    fresh.close()
+    old = tmp_path / "old.db"
+    sqlite3.connect(old).execute("PRAGMA page_size = 4096").connection.execute("VACUUM").connection.close()
+    served = walletsvc.WalletService(str(old), clock=clock)
+    world_ = make_world(served)
+    served.create_transfer(world_["ws"]["id"], world_["a"], world_["b"], "1.00", "USD")
+    served.close()
+    sizes = {name: sqlite3.connect(tmp_path / name).execute("PRAGMA page_size").fetchone()[0]
+             for name in ("new.db", "old.db")}
+    assert sizes == {"new.db": 2048, "old.db": 4096}
+
+
 def test_a_read_records_its_nonce_without_waiting_for_a_disk_sync(traced) -> None:
     """docs/operations.md: a read's one write is its nonce record, committed without a disk sync."""
     _svc, api, world_, statements = traced

@@ -1105,7 +1105,8 @@ class Database:
         # waits in _run, in steps of at most 250 us; a WAL reader is never blocked by a writer.
         conn.execute("PRAGMA busy_timeout = 0")
         conn.execute("PRAGMA temp_store = MEMORY")  # no statement journal file made and unlinked per transfer
-        if not self.memory:
+        if not self.memory:  # a new file's pages are 2 KB (a transfer commits 31 of 4 KB; docs/operations.md)
+            conn.execute("PRAGMA page_size = 2048")  # (before WAL fixes it; an existing file keeps its own)
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")  # (a durable batch's writer's is set in _writer)
             conn.execute("PRAGMA wal_autocheckpoint = 0")  # (the leader checkpoints, after: write)
