@@ -7196,8 +7196,8 @@ def traced(tmp_path, clock, make_service, monkeypatch):
 
 
 def test_a_new_file_has_2_kb_pages_and_an_existing_one_keeps_its_own(tmp_path, clock) -> None:
-    """docs/operations.md: a new database file is made with pages of 2 KB (a transfer's commit writes
-    half the bytes); a file made with SQLite's default 4 KB pages is served as it is."""
+    """docs/operations.md: a new database file is made with pages of 2 KB (a transfer's commit writes 71 KB
+    to the -wal, not 122); a file made with SQLite's default 4 KB pages is served as it is."""
     fresh = walletsvc.WalletService(str(tmp_path / "new.db"), clock=clock)
     make_world(fresh)
     fresh.close()
@@ -7232,6 +7232,51 @@ def test_a_transfer_records_its_nonce_in_its_own_transaction_one_commit(traced) 
     del statements[:]
     data(api.get(f"/api/v1/wallets/{world_['a']}"))
     assert statements[:2] == ["PRAGMA synchronous = NORMAL", "BEGIN IMMEDIATE"]
+
+
+def test_a_durable_write_commits_at_full_on_whichever_connection_it_runs(tmp_path, make_service) -> None:
+    """docs/operations.md: a batch holding a durable write commits at synchronous FULL (a disk sync), one of
+    reads' records alone at NORMAL, whatever ran before on the connection: a thread's first write, a write
+    after close(), one inside a read of the thread's own, a durable write taken behind a read's record."""
+    full, normal = 2, 1  # (PRAGMA synchronous, read inside the unit: the level its commit runs at)
+    db = make_service(str(tmp_path / "levels.db")).db
+
+    def level(conn: sqlite3.Connection) -> int:
+        return conn.execute("PRAGMA synchronous").fetchone()[0]
+
+    results: dict[str, int] = {}
+
+    def queued(name: str, durable: bool) -> None:
+        results[name] = db.write([level], durable=durable)[0]
+
+    for name, durable in (("money", True), ("record", False), ("money again", True)):
+        thread = threading.Thread(target=queued, args=(name, durable))  # each a new thread's first write
+        thread.start()
+        thread.join(10)
+    assert results == {"money": full, "record": normal, "money again": full}
+    assert [db.write([level], durable=durable)[0] for durable in (True, True, False, False, True)] == [
+        full, full, normal, normal, full]
+    db.close()
+    assert db.write([level])[0] == full
+    with db.snapshot():
+        levels = [db.write([level], durable=durable)[0] for durable in (True, False, True)]
+    assert levels == [full, normal, full]
+    holding, release = threading.Event(), threading.Event()
+    results.clear()
+    threads = [threading.Thread(target=lambda: db.write([lambda conn: (holding.set(), release.wait(10))],
+                                                        durable=False))]
+    threads[0].start()
+    holding.wait(10)
+    for name, durable in (("record", False), ("money", True)):  # queued in this order: the record leads
+        threads.append(threading.Thread(target=queued, args=(name, durable)))
+        threads[-1].start()
+        time.sleep(0.3)
+    release.set()
+    for thread in threads:
+        thread.join(10)
+    assert results == {"record": full, "money": full}  # one batch, one commit, with a disk sync
+    relaxed = make_service(str(tmp_path / "relaxed.db"), synchronous="NORMAL").db
+    assert [relaxed.write([level], durable=durable)[0] for durable in (True, False)] == [normal, normal]
 
 
 def test_with_a_journal_a_request_writes_once_nonce_entry_and_ledger_together(tmp_path, clock, make_service,

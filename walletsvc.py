@@ -992,7 +992,8 @@ class _Write:
         self.own_error = False  # raised by one of its own units (else: the batch's failure, shared)
 
 
-# A write unit: a plain function of the write connection, run inside a transaction it does not own.
+# A write unit: a plain function of the write connection, run inside a transaction it does not own
+# (it sets no pragma: a batch's durability is the connection's synchronous, which Database._writer sets).
 Unit = Callable[[sqlite3.Connection], Any]
 
 
@@ -1105,7 +1106,7 @@ class Database:
         # waits in _run, in steps of at most 250 us; a WAL reader is never blocked by a writer.
         conn.execute("PRAGMA busy_timeout = 0")
         conn.execute("PRAGMA temp_store = MEMORY")  # no statement journal file made and unlinked per transfer
-        if not self.memory:  # a new file's pages are 2 KB (a transfer commits 31 of 4 KB; docs/operations.md)
+        if not self.memory:  # new files: 2 KB pages, a transfer's commit 71 KB, not 122 (docs/operations.md)
             conn.execute("PRAGMA page_size = 2048")  # (before WAL fixes it; an existing file keeps its own)
             conn.execute("PRAGMA journal_mode = WAL")
             conn.execute("PRAGMA synchronous = NORMAL")  # (a durable batch's writer's is set in _writer)
@@ -1280,12 +1281,12 @@ class Database:
         ``synchronous`` (as configured if durable, else NORMAL: no fsync at commit in WAL mode), set when it
         changes; a process writer of that level for a thread inside a read of its own."""
         if self.memory:
-            with self.connection() as conn:
-                return conn
+            return self.connection().conn
         level, held = self.synchronous if durable else "NORMAL", self.connection()
         if held.conn.in_transaction:
             held = self._writers.get(level) or self._writers.setdefault(level, _Held(self._connect(), None))
         if held.synchronous != level:
+            held.synchronous = None  # (unknown till the pragma ran: a batch after an interrupt sets it again)
             held.conn.execute(f"PRAGMA synchronous = {level}")
             held.synchronous = level
         return held.conn
