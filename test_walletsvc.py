@@ -7539,8 +7539,8 @@ def test_locked_database_answers_s503_then_recovers(tmp_path, clock) -> None:
     assert balances(svc, source, target) == ["999.00", "1.00"]
 
 
-def _on_every_writer(svc: walletsvc.WalletService, pragma: str) -> None:
-    """A pragma on the connection the service writes through here: this thread's own (a batch's leader's)."""
+def _on_the_writer(svc: walletsvc.WalletService, pragma: str) -> None:
+    """A pragma on the one connection the service writes through here: this thread's (a batch's leader's)."""
     svc.db.write([lambda conn: conn.execute(pragma)], durable=False)
 
 
@@ -7548,7 +7548,7 @@ def test_read_only_storage_answers_s503_and_applies_nothing(tmp_path, clock) -> 
     svc, api, source, target = _storage_world(tmp_path, clock)
     body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
             "bizId": "ro-1"}
-    _on_every_writer(svc, "PRAGMA query_only = ON")  # every write fails as on a read-only file
+    _on_the_writer(svc, "PRAGMA query_only = ON")  # every write fails as on a read-only file
     error(api.transfer(body), "S503", 503)
     error(api.get(f"/api/v1/wallets/{source}"), "S503", 503)  # a read must still record its nonce
     svc.db.close()  # its connections open anew, writable
@@ -7563,7 +7563,7 @@ def test_full_disk_answers_s503_and_never_half_applies(tmp_path, clock) -> None:
     with svc.db.connection() as conn:
         conn.execute("VACUUM")
         pages = conn.execute("PRAGMA page_count").fetchone()[0]
-    _on_every_writer(svc, f"PRAGMA max_page_count = {pages}")  # the disk is full at the current size
+    _on_the_writer(svc, f"PRAGMA max_page_count = {pages}")  # the disk is full at the current size
     done = 0
     for n in range(500):
         body = {"sourceWalletId": source, "targetWalletId": target, "amount": "1.00", "currency": "USD",
@@ -7580,7 +7580,7 @@ def test_full_disk_answers_s503_and_never_half_applies(tmp_path, clock) -> None:
     assert balances(svc, source, target) == [usd(100000 - 100 * done),
                                              usd(100 * done)]
     ledger_invariants(svc.db.path)
-    _on_every_writer(svc, "PRAGMA max_page_count = 1073741823")
+    _on_the_writer(svc, "PRAGMA max_page_count = 1073741823")
     data(api.get(f"/api/v1/wallets/{source}"))  # room again: a read's nonce record commits,
     data(api.app.get("/healthz"))               # and /healthz says the sandbox writes again
     data(api.transfer(body))  # the same bizId, retried once there is room: applied once

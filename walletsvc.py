@@ -1258,8 +1258,8 @@ class Database:
             self._leader = None
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
-        """Move the -wal into the file after a batch, at most every CHECKPOINT_SECONDS, while the leader holds
-        the turn: RESTART, 5 ms at most for readers (docs/operations.md, Benchmarks)."""
+        """Move the -wal into the file after a batch once one is due (``_lead`` looks: CHECKPOINT_SECONDS
+        after the last) while the leader holds the turn: RESTART, 5 ms at most for readers."""
         self._checkpoint_at = time.monotonic() + CHECKPOINT_SECONDS
         with contextlib.suppress(sqlite3.Error):
             conn.execute("PRAGMA busy_timeout = 5")
