@@ -43,7 +43,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import bottle
@@ -8390,6 +8390,58 @@ def test_a_write_unit_cannot_write_through_the_door_it_runs_in(tmp_path, make_se
         db.write([nested])
     assert time.monotonic() - started < 1
     assert db.one("SELECT count(*) FROM probe")[0] == 0
+
+
+@contextlib.contextmanager
+def _worker_writing(db: walletsvc.Database, seconds: float) -> Iterator[None]:
+    """Inside: a forked process's write holds its transaction, for ``seconds`` from when it began."""
+    inside, told = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            db.write([lambda conn: (conn.execute("INSERT INTO probe VALUES (1)"), os.write(told, b"1"),
+                                    time.sleep(seconds))])
+            code = 0
+        finally:
+            os._exit(code)
+    assert os.read(inside, 1) == b"1"
+    try:
+        yield
+    finally:
+        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_processes_sharing_turns_wait_for_each_others_write_asleep(tmp_path, make_service, shared) -> None:
+    """docs/operations.md: processes forked after ``share_turns()`` (those of `serve --workers`) wait for
+    another's batch asleep and begin their own once it commits; processes that share no turns retry
+    SQLite's lock every 50-250 us meanwhile."""
+    db = make_service(str(tmp_path / "turns.db")).db
+    db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER)")])
+    if shared:
+        db.share_turns()
+    begins: list[str] = []
+    with _worker_writing(db, 0.3):
+        with db.connection() as conn:  # (the leader's own connection runs its batch)
+            conn.set_trace_callback(lambda sql: begins.append(sql) if sql.startswith("BEGIN") else None)
+        db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (2)")])
+    assert db.one("SELECT group_concat(n) FROM probe")[0] == "1,2"  # after the worker's commit
+    assert len(begins) == 1 if shared else len(begins) > 100
+
+
+def test_a_worker_waiting_for_its_turn_gives_up_at_its_patience(tmp_path, make_service) -> None:
+    """docs/sandbox.md: an admin write waits at most half a second for the lock, then answers S503, and a
+    worker's turn is no exception: past its patience the write raises BatchLost, nothing of it kept."""
+    db = make_service(str(tmp_path / "patience.db")).db
+    db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER)")])
+    db.share_turns()
+    with _worker_writing(db, 1.5), db.patience(0.2):
+        started = time.monotonic()
+        with pytest.raises(walletsvc.BatchLost, match="locked"):
+            db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (2)")])
+        assert 0.2 <= time.monotonic() - started < 1.0
+    assert db.one("SELECT group_concat(n) FROM probe")[0] == "1"
 
 
 def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_service, monkeypatch) -> None:

@@ -70,6 +70,7 @@ import datetime
 import decimal
 import enum
 import errno
+import fcntl
 import fnmatch
 import functools
 import hashlib
@@ -86,6 +87,7 @@ import logging
 import os
 import re
 import secrets
+import select
 import shlex
 import signal
 import sqlite3
@@ -101,7 +103,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from http import HTTPStatus
-from typing import Any, NamedTuple, NoReturn, Self, TypeVar
+from typing import IO, Any, NamedTuple, NoReturn, Self, TypeVar
 
 import bottle
 
@@ -1034,6 +1036,7 @@ class Database:
         self._shared: _Held | None = None
         self.file: DatabaseFile | None = None  # once made (a file database)
         self.full, self._fulls = False, 0  # the last write failed for a full disk; how many did
+        self._turns: tuple[IO[bytes], int] | None = None  # processes forked after ``share_turns``: lock, wake
         self._writer_state()
         _DATABASES.add(self)
         if not self.memory:  # it holds API secrets: private from the start, and never made through a symlink
@@ -1221,10 +1224,12 @@ class Database:
         and is left empty, so a stale one cannot corrupt a new file at the path (not with its -shm lost)."""
         deadline, pause = time.monotonic() + self._patience(), 0.00005
         while True:
+            self._take_workers_turn(deadline)  # (given back while another program holds SQLite's lock)
             try:
                 conn.execute("BEGIN IMMEDIATE")
                 break
             except sqlite3.OperationalError as exc:
+                self._give_workers_turn()
                 if not _is_locked(exc) or time.monotonic() + pause > deadline:
                     raise
             time.sleep(pause)
@@ -1256,6 +1261,7 @@ class Database:
             raise
         finally:
             self._leader = None
+            self._give_workers_turn()
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
         """Move the -wal into the file after a batch once one is due (``_lead`` looks: CHECKPOINT_SECONDS
@@ -1264,9 +1270,37 @@ class Database:
         with contextlib.suppress(sqlite3.Error):
             conn.execute("PRAGMA busy_timeout = 5")
             try:
+                self._take_workers_turn(time.monotonic() + 0.005)
                 conn.execute("PRAGMA wal_checkpoint(RESTART)")
             finally:
+                self._give_workers_turn()
                 conn.execute("PRAGMA busy_timeout = 0")
+
+    def share_turns(self) -> None:
+        """Processes forked from now on (``serve --workers``) take turns to write: one waits for another's
+        batch or checkpoint asleep, woken as it ends, not retrying SQLite's lock every 50-250 us."""
+        if hasattr(os, "eventfd"):  # (Linux; elsewhere they retry SQLite's lock, as separate processes do)
+            self._turns = (tempfile.TemporaryFile(), os.eventfd(0, os.EFD_NONBLOCK))  # noqa: SIM115 - for good
+
+    def _take_workers_turn(self, deadline: float) -> None:
+        """This process's turn to write among those sharing turns, woken as another gives its turn back (or
+        5 ms on); BatchLost once ``deadline`` passes."""
+        if self._turns is None:
+            return
+        lock, given_back = self._turns
+        while True:
+            with contextlib.suppress(BlockingIOError, PermissionError):  # (EAGAIN, EACCES: another's turn)
+                return fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if (left := deadline - time.monotonic()) <= 0:
+                raise BatchLost("database is locked: another worker's write outlasted this one's patience")
+            select.select([given_back], [], [], min(left, 0.005))
+            with contextlib.suppress(BlockingIOError):
+                os.eventfd_read(given_back)
+
+    def _give_workers_turn(self) -> None:
+        if self._turns is not None:
+            fcntl.lockf(self._turns[0], fcntl.LOCK_UN)
+            os.eventfd_write(self._turns[1], 1)
 
     def _pass_turn(self, batch: list[_Write]) -> None:
         """These writes are done: out of the queue, and the next in line leads."""
@@ -6019,6 +6053,7 @@ def serve(svc: WalletService, host: str = "127.0.0.1", port: int = 8080, threads
                 svc.close()
         else:
             svc.db.close()  # a child must not inherit an open connection: SQLite's locks would not be its own
+            svc.db.share_turns()
             _run_workers(app, listener, threads, workers, lambda: on_ready and on_ready(base_url),
                          lambda: DatabaseFile.refuse_lost_shm(svc.db.path))
     except KeyboardInterrupt:
