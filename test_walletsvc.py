@@ -20,6 +20,7 @@ import base64
 import concurrent.futures
 import contextlib
 import decimal
+import fcntl
 import functools
 import hashlib
 import hmac
@@ -43,7 +44,7 @@ import threading
 import time
 import urllib.parse
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import bottle
@@ -8392,9 +8393,19 @@ def test_a_write_unit_cannot_write_through_the_door_it_runs_in(tmp_path, make_se
     assert db.one("SELECT count(*) FROM probe")[0] == 0
 
 
-@contextlib.contextmanager
-def _worker_writing(db: walletsvc.Database, seconds: float) -> Iterator[None]:
-    """Inside: a forked process's write holds its transaction, for ``seconds`` from when it began."""
+def _sharing_turns(make_service, path: pathlib.Path, shared: bool = True) -> walletsvc.Database:
+    """A file's Database with a table ``probe (n)``, sharing turns with the processes it forks if
+    ``shared``."""
+    db = make_service(str(path)).db
+    db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER)")])
+    if shared:
+        db.share_turns()
+    return db
+
+
+def _worker_holding_a_write(db: walletsvc.Database, seconds: float) -> int:
+    """A forked process whose write (``probe`` row 1) holds its transaction for ``seconds``: its pid, once
+    it holds it."""
     inside, told = os.pipe()
     pid = os.fork()
     if pid == 0:
@@ -8405,43 +8416,95 @@ def _worker_writing(db: walletsvc.Database, seconds: float) -> Iterator[None]:
             code = 0
         finally:
             os._exit(code)
-    assert os.read(inside, 1) == b"1"
+    os.close(told)
     try:
-        yield
+        assert os.read(inside, 1) == b"1"  # (b"": the worker's write failed)
     finally:
-        assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0
+        os.close(inside)
+    return pid
+
+
+def _exit_status(pid: int) -> int:
+    return os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_processes_sharing_turns_wait_for_each_others_write_asleep(tmp_path, make_service, shared) -> None:
-    """docs/operations.md: processes forked after ``share_turns()`` (those of `serve --workers`) wait for
-    another's batch asleep and begin their own once it commits; processes that share no turns retry
-    SQLite's lock every 50-250 us meanwhile."""
-    db = make_service(str(tmp_path / "turns.db")).db
-    db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER)")])
-    if shared:
-        db.share_turns()
+def test_processes_sharing_turns_wait_for_each_others_write_asleep(tmp_path, make_service, monkeypatch,
+                                                                   shared) -> None:
+    """docs/sandbox.md: processes forked after ``share_turns()`` (those of `serve --workers`) wait for
+    another's write asleep, woken as it commits, and begin their own once; processes that share no turns
+    retry SQLite's lock every 50-250 us meanwhile."""
+    monkeypatch.setattr(walletsvc, "TURN_RECHECK", 60.0)  # only the wake-up ends the wait within the patience
+    db = _sharing_turns(make_service, tmp_path / "turns.db", shared)
+    worker = _worker_holding_a_write(db, 0.3)
     begins: list[str] = []
-    with _worker_writing(db, 0.3):
-        with db.connection() as conn:  # (the leader's own connection runs its batch)
-            conn.set_trace_callback(lambda sql: begins.append(sql) if sql.startswith("BEGIN") else None)
+    with db.connection() as conn:  # (the leader's own connection runs its batch)
+        conn.set_trace_callback(lambda sql: begins.append(sql) if sql.startswith("BEGIN") else None)
+    started = time.monotonic()
+    with db.patience(3.0):  # (the turn looked at again only as the patience ends: the write, 3 s late)
         db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (2)")])
+    assert time.monotonic() - started < 2.0
+    assert _exit_status(worker) == 0
     assert db.one("SELECT group_concat(n) FROM probe")[0] == "1,2"  # after the worker's commit
-    assert len(begins) == 1 if shared else len(begins) > 100
+    if shared:
+        assert len(begins) == 1
+    else:
+        assert len(begins) > 100
 
 
 def test_a_worker_waiting_for_its_turn_gives_up_at_its_patience(tmp_path, make_service) -> None:
     """docs/sandbox.md: an admin write waits at most half a second for the lock, then answers S503, and a
     worker's turn is no exception: past its patience the write raises BatchLost, nothing of it kept."""
-    db = make_service(str(tmp_path / "patience.db")).db
-    db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER)")])
-    db.share_turns()
-    with _worker_writing(db, 1.5), db.patience(0.2):
-        started = time.monotonic()
-        with pytest.raises(walletsvc.BatchLost, match="locked"):
-            db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (2)")])
-        assert 0.2 <= time.monotonic() - started < 1.0
+    db = _sharing_turns(make_service, tmp_path / "patience.db")
+    worker = _worker_holding_a_write(db, 0.8)
+    started = time.monotonic()
+    with db.patience(0.2), pytest.raises(walletsvc.BatchLost, match="locked"):
+        db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (2)")])
+    assert 0.2 <= time.monotonic() - started < 0.7
+    assert _exit_status(worker) == 0
     assert db.one("SELECT group_concat(n) FROM probe")[0] == "1"
+
+
+def test_a_worker_killed_holding_its_turn_keeps_no_other_waiting(tmp_path, make_service) -> None:
+    """The kernel drops a killed worker's lock without a wake-up: the others look again every few ms and
+    write on at once, and nothing of the killed worker's write is kept."""
+    db = _sharing_turns(make_service, tmp_path / "killed.db")
+    worker = _worker_holding_a_write(db, 30)
+    killer = threading.Timer(0.2, os.kill, (worker, signal.SIGKILL))
+    killer.start()
+    started = time.monotonic()
+    with db.patience(2.0):
+        db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (2)")])
+    assert time.monotonic() - started < 1.5
+    assert _exit_status(worker) == -signal.SIGKILL
+    assert db.one("SELECT group_concat(n) FROM probe")[0] == "2"
+
+
+def test_an_interrupt_just_after_taking_the_turn_gives_it_back(tmp_path, make_service, monkeypatch) -> None:
+    """Ctrl-C landing in the main thread as it took its turn: the write is interrupted, and the turn given
+    back, so that the other workers write on."""
+    db = _sharing_turns(make_service, tmp_path / "interrupted.db")
+    lockf = fcntl.lockf
+
+    def interrupted(file: Any, operation: int, *args: Any) -> Any:
+        lockf(file, operation, *args)
+        if operation & fcntl.LOCK_EX:
+            monkeypatch.setattr(fcntl, "lockf", lockf)  # (once)
+            raise KeyboardInterrupt
+    monkeypatch.setattr(fcntl, "lockf", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (1)")])
+    pid = os.fork()
+    if pid == 0:  # another worker
+        code = 1
+        try:
+            with db.patience(1.0):
+                db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (2)")])
+            code = 0
+        finally:
+            os._exit(code)
+    assert _exit_status(pid) == 0
+    assert db.one("SELECT group_concat(n) FROM probe")[0] == "2"
 
 
 def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_service, monkeypatch) -> None:

@@ -981,6 +981,39 @@ class DatabaseFile:
         self._companions = {}  # (SQLite removes the -wal and -shm when the last connection closes)
 
 
+class _Turns:
+    """The turn to write of the processes forked from one ``share``: a POSIX lock (the kernel drops a killed
+    holder's) and an eventfd that wakes a waiter as the turn is given back. Not shared: nothing to take."""
+
+    lock: IO[bytes] | None = None
+
+    def share(self) -> None:
+        if self.lock is None and hasattr(os, "eventfd"):  # (elsewhere processes retry SQLite's lock)
+            self.given_back, self.poller = os.eventfd(0, os.EFD_NONBLOCK), select.poll()
+            self.poller.register(self.given_back, select.POLLIN)
+            self.lock = tempfile.TemporaryFile()  # noqa: SIM115 - open for good; nameless: for forked ones only
+
+    def take(self, deadline: float) -> None:
+        """This process's turn, waited for asleep (looking again every TURN_RECHECK: a killed holder gives
+        it back without a wake-up); BatchLost once ``deadline`` passes."""
+        while self.lock is not None:
+            with contextlib.suppress(BlockingIOError, PermissionError):  # (EAGAIN, EACCES: another's turn)
+                return fcntl.lockf(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            if (left := deadline - time.monotonic()) <= 0:
+                raise BatchLost("database is locked: the write waited its whole patience for its turn")
+            if self.poller.poll(min(left, TURN_RECHECK) * 1000):
+                with contextlib.suppress(BlockingIOError):  # (another waiter read it first)
+                    os.eventfd_read(self.given_back)
+
+    def give(self) -> None:
+        if self.lock is not None:
+            fcntl.lockf(self.lock, fcntl.LOCK_UN)
+            os.eventfd_write(self.given_back, 1)
+
+
+TURN_RECHECK = 0.005  # seconds between a waiting process's looks at the turn when no wake-up comes
+
+
 class _Write:
     """One caller's place in the write queue: its units, then their results or the error that undid them."""
 
@@ -1036,7 +1069,7 @@ class Database:
         self._shared: _Held | None = None
         self.file: DatabaseFile | None = None  # once made (a file database)
         self.full, self._fulls = False, 0  # the last write failed for a full disk; how many did
-        self._turns: tuple[IO[bytes], int] | None = None  # processes forked after ``share_turns``: lock, wake
+        self._turns = _Turns()  # the turn to write of the processes forked after ``share_turns``
         self._writer_state()
         _DATABASES.add(self)
         if not self.memory:  # it holds API secrets: private from the start, and never made through a symlink
@@ -1219,23 +1252,24 @@ class Database:
             self._pass_turn(batch[:1])
 
     def _run(self, conn: sqlite3.Connection, batch: list[_Write]) -> None:
-        """BEGIN (in 50-250 us steps), every caller's units, COMMIT: the only transaction that writes. The
-        file is checked just before COMMIT: found swapped, the -wal goes into the file this process opened
-        and is left empty, so a stale one cannot corrupt a new file at the path (not with its -shm lost)."""
+        """BEGIN (on this process's turn; in 50-250 us steps while another program writes), every caller's
+        units, COMMIT: the only transaction that writes. The file is checked just before COMMIT: found
+        swapped, the -wal goes into the file this process opened and is left empty, so a stale one cannot
+        corrupt a new file at the path (not with its -shm lost)."""
         deadline, pause = time.monotonic() + self._patience(), 0.00005
-        while True:
-            self._take_workers_turn(deadline)  # (given back while another program holds SQLite's lock)
-            try:
-                conn.execute("BEGIN IMMEDIATE")
-                break
-            except sqlite3.OperationalError as exc:
-                self._give_workers_turn()
-                if not _is_locked(exc) or time.monotonic() + pause > deadline:
-                    raise
-            time.sleep(pause)
-            pause = min(pause * 2, 0.00025)
-        self._leader = threading.get_ident()
         try:
+            while True:
+                self._turns.take(deadline)  # (given back while another program holds SQLite's lock)
+                try:
+                    conn.execute("BEGIN IMMEDIATE")
+                    break
+                except sqlite3.OperationalError as exc:
+                    self._turns.give()
+                    if not _is_locked(exc) or time.monotonic() + pause > deadline:
+                        raise
+                time.sleep(pause)
+                pause = min(pause * 2, 0.00025)
+            self._leader = threading.get_ident()
             for write in batch:
                 try:
                     write.results = savepoint(conn, lambda conn, units=write.units: [
@@ -1260,47 +1294,26 @@ class Database:
                 conn.execute("ROLLBACK")
             raise
         finally:
+            self._turns.give()
             self._leader = None
-            self._give_workers_turn()
 
     def _checkpoint(self, conn: sqlite3.Connection) -> None:
         """Move the -wal into the file after a batch once one is due (``_lead`` looks: CHECKPOINT_SECONDS
         after the last) while the leader holds the turn: RESTART, 5 ms at most for readers."""
         self._checkpoint_at = time.monotonic() + CHECKPOINT_SECONDS
-        with contextlib.suppress(sqlite3.Error):
-            conn.execute("PRAGMA busy_timeout = 5")
+        with contextlib.suppress(sqlite3.Error):  # (BatchLost too: another process's turn outlasted 5 ms)
             try:
-                self._take_workers_turn(time.monotonic() + 0.005)
+                self._turns.take(time.monotonic() + 0.005)
+                conn.execute("PRAGMA busy_timeout = 5")
                 conn.execute("PRAGMA wal_checkpoint(RESTART)")
             finally:
-                self._give_workers_turn()
+                self._turns.give()
                 conn.execute("PRAGMA busy_timeout = 0")
 
     def share_turns(self) -> None:
         """Processes forked from now on (``serve --workers``) take turns to write: one waits for another's
-        batch or checkpoint asleep, woken as it ends, not retrying SQLite's lock every 50-250 us."""
-        if hasattr(os, "eventfd"):  # (Linux; elsewhere they retry SQLite's lock, as separate processes do)
-            self._turns = (tempfile.TemporaryFile(), os.eventfd(0, os.EFD_NONBLOCK))  # noqa: SIM115 - for good
-
-    def _take_workers_turn(self, deadline: float) -> None:
-        """This process's turn to write among those sharing turns, woken as another gives its turn back (or
-        5 ms on); BatchLost once ``deadline`` passes."""
-        if self._turns is None:
-            return
-        lock, given_back = self._turns
-        while True:
-            with contextlib.suppress(BlockingIOError, PermissionError):  # (EAGAIN, EACCES: another's turn)
-                return fcntl.lockf(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            if (left := deadline - time.monotonic()) <= 0:
-                raise BatchLost("database is locked: another worker's write outlasted this one's patience")
-            select.select([given_back], [], [], min(left, 0.005))
-            with contextlib.suppress(BlockingIOError):
-                os.eventfd_read(given_back)
-
-    def _give_workers_turn(self) -> None:
-        if self._turns is not None:
-            fcntl.lockf(self._turns[0], fcntl.LOCK_UN)
-            os.eventfd_write(self._turns[1], 1)
+        batch or checkpoint asleep, woken as it ends, not retrying SQLite's lock every 50-250 us (Linux)."""
+        self._turns.share()
 
     def _pass_turn(self, batch: list[_Write]) -> None:
         """These writes are done: out of the queue, and the next in line leads."""
