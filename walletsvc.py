@@ -268,8 +268,7 @@ class WalletError(Exception):
     def detail(self, locale: str = "en-US") -> str:
         if self.text is not None:
             return self.text
-        template = self.messages[1] if locale == "zh-CN" else self.messages[0]
-        text = template.format(**self.params)
+        text = (self.messages[1] if locale == "zh-CN" else self.messages[0]).format(**self.params)
         extra = self.zh_extra if locale == "zh-CN" else self.extra
         return f"{text} {extra}" if extra else text
 
@@ -392,8 +391,7 @@ ERRORS = tuple(_catalog(WalletError))  # the catalog: every class above
 
 ERRORS_BY_CODE: Mapping[str, type[WalletError]] = {error.code: error for error in ERRORS}
 
-# Why a parameter was refused, in each locale (InvalidParameter's reason).
-_REASONS = {
+_REASONS = {  # why a parameter was refused, in each locale (InvalidParameter's reason)
     "required": ("is required", "为必填项"),
     "status_of_code": (("is required: {code} is not a code of the error catalog, so give the HTTP status"
                         " to answer it with (e.g. 503)"),
@@ -864,6 +862,21 @@ def _identity(path: str) -> tuple[int, int] | None:
     except OSError:
         return None
     return status.st_dev, status.st_ino
+
+
+@contextlib.contextmanager
+def _written_whole(path: str) -> Iterator[tuple[int, str]]:
+    """A new file beside ``path``, private (0600) and never made through a planted symlink (mkstemp): its
+    descriptor and name, renamed over ``path`` whole once the block ends, removed if the block fails."""
+    descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
+                                             prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        yield descriptor, temporary
+        os.replace(temporary, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(temporary)
+        raise
 
 
 def _lock_holders(locks: str, path: str) -> set[int]:
@@ -1702,8 +1715,7 @@ def first(query: Query, name: str) -> str | None:
 
 
 def _page_integer(query: Query, name: str, default: int, minimum: int) -> int:
-    text = first(query, name)
-    if text is None:
+    if (text := first(query, name)) is None:
         return default
     if not re.fullmatch(r"-?[0-9]+", text):  # no upper bound (docs/contract.md): any number of digits
         raise invalid(name, "integer")
@@ -1757,8 +1769,7 @@ def parse_page_request(query: Query, sortable: Mapping[str, str]) -> PageRequest
 
 
 def filter_time(text: str, name: str) -> tuple:
-    parsed = parse_time(text)
-    if parsed is None:
+    if (parsed := parse_time(text)) is None:
         raise invalid(name, "time")
     return (parsed,)
 
@@ -1799,8 +1810,7 @@ class ListQuery:
     def narrow(self, filters: Mapping[str, ListFilter], query: Query) -> None:
         """Keep the rows each filter given in ``query`` keeps (a wrong value: S012 naming it)."""
         for name, list_filter in filters.items():
-            given = first(query, name)
-            if given is None:
+            if (given := first(query, name)) is None:
                 continue
             for clause, value in zip(list_filter.clauses, list_filter.read(given, name), strict=True):
                 self.clauses.append(clause)
@@ -1971,11 +1981,6 @@ def _currency_filter(currency: str, name: str) -> tuple:
     return (currency,)
 
 
-def _prefix_filter(prefix: str, name: str) -> tuple:
-    _biz_id(prefix, name)
-    return prefix, prefix + "\x7f"
-
-
 # Each list's filters (docs/contract.md), by query parameter, in the order they are checked.
 WALLET_FILTERS = {"currency": ListFilter(("currency = ?",), _currency_filter),
                   "status": ListFilter.one_of("status", WALLET_STATUSES)}
@@ -1984,7 +1989,8 @@ FLOW_FILTERS = {"type": ListFilter.one_of("type", FLOW_TYPES, counted=True),
                 "createdFrom": FROM_FILTER, "createdTo": TO_FILTER}
 TRANSFER_FILTERS = {"status": ListFilter.one_of("status", TRANSFER_STATUSES, counted=True),
                     "createdFrom": FROM_FILTER, "createdTo": TO_FILTER,
-                    "bizIdPrefix": ListFilter(("biz_id >= ?", "biz_id < ?"), _prefix_filter)}
+                    "bizIdPrefix": ListFilter(("biz_id >= ?", "biz_id < ?"),
+                                              lambda prefix, name: (_biz_id(prefix, name), prefix + "\x7f"))}
 
 
 class TransferRequest(NamedTuple):
@@ -1998,11 +2004,11 @@ class TransferRequest(NamedTuple):
     description: str | None
 
     @classmethod
-    def checked(cls, source: Any, target: Any, amount: Any, currency: Any, biz_id: Any = None,
-                description: Any = None) -> TransferRequest:
+    def checked(cls, source_wallet_id: Any, target_wallet_id: Any, amount: Any, currency: Any,
+                biz_id: Any = None, description: Any = None) -> TransferRequest:
         """Check a transfer's values; S012 naming the first bad field (as the API names it)."""
-        source = _text(source, "sourceWalletId", ID_MAX)
-        target = _text(target, "targetWalletId", ID_MAX)
+        source = _text(source_wallet_id, "sourceWalletId", ID_MAX)
+        target = _text(target_wallet_id, "targetWalletId", ID_MAX)
         minor = parse_amount(amount, currency)  # (the currency first; a number is never an amount: S012)
         if biz_id is not None:
             _biz_id(biz_id)
@@ -2101,11 +2107,6 @@ def _same(value: Any, *limit: int) -> Any:
     return value
 
 
-def _camel(name: str) -> str:
-    head, *rest = name.split("_")
-    return head + "".join(part.title() for part in rest)
-
-
 def _text_of(encoding: str) -> Callable[[Any], str | None]:
     return lambda value: None if value is None else bytes(value).decode(encoding, "replace")
 
@@ -2121,8 +2122,8 @@ _JOURNAL_SHOWN: Mapping[str, Callable[[Any], Any]] = {
     "response_body": _text_of("utf-8")}
 _JOURNAL_NAMES = {"canonical": "canonicalMessage"}
 _JOURNAL_KEEP = tuple(_JOURNAL_KEPT.get(name, _same) for name in JournalEntry._fields)
-_JOURNAL_SHOW = tuple((name, _JOURNAL_NAMES.get(name) or _camel(name), _JOURNAL_SHOWN.get(name, _same))
-                      for name in JournalEntry._fields)
+_JOURNAL_SHOW = tuple((name, _JOURNAL_NAMES.get(name) or re.sub("_(.)", lambda match: match[1].upper(), name),
+                       _JOURNAL_SHOWN.get(name, _same)) for name in JournalEntry._fields)
 
 
 class Journal:
@@ -2484,8 +2485,7 @@ _WORLD_TABLES = {"workspaces": ("id", "workspace"), "members": ("workspace_id", 
                  "api_keys": ("workspace_id", "workspace"), "wallets": ("workspace_id", "workspace"),
                  "transfers": ("workspace_id", "workspace"), "flows": ("wallet_id", "wallets"),
                  "counters": ("owner_id", "either")}
-# The tables whose ids a scenario may fix.
-_ID_TABLES = ("workspaces", "members", "api_keys", "wallets")
+_ID_TABLES = ("workspaces", "members", "api_keys", "wallets")  # the tables whose ids a scenario may fix
 # The tables of the sandbox's world: what save_start copies and reset restores.
 _STARTING_STATE = (*_WORLD_TABLES, "ledger_clock")
 # What WalletService.restore takes from a backup, parents first: the sandbox's world, its fault rules, and
@@ -2831,11 +2831,6 @@ def transfer_resource(row: sqlite3.Row) -> dict:
             "completedAt": iso_time(row["completed_at"])}
 
 
-def completion_resource(row: sqlite3.Row) -> dict:
-    return {"bizId": row["biz_id"], "transferId": row["id"], "status": row["status"],
-            "completed": row["status"] == TransferStatus.COMPLETED}
-
-
 _WORKSPACE_SELECT = ("SELECT w.*, (SELECT id FROM members m WHERE m.workspace_id = w.id"
                      f" AND m.role = '{Role.OWNER}' ORDER BY created_at LIMIT 1) AS owner_member_id"
                      " FROM workspaces w")
@@ -2944,11 +2939,6 @@ class Clock:
                 durable=False)
         self._db = db
 
-    def reading_in(self, conn: sqlite3.Connection) -> float:
-        """The time it shows now, as ``conn``'s transaction holds its state (``WalletService.unit``)."""
-        return self() if self._db is None else self.reading_of(
-            conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone())
-
     def reading_of(self, row: Mapping[str, Any] | None) -> float:
         """The time it shows now, by ``row``'s clock columns (a request's key lookup: no read of its own)."""
         if row is None or self._db is None:
@@ -2959,14 +2949,15 @@ class Clock:
         """The time this clock shows now in this state."""
         return frozen_at if frozen_at is not None else self._source() + offset
 
-    def state(self) -> tuple[float | None, float]:
-        """(frozen_at or None, offset): where the clock stands."""
+    def state(self, conn: sqlite3.Connection | None = None) -> tuple[float | None, float]:
+        """(frozen_at or None, offset): where the clock stands (in ``conn``'s transaction, if given)."""
         if self._db is None:
             return self._state
-        return tuple(self._db.one("SELECT clock_frozen_at, clock_offset FROM sandbox"))
+        sql = "SELECT clock_frozen_at, clock_offset FROM sandbox"
+        return tuple(self._db.one(sql) if conn is None else conn.execute(sql).fetchone())
 
-    def __call__(self) -> float:
-        return self.reading(*self.state())
+    def __call__(self, conn: sqlite3.Connection | None = None) -> float:
+        return self.reading(*self.state(conn))
 
     @property
     def frozen(self) -> bool:
@@ -2997,9 +2988,8 @@ class Clock:
 
     def freeze(self, at: float | None = None) -> None:
         """Stop the clock, at ``at`` (epoch seconds) or now."""
-        at = None if at is None else _clock_time(at)
-        self._change(lambda frozen_at, offset: (self.reading(frozen_at, offset) if at is None else at,
-                                                offset))
+        self._change(self.starting_at(at, frozen=True) if at is not None
+                     else lambda frozen_at, offset: (self.reading(frozen_at, offset), offset))
 
     def set(self, at: float) -> None:
         """Jump to ``at``; a running clock keeps running from there."""
@@ -3041,8 +3031,7 @@ class WalletService:
         self.clock.bind(self.db)  # a controllable clock lives in the database (docs/sandbox.md)
         self.journal = Journal(self.db, self.settings.journal_size)
         self.faults = Faults(self.db, self.settings.magic_values)
-        seed = self.settings.id_seed
-        # A restart keeps its place.
+        seed = self.settings.id_seed  # (drawn anew only when it changed: a restart keeps its place)
         if seed is not None and self.db.one("SELECT id_seed FROM sandbox")[0] != seed:
             self.db.write([lambda conn: conn.execute(
                 "UPDATE sandbox SET id_seed = ?, id_drawn = 0 WHERE id_seed IS NOT ?", (seed, seed))],
@@ -3057,7 +3046,7 @@ class WalletService:
         ``ledger_clock``'s: docs/operations.md) and ids; delayed orders due settle first."""
         def run(conn: sqlite3.Connection) -> T:
             last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
-            now = int(self.clock.reading_in(conn) * 1000)  # (a clock moved earlier in it counts)
+            now = int(self.clock(conn) * 1000)  # (in its transaction: a clock moved earlier in it counts)
             ids = IdSequence(conn, last_id, max(now, last_ms))
             tx = Tx(conn, ids.now, ids, now)
             if settle and self.settings.settlement == Settlement.DELAYED:
@@ -3301,14 +3290,10 @@ class WalletService:
                 exc.add_note(f"in transfers[{n}]")
                 raise
 
-        def checked(source_wallet_id: str, target_wallet_id: str, amount: str | decimal.Decimal,
-                    currency: str, *, biz_id: str | None = None, description: str | None = None) -> Unit:
-            return self.transfer_unit(workspace_id, TransferRequest.checked(
-                source_wallet_id, target_wallet_id, amount, currency, biz_id, description))
-
         if not isinstance(workspace_id, str):
             raise WorkspaceNotFound()
-        units = [noted(n, lambda given=given: checked(**given)) for n, given in enumerate(transfers)]
+        units = [self.transfer_unit(workspace_id, noted(n, lambda item=item: TransferRequest.checked(**item)))
+                 for n, item in enumerate(transfers)]
         moved = self.db.write([lambda conn, n=n, unit=unit: noted(n, lambda: unit(conn))
                                for n, unit in enumerate(units)])
         return [transferred.order for transferred in moved]
@@ -3426,10 +3411,10 @@ class WalletService:
             return transfer_resource(self._order(conn, workspace_id, biz_id))
 
     def transfer_completion(self, workspace_id: str, biz_id: str) -> dict:
-        """``{bizId, transferId, status, completed}``."""
-        self.settle_due()
-        with self.db.connection() as conn:
-            return completion_resource(self._order(conn, workspace_id, biz_id))
+        """``{bizId, transferId, status, completed}``: of the order ``get_transfer`` answers."""
+        order = self.get_transfer(workspace_id, biz_id)
+        return {"bizId": order["bizId"], "transferId": order["transferId"], "status": order["status"],
+                "completed": order["status"] == TransferStatus.COMPLETED}
 
     def list_transfers(self, workspace_id: str, query: Mapping[str, Any] | None = None, *,
                        wallet_id: str | None = None) -> dict:
@@ -3445,8 +3430,7 @@ class WalletService:
     def audit(self, progress: Callable[[str], Any] = lambda doing: None) -> list[dict]:
         """Every ledger invariant (_AUDITS; docs/operations.md) in one read transaction: each violation as
         ``{"check", "detail", "rows"}``; a malformed file is reported alone."""
-        violations = []
-        problems = ["ok"]
+        violations, problems = [], ["ok"]
         if not self.db.memory:
             progress("the file's integrity")
             with self.db.connection() as conn:
@@ -3466,8 +3450,7 @@ class WalletService:
 
     def assert_audit_clean(self) -> None:
         """AssertionError listing the violations, unless ``audit()`` finds none."""
-        violations = self.audit()
-        if violations:
+        if violations := self.audit():
             shown = "\n".join(f"  {v['check']}: {v['detail']}" for v in violations[:20])
             raise AssertionError(f"walletsvc's ledger audit found {len(violations)} violation(s):\n{shown}")
 
@@ -3575,9 +3558,8 @@ class WalletService:
     def reset(self) -> None:
         """Back to the starting state (``save_start``; none: an empty database), in one transaction."""
         def reset(conn: sqlite3.Connection) -> None:
-            Journal.emptied(conn)
-            Nonces.clear(conn)
-            Faults.cleared(conn)
+            for clear in (Journal.emptied, Nonces.clear, Faults.cleared):
+                clear(conn)
             for table in reversed(_STARTING_STATE):
                 conn.execute(f"DELETE FROM {table}")
             for table in _STARTING_STATE:
@@ -3605,18 +3587,11 @@ class WalletService:
                 target == os.path.abspath(self.db.path) + suffix for suffix in ("-wal", "-shm", "-journal")):
             raise RuntimeError(f"{path} is the database itself, or a file of its own: back it up to another"
                                " file")
-        descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(target),
-                                                 prefix=os.path.basename(target) + ".", suffix=".tmp")
-        os.close(descriptor)
-        try:
+        with _written_whole(target) as (descriptor, temporary):
+            os.close(descriptor)
             with contextlib.closing(sqlite3.connect(temporary)) as copy_, self.db.connection() as conn:
                 conn.backup(copy_)
                 copy_.execute("PRAGMA journal_mode = DELETE")  # (one file: no -wal beside the copy)
-            os.replace(temporary, target)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.remove(temporary)
-            raise
 
     def restore(self, path: str) -> None:
         """Make the sandbox what the backup at ``path`` holds, in one write through the write door, keeping
@@ -3644,8 +3619,7 @@ class WalletService:
                 conn.execute("UPDATE ledger_clock SET last_ms = max(last_ms, ?), last_id = max(last_id, ?)",
                              (last_ms, last_id))
                 for check, detail, sql in _AUDITS:  # (a hand-edited copy: refused, the transaction undone)
-                    row = conn.execute(sql).fetchone()
-                    if row is not None:
+                    if (row := conn.execute(sql).fetchone()) is not None:
                         raise RuntimeError(f"{path}: its ledger fails the audit ({check}:"
                                            f" {detail.format(**dict(row))}): nothing was restored")
             self.db.write([restore])
@@ -4372,9 +4346,7 @@ def as_reply(data: Any) -> Reply:
     """What a handler (or its write unit) answered, as a Reply: a transfer says whether it is a replay."""
     if isinstance(data, Reply):
         return data
-    if isinstance(data, Transferred):
-        return Reply(data.order, replayed=data.replayed)
-    return Reply(data)
+    return Reply(data.order, replayed=data.replayed) if isinstance(data, Transferred) else Reply(data)
 
 
 def to_json(value: Any) -> bytes:
@@ -4420,8 +4392,7 @@ def json_object(body: bytes) -> dict:
 
 def raw_request_path(environ: Mapping[str, Any]) -> bytes:
     """The path as the client sent it, including any mount prefix (docs/signing.md)."""
-    raw = environ.get("REQUEST_URI") or environ.get("RAW_URI")
-    if raw:
+    if raw := environ.get("REQUEST_URI") or environ.get("RAW_URI"):
         if not raw.startswith("/"):  # absolute-form request target
             raw = urllib.parse.urlsplit(raw).path or "/"
         return raw.split("?", 1)[0].encode("latin-1", "replace")
@@ -4456,10 +4427,6 @@ def client_ip(environ: Mapping[str, Any], trusted_proxies: Sequence) -> Any:
         return remote
     hops = [_ip(hop) for hop in forwarded.split(",")]
     return next((hop for hop in reversed(hops) if not _in_any(hop, trusted_proxies)), hops[0])
-
-
-def ip_allowed(address: Any, whitelist: Iterable[str]) -> bool:
-    return _in_any(address, (ipaddress.ip_network(entry, strict=False) for entry in whitelist))
 
 
 _TIMESTAMP = re.compile(r"[0-9]{1,12}")
@@ -4510,7 +4477,8 @@ class Authenticator:
             return self.signature_refused(request, key, signed, canonical, now_ms)
         nonce = PendingNonce(key["id"], signed.nonce, signed.stamp)
         whitelist = json.loads(key["ip_whitelist"]) if key["ip_whitelist"] else None
-        if whitelist and not ip_allowed(client_ip(request.environ, self.settings.trusted_proxies), whitelist):
+        if whitelist and not _in_any(client_ip(request.environ, self.settings.trusted_proxies),
+                                     (ipaddress.ip_network(entry, strict=False) for entry in whitelist)):
             return Authenticated(now_ms, None, IpNotWhitelisted(), canonical, Verdict.VALID, nonce)  # step 7
         principal = Principal(key["id"], key["workspace_id"], key["member_id"],
                               frozenset(key["scopes"].split()))
@@ -5010,11 +4978,9 @@ def _example(schema: Any) -> Any:
         return {name: _example(schema["properties"][name]) for name in wanted}
     if kind == "array":
         return [_example(schema["items"])]
-    if kind == "string":
-        formats = {"date-time": "2024-05-01T12:00:00.000Z", "date": "2024-05-01"}
-        return formats.get(schema.get("format"), "text")
-    return {"integer": schema.get("minimum", 0), "number": schema.get("minimum", 0), "boolean": True,
-            "null": None}[kind]
+    formats = {"date-time": "2024-05-01T12:00:00.000Z", "date": "2024-05-01"}
+    return {"string": formats.get(schema.get("format"), "text"), "integer": schema.get("minimum", 0),
+            "number": schema.get("minimum", 0), "boolean": True, "null": None}[kind]
 
 
 _HEADERS = {
@@ -5697,8 +5663,7 @@ def create_app(svc: WalletService, **settings: Any) -> WalletApp:
 
 def error_for(code: str, detail: str = "", status: int | None = None) -> WalletError:
     """The WalletError subclass of a catalog code, carrying the server's detail."""
-    cls = ERRORS_BY_CODE.get(code)
-    if cls is None:
+    if (cls := ERRORS_BY_CODE.get(code)) is None:
         cls = type("UnknownError", (WalletError,), {"code": code, "name": "UNKNOWN", "status": status or 500})
     elif status is not None and status != cls.status:  # a fault rule forced another status: the wire's
         cls = type(cls.__name__, (cls,), {"status": status})
@@ -5732,8 +5697,7 @@ def server_time(url: str, timeout: float = 10.0) -> int:
     except (urllib.error.URLError, OSError, http.client.HTTPException) as exc:  # (a server killed mid-answer)
         raise ConnectionError(f"cannot reach {target}: {getattr(exc, 'reason', exc)!s} (is walletsvc serve"
                               " running there? check WALLETSVC_URL or --url)") from None
-    seconds = envelope_seconds(payload)
-    if seconds is None:
+    if (seconds := envelope_seconds(payload)) is None:
         raise ConnectionError(f"{target} did not answer walletsvc's envelope: is it a walletsvc server?")
     return seconds
 
@@ -6333,12 +6297,10 @@ class Sandbox:
     def faults(self) -> Faults:
         return self.service.faults
 
-    def assert_called(self, method: str | None = None, path: str | None = None, *, times: int | None = None,
-                      at_least: int | None = None, never: bool = False, **criteria: Any) -> list[dict]:
+    @property
+    def assert_called(self) -> Callable[..., list[dict]]:
         """The journal's ``assert_called``, with its signature."""
-        __tracebackhide__ = True
-        return self.service.journal.assert_called(method, path, times=times, at_least=at_least, never=never,
-                                                  **criteria)
+        return self.service.journal.assert_called
 
     def audit(self) -> None:
         """The fixtures call this after each test: a violation is a bug in walletsvc, not in the test."""
@@ -6522,9 +6484,8 @@ def demo_instructions(base_url: str, workspace: dict, admin_token: str | None, d
     names the examples read; examples that paste as printed and sign at the sandbox's clock as it moves (the
     curl reads it from /healthz first: bash or zsh, curl, openssl and sed)."""
     key = workspace["keys"][0]
-    names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": key["apiKey"], "WALLETSVC_SECRET": key["secret"]}
-    if admin_token:
-        names["WALLETSVC_ADMIN_TOKEN"] = admin_token
+    names = {"WALLETSVC_URL": base_url, "WALLETSVC_KEY": key["apiKey"], "WALLETSVC_SECRET": key["secret"],
+             **({"WALLETSVC_ADMIN_TOKEN": admin_token} if admin_token else {})}
     shown = workspace["wallets"][:BANNER_WALLETS]  # (the ready file keeps them all)
     wallets = ", ".join(f"{wallet['name']} {wallet['id']}" for wallet in shown)
     if more := len(workspace["wallets"]) - len(shown):
@@ -6721,18 +6682,8 @@ def _write_ready_file(path: str, base_url: str, admin_token: str | None, world: 
              "wallets": each("wallets", "id", "name", "currency", "workspaceId"),
              "workspaces": [{"id": workspace["id"], "name": workspace["name"]} for workspace in world],
              "version": __version__}
-    # Secrets inside: made private (0600) and new (O_EXCL, never through a planted symlink) beside the
-    # target, renamed over it whole, and removed if anything failed.
-    descriptor, temporary = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)),
-                                             prefix=os.path.basename(path) + ".", suffix=".tmp")
-    try:
-        with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-            json.dump(ready, handle, indent=2)
-        os.replace(temporary, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(temporary)
-        raise
+    with _written_whole(path) as (descriptor, _), os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        json.dump(ready, handle, indent=2)  # (secrets inside: a private file)
 
 
 PROGRESS_AFTER = 1.5  # seconds long work runs before a terminal is told what it is doing (_progress)
@@ -7343,6 +7294,5 @@ _PAGE_HEADERS = tuple({
                                "form-action 'self'; frame-ancestors 'none'; base-uri 'none'",
     "X-Frame-Options": "DENY", "Referrer-Policy": "no-referrer", "X-Content-Type-Options": "nosniff"}.items())
 
-# Last, so that a run as a script (python walletsvc.py) has every section defined.
-if __name__ == "__main__":
+if __name__ == "__main__":  # last, so that a run as a script (python walletsvc.py) has every section defined
     sys.exit(main())
