@@ -8507,6 +8507,28 @@ def test_an_interrupt_just_after_taking_the_turn_gives_it_back(tmp_path, make_se
     assert db.one("SELECT group_concat(n) FROM probe")[0] == "2"
 
 
+def test_a_threads_first_connection_waits_while_another_program_holds_the_file(tmp_path,
+                                                                               make_service) -> None:
+    """An attack's finding: a worker's first connection, opened while another process briefly held the whole
+    file (the last one closing it, a recovery), answered S503 at once. Its set-up now waits the busy
+    timeout, as the file's opening does; only its statements after it never wait in SQLite's handler."""
+    path = tmp_path / "held.db"
+    svc = make_service(str(path))
+    workspace = svc.create_workspace("w")
+    svc.db.close()
+    other = sqlite3.connect(path, check_same_thread=False)
+    other.execute("PRAGMA locking_mode = EXCLUSIVE")
+    other.execute("SELECT count(*) FROM sqlite_master").fetchone()  # the whole file is its own now
+    threading.Timer(0.3, other.close).start()
+    listed: list = []
+    thread = threading.Thread(target=lambda: listed.extend(svc.list_workspaces()))  # (a new connection)
+    started = time.monotonic()
+    thread.start()
+    thread.join(10)
+    assert [each["id"] for each in listed] == [workspace["id"]]
+    assert 0.25 < time.monotonic() - started < 5
+
+
 def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_service, monkeypatch) -> None:
     """docs/contract.md: writes waiting together run in one transaction, each in its own savepoint, and
     commit once; the one that raises gets its own exception and leaves nothing; the others commit."""

@@ -1151,15 +1151,15 @@ class Database:
         conn.row_factory = sqlite3.Row
         conn.create_aggregate("exact_sum", 1, _ExactSum)
         conn.execute("PRAGMA foreign_keys = ON")
-        # No connection waits in SQLite's busy handler (it sleeps in steps of up to 100 ms): a writer
-        # waits in _run, in steps of at most 250 us; a WAL reader is never blocked by a writer.
-        conn.execute("PRAGMA busy_timeout = 0")
         conn.execute("PRAGMA temp_store = MEMORY")  # no statement journal file made and unlinked per transfer
         if not self.memory:  # new files: 2 KB pages, a transfer's commit 71 KB, not 122 (docs/operations.md)
             conn.execute("PRAGMA page_size = 2048")  # (before WAL fixes it; an existing file keeps its own)
-            conn.execute("PRAGMA journal_mode = WAL")
+            conn.execute("PRAGMA journal_mode = WAL")  # (waits the busy timeout: a process may hold the file)
             conn.execute("PRAGMA synchronous = NORMAL")  # (a durable batch's writer's is set in _writer)
             conn.execute("PRAGMA wal_autocheckpoint = 0")  # (the leader checkpoints, after: write)
+        # From now on no statement waits in SQLite's busy handler (it sleeps in steps of up to 100 ms): a
+        # writer waits in _run, in steps of at most 250 us; a WAL reader is never blocked by a writer.
+        conn.execute("PRAGMA busy_timeout = 0")
 
     def _apply_schema(self) -> None:
         """Make or upgrade the schema (one unit through ``write``), or check the version it has."""
