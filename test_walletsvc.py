@@ -8529,35 +8529,6 @@ def test_a_threads_first_connection_waits_while_another_program_holds_the_file(t
     assert 0.25 < time.monotonic() - started < 5
 
 
-def test_a_write_waits_its_patience_in_all_in_the_queue_and_for_the_lock(tmp_path, make_service) -> None:
-    """docs/sandbox.md: an admin write waits at most half a second for the lock, then answers S503. A write
-    queued behind another has what is left of its patience for SQLite's lock once it leads (an attack found
-    it had its whole patience again there: up to twice it in all)."""
-    path = tmp_path / "patience.db"
-    db = make_service(str(path)).db
-    db.write([lambda conn: conn.execute("CREATE TABLE probe (n INTEGER)")])
-    other = sqlite3.connect(path, isolation_level=None)
-    other.execute("BEGIN IMMEDIATE")  # another program holds SQLite's write lock throughout
-
-    def ahead() -> None:  # the head of the queue, retrying the lock for 0.3 s
-        with db.patience(0.3), contextlib.suppress(sqlite3.OperationalError):
-            db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (1)")])
-    thread = threading.Thread(target=ahead)
-    try:
-        thread.start()
-        time.sleep(0.05)
-        started = time.monotonic()
-        with db.patience(0.5), pytest.raises(sqlite3.OperationalError, match="locked"):
-            db.write([lambda conn: conn.execute("INSERT INTO probe VALUES (2)")])
-        waited = time.monotonic() - started
-    finally:
-        thread.join(10)
-        other.execute("ROLLBACK")
-        other.close()
-    assert 0.4 < waited < 0.65  # 0.25 s in the queue, the rest for the lock (0.75 s in all before)
-    assert db.one("SELECT count(*) FROM probe")[0] == 0
-
-
 def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_service, monkeypatch) -> None:
     """docs/contract.md: writes waiting together run in one transaction, each in its own savepoint, and
     commit once; the one that raises gets its own exception and leaves nothing; the others commit."""

@@ -1030,10 +1030,10 @@ TURN_RECHECK = 0.005  # seconds between a waiting process's looks at the turn wh
 class _Write:
     """One caller's place in the write queue: its units, then their results or the error that undid them."""
 
-    __slots__ = ("deadline", "done", "durable", "error", "own_error", "results", "taken", "units")
+    __slots__ = ("done", "durable", "error", "own_error", "results", "taken", "units")
 
-    def __init__(self, units: Sequence[Unit], durable: bool, deadline: float) -> None:
-        self.units, self.durable, self.deadline = units, durable, deadline  # (its patience ends: monotonic)
+    def __init__(self, units: Sequence[Unit], durable: bool) -> None:
+        self.units, self.durable = units, durable
         self.taken = self.done = False
         self.results: list = []
         self.error: BaseException | None = None
@@ -1202,7 +1202,7 @@ class Database:
         their results once committed (docs/contract.md). ``durable=False``: no sync needed."""
         if self._leader == threading.get_ident():
             raise RuntimeError("a write unit wrote through Database.write: give its writes to its own unit")
-        write, fulls = _Write(units, durable, time.monotonic() + self._patience()), self._fulls
+        write, fulls = _Write(units, durable), self._fulls
         if batch := self._wait_for_turn(write):  # the leader: run the callers queued behind it
             self._lead(batch)
         if write.error is not None:  # a batch's failure is each caller's: each raises a copy of its own
@@ -1214,13 +1214,14 @@ class Database:
     def _wait_for_turn(self, write: _Write) -> list[_Write]:
         """Queue ``write`` till a leader ran it ([]) or it leads: then the batch it takes, itself first, in
         the same hold of the lock; BatchLost past this thread's patience untaken."""
+        deadline = time.monotonic() + self._patience()
         with self._turn:
             if os.getpid() != self._writer_pid:
                 raise RuntimeError("a database's writer is its process's: open the database anew after fork")
             self._queue.append(write)
             try:
                 while not write.done and self._queue[0] is not write:
-                    left = write.deadline - time.monotonic()
+                    left = deadline - time.monotonic()
                     if left <= 0 and not write.taken:
                         raise BatchLost("database is locked: the write waited its whole patience")
                     self._turn.wait(left if left > 0 else 0.05)
@@ -1268,7 +1269,7 @@ class Database:
         units, COMMIT: the only transaction that writes. The file is checked just before COMMIT: found
         swapped, the -wal goes into the file this process opened and is left empty, so a stale one cannot
         corrupt a new file at the path (not with its -shm lost)."""
-        deadline, pause = batch[0].deadline, 0.00005  # (the leader's patience: its wait in the queue counts)
+        deadline, pause = time.monotonic() + self._patience(), 0.00005
         try:
             while True:
                 self._turns.take(deadline)  # (given back while another program holds SQLite's lock)
