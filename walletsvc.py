@@ -994,6 +994,9 @@ class DatabaseFile:
         self._companions = {}  # (SQLite removes the -wal and -shm when the last connection closes)
 
 
+TURN_RECHECK = 0.005  # seconds between a waiting process's looks at the turn when no wake-up comes
+
+
 class _Turns:
     """The turn to write of the processes forked from one ``share``: a POSIX lock (the kernel drops a killed
     holder's) and an eventfd that wakes a waiter as the turn is given back. Not shared: nothing to take."""
@@ -1002,8 +1005,7 @@ class _Turns:
 
     def share(self) -> None:
         if self.lock is None and hasattr(os, "eventfd"):  # (elsewhere processes retry SQLite's lock)
-            self.given_back, self.poller = os.eventfd(0, os.EFD_NONBLOCK), select.poll()
-            self.poller.register(self.given_back, select.POLLIN)
+            self.given_back = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
             self.lock = tempfile.TemporaryFile()  # noqa: SIM115 - open for good; nameless: for forked ones only
 
     def take(self, deadline: float) -> None:
@@ -1014,7 +1016,8 @@ class _Turns:
                 return fcntl.lockf(self.lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
             if (left := deadline - time.monotonic()) <= 0:
                 raise BatchLost("database is locked: the write waited its whole patience for its turn")
-            if self.poller.poll(min(left, TURN_RECHECK) * 1000):
+            (poller := select.poll()).register(self.given_back, select.POLLIN)  # (one per wait: fork-safe)
+            if poller.poll(min(left, TURN_RECHECK) * 1000):
                 with contextlib.suppress(BlockingIOError):  # (another waiter read it first)
                     os.eventfd_read(self.given_back)
 
@@ -1022,9 +1025,6 @@ class _Turns:
         if self.lock is not None:
             fcntl.lockf(self.lock, fcntl.LOCK_UN)
             os.eventfd_write(self.given_back, 1)
-
-
-TURN_RECHECK = 0.005  # seconds between a waiting process's looks at the turn when no wake-up comes
 
 
 class _Write:
@@ -1158,7 +1158,7 @@ class Database:
             conn.execute("PRAGMA synchronous = NORMAL")  # (a durable batch's writer's is set in _writer)
             conn.execute("PRAGMA wal_autocheckpoint = 0")  # (the leader checkpoints, after: write)
         # From now on no statement waits in SQLite's busy handler (it sleeps in steps of up to 100 ms): a
-        # writer waits in _run, in steps of at most 250 us; a WAL reader is never blocked by a writer.
+        # writer waits in _run, asleep on its turn or in steps of at most 250 us; a WAL reader never waits.
         conn.execute("PRAGMA busy_timeout = 0")
 
     def _apply_schema(self) -> None:
@@ -1265,10 +1265,9 @@ class Database:
             self._pass_turn(batch[:1])
 
     def _run(self, conn: sqlite3.Connection, batch: list[_Write]) -> None:
-        """BEGIN (on this process's turn; in 50-250 us steps while another program writes), every caller's
-        units, COMMIT: the only transaction that writes. The file is checked just before COMMIT: found
-        swapped, the -wal goes into the file this process opened and is left empty, so a stale one cannot
-        corrupt a new file at the path (not with its -shm lost)."""
+        """BEGIN (on this process's turn, then in 50-250 us steps), every caller's units, COMMIT: the only
+        transaction that writes. The file is checked just before COMMIT: found swapped, the -wal goes into the
+        file this process opened, left empty: no stale one corrupts a new file there (-shm lost or not)."""
         deadline, pause = time.monotonic() + self._patience(), 0.00005
         try:
             while True:
@@ -1314,18 +1313,15 @@ class Database:
         """Move the -wal into the file after a batch once one is due (``_lead`` looks: CHECKPOINT_SECONDS
         after the last) while the leader holds the turn: RESTART, 5 ms at most for readers."""
         self._checkpoint_at = time.monotonic() + CHECKPOINT_SECONDS
-        with contextlib.suppress(sqlite3.Error):  # (BatchLost too: another process's turn outlasted 5 ms)
+        with contextlib.suppress(sqlite3.Error):
+            conn.execute("PRAGMA busy_timeout = 5")
             try:
-                self._turns.take(time.monotonic() + 0.005)
-                conn.execute("PRAGMA busy_timeout = 5")
                 conn.execute("PRAGMA wal_checkpoint(RESTART)")
             finally:
-                self._turns.give()
                 conn.execute("PRAGMA busy_timeout = 0")
 
     def share_turns(self) -> None:
-        """Processes forked from now on (``serve --workers``) take turns to write: one waits for another's
-        batch or checkpoint asleep, woken as it ends, not retrying SQLite's lock every 50-250 us (Linux)."""
+        """Processes forked from now on (``serve --workers``) take turns to write (Linux: ``_Turns``)."""
         self._turns.share()
 
     def _pass_turn(self, batch: list[_Write]) -> None:
@@ -2939,6 +2935,11 @@ class Clock:
                 durable=False)
         self._db = db
 
+    def reading_in(self, conn: sqlite3.Connection) -> float:
+        """The time it shows now, as ``conn``'s transaction holds its state (``WalletService.unit``)."""
+        return self() if self._db is None else self.reading_of(
+            conn.execute("SELECT clock_frozen_at, clock_offset FROM sandbox").fetchone())
+
     def reading_of(self, row: Mapping[str, Any] | None) -> float:
         """The time it shows now, by ``row``'s clock columns (a request's key lookup: no read of its own)."""
         if row is None or self._db is None:
@@ -2949,15 +2950,14 @@ class Clock:
         """The time this clock shows now in this state."""
         return frozen_at if frozen_at is not None else self._source() + offset
 
-    def state(self, conn: sqlite3.Connection | None = None) -> tuple[float | None, float]:
-        """(frozen_at or None, offset): where the clock stands (in ``conn``'s transaction, if given)."""
+    def state(self) -> tuple[float | None, float]:
+        """(frozen_at or None, offset): where the clock stands."""
         if self._db is None:
             return self._state
-        sql = "SELECT clock_frozen_at, clock_offset FROM sandbox"
-        return tuple(self._db.one(sql) if conn is None else conn.execute(sql).fetchone())
+        return tuple(self._db.one("SELECT clock_frozen_at, clock_offset FROM sandbox"))
 
-    def __call__(self, conn: sqlite3.Connection | None = None) -> float:
-        return self.reading(*self.state(conn))
+    def __call__(self) -> float:
+        return self.reading(*self.state())
 
     @property
     def frozen(self) -> bool:
@@ -3046,7 +3046,7 @@ class WalletService:
         ``ledger_clock``'s: docs/operations.md) and ids; delayed orders due settle first."""
         def run(conn: sqlite3.Connection) -> T:
             last_ms, last_id = conn.execute("SELECT last_ms, last_id FROM ledger_clock").fetchone()
-            now = int(self.clock(conn) * 1000)  # (in its transaction: a clock moved earlier in it counts)
+            now = int(self.clock.reading_in(conn) * 1000)  # (a clock moved earlier in it counts)
             ids = IdSequence(conn, last_id, max(now, last_ms))
             tx = Tx(conn, ids.now, ids, now)
             if settle and self.settings.settlement == Settlement.DELAYED:
@@ -6297,10 +6297,12 @@ class Sandbox:
     def faults(self) -> Faults:
         return self.service.faults
 
-    @property
-    def assert_called(self) -> Callable[..., list[dict]]:
+    def assert_called(self, method: str | None = None, path: str | None = None, *, times: int | None = None,
+                      at_least: int | None = None, never: bool = False, **criteria: Any) -> list[dict]:
         """The journal's ``assert_called``, with its signature."""
-        return self.service.journal.assert_called
+        __tracebackhide__ = True
+        return self.service.journal.assert_called(method, path, times=times, at_least=at_least, never=never,
+                                                  **criteria)
 
     def audit(self) -> None:
         """The fixtures call this after each test: a violation is a bug in walletsvc, not in the test."""
