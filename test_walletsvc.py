@@ -8529,6 +8529,24 @@ def test_a_threads_first_connection_waits_while_another_program_holds_the_file(t
     assert 0.25 < time.monotonic() - started < 5
 
 
+def test_the_workers_of_serve_share_one_turn(tmp_path) -> None:
+    """docs/sandbox.md: the workers of `serve --workers` take turns through a lock the parent made before
+    forking: each worker holds the same unnamed file, and a wake-up (an eventfd) of its own kind."""
+    with demo_process(tmp_path, "turns", "--workers", "2"):
+        log, deadline = tmp_path / "turns.log", time.monotonic() + 10
+        while len(workers := re.findall(r"worker (\d+) serving", log.read_text())) < 2:
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.05)
+        unnamed, wakes = [], []
+        for pid in workers:
+            links = {fd: os.readlink(fd) for fd in pathlib.Path(f"/proc/{pid}/fd").iterdir()}
+            unnamed.append({(status.st_dev, status.st_ino) for fd, link in links.items()
+                            if link.endswith(" (deleted)") and (status := os.stat(fd))})
+            wakes.append(sum(link == "anon_inode:[eventfd]" for link in links.values()))
+    assert unnamed[0] & unnamed[1], unnamed
+    assert wakes == [1, 1]
+
+
 def test_a_unit_that_fails_inside_a_batch_rolls_back_alone(tmp_path, make_service, monkeypatch) -> None:
     """docs/contract.md: writes waiting together run in one transaction, each in its own savepoint, and
     commit once; the one that raises gets its own exception and leaves nothing; the others commit."""
